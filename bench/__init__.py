@@ -1,0 +1,1 @@
+"""Benchmark programs: workloads, clients and reports (not tests)."""

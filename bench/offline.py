@@ -1,0 +1,197 @@
+"""Offline throughput: this engine against Hugging Face transformers on the same model.
+
+Workload (fixed by seed): N requests, random-token prompts of uniform length and
+uniform output lengths, greedy with ignore_eos, so every system produces exactly the
+same number of useful tokens. Measured in one run:
+
+* ``tandem``: ``LLM.generate`` over all requests (continuous batching);
+* ``hf_static``: transformers ``generate`` in static batches (left padding); a batch
+  runs until its longest request is done, and only requested tokens count;
+* ``hf_continuous``: transformers' own ``generate_batch``, when installed and asked for;
+* ``schedule_us``: the mean cost of one ``Scheduler.schedule()`` with N requests running.
+
+Writes JSON with the throughputs and their ratios.
+
+    tandem bench offline [--num-requests 256] [--out bench-results/offline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(n)]
+    outputs = [rng.randint(*output_len) for _ in range(n)]
+    return prompts, outputs
+
+
+def run_tandem(model_dir: str, prompts, outputs, **engine_kwargs) -> dict:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, **engine_kwargs)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    stats = llm.stats()
+    assert stats.num_blocks_in_use == 0, "KV blocks leaked"
+    return {
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "steps": stats.num_steps,
+        "preemptions": stats.num_preemptions,
+        "token_ids": [o.token_ids for o in outs],
+    }
+
+
+def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    useful = 0
+    token_ids = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(prompts), batch_size):
+            batch, lens = prompts[b : b + batch_size], outputs[b : b + batch_size]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            new = max(lens)
+            gen = model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0,
+            )
+            for row, n in zip(gen[:, width:].tolist(), lens):
+                token_ids.append(row[:n])
+                useful += n
+    elapsed = time.perf_counter() - t0
+    return {
+        "seconds": elapsed,
+        "output_tokens": useful,
+        "output_tokens_per_s": useful / elapsed,
+        "batch_size": batch_size,
+        "token_ids": token_ids,
+    }
+
+
+def run_hf_continuous(model_dir: str, prompts, outputs) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    t0 = time.perf_counter()
+    useful = 0
+    # generate_batch takes one generation config; group requests by output length.
+    by_len: dict[int, list[list[int]]] = {}
+    for p, n in zip(prompts, outputs):
+        by_len.setdefault(n, []).append(p)
+    with torch.inference_mode():
+        for n, group in by_len.items():
+            cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+            results = model.generate_batch(inputs=group, generation_config=cfg)
+            useful += sum(len(r.generated_tokens) for r in results.values())
+    elapsed = time.perf_counter() - t0
+    return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed}
+
+
+def time_schedule(num_running: int, iters: int = 200) -> dict:
+    """Mean cost of schedule() with ``num_running`` requests decoding (no model)."""
+    from engine.block_pool import KVCacheManager
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(num_blocks=num_running * 64, block_size=16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=num_running), kv)
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    rng = random.Random(0)
+    for i in range(num_running):
+        sched.add_request(Request(f"r{i}", [rng.randrange(1000) for _ in range(200)], params))
+    # Drive everyone through prefill into decode.
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        out = sched.schedule()
+        sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.sample})
+    total = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        total += time.perf_counter() - t0
+        assert len(out.scheduled) == num_running
+        sched.update(out, {s.request.request_id: 7 for s in out.scheduled})
+    return {"num_running": num_running, "iters": iters, "mean_us": total / iters * 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem bench offline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
+    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-continuous", action="store_true", help="also time transformers' generate_batch")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default="bench-results/offline.json")
+    args = ap.parse_args(argv)
+
+    from engine.default_model import ensure_default_model
+    from engine.model_config import ModelConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = args.model or str(ensure_default_model())
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    prompts, outputs = make_workload(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
+    result: dict = {
+        "workload": {
+            "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, "seed": args.seed, "model": model_dir,
+        },
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
+    }
+    print(f"tandem: {args.num_requests} requests ...", flush=True)
+    tandem = run_tandem(model_dir, prompts, outputs)
+    print(f"  {tandem['output_tokens_per_s']:.0f} output tok/s in {tandem['seconds']:.1f} s", flush=True)
+    if not args.skip_hf:
+        print(f"hf static batches of {args.hf_batch_size} ...", flush=True)
+        hf = run_hf_static(model_dir, prompts, outputs, args.hf_batch_size)
+        print(f"  {hf['output_tokens_per_s']:.0f} output tok/s in {hf['seconds']:.1f} s", flush=True)
+        same = sum(a == b for a, b in zip(tandem["token_ids"], hf.pop("token_ids")))
+        result["hf_static"] = hf
+        result["ratio_vs_hf_static"] = tandem["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        result["greedy_outputs_identical_to_hf"] = f"{same}/{args.num_requests}"
+        print(f"  ratio {result['ratio_vs_hf_static']:.2f}x; identical outputs {same}/{args.num_requests}")
+    if args.hf_continuous:
+        print("hf generate_batch ...", flush=True)
+        hfc = run_hf_continuous(model_dir, prompts, outputs)
+        result["hf_continuous"] = hfc
+        result["ratio_vs_hf_continuous"] = tandem["output_tokens_per_s"] / hfc["output_tokens_per_s"]
+        print(f"  {hfc['output_tokens_per_s']:.0f} output tok/s; ratio {result['ratio_vs_hf_continuous']:.2f}x")
+    tandem.pop("token_ids")
+    result["tandem"] = tandem
+    result["schedule"] = time_schedule(256)
+    print(f"schedule() with 256 running: {result['schedule']['mean_us']:.0f} us")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Topology, worker pools and the ``tandem`` command line."""

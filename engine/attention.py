@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache: the torch reference backend.
+
+The flattened batch holds decode tokens first (one query per request, batched into a
+single padded attention call), then prefill chunks (many queries per request,
+causal within the chunk, attending to the request's earlier cached blocks).
+
+New K/V are written into the cache through the slot mapping before attention reads
+it, so a chunk sees the blocks that other requests in the same step just wrote.
+This path runs anywhere torch runs (CPU, or a GPU through torch ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # rows of the flattened batch
+    q_end: int
+    ctx_start: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor  # [num_blocks] long
+    mask: torch.Tensor | None  # [q, ctx] bool, None when ctx_start == 0 (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: where each token's K/V goes in the cache
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter new K/V rows ([T, Hkv, D]) into one layer's cache ([N, block, Hkv, D])."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., nb] block ids -> [..., Hkv, nb * block, D] keys or values."""
+    g = cache[block_table]  # [..., nb, block, Hkv, D]
+    g = g.flatten(-4, -3)  # [..., nb * block, Hkv, D]
+    return g.transpose(-3, -2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Returns [T, Hq, D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
+        kd = _gather(k_cache, meta.decode_block_tables)
+        vd = _gather(v_cache, meta.decode_block_tables)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:nd] = od.squeeze(2)
+    for c in meta.prefills:
+        qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if c.mask is None:
+            kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
+            vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
+            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ctx = c.mask.shape[1]
+            kc = _gather(k_cache, c.block_table)[:, :ctx].unsqueeze(0)
+            vc = _gather(v_cache, c.block_table)[:, :ctx].unsqueeze(0)
+            oc = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=True
+            )
+        out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
+    return out

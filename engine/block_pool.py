@@ -1,0 +1,320 @@
+"""The paged KV block pool and the per-request block tables built on it.
+
+Pure Python: integers and small objects only, no torch. The tensors that hold the
+blocks' contents live in ``engine.kv_cache``; this module decides which block ids
+each request owns.
+
+Block lifecycle::
+
+    free (ref 0, maybe hashed) ──allocate/touch──▶ in use (ref >= 1) ──free──▶ free
+    a free block that still carries a hash is a prefix-cache entry until it is
+    evicted: ``allocate`` takes blocks from the head of the free queue, oldest first,
+    and drops their hash.
+
+Block 0 is the null block: never handed out, used to pad block tables.
+Full blocks are identified by a chained hash (the parent block's hash and this
+block's token ids), so equal hashes mean equal prefixes, and a prefix hit is the
+longest run of leading blocks whose hashes are cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.request import Request
+
+NULL_BLOCK_ID = 0
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block. Deterministic across processes for int tuples."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, parent: int | None = None, start_block: int = 0
+) -> list[int]:
+    """Hashes of the full blocks of ``token_ids`` from ``start_block`` on."""
+    hashes = []
+    for b in range(start_block, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class KVBlock:
+    """One block of KV memory: an id, a reference count and an optional prefix hash."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Ref-counted blocks, an eviction-ordered free queue and the prefix-cache index."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Insertion order is eviction order: the head is evicted first.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:]
+        )
+        self._cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_usable_blocks
+
+    def allocate(self, n: int) -> list[KVBlock] | None:
+        """Take ``n`` blocks from the head of the free queue, or None if there are fewer."""
+        if n > len(self._free):
+            return None
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                # Evicting a cached block: it no longer stands for its prefix.
+                if self._cached.get(block.block_hash) is block:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference to each block (a prefix hit), pulling free ones out."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in eviction order (first freed, first evicted)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"double free of KV block {block.block_id}")
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: int) -> None:
+        """Register a full block under its prefix hash (the first copy wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+
+class CpuBlockPool:
+    """Swap space: plain block ids, no sharing and no hashing."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return out
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self._free.extend(block_ids)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from the cache
+
+
+class KVCacheManager:
+    """Owns each request's block table on top of a ``BlockPool`` (and a swap pool)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.enable_caching = enable_caching
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks already registered
+        self._cpu_blocks: dict[str, list[int]] = {}
+
+    # -- queries ---------------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def fits_in_pool(self, num_tokens: int) -> bool:
+        return self.num_blocks_needed(num_tokens) <= self.pool.num_usable_blocks
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.pool.num_free_blocks
+
+    def _block_hashes(self, request: Request) -> list[int]:
+        """Chained hashes of the request's full blocks, extended as tokens arrive."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        n_full = request.num_tokens // self.block_size
+        if len(hashes) < n_full:
+            tokens = request.token_slice(len(hashes) * self.block_size, n_full * self.block_size)
+            hashes.extend(
+                hash_blocks(tokens, self.block_size, hashes[-1] if hashes else None)
+            )
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a new request, capped so one token is left to compute."""
+        if not self.enable_caching or request.num_computed_tokens > 0:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit, len(hit) * self.block_size
+
+    # -- allocation ------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't."""
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self._blocks[request.request_id] = []
+        num_tokens = (
+            request.num_computed_tokens
+            + len(new_computed_blocks) * self.block_size
+            + num_new_tokens
+        )
+        need = self.num_blocks_needed(num_tokens) - len(blocks) - len(new_computed_blocks)
+        # Cached blocks we are about to reuse may sit in the free queue: they stop
+        # being free, so they count against what is left.
+        reused_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reused_free:
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self._num_hashed[request.request_id] = len(blocks)
+        new = self.pool.allocate(need) if need > 0 else []
+        blocks.extend(new)
+        return new
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        n_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        done = self._num_hashed.get(rid, 0)
+        if n_full <= done:
+            return
+        hashes = self._block_hashes(request)
+        blocks = self._blocks[rid]
+        for i in range(done, n_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_hashed[rid] = n_full
+
+    def free(self, request: Request) -> None:
+        """Return every block the request holds, on the GPU pool and in swap space."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        if blocks:
+            # Tail blocks first: they are the least likely to be shared prefixes.
+            self.pool.free(reversed(blocks))
+        cpu = self._cpu_blocks.pop(rid, None)
+        if cpu:
+            self.cpu_pool.free(cpu)
+        self._hashes.pop(rid, None)
+        self._num_hashed.pop(rid, None)
+
+    # -- swapping --------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to swap space; returns (device, cpu) pairs to copy."""
+        rid = request.request_id
+        blocks = self._blocks.get(rid, [])
+        cpu = self.cpu_pool.allocate(len(blocks))
+        if cpu is None:
+            return None
+        self._blocks.pop(rid, None)
+        self._num_hashed.pop(rid, None)
+        self._cpu_blocks[rid] = cpu
+        mapping = [(b.block_id, c) for b, c in zip(blocks, cpu)]
+        self.pool.free(reversed(blocks))
+        return mapping
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self._cpu_blocks.get(request_id, ()))
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back; returns (cpu, device) pairs to copy."""
+        rid = request.request_id
+        cpu = self._cpu_blocks.get(rid, [])
+        new = self.pool.allocate(len(cpu))
+        if new is None:
+            return None
+        del self._cpu_blocks[rid]
+        self._blocks[rid] = new
+        mapping = list(zip(cpu, (b.block_id for b in new)))
+        self.cpu_pool.free(cpu)
+        return mapping

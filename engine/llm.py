@@ -1,0 +1,52 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` runs a batch to completion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.config import EngineConfig
+from engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Offline generation over the engine's continuous batching.
+
+    ``LLM(model=None)`` uses the built-in default model; keyword arguments are
+    ``EngineConfig`` fields.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts"
+            )
+        # Validate everything before queueing anything, so a bad prompt leaves no work behind.
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(encoded, sampling_params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()

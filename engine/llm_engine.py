@@ -1,0 +1,276 @@
+"""One worker's engine: requests in, token deltas out, one ``step()`` at a time.
+
+``step()`` is three moves: the scheduler plans, the model runner computes and
+samples, the scheduler applies the results; then the outputs are detokenized and
+stop strings checked. The prefill and decode workers drive this same engine.
+
+A request's way through: ``add_request`` validates and tokenizes it and hands it to
+the scheduler; each ``step`` that samples a token for it yields a ``RequestOutput``
+with the new ids and text; the last one has ``finished=True`` and a finish reason
+(``stop``, ``length`` or ``abort``). Finished requests free their blocks at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import KVCacheManager
+from engine.config import EngineConfig
+from engine.default_model import ensure_default_model
+from engine.kv_cache import KVCache, bytes_per_block
+from engine.loader import load_model, resolve_dtype
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.request import Request, RequestStatus
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """Progress of one request after a step. ``new_*`` fields hold this step's delta."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_blocks_in_use: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_steps: int
+    prompt_tokens: int
+    generation_tokens: int
+
+
+@dataclass
+class _Tracked:
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None = None
+    text_sent: int = 0
+    tokens_sent: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        self.model_dir = config.model or str(ensure_default_model())
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
+        dtype = resolve_dtype(config.dtype)
+        device = torch.device(config.device)
+        self.model = load_model(self.model_dir, dtype, device)
+        per_block = bytes_per_block(self.model_config, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
+        num_cpu_blocks = config.swap_space // per_block
+        self.kv_cache = KVCache(
+            self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks
+        )
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+        )
+        budget = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=budget,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+                policy=config.policy,
+            ),
+            self.kv_manager,
+        )
+        self._seeds: dict[str, int] = {}
+        self.runner = ModelRunner(self.model, self.kv_cache, self._seeds)
+        self._tracked: dict[str, _Tracked] = {}
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # -- intake ----------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Tokenize and validate a prompt; ValueError names what is wrong."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
+                f"({self.max_model_len}) to leave room for output"
+            )
+        if not self.kv_manager.fits_in_pool(len(ids) + 1):
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, more than the KV cache holds "
+                f"({self.kv_manager.pool.num_usable_blocks} blocks of {self.config.block_size}); "
+                "raise num_kv_blocks or kv_cache_memory"
+            )
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; returns its id."""
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._tracked:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+            eos_token_ids=self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        self._seeds[rid] = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self._tracked[rid] = _Tracked(
+            detok=IncrementalDetokenizer(
+                self.tokenizer,
+                ids,
+                stop=params.stop,
+                skip_special_tokens=params.skip_special_tokens,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            ),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self._prompt_tokens += len(ids)
+        return rid
+
+    def abort(self, request_ids: str | Sequence[str]) -> None:
+        """Finish requests now and free their blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
+            self._forget(request.request_id)
+
+    def _forget(self, rid: str) -> None:
+        self._tracked.pop(rid, None)
+        self._seeds.pop(rid, None)
+
+    # -- stepping --------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns outputs of the requests that produced tokens."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        progressed = self.scheduler.update(sched, result.sampled)
+        stopped = []
+        emitted = []
+        for request, token in progressed:
+            if token is None:
+                continue
+            self._generation_tokens += 1
+            tracked = self._tracked[request.request_id]
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(result.logprobs[request.request_id])
+            stop = tracked.detok.update([token])
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                stopped.append(request.request_id)
+            emitted.append(request)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = [self._output(r) for r in emitted]
+        for r in emitted:
+            if r.is_finished:
+                self._forget(r.request_id)
+        return outputs
+
+    def _output(self, request: Request) -> RequestOutput:
+        tracked = self._tracked[request.request_id]
+        finished = request.is_finished
+        new_text = tracked.detok.take_delta(finished=finished)
+        new_ids = request.output_token_ids[tracked.tokens_sent :]
+        tracked.tokens_sent = request.num_output_tokens
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=tracked.detok.output_text(),
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+        )
+
+    # -- introspection ---------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        pool = self.kv_manager.pool
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=s.num_waiting,
+            num_swapped=len(s.swapped),
+            num_blocks=pool.num_usable_blocks,
+            num_blocks_in_use=pool.num_used_blocks,
+            kv_cache_usage=pool.usage,
+            num_preemptions=s.stats.num_preemptions,
+            num_preemptions_recompute=s.stats.num_preemptions_recompute,
+            num_preemptions_swap=s.stats.num_preemptions_swap,
+            prefix_cache_queries=self.kv_manager.stats.queries,
+            prefix_cache_hits=self.kv_manager.stats.hits,
+            num_steps=s.stats.num_steps,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )

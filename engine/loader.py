@@ -1,0 +1,89 @@
+"""Loads a Hugging Face checkpoint directory into a ``DecoderModel``.
+
+One loader for every model, the built-in default one included: ``config.json``, then
+``model.safetensors`` or the shards named by ``model.safetensors.index.json``.
+Separate q/k/v and gate/up weights are fused into the model's single projections.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model import DecoderModel
+from engine.model_config import DTYPES, ModelConfig
+
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> DecoderModel:
+    """Build the model from ``model_dir`` with weights in ``dtype`` on ``device``."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    raw = _read_tensors(model_dir)
+
+    def take(name: str) -> torch.Tensor:
+        for candidate in (name, f"model.{name}"):
+            if candidate in raw:
+                return raw[candidate]
+        raise ValueError(f"checkpoint {model_dir} is missing weight {name!r}")
+
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        fused = next((k for k in _FUSED if f".{k}." in f".{name}"), None)
+        if fused is None:
+            state[name] = take(name)
+        else:
+            prefix, suffix = name.split(fused)
+            parts = [take(f"{prefix}{p}{suffix}") for p in _FUSED[fused]]
+            state[name] = torch.cat(parts, dim=0)
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
+            )
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    # Buffers were created on meta; rebuild the rotary tables for real (float32, as HF).
+    model.rotary = type(model.rotary)(config, config.max_position_embeddings).to(device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)

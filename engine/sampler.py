@@ -1,0 +1,132 @@
+"""Turns the logits of the rows that sample into next tokens (and logprobs).
+
+Order of processing, as in vLLM: penalties (repetition over prompt and output,
+presence and frequency over output), then temperature, then the top-k / top-p /
+min-p masks, then a draw. Temperature 0 is greedy (argmax after penalties).
+
+Random draws are a function of (request seed, output index) only: each row gets its
+own generator seeded from both, so a request's tokens do not depend on its batch
+mates, on chunking, or on preemption history. Requests without a seed get one from
+the engine when they are added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """In place, for the rows whose params ask for penalties."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.needs_penalties:
+            continue
+        x = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=x.numel())
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask logits ([B, V]) to -inf outside each row's top-k, top-p nucleus and min-p floor.
+
+    ``top_k`` 0 (or >= V) disables it, ``top_p`` 1 and ``min_p`` 0 likewise. The most
+    likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    out = logits.clone()
+    sorted_logits, order = out.sort(dim=-1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).long()
+    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    drop = ranks >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep a token if the mass strictly before it is still short of top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    drop[:, 0] = False
+    out.scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return out
+
+
+def _generator_for(seed: int, index: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(((seed * _SEED_MIX) ^ index) & _MASK63)
+    return g
+
+
+def sample(
+    logits: torch.Tensor, rows: Sequence[SampleRow]
+) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [B, V] float32, one row per request that samples. Returns ids and logprobs."""
+    want_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    if any(r.params.needs_penalties for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        sub = logits[idx]
+        params = [rows[i].params for i in random_rows]
+        temp = torch.tensor([p.temperature for p in params], device=logits.device)
+        sub = sub / temp.unsqueeze(1)
+        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params):
+            sub = apply_top_k_top_p_min_p(
+                sub,
+                torch.tensor([p.top_k for p in params], device=logits.device),
+                torch.tensor([p.top_p for p in params], device=logits.device),
+                torch.tensor([p.min_p for p in params], device=logits.device),
+            )
+        probs = sub.softmax(dim=-1)
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            row = rows[i]
+            noise[j].exponential_(generator=_generator_for(row.seed, len(row.output_token_ids), logits.device))
+        chosen[idx] = (probs / noise).argmax(dim=-1)
+    ids = chosen.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, r in enumerate(rows):
+            n = r.params.logprobs
+            if n is None:
+                continue
+            top = ()
+            if n > 0:
+                vals, tok = raw_logprobs[i].topk(n)
+                top = tuple(zip(tok.tolist(), vals.tolist()))
+            logprobs[i] = TokenLogprobs(ids[i], raw_logprobs[i, ids[i]].item(), top)
+    return ids, logprobs

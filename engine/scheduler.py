@@ -1,0 +1,351 @@
+"""The token-budget scheduler: which requests compute which tokens in the next step.
+
+Pure Python (no torch): it sees requests as counters and blocks as integers, returns
+a plain-data ``SchedulerOutput`` and takes plain-data results back in ``update``.
+
+One step's budget (``max_num_batched_tokens``) is spent in this order:
+
+1. running requests, each asking for ``num_tokens - num_computed_tokens`` tokens
+   (1 while decoding, a chunk while prefilling);
+2. swapped requests, brought back when nothing was preempted in this step;
+3. waiting requests, after a prefix-cache lookup.
+
+When blocks run out the victim is the lowest-priority, latest-arrived running
+request. It is preempted by recompute (blocks freed, request to the front of the
+queue) or by swap (blocks copied to the CPU pool), as ``preemption_mode`` says.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_pool import KVCacheManager
+from engine.request import Request, RequestStatus
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+POLICIES = ("fcfs", "priority")
+# "auto" swaps a request once its output is this large a share of its prompt:
+# recomputing it would then cost more than copying its blocks back.
+AUTO_SWAP_OUTPUT_RATIO = 0.2
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
+
+    request: Request  # read-only for the runner: sampling params, token history
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool  # the step reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_steps: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache, one token budget per step."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.stats = SchedulerStats()
+        self._by_priority = config.policy == "priority"
+        self._seq = itertools.count()
+        self._waiting_fifo: deque[Request] = deque()
+        self._waiting_heap: list[tuple[tuple, Request]] = []
+        self.running: list[Request] = []  # sorted by key: the tail is the next victim
+        self._running_keys: list[tuple] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- queues ----------------------------------------------------------------
+
+    def _key(self, request: Request) -> tuple:
+        if self._by_priority:
+            return (request.priority, request.seq_no)
+        return (request.seq_no,)
+
+    def _push_waiting(self, request: Request, front: bool = False) -> None:
+        if self._by_priority:
+            heapq.heappush(self._waiting_heap, (self._key(request), request))
+        elif front:
+            self._waiting_fifo.appendleft(request)
+        else:
+            self._waiting_fifo.append(request)
+
+    def _peek_waiting(self) -> Request | None:
+        if self._by_priority:
+            return self._waiting_heap[0][1] if self._waiting_heap else None
+        return self._waiting_fifo[0] if self._waiting_fifo else None
+
+    def _pop_waiting(self) -> None:
+        if self._by_priority:
+            heapq.heappop(self._waiting_heap)
+        else:
+            self._waiting_fifo.popleft()
+
+    def _remove_waiting(self, request: Request) -> None:
+        if self._by_priority:
+            self._waiting_heap = [e for e in self._waiting_heap if e[1] is not request]
+            heapq.heapify(self._waiting_heap)
+        else:
+            self._waiting_fifo.remove(request)
+
+    def _add_running(self, request: Request) -> None:
+        key = self._key(request)
+        i = bisect.bisect(self._running_keys, key)
+        self._running_keys.insert(i, key)
+        self.running.insert(i, request)
+
+    def _remove_running(self, request: Request) -> None:
+        i = bisect.bisect_left(self._running_keys, self._key(request))
+        assert self.running[i] is request
+        del self.running[i]
+        del self._running_keys[i]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting_heap) + len(self._waiting_fifo)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    # -- intake ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.seq_no = next(self._seq)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, stop string hit, ...) requests wherever they are; frees their blocks."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self._remove_running(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+            elif request.status == RequestStatus.WAITING:
+                self._remove_waiting(request)
+            self._finish(request, status)
+            done.append(request)
+        return done
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    # -- scheduling ------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token budget."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        self.stats.num_steps += 1
+        return out
+
+    def _plan(self, out: SchedulerOutput, request: Request, start: int, n: int) -> None:
+        end = start + n
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                token_ids=request.token_slice(start, end),
+                start_pos=start,
+                block_ids=self.kv.block_ids(request.request_id),
+                sample=end == request.num_tokens,
+            )
+        )
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                self._plan(out, request, request.num_computed_tokens, n)
+                budget -= n
+                i += 1
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self._remove_running(request)
+        request.num_preemptions += 1
+        out.preempted.append(request.request_id)
+        if not self.kv.fits_in_pool(request.num_tokens + 1):
+            # It can never fit again: end it as if it hit its length limit.
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            grown = request.num_output_tokens >= AUTO_SWAP_OUTPUT_RATIO * request.num_prompt_tokens
+            mode = "swap" if grown else "recompute"
+        if mode == "swap":
+            mapping = self.kv.swap_out(request)
+            if mapping is not None:
+                out.swap_out.extend(mapping)
+                request.status = RequestStatus.SWAPPED
+                self.swapped.append(request)
+                self.stats.num_preemptions_swap += 1
+                return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request, front=True)
+        self.stats.num_preemptions_recompute += 1
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        self.swapped.sort(key=self._key)
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            total = self.kv.num_blocks_needed(request.num_computed_tokens + n)
+            if not self.kv.can_allocate(max(total, self.kv.num_swapped_blocks(request.request_id))):
+                break
+            out.swap_in.extend(self.kv.swap_in(request))
+            self.kv.allocate_slots(request, n)
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            self._add_running(request)
+            self._plan(out, request, request.num_computed_tokens, n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            if request is None:
+                break
+            hit, num_hit = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - num_hit
+            if n > budget and not chunked:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(request, n, hit) is None:
+                break
+            self._pop_waiting()
+            if self.kv.enable_caching:
+                self.kv.stats.queries += request.num_tokens
+                self.kv.stats.hits += num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self._add_running(request)
+            self._plan(out, request, num_hit, n)
+            budget -= n
+
+    # -- results ---------------------------------------------------------------
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int | None]]:
+        """Apply one step's results; returns (request, new token or None) for each planned one.
+
+        Requests that hit a stop condition are finished and their blocks freed.
+        """
+        results = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            token = sampled.get(request.request_id) if item.sample else None
+            if token is not None:
+                request.output_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._remove_running(request)
+                    self._finish(request, status)
+                    results.append((request, token))
+                    continue
+            self.kv.cache_blocks(request)
+            results.append((request, token))
+        return results
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

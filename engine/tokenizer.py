@@ -1,0 +1,435 @@
+"""Text <-> token id conversion for the engine.
+
+This module owns everything the engine needs to know about tokenization:
+
+* :class:`Tokenizer` -- a thin wrapper over the Rust ``tokenizers`` library that
+  loads a Hugging Face style model directory (``tokenizer.json`` plus the
+  optional ``tokenizer_config.json``, ``generation_config.json`` and
+  ``config.json``), and renders chat templates with a sandboxed Jinja
+  environment configured the way ``transformers`` configures it.
+* :class:`IncrementalDetokenizer` -- turns a growing stream of generated token
+  ids into text deltas suitable for streaming, handling multi-byte characters
+  that are split across tokens and stop strings that span token boundaries.
+
+``transformers`` is deliberately not imported here: it is slow to import and
+heavy at runtime, and everything the engine needs is available from
+``tokenizers`` and ``jinja2`` directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
+# What a byte-level decoder emits for bytes that do not (yet) form a complete
+# UTF-8 character.
+_REPLACEMENT_CHAR = "\ufffd"
+
+# How many prompt tokens the incremental detokenizer decodes as left context.
+# Some decoders (SentencePiece/Metaspace) strip the leading space of the first
+# token they see; giving them a few tokens of context makes the first output
+# token decode exactly as it would inside the full sequence. vLLM uses 5 too.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+def _token_content(value: Any) -> str | None:
+    """Return the text of a special token as stored in tokenizer_config.json.
+
+    HF writes special tokens either as plain strings or as serialized
+    ``AddedToken`` dicts (``{"content": "</s>", ...}``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value.get("content")
+    return str(value)
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    """Normalise an ``eos_token_id``-style field (int, list or null) to a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object from ``path``, or ``{}`` if the file does not exist."""
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _raise_exception(message: str) -> None:
+    # Chat templates call this to reject malformed conversations.
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's builtin ``tojson`` HTML-escapes its output, which corrupts
+    # prompts; templates written for HF expect plain json.dumps.
+    return json.dumps(
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
+        sort_keys=sort_keys,
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """Build the Jinja environment used for chat templates.
+
+    Mirrors ``transformers``' settings (trim_blocks, lstrip_blocks,
+    loopcontrols and the same helpers) so that templates published for HF
+    models render identically here.
+    """
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class Tokenizer:
+    """A model's tokenizer: encoding, decoding, special tokens and chat template.
+
+    Construct it with :meth:`from_pretrained`. Attributes:
+
+    * ``eos_token_ids`` -- every id that ends generation, in priority order
+      (``generation_config.json``, then ``config.json``, then the tokenizer's
+      ``eos_token``); ``eos_token_id`` is the first of them.
+    * ``bos_token_id`` -- id of the beginning-of-sequence token, if any.
+    * ``vocab_size`` -- number of ids, including added tokens.
+    * ``all_special_ids`` -- ids of all special tokens (skipped on decode).
+    * ``chat_template`` -- the Jinja chat template source, or ``None``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool | None = None,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.chat_template = chat_template
+        self._template_cache: tuple[str, jinja2.Template] | None = None
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        # None means "whatever the tokenizer.json post-processor does".
+        self.add_bos_token = add_bos_token
+
+        if bos_token is not None and tokenizer.token_to_id(bos_token) is not None:
+            bos_token_id = tokenizer.token_to_id(bos_token)
+        self.bos_token_id: int | None = bos_token_id
+
+        eos_ids = list(eos_token_ids)
+        if eos_token is not None:
+            tok_eos = tokenizer.token_to_id(eos_token)
+            if tok_eos is not None:
+                eos_ids.append(tok_eos)
+        # Deduplicate while keeping the priority order.
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        special = {
+            token_id
+            for token_id, added in tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        }
+        special.update(self.eos_token_ids)
+        if self.bos_token_id is not None:
+            special.add(self.bos_token_id)
+        self.all_special_ids: frozenset[int] = frozenset(special)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load the tokenizer of the Hugging Face style model in ``model_dir``.
+
+        Raises FileNotFoundError if ``model_dir/tokenizer.json`` is missing.
+        """
+        model_dir = Path(model_dir)
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {tokenizer_path}")
+        tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        gen_config = _read_json(model_dir / "generation_config.json")
+        model_config = _read_json(model_dir / "config.json")
+
+        chat_template = tok_config.get("chat_template")
+        if isinstance(chat_template, list):
+            # HF allows several named templates; "default" is the chat one.
+            named = {t.get("name"): t.get("template") for t in chat_template}
+            chat_template = named.get("default")
+        if chat_template is None and (model_dir / "chat_template.jinja").is_file():
+            # Newer transformers versions save the template as its own file.
+            chat_template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+
+        # generation_config.json is what HF's generate() uses to stop, and
+        # often lists more ids (e.g. end-of-turn) than config.json does.
+        eos_ids = _as_id_tuple(gen_config.get("eos_token_id")) + _as_id_tuple(
+            model_config.get("eos_token_id")
+        )
+        bos_id = gen_config.get("bos_token_id", model_config.get("bos_token_id"))
+
+        add_bos = tok_config.get("add_bos_token")
+        return cls(
+            tok,
+            chat_template=chat_template,
+            bos_token=_token_content(tok_config.get("bos_token")),
+            eos_token=_token_content(tok_config.get("eos_token")),
+            add_bos_token=None if add_bos is None else bool(add_bos),
+            eos_token_ids=eos_ids,
+            bos_token_id=None if bos_id is None else int(bos_id),
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Encode ``text`` to token ids.
+
+        With ``add_special_tokens`` the tokenizer's post-processor runs (e.g.
+        prepending BOS). Special-token text inside ``text`` (such as
+        ``<|user|>``) is always encoded as the special token.
+        """
+        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        if not add_special_tokens or self.add_bos_token is None or self.bos_token_id is None:
+            return ids
+        bos = self.bos_token_id
+        if self.add_bos_token:
+            if not ids or ids[0] != bos:
+                ids = [bos, *ids]
+        elif ids and ids[0] == bos and encoding.special_tokens_mask[0]:
+            # The post-processor added a BOS the config says not to add; a
+            # BOS the text spelled out itself has mask 0 and is kept.
+            ids = ids[1:]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Decode token ids to text, optionally dropping special tokens."""
+        # int() accepts numpy / torch scalars, which the Rust binding rejects.
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Return the vocabulary string of ``token_id`` (None if out of range)."""
+        return self._tok.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        """Return the id of vocabulary string ``token`` (None if unknown)."""
+        return self._tok.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        """Map each id to its vocabulary string."""
+        return [self.id_to_token(i) for i in ids]
+
+    def _compiled_chat_template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ValueError(
+                "this tokenizer has no chat template (tokenizer_config.json has no "
+                "'chat_template' and there is no chat_template.jinja)"
+            )
+        # Compiling costs far more than rendering; keyed on the source so that
+        # assigning a different chat_template takes effect.
+        cached = self._template_cache
+        if cached is None or cached[0] != self.chat_template:
+            cached = (self.chat_template, _make_jinja_env().from_string(self.chat_template))
+            self._template_cache = cached
+        return cached[1]
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
+    ) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to a prompt.
+
+        With ``add_generation_prompt`` the text that opens an assistant turn is
+        appended. Extra keyword arguments are passed to the template (e.g.
+        ``tools``). Raises ValueError if the tokenizer has no chat template,
+        and jinja2.TemplateError if the template rejects the conversation.
+        The result is text; encode it with ``encode``.
+        """
+        return self._compiled_chat_template().render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **template_vars,
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas, correct across
+    multi-byte characters (byte-level BPE emits partial UTF-8 as U+FFFD until
+    completed) and stop strings spanning tokens.
+
+    Usage per request::
+
+        detok = IncrementalDetokenizer(tokenizer, prompt_ids, stop=["\\n\\n"])
+        for step_ids in generated:
+            stop = detok.update(step_ids)
+            send(detok.take_delta(finished=stop is not None))
+            if stop is not None:
+                break
+
+    Each update decodes only a small window of tokens (vLLM's
+    ``prefix_offset`` / ``read_offset`` scheme): ``prefix_offset..read_offset``
+    is text already emitted, kept as left context, and ``read_offset..`` holds
+    the tokens whose text is not emitted yet. Decoding the window and cutting
+    off the context's text yields the new text without re-decoding the whole
+    output, and without the surprises of decoding a token in isolation.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop_str_in_output
+        if isinstance(stop, str):
+            stop = (stop,)  # not a sequence of one-character stop strings
+        # An empty stop string would match immediately; it is meaningless.
+        self._stops: tuple[str, ...] = tuple(s for s in stop if s)
+        # Text ending in the last len(stop)-1 chars may be the start of a stop
+        # string, so take_delta must not release it yet.
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+
+        # The decode window: _ids[:_read_offset] is context whose text was
+        # already emitted, _ids[_read_offset:] is pending. vLLM's prefix_offset
+        # is always 0 here because ids before the window are dropped as it
+        # slides, which keeps memory bounded. It starts with the prompt's tail.
+        self._ids: list[int] = [int(i) for i in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]]
+        self._read_offset = len(self._ids)
+
+        self._text = ""  # decoded output so far (complete characters only)
+        self._sent = 0  # chars of _text already returned by take_delta
+        self._stop_str: str | None = None
+        self._flushed = False
+
+    @property
+    def stop_str(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stop_str
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Append generated tokens; return the stop string they completed, if any.
+
+        When a stop string matches, the text is cut before it (or just after
+        it with ``include_stop_str_in_output``) and later tokens are ignored.
+        """
+        if self._stop_str is not None or self._flushed:
+            return None
+        self._ids.extend(int(i) for i in new_token_ids)
+        return self._advance(force=False)
+
+    def output_text(self) -> str:
+        """The full output text so far, cut at the stop string if one matched.
+
+        Until ``take_delta(finished=True)`` it never ends with an incomplete
+        character: bytes of a partial character stay pending.
+        """
+        return self._text
+
+    def take_delta(self, finished: bool = False) -> str:
+        """Return the text produced since the previous call.
+
+        While not finished, the last ``len(longest stop) - 1`` characters are
+        held back because they might begin a stop string. With ``finished``
+        everything is released, including any trailing partial character (as
+        U+FFFD, exactly as a full decode would show it).
+        """
+        if finished and self._stop_str is None and not self._flushed:
+            self._advance(force=True)
+            self._flushed = True
+        if finished or self._stop_str is not None:
+            # The text is final: nothing more can extend it into a stop string.
+            end = len(self._text)
+        else:
+            end = max(self._sent, len(self._text) - self._holdback)
+        delta = self._text[self._sent : end]
+        self._sent = end
+        return delta
+
+    def _advance(self, *, force: bool) -> str | None:
+        """Decode pending tokens into ``_text`` and look for stop strings.
+
+        Without ``force``, pending tokens whose text ends in an incomplete
+        character stay pending until a later token completes it.
+        """
+        if self._read_offset >= len(self._ids):
+            return None
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[: self._read_offset], self._skip_special_tokens)
+        full_text = decode(self._ids, self._skip_special_tokens)
+        # A trailing U+FFFD means the last token ended mid-character. Shorter
+        # text means the new tokens decode to nothing yet (e.g. skipped special
+        # tokens); waiting keeps the window so the context stays valid.
+        if not force and (
+            len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR)
+        ):
+            return None
+
+        new_text = full_text[len(prefix_text) :]
+        # Slide the window: the tokens just emitted become the next context.
+        self._ids = self._ids[self._read_offset :]
+        self._read_offset = len(self._ids)
+
+        search_from = len(self._text)
+        self._text += new_text
+        return self._check_stop(search_from)
+
+    def _check_stop(self, new_text_start: int) -> str | None:
+        """Find the earliest stop string overlapping text from ``new_text_start``."""
+        best: tuple[int, str] | None = None
+        for stop in self._stops:
+            # A match must end inside the new text (anything earlier was
+            # already checked), so it starts at most len(stop)-1 chars before.
+            start = max(0, new_text_start - len(stop) + 1)
+            idx = self._text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return None
+        idx, stop = best
+        self._text = self._text[: idx + len(stop) if self._include_stop else idx]
+        self._stop_str = stop
+        return stop
