@@ -45,8 +45,10 @@ def write_kv(
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[..., nb] block ids -> [..., Hkv, nb * block, D] keys or values."""
-    g = cache[block_table]  # [..., nb, block, Hkv, D]
-    g = g.flatten(-4, -3)  # [..., nb * block, Hkv, D]
+    num_blocks, block, heads, dim = cache.shape
+    # index_select on a 2-D view is several times faster than advanced indexing on CPU.
+    g = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
+    g = g.view(*block_table.shape[:-1], block_table.shape[-1] * block, heads, dim)
     return g.transpose(-3, -2)
 
 

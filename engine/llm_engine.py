@@ -49,6 +49,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    # Prefill role (``hold_kv``): the prompt's KV, [layers, blocks, block, Hkv, D] each.
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -160,14 +162,74 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        hold_kv: bool = False,
     ) -> str:
-        """Queue a request; returns its id."""
+        """Queue a request; returns its id.
+
+        ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``kv``.
+        """
+        request = self._make_request(prompt, params, request_id, priority, arrival_time)
+        request.hold_kv = hold_kv
+        self.scheduler.add_request(request)
+        self._track(request)
+        return request.request_id
+
+    def add_remote_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[int] | None:
+        """Decode role: reserve blocks for a prompt whose KV another worker sends.
+
+        Returns the reserved block ids (in prompt order), or None when the pool has no
+        room now (nothing is kept; try again later or elsewhere).
+        """
+        request = self._make_request(prompt, params, request_id, priority, arrival_time)
+        blocks = self.scheduler.add_remote(request)
+        if blocks is not None:
+            self._track(request)
+        return blocks
+
+    def remote_kv_arrived(
+        self, request_id: str, first_token: int, k: torch.Tensor, v: torch.Tensor
+    ) -> RequestOutput | None:
+        """Write the received KV into the reserved blocks and start decoding.
+
+        ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order.
+        Returns the output for the first token (sampled by the prefill worker).
+        """
+        request = self.scheduler.remote.get(request_id)
+        if request is None:
+            return None
+        dst = torch.tensor(self.kv_manager.block_ids(request_id), device=self.kv_cache.k.device)
+        if k.shape[1] != dst.numel() or k.shape[2:] != self.kv_cache.k.shape[2:]:
+            raise ValueError(
+                f"received KV of shape {tuple(k.shape)} does not fit {dst.numel()} blocks of "
+                f"{tuple(self.kv_cache.k.shape[2:])}"
+            )
+        self.kv_cache.k[:, dst] = k.to(self.kv_cache.k.device, self.kv_cache.k.dtype)
+        self.kv_cache.v[:, dst] = v.to(self.kv_cache.v.device, self.kv_cache.v.dtype)
+        request = self.scheduler.remote_arrived(request_id, first_token)
+        self._generation_tokens += 1
+        return self._emit([request], {request_id: first_token}, {})[0]
+
+    def remote_kv_failed(self, request_id: str, recompute: bool) -> RequestOutput | None:
+        """The KV will not come: prefill locally, or end the request with an error."""
+        request = self.scheduler.remote_failed(request_id, recompute)
+        if request is None or not request.is_finished:
+            return None
+        return self._finish_output(request)
+
+    def _make_request(self, prompt, params, request_id, priority, arrival_time) -> Request:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise ValueError(f"request_id {rid!r} is already in use")
-        request = Request(
+        return Request(
             request_id=rid,
             prompt_token_ids=ids,
             sampling_params=params,
@@ -175,20 +237,22 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
-        self.scheduler.add_request(request)
+
+    def _track(self, request: Request) -> None:
+        params = request.sampling_params
+        rid = request.request_id
         self._seeds[rid] = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._tracked[rid] = _Tracked(
             detok=IncrementalDetokenizer(
                 self.tokenizer,
-                ids,
+                request.prompt_token_ids,
                 stop=params.stop,
                 skip_special_tokens=params.skip_special_tokens,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             ),
             logprobs=[] if params.logprobs is not None else None,
         )
-        self._prompt_tokens += len(ids)
-        return rid
+        self._prompt_tokens += request.num_prompt_tokens
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
         """Finish requests now and free their blocks; unknown ids are ignored."""
@@ -211,27 +275,45 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
         progressed = self.scheduler.update(sched, result.sampled)
+        sampled = [r for r, token in progressed if token is not None]
+        self._generation_tokens += len(sampled)
+        # Requests the scheduler ended while planning get their final output too.
+        return self._emit(sampled, result.sampled, result.logprobs) + [
+            self._finish_output(r) for r in sched.finished
+        ]
+
+    def _emit(
+        self, requests: list[Request], sampled: dict[str, int], logprobs: dict[str, TokenLogprobs]
+    ) -> list[RequestOutput]:
+        """Detokenize each request's new token, apply stop strings, build the outputs."""
         stopped = []
-        emitted = []
-        for request, token in progressed:
-            if token is None:
-                continue
-            self._generation_tokens += 1
-            tracked = self._tracked[request.request_id]
-            if tracked.logprobs is not None:
-                tracked.logprobs.append(result.logprobs[request.request_id])
-            stop = tracked.detok.update([token])
+        for request in requests:
+            rid = request.request_id
+            tracked = self._tracked[rid]
+            if tracked.logprobs is not None and rid in logprobs:
+                tracked.logprobs.append(logprobs[rid])
+            stop = tracked.detok.update([sampled[rid]])
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
-                stopped.append(request.request_id)
-            emitted.append(request)
+                stopped.append(rid)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = [self._output(r) for r in emitted]
-        for r in emitted:
-            if r.is_finished:
-                self._forget(r.request_id)
+        outputs = []
+        for request in requests:
+            outputs.append(self._finish_output(request) if request.is_finished else self._output(request))
         return outputs
+
+    def _finish_output(self, request: Request) -> RequestOutput:
+        """Final output of a finished request: hands over held KV and forgets the request."""
+        out = self._output(request)
+        rid = request.request_id
+        if rid in self.scheduler.held:
+            ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_prompt_tokens)]
+            index = torch.tensor(ids, device=self.kv_cache.k.device)
+            out.kv = (self.kv_cache.k[:, index], self.kv_cache.v[:, index])
+            self.scheduler.release_held(rid)
+        self._forget(rid)
+        return out
 
     def _output(self, request: Request) -> RequestOutput:
         tracked = self._tracked[request.request_id]

@@ -10,7 +10,11 @@ Lifecycle (``RequestStatus`` is ordered; everything past ``SWAPPED`` is finished
     WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED_*
        ▲   ▲                 │  │
        │   └──recompute──────┘  └──swap out──▶ SWAPPED ──swap in──▶ RUNNING
-    WAITING_FOR_REMOTE_KV ──KV arrived──▶ RUNNING (decode role only)
+    WAITING_FOR_REMOTE_KV ──KV arrived──▶ RUNNING (decode role)
+                          ──transfer failed──▶ WAITING (recompute) or FINISHED_ERROR
+
+In the prefill role a request is generated with ``max_tokens=1`` and ``hold_kv``:
+when it finishes, its blocks stay allocated until the engine has copied its KV out.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class Request:
     stop_reason: int | str | None = None
     # Monotonic order of arrival, used to break ties (set by the scheduler).
     seq_no: int = 0
+    # Prefill role: keep the blocks after finishing until the engine has packed the KV.
+    hold_kv: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

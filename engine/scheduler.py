@@ -78,6 +78,8 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     preempted: list[str] = field(default_factory=list)
+    # Finished while planning (grew past what the whole pool holds): not in ``scheduled``.
+    finished: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -109,6 +111,8 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by key: the tail is the next victim
         self._running_keys: list[tuple] = []
         self.swapped: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, blocks reserved
+        self.held: dict[str, Request] = {}  # finished with hold_kv, blocks not yet freed
         self.requests: dict[str, Request] = {}
 
     # -- queues ----------------------------------------------------------------
@@ -167,6 +171,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable_work(self) -> bool:
+        """Work a step can do now (requests waiting for remote KV cannot be stepped)."""
+        return len(self.requests) > len(self.remote)
+
     # -- intake ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
@@ -190,14 +198,74 @@ class Scheduler:
                 self.swapped.remove(request)
             elif request.status == RequestStatus.WAITING:
                 self._remove_waiting(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.remote[rid]
             self._finish(request, status)
             done.append(request)
         return done
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
         del self.requests[request.request_id]
+        if request.hold_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks of a finished ``hold_kv`` request once its KV was copied out."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+
+    # -- remote KV (decode role) -----------------------------------------------
+
+    def add_remote(self, request: Request) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV another worker computes; None if no room.
+
+        The request waits in WAITING_FOR_REMOTE_KV, outside the token budget, until
+        ``remote_arrived`` or ``remote_failed``.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+            self.kv.free(request)
+            return None
+        request.seq_no = next(self._seq)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote[request.request_id] = request
+        return self.kv.block_ids(request.request_id)
+
+    def remote_arrived(self, request_id: str, first_token: int) -> Request | None:
+        """The prompt's KV is in the reserved blocks: the request joins the batch."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.output_token_ids.append(first_token)
+        status = self._check_stop(request, first_token)
+        if status is not None:
+            self._finish(request, status)
+        else:
+            request.status = RequestStatus.RUNNING
+            self._add_running(request)
+            self.kv.cache_blocks(request)
+        return request
+
+    def remote_failed(self, request_id: str, recompute: bool) -> Request | None:
+        """The KV will not come: prefill locally (``recompute``) or fail the request."""
+        request = self.remote.pop(request_id, None)
+        if request is None:
+            return None
+        if recompute:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self._push_waiting(request, front=True)
+        else:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        return request
 
     # -- scheduling ------------------------------------------------------------
 
@@ -248,6 +316,7 @@ class Scheduler:
         if not self.kv.fits_in_pool(request.num_tokens + 1):
             # It can never fit again: end it as if it hit its length limit.
             self._finish(request, RequestStatus.FINISHED_LENGTH)
+            out.finished.append(request)
             return
         mode = self.config.preemption_mode
         if mode == "auto":

@@ -1,0 +1,163 @@
+"""Drives an ``LLMEngine`` from a background thread for asyncio callers (the workers).
+
+The engine is not thread-safe: every call into it holds ``lock``. The step thread
+runs ``engine.step()`` while there is schedulable work and sleeps otherwise. Each
+request's outputs go to its ``RequestStream``; a consumer that falls behind gets the
+pending outputs merged into one delta, so a slow reader costs one message per read,
+not one per token.
+
+A stream's lifecycle: ``open_stream`` (before or after the request is added), outputs
+arrive from the step thread, the stream ends with a finished output or ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engine.llm_engine import LLMEngine, RequestOutput
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Fold consecutive outputs of one request into one delta (the last one's totals)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    last.new_token_ids = [t for o in outs for t in o.new_token_ids]
+    last.new_text = "".join(o.new_text for o in outs)
+    return last
+
+
+class RequestStream:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: called from the step thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def get(self) -> RequestOutput:
+        """Everything produced since the last call, merged; raises a delivered error."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        errors = [i for i in items if isinstance(i, BaseException)]
+        if errors:
+            self.finished = True
+            raise errors[0]
+        out = merge_outputs(items)  # type: ignore[arg-type]
+        self.finished = out.finished
+        return out
+
+
+class AsyncEngine:
+    """An engine stepping in its own thread, with per-request async output streams."""
+
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05) -> None:
+        self.engine = engine
+        self.lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._idle_poll_s = idle_poll_s
+        self._periodic: list[Callable[[float], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.step_error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def add_periodic(self, fn: Callable[[float], None]) -> None:
+        """Run ``fn(now)`` under the lock on every loop turn (deadlines, leases)."""
+        self._periodic.append(fn)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # -- streams ---------------------------------------------------------------
+
+    def open_stream(self, request_id: str) -> RequestStream:
+        self.start()
+        stream = self._streams.get(request_id)
+        if stream is None:
+            stream = self._streams[request_id] = RequestStream(self._loop)
+        return stream
+
+    def deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(error)
+
+    async def generate(self, prompt, params, request_id: str, **kwargs) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its (merged) outputs until it finishes; aborts on exit."""
+        stream = self.open_stream(request_id)
+        try:
+            with self.lock:
+                self.engine.add_request(prompt, params, request_id=request_id, **kwargs)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        async for out in self.follow(request_id, stream):
+            yield out
+
+    async def follow(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield a stream's outputs until it finishes; abort the request if we stop early."""
+        try:
+            while not stream.finished:
+                yield await stream.get()
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self.engine.abort(request_id)
+        self._streams.pop(request_id, None)
+
+    # -- the step thread -------------------------------------------------------
+
+    def _fail_all(self, error: Exception) -> None:
+        """Every request in the engine ends with ``error``; their blocks are freed."""
+        self.step_error = error
+        self.engine.abort(list(self.engine.scheduler.requests))
+        for rid in list(self._streams):
+            self.fail(rid, error)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                now = time.time()
+                for fn in self._periodic:
+                    fn(now)
+                busy = self.engine.scheduler.has_schedulable_work()
+                if busy:
+                    try:
+                        outputs = self.engine.step()
+                    except Exception as e:  # a broken step must not hang the streams
+                        self._fail_all(e)
+                        continue
+                    for out in outputs:
+                        self.deliver(out)
+            if not busy:
+                self._wake.wait(self._idle_poll_s)
+                self._wake.clear()

@@ -1,0 +1,237 @@
+"""The sampler on hand-made logits: masks, penalties, seeded draws and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import SampleRow, apply_penalties, apply_top_k_top_p_min_p, sample
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+# The same distribution out of order, so a mask must map back through the sort.
+ORDER = [2, 0, 3, 1]  # position j holds PROBS[ORDER[j]]
+SHUFFLED = torch.tensor([[math.log(PROBS[k]) for k in ORDER]])
+
+
+def _kept(top_k=0, top_p=1.0, min_p=0.0, logits=SHUFFLED) -> list[float]:
+    """The probabilities (from PROBS) of the tokens the mask keeps, most likely first."""
+    out = apply_top_k_top_p_min_p(
+        logits, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])
+    )
+    finite = torch.isfinite(out[0]).tolist()
+    assert torch.equal(out[0][torch.tensor(finite)], logits[0][torch.tensor(finite)]), (
+        "kept logits must be unchanged"
+    )
+    return sorted((PROBS[ORDER[j]] for j, keep in enumerate(finite) if keep), reverse=True)
+
+
+def _row(seed=0, index=0, prompt=(), **params) -> SampleRow:
+    return SampleRow(SamplingParams(**params), seed, tuple(prompt), range(index))
+
+
+# ------------------------------------------------------------------ masks
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [
+        (0.8, [0.5, 0.3]),  # 0.5 + 0.3 reaches 0.8 exactly: the 0.15 is not needed
+        (0.81, [0.5, 0.3, 0.15]),
+        (0.5, [0.5]),
+        (0.51, [0.5, 0.3]),
+        (0.01, [0.5]),  # the most likely token always survives
+        (1.0, PROBS),
+    ],
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p, kept):
+    assert _kept(top_p=top_p) == kept, f"top_p={top_p} should keep {kept}"
+
+
+@pytest.mark.parametrize("top_k, kept", [(1, [0.5]), (2, [0.5, 0.3]), (3, [0.5, 0.3, 0.15]), (0, PROBS), (9, PROBS)])
+def test_top_k_keeps_the_k_most_likely(top_k, kept):
+    assert _kept(top_k=top_k) == kept, f"top_k={top_k} should keep {kept}"
+
+
+@pytest.mark.parametrize(
+    "min_p, kept",
+    [(0.5, [0.5, 0.3]), (0.3, [0.5, 0.3, 0.15]), (0.61, [0.5]), (0.0, PROBS), (1.0, [0.5])],
+)
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability(min_p, kept):
+    assert _kept(min_p=min_p) == kept, f"min_p={min_p} keeps p >= {min_p * 0.5}: {kept}"
+
+
+def test_top_p_applies_after_top_k():
+    # top_k=2 renormalises to [0.625, 0.375]; top_p=0.6 then needs only the first.
+    assert _kept(top_k=2, top_p=0.6) == [0.5]
+    assert _kept(top_k=2, top_p=0.7) == [0.5, 0.3]
+
+
+def test_each_row_gets_its_own_mask():
+    logits = SHUFFLED.repeat(3, 1)
+    out = apply_top_k_top_p_min_p(
+        logits, torch.tensor([1, 0, 0]), torch.tensor([1.0, 0.81, 1.0]), torch.tensor([0.0, 0.0, 0.5])
+    )
+    kept = torch.isfinite(out).sum(dim=1).tolist()
+    assert kept == [1, 3, 2], f"rows with top_k=1 / top_p=0.81 / min_p=0.5 keep 1/3/2 tokens, got {kept}"
+
+
+# ------------------------------------------------------------------ greedy and penalties
+
+
+def test_greedy_picks_the_argmax_of_every_row():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    ids, _ = sample(logits, [_row(seed=i, temperature=0.0, top_k=3) for i in range(6)])
+    assert ids == logits.argmax(dim=1).tolist()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0]])
+    row = SampleRow(SamplingParams(repetition_penalty=2.0), 0, (0, 1), (2,))
+    apply_penalties(logits, [row])
+    assert logits[0].tolist() == [1.0, -4.0, 0.5, 0.5, -1.0], (
+        "seen tokens 0,1 (prompt) and 2 (output): positive / 2, negative * 2; unseen unchanged"
+    )
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 5)
+    row = SampleRow(SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), 0, (4, 4), (2, 2, 3))
+    apply_penalties(logits, [row])
+    assert logits[0].tolist() == [0.0, 0.0, -2.0, -1.5, 0.0], (
+        "token 2 (twice): -(1 + 2*0.5); token 3 (once): -(1 + 0.5); prompt token 4: untouched"
+    )
+
+
+def test_penalties_only_touch_rows_that_ask_for_them():
+    logits = torch.ones(2, 4)
+    rows = [
+        SampleRow(SamplingParams(), 0, (0,), (1,)),
+        SampleRow(SamplingParams(frequency_penalty=1.0), 0, (0,), (1,)),
+    ]
+    apply_penalties(logits, rows)
+    assert logits.tolist() == [[1, 1, 1, 1], [1, 0, 1, 1]]
+
+
+def test_greedy_choice_follows_the_penalised_logits():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    before = logits.clone()
+    plain, _ = sample(logits, [SampleRow(SamplingParams(temperature=0.0), 0, (0,), ())])
+    penalised, _ = sample(
+        logits, [SampleRow(SamplingParams(temperature=0.0, repetition_penalty=1.5), 0, (0,), ())]
+    )
+    assert plain == [0] and penalised == [1], "3.0 / 1.5 = 2.0 < 2.9 turns the choice to token 1"
+    assert torch.equal(logits, before), "sample must not modify the caller's logits"
+
+
+# ------------------------------------------------------------------ seeded draws
+
+
+def test_seeded_sampling_is_reproducible():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 64)
+    draws = [sample(logits, [_row(seed=1234, index=5)])[0][0] for _ in range(5)]
+    assert len(set(draws)) == 1, f"the same (seed, index) must give the same token, got {draws}"
+    by_seed = {sample(logits, [_row(seed=s, index=5)])[0][0] for s in range(40)}
+    by_index = {sample(logits, [_row(seed=1234, index=i)])[0][0] for i in range(40)}
+    assert len(by_seed) > 5 and len(by_index) > 5, (
+        "different seeds / output indices should give different draws"
+    )
+
+
+def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch():
+    torch.manual_seed(2)
+    vocab = 100
+    mismatches = []
+    for trial in range(30):
+        target = torch.randn(1, vocab)
+        row = _row(seed=1000 + trial, index=trial, temperature=0.9)
+        alone = sample(target, [row])[0][0]
+        mates = torch.randn(5, vocab)
+        rows = [
+            _row(seed=trial, index=3, temperature=1.3, top_k=10),
+            _row(seed=7, index=0, temperature=0.0),
+            row,
+            _row(seed=99, index=trial, top_p=0.5, min_p=0.1, presence_penalty=1.0),
+            _row(seed=5, index=1, logprobs=3),
+        ]
+        batch = torch.cat([mates[:2], target, mates[2:4]])
+        together = sample(batch, rows)[0][2]
+        if alone != together:
+            mismatches.append((trial, alone, together))
+    assert not mismatches, f"(trial, alone, in batch) draws differ: {mismatches}"
+
+
+def _draw_counts(logits: torch.Tensor, n: int, **params) -> list[int]:
+    rows = [_row(seed=77, index=i, **params) for i in range(n)]
+    ids, _ = sample(logits.expand(n, -1).contiguous(), rows)
+    return [ids.count(t) for t in range(logits.shape[-1])]
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (dict(), PROBS),
+        # Temperature 0.5 squares the probabilities before renormalising.
+        (dict(temperature=0.5), [p * p / sum(q * q for q in PROBS) for p in PROBS]),
+        (dict(top_k=2), [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),
+    ],
+    ids=["plain", "temperature-0.5", "top_k-2"],
+)
+def test_sampled_frequencies_match_the_distribution(params, expected):
+    logits = torch.tensor([[math.log(p) for p in PROBS]])
+    counts = _draw_counts(logits, 2000, **params)
+    for t, (c, p) in enumerate(zip(counts, expected)):
+        if p == 0:
+            assert c == 0, f"token {t} is masked out but was drawn {c} times"
+    chi2 = _chi_square(counts, expected)
+    # 16.3 is the 99.9% point of chi-square with 3 degrees of freedom.
+    assert chi2 < 16.3, f"counts {counts} over 2000 draws are far from {expected} (chi2={chi2:.1f})"
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def test_logprobs_report_the_chosen_token_and_a_sorted_top_n():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 200)
+    rows = [
+        _row(seed=1, logprobs=5, temperature=0.7, top_k=20),
+        _row(seed=2, temperature=0.0),
+        _row(seed=3, logprobs=MAX_LOGPROBS, temperature=0.0, repetition_penalty=1.3, prompt=(1, 2)),
+    ]
+    ids, lps = sample(logits, rows)
+    ref = logits.log_softmax(dim=-1)
+    assert lps[1] is None, "a row that did not ask for logprobs gets None"
+    for i, n in ((0, 5), (2, MAX_LOGPROBS)):
+        lp = lps[i]
+        assert lp.token_id == ids[i]
+        assert lp.logprob == pytest.approx(ref[i, ids[i]].item(), abs=1e-6), (
+            "the chosen token's logprob is the log_softmax of the raw logits"
+        )
+        values = [v for _, v in lp.top]
+        assert len(lp.top) == n, f"asked for {n} top logprobs, got {len(lp.top)}"
+        assert values == sorted(values, reverse=True), "top logprobs are most likely first"
+        want_ids = ref[i].topk(n).indices.tolist()
+        assert [t for t, _ in lp.top] == want_ids
+        assert values == pytest.approx(ref[i, want_ids].tolist(), abs=1e-6)
+
+
+def test_logprobs_zero_gives_the_chosen_token_only():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    ids, lps = sample(logits, [_row(logprobs=0, temperature=0.0)])
+    assert ids == [2] and lps[0].top == ()
+    assert lps[0].logprob == pytest.approx(logits.log_softmax(-1)[0, 2].item())
+
+
+def test_more_than_twenty_logprobs_is_rejected():
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=MAX_LOGPROBS + 1)
