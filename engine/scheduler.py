@@ -393,6 +393,9 @@ class Scheduler:
             if request.is_finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
+            # Cache before any stop check, so a request that ends now (a prefill-role
+            # request always does) still leaves its full blocks in the prefix cache.
+            self.kv.cache_blocks(request)
             token = sampled.get(request.request_id) if item.sample else None
             if token is not None:
                 request.output_token_ids.append(token)
@@ -402,7 +405,6 @@ class Scheduler:
                     self._finish(request, status)
                     results.append((request, token))
                     continue
-            self.kv.cache_blocks(request)
             results.append((request, token))
         return results
 

@@ -1,0 +1,112 @@
+"""The topology of a Tandem deployment: one frozen config, from YAML and/or CLI flags.
+
+Example YAML::
+
+    model: /models/llama-3-8b        # omit for the built-in default model
+    prefill_workers: 2
+    decode_workers: 2                # prefill_workers: 0 runs colocated workers
+    prefill_resources: {num_cpus: 1, num_gpus: 1}
+    decode_resources: {num_cpus: 1, num_gpus: 1}
+    transfer: {backend: collective, timeout_s: 30, failure_policy: recompute}
+    engine: {dtype: bfloat16, max_num_batched_tokens: 4096}   # both roles
+    decode_engine: {kv_cache_memory: 40000000000}            # one role only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+from kv_transfer.config import TransferConfig
+from kv_transfer.faults import FaultConfig
+
+
+@dataclass(frozen=True)
+class Resources:
+    num_cpus: float = 0.25
+    num_gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"worker resources must be >= 0, got {self}")
+        if self.num_cpus == 0 and self.num_gpus == 0:
+            raise ValueError("a worker needs some CPU or GPU (num_cpus or num_gpus > 0)")
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.num_cpus}
+        if self.num_gpus:
+            b["GPU"] = self.num_gpus
+        return b
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str | None = None
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    prefill_resources: Resources = field(default_factory=Resources)
+    decode_resources: Resources = field(default_factory=Resources)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    engine: dict = field(default_factory=dict)
+    prefill_engine: dict = field(default_factory=dict)
+    decode_engine: dict = field(default_factory=dict)
+    torch_threads: int = 1
+    placement_strategy: str = "PACK"
+    health_check_s: float = 1.0
+    restart_workers: bool = True
+    max_retries: int = 2
+    name: str = "tandem"
+
+    def __post_init__(self) -> None:
+        if self.prefill_workers < 0:
+            raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
+        if self.decode_workers < 1:
+            raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy must be a Ray strategy, got {self.placement_strategy!r}")
+        # Build both engine configs now so that bad settings fail here, not in an actor.
+        self.engine_config("prefill")
+        self.engine_config("decode")
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill_workers == 0
+
+    def engine_config(self, role: str) -> EngineConfig:
+        extra = self.prefill_engine if role == "prefill" else self.decode_engine
+        try:
+            return EngineConfig(model=self.model, **{**self.engine, **extra})
+        except TypeError as e:
+            raise ValueError(f"unknown engine setting in {role} config: {e}") from e
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterConfig":
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown topology settings: {sorted(unknown)}")
+        for key in ("prefill_resources", "decode_resources"):
+            if isinstance(d.get(key), dict):
+                d[key] = Resources(**d[key])
+        if isinstance(d.get("transfer"), dict):
+            t = dict(d["transfer"])
+            if isinstance(t.get("faults"), dict):
+                t["faults"] = FaultConfig(**t["faults"])
+            d["transfer"] = TransferConfig(**t)
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "ClusterConfig":
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a topology file must be a mapping")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(data)
+
+    def replace(self, **changes) -> "ClusterConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,195 @@
+"""Starts and watches the worker pools of one deployment on a Ray cluster.
+
+``TandemCluster.start()`` places each pool in a placement group (one bundle per
+worker), starts the actors, forms the KV transfer group over all of them, and builds
+the ``Dispatcher`` that runs requests over the pools. A health thread pings every
+worker; a dead one is replaced in its bundle, the transfer group is rebuilt, and the
+dispatcher re-runs or fails the requests that were on it.
+
+Works on a local Ray (``ray.init(num_cpus=...)`` by the caller) or an existing
+cluster (``RAY_ADDRESS``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ClusterConfig, Resources
+from decode_worker.worker import ColocatedWorker, DecodeWorker
+from prefill_worker.worker import PrefillWorker
+from router.dispatch import Dispatcher, DispatchConfig, WorkerRef
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 300.0
+PING_TIMEOUT_S = 10.0
+
+
+@dataclass
+class _Slot:
+    """One worker position in a pool: its bundle, and the actor now filling it."""
+
+    role: str
+    index: int
+    ref: WorkerRef | None = None
+
+
+class TandemCluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self._slots: list[_Slot] = []
+        self._pgs: dict[str, object] = {}
+        self._generation = itertools.count()
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._health: threading.Thread | None = None
+        self.num_restarts = 0
+        self.dispatcher: Dispatcher | None = None
+
+    # -- views -----------------------------------------------------------------
+
+    def prefill_refs(self) -> list[WorkerRef]:
+        return [s.ref for s in self._slots if s.role == "prefill" and s.ref is not None]
+
+    def decode_refs(self) -> list[WorkerRef]:
+        return [s.ref for s in self._slots if s.role != "prefill" and s.ref is not None]
+
+    def workers(self) -> list[WorkerRef]:
+        return [s.ref for s in self._slots if s.ref is not None]
+
+    @property
+    def uses_collective(self) -> bool:
+        return self.config.transfer.backend == "collective" and not self.config.colocated
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> "TandemCluster":
+        cfg = self.config
+        roles = [("decode" if not cfg.colocated else "colocated", cfg.decode_workers, cfg.decode_resources)]
+        if not cfg.colocated:
+            roles.insert(0, ("prefill", cfg.prefill_workers, cfg.prefill_resources))
+        for role, count, resources in roles:
+            pg = placement_group([resources.bundle()] * count, strategy=cfg.placement_strategy)
+            ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+            self._pgs[role] = pg
+            for i in range(count):
+                self._slots.append(_Slot(role, i))
+        for slot in self._slots:
+            slot.ref = self._spawn(slot)
+        ray.get([w.handle.ready.remote() for w in self.workers()], timeout=READY_TIMEOUT_S)
+        if self.uses_collective:
+            self._form_group()
+        engine = cfg.engine_config("decode")
+        self.dispatcher = Dispatcher(
+            self.prefill_refs,
+            self.decode_refs,
+            DispatchConfig(
+                block_size=engine.block_size,
+                max_running_per_decode=engine.max_num_seqs,
+                max_retries=cfg.max_retries,
+            ),
+        )
+        if cfg.restart_workers:
+            self._health = threading.Thread(target=self._watch, name="tandem-health", daemon=True)
+            self._health.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+        for w in self.workers():
+            ray.kill(w.handle, no_restart=True)
+        for pg in self._pgs.values():
+            remove_placement_group(pg)
+        self._slots.clear()
+        self._pgs.clear()
+
+    def _spawn(self, slot: _Slot) -> WorkerRef:
+        cfg = self.config
+        cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}[slot.role]
+        resources: Resources = cfg.prefill_resources if slot.role == "prefill" else cfg.decode_resources
+        worker_id = f"{slot.role}-{slot.index}"
+        name = f"{cfg.name}-{worker_id}-{next(self._names)}"
+        handle = (
+            ray.remote(cls)
+            .options(
+                name=name,
+                num_cpus=resources.num_cpus,
+                num_gpus=resources.num_gpus,
+                max_restarts=0,
+                max_concurrency=1000,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pgs[slot.role], placement_group_bundle_index=slot.index
+                ),
+            )
+            .remote(
+                worker_id,
+                cfg.engine_config("prefill" if slot.role == "prefill" else "decode"),
+                cfg.transfer,
+                cfg.torch_threads,
+            )
+        )
+        return WorkerRef(worker_id, handle)
+
+    def _form_group(self) -> None:
+        """(Re)build the transfer group over every live worker, with fresh ranks."""
+        workers = self.workers()
+        generation = next(self._generation)
+        ray.get(
+            [w.handle.join_group.remote(len(workers), rank, generation) for rank, w in enumerate(workers)],
+            timeout=READY_TIMEOUT_S,
+        )
+
+    # -- health ----------------------------------------------------------------
+
+    def check_health(self) -> list[str]:
+        """Ping every worker; replace the dead ones. Returns the ids of replaced workers."""
+        with self._lock:
+            dead = []
+            for slot in self._slots:
+                try:
+                    ray.get(slot.ref.handle.ready.remote(), timeout=PING_TIMEOUT_S)
+                except (RayActorError, GetTimeoutError):
+                    dead.append(slot)
+            if not dead:
+                return []
+            for slot in dead:
+                log.warning("worker %s is dead; starting a replacement", slot.ref.worker_id)
+                try:
+                    ray.kill(slot.ref.handle, no_restart=True)
+                except Exception:  # already gone
+                    pass
+                slot.ref = None
+            for slot in dead:
+                slot.ref = self._spawn(slot)
+            ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
+            if self.uses_collective:
+                self._form_group()
+            self.num_restarts += len(dead)
+            return [s.ref.worker_id for s in dead]
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.config.health_check_s):
+            try:
+                self.check_health()
+            except Exception:  # keep watching; the next round retries
+                log.exception("health check failed")
+
+    # -- introspection ---------------------------------------------------------
+
+    def stats(self) -> dict[str, dict]:
+        refs = self.workers()
+        return dict(zip((w.worker_id for w in refs), ray.get([w.handle.stats.remote() for w in refs])))
+
+    def blocks_in_use(self) -> dict[str, int]:
+        return {wid: s["num_blocks_in_use"] for wid, s in self.stats().items()}

@@ -1,0 +1,235 @@
+"""The decode worker (a Ray actor): continuous batching over KV computed elsewhere.
+
+A disaggregated request's lifecycle here::
+
+    reserve ──▶ WAITING_FOR_REMOTE_KV ──receive_kv ok──▶ RUNNING ──▶ finished
+                        │
+                        ├─ transfer failed / deadline passed, policy recompute ─▶ WAITING (local prefill)
+                        └─ policy fail ─▶ finished with an error
+
+``generate(request_id)`` streams the request's token deltas (Ray streaming
+generator); it may be called before or after the KV arrives. ``generate`` with a
+prompt runs the whole request here: the colocated mode, without any transfer.
+Blocks are freed when a request finishes, is aborted, or its stream is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+from kv_transfer import KVLayout, TransferError, TransferMeta, TransferState
+from kv_transfer.config import TransferConfig
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What a worker sends per message: everything since the previous message."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list | None = None  # [(token, logprob, [(id, logprob), ...])] for the new tokens
+    error: str | None = None
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, num_logprobs_sent: int = 0) -> "StreamDelta":
+        lps = None
+        if out.logprobs is not None:
+            lps = [(lp.token_id, lp.logprob, list(lp.top)) for lp in out.logprobs[num_logprobs_sent:]]
+        return cls(
+            request_id=out.request_id,
+            token_ids=out.new_token_ids,
+            text=out.new_text,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=len(out.token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            logprobs=lps,
+            error="the KV transfer failed and kv_failure_policy is 'fail'"
+            if out.finish_reason == "error"
+            else None,
+        )
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    worker_id: str
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    waiting_for_kv: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    block_ids: list[int]
+    layout: KVLayout
+    dst_rank: int
+    deadline: float
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    c = engine.model_config
+    return KVLayout(
+        num_layers=c.num_layers,
+        block_size=engine.config.block_size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=str(engine.kv_cache.k.dtype).removeprefix("torch."),
+    )
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig,
+        torch_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.transfer = transfer
+        self.engine = LLMEngine(engine_config)
+        self.layout = kv_layout(self.engine)
+        self.runtime = AsyncEngine(self.engine)
+        self.runtime.add_periodic(self._expire_reservations)
+        self.backend = transfer.make_backend()
+        self._deadlines: dict[str, float] = {}
+        self.num_transfer_failures = 0
+
+    # -- health and load -------------------------------------------------------
+
+    async def ready(self) -> dict:
+        self.runtime.start()
+        return {"worker_id": self.worker_id, "role": self.role, "layout": self.layout}
+
+    async def join_group(self, world_size: int, rank: int, generation: int) -> int:
+        await asyncio.to_thread(self.backend.join, world_size, rank, generation)
+        return rank
+
+    async def load(self) -> DecodeLoad:
+        with self.runtime.lock:
+            s = self.engine.scheduler
+            pool = self.engine.kv_manager.pool
+            return DecodeLoad(
+                worker_id=self.worker_id,
+                free_blocks=pool.num_free_blocks,
+                total_blocks=pool.num_usable_blocks,
+                running=len(s.running),
+                waiting=s.num_waiting + len(s.swapped),
+                waiting_for_kv=len(s.remote),
+            )
+
+    async def stats(self) -> dict:
+        with self.runtime.lock:
+            stats = self.engine.stats().__dict__
+        stats["transfer"] = self.backend.stats.as_dict()
+        stats["transfer_failures"] = self.num_transfer_failures
+        return stats
+
+    # -- disaggregated requests ------------------------------------------------
+
+    async def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> Reservation | None:
+        """Reserve blocks for the prompt's KV; None when this worker has no room now."""
+        self.runtime.open_stream(request_id)
+        with self.runtime.lock:
+            blocks = self.engine.add_remote_request(prompt_token_ids, params, request_id=request_id)
+        if blocks is None:
+            self.runtime.abort(request_id)
+            return None
+        deadline = time.time() + self.transfer.timeout_s
+        self._deadlines[request_id] = deadline
+        rank = self.backend.rank
+        return Reservation(request_id, blocks, self.layout, rank, deadline)
+
+    async def receive_kv(self, meta: TransferMeta, payload, first_token: int, first_logprobs=None) -> int:
+        """Pull the prompt's KV into the reserved blocks; returns the TransferState."""
+        rid = meta.request_id
+        try:
+            if meta.layout != self.layout:
+                raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
+            k, v = await asyncio.wait_for(
+                self.backend.run(self.backend.pull, meta, payload), timeout=max(meta.time_left(), 0.001)
+            )
+        except Exception as e:  # any failure ends this transfer; the policy decides what follows
+            reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
+            self.backend.stats.failures[reason] += 1
+            self.transfer_failed(rid)
+            return int(TransferState.FAILED)
+        with self.runtime.lock:
+            self._deadlines.pop(rid, None)
+            out = self.engine.remote_kv_arrived(rid, first_token, k, v)
+        if out is not None:
+            self.runtime.deliver(out)
+            self.runtime.wake()
+        return int(TransferState.DONE)
+
+    def transfer_failed(self, request_id: str) -> None:
+        """The KV will not come (the sender said so, or the deadline passed)."""
+        recompute = self.transfer.failure_policy == "recompute"
+        with self.runtime.lock:
+            self._deadlines.pop(request_id, None)
+            if request_id not in self.engine.scheduler.remote:
+                return
+            self.num_transfer_failures += 1
+            out = self.engine.remote_kv_failed(request_id, recompute)
+        if out is not None:
+            self.runtime.deliver(out)
+        self.runtime.wake()
+
+    def _expire_reservations(self, now: float) -> None:
+        expired = [rid for rid, d in self._deadlines.items() if d < now]
+        for rid in expired:
+            self.backend.stats.failures["timeout"] += 1
+            self.transfer_failed(rid)
+
+    # -- streaming -------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+    ):
+        """Stream deltas of a reserved request, or (with a prompt) run it here in full."""
+        if prompt_token_ids is None:
+            stream = self.runtime.open_stream(request_id)
+            outputs = self.runtime.follow(request_id, stream)
+        else:
+            outputs = self.runtime.generate(prompt_token_ids, params, request_id)
+        sent_lps = 0
+        async for out in outputs:
+            delta = StreamDelta.from_output(out, sent_lps)
+            sent_lps += len(delta.logprobs or ())
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        self._deadlines.pop(request_id, None)
+        self.runtime.abort(request_id)
+
+
+class ColocatedWorker(DecodeWorker):
+    """Both phases in one worker, no transfer: ``generate`` with a prompt."""
+
+    role = "colocated"

@@ -1,0 +1,160 @@
+"""KV transfer between a prefill worker and a decode worker: shared types and interface.
+
+One transfer moves one request's prompt KV, packed as two contiguous tensors (K and
+V, each ``[layers, blocks, block_size, kv_heads, head_dim]``), so a transfer is two
+large messages whatever the number of blocks.
+
+Roles and the way of a transfer::
+
+    prefill worker (sender)                         decode worker (receiver)
+    -----------------------                         ------------------------
+                                                    reserve blocks -> WAITING_FOR_REMOTE_KV
+    prefill, sample first token
+    payload = backend.prepare(meta, k, v)
+    decode.receive_kv(meta, payload) ─────────────▶ k, v = backend.pull(meta, payload)
+    backend.push(meta, k, v, payload)  ══ bytes ══▶ (collective: matched send/recv)
+                                                    write into reserved blocks -> RUNNING
+    ack or lease expiry ◀──────────────────────────
+    backend.release(meta, payload)
+
+Every transfer has a deadline: a pull or push that outlives it fails the transfer,
+and the decode side's ``kv_failure_policy`` decides what happens to the request.
+States are ordered so that the slowest of several parts gives the state of the whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class TransferState(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING = 2
+    TRANSFERRING = 3
+    DONE = 4
+
+    @staticmethod
+    def combine(states) -> "TransferState":
+        """The state of a transfer made of parts: its least advanced part."""
+        return min(states, default=TransferState.DONE)
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one side's paged KV; both sides of a transfer must agree on it."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def nbytes(self, num_blocks: int) -> int:
+        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        n = 1
+        for d in self.packed_shape(num_blocks):
+            n *= d
+        return 2 * n * elem
+
+
+@dataclass(frozen=True)
+class TransferMeta:
+    """Describes one transfer; small and picklable, it travels with the RPC."""
+
+    transfer_id: str
+    request_id: str
+    layout: KVLayout
+    num_blocks: int
+    num_tokens: int
+    src_rank: int = -1  # collective group ranks, -1 when the backend has none
+    dst_rank: int = -1
+    deadline: float = 0.0  # time.time() after which the transfer has failed
+
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+
+@dataclass
+class TransferStats:
+    """Plain counters; the workers export them as metrics."""
+
+    sent: int = 0
+    received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_sending: float = 0.0
+    seconds_receiving: float = 0.0
+    failures: Counter = field(default_factory=Counter)  # by reason
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "failures"}
+        d["failures"] = dict(self.failures)
+        return d
+
+
+# Blocking transfer calls run on their own threads: a backend may park a call until
+# its turn comes, and parked calls must not starve the default executor.
+MAX_CONCURRENT_TRANSFERS = 512
+
+
+class KVTransferBackend(ABC):
+    """One way of moving packed KV from a sender process to a receiver process."""
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the transfer group; -1 for backends without one."""
+        return -1
+
+    def join(self, world_size: int, rank: int, generation: int) -> None:
+        """Take part in a (re)built transfer group; a no-op for backends without one."""
+
+    async def run(self, fn, *args):
+        """Run a blocking call (``push``/``pull``) off the event loop."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(MAX_CONCURRENT_TRANSFERS, thread_name_prefix="kv-transfer")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    @abstractmethod
+    def prepare(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor) -> Any:
+        """Sender: make the payload the receiver needs to pull (picklable, small)."""
+
+    def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: Any) -> None:
+        """Sender: the blocking part of a send (only backends with a peer-to-peer send)."""
+
+    @abstractmethod
+    def pull(self, meta: TransferMeta, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Receiver: fetch the packed K and V (blocking)."""
+
+    def release(self, meta: TransferMeta, payload: Any) -> None:
+        """Sender: drop its copy of the KV (on acknowledgement or lease expiry)."""
+
+    def check_deadline(self, meta: TransferMeta) -> None:
+        if meta.deadline and time.time() > meta.deadline:
+            raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")

@@ -1,0 +1,156 @@
+"""Collective backend: point-to-point send/recv with ``ray.util.collective``.
+
+NCCL (through cupy) when ``torch.cuda.is_available()``, gloo otherwise. On this Ray
+version gloo sits on ``torch.distributed``, so a process belongs to one group at a
+time: the group spans every prefill and decode worker and is rebuilt (all members
+leave, then join with new ranks) whenever a worker joins or dies. ``GroupMember`` is
+the part of a worker that takes part in that.
+
+K and V go as two messages of raw bytes (any dtype, bfloat16 included) into staging
+buffers on the receiver, which then scatters them into its paged blocks with one
+indexed copy.
+
+Point-to-point messages between two ranks are matched in the order they are posted,
+so both sides must handle a pair's transfers in the same order: the sender numbers
+its transfers per destination when it prepares them and pushes them in that order;
+the receiver pulls them from each source in the same order. A transfer whose caller
+gave up (deadline) still completes its send or receive in the background, so the
+sequence never skips.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
+
+GROUP_NAME = "default"  # the gloo backend tears down only the default group fully
+
+
+def device_backend() -> str:
+    """NCCL on GPUs, gloo otherwise (``nccl_available()`` can be true without a GPU)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class GroupMember:
+    """This process's membership of the transfer group."""
+
+    def __init__(self, op_timeout_s: float = 60.0) -> None:
+        self.rank = -1
+        self.world_size = 0
+        self.generation = -1
+        self.backend = device_backend()
+        self.op_timeout_ms = int(op_timeout_s * 1000)
+
+    @property
+    def joined(self) -> bool:
+        return self.rank >= 0
+
+    def join(self, world_size: int, rank: int, generation: int) -> None:
+        """Blocks until every member of the new group has joined."""
+        from ray.util import collective
+
+        self.leave()
+        collective.init_collective_group(
+            world_size, rank, backend=self.backend, group_name=GROUP_NAME,
+            gloo_timeout=self.op_timeout_ms,
+        )
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+
+    def leave(self) -> None:
+        from ray.util import collective
+
+        if collective.is_group_initialized(GROUP_NAME):
+            collective.destroy_collective_group(GROUP_NAME)
+        self.rank, self.world_size = -1, 0
+
+
+class CollectiveBackend(KVTransferBackend):
+    name = "collective"
+
+    def __init__(self, member: GroupMember | None = None) -> None:
+        super().__init__()
+        self.member = member or GroupMember()
+        self._turn = threading.Condition()
+        self._generation = -1
+        self._assigned: dict[int, int] = defaultdict(int)  # dst rank -> next seq to hand out
+        self._done: dict[tuple[str, int], int] = defaultdict(int)  # (send|recv, peer) -> next seq
+
+    @property
+    def rank(self) -> int:
+        return self.member.rank
+
+    def join(self, world_size: int, rank: int, generation: int) -> None:
+        self.member.join(world_size, rank, generation)
+
+    def _reset_if_regrouped(self) -> None:
+        if self._generation != self.member.generation:
+            self._generation = self.member.generation
+            self._assigned.clear()
+            self._done.clear()
+
+    def prepare(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor) -> dict:
+        if not self.member.joined:
+            raise TransferError("no_group", "this worker is not in a transfer group")
+        with self._turn:
+            self._reset_if_regrouped()
+            seq = self._assigned[meta.dst_rank]
+            self._assigned[meta.dst_rank] += 1
+        return {"src_rank": self.member.rank, "generation": self.member.generation, "seq": seq}
+
+    def _in_turn(self, direction: str, peer: int, payload: dict, op) -> None:
+        """Run ``op`` when every earlier transfer with ``peer`` in this direction is done."""
+        key = (direction, peer)
+        with self._turn:
+            self._reset_if_regrouped()
+            if payload["generation"] != self.member.generation:
+                raise TransferError("group_changed", "the transfer group was rebuilt mid-transfer")
+            self._turn.wait_for(lambda: self._done[key] >= payload["seq"])
+        # The operation itself runs unlocked: transfers with other peers go on meanwhile
+        # (one lock over all of them could deadlock prefill and decode workers in a ring).
+        try:
+            op()
+        finally:
+            with self._turn:
+                self._done[key] = payload["seq"] + 1
+                self._turn.notify_all()
+
+    def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: dict) -> None:
+        from ray.util import collective
+
+        def send() -> None:
+            for t in (k, v):
+                collective.send(_as_bytes(t), meta.dst_rank, GROUP_NAME)
+
+        t0 = time.perf_counter()
+        self._in_turn("send", meta.dst_rank, payload, send)
+        self.stats.sent += 1
+        self.stats.bytes_sent += k.nbytes + v.nbytes
+        self.stats.seconds_sending += time.perf_counter() - t0
+
+    def pull(self, meta: TransferMeta, payload: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        from ray.util import collective
+
+        dtype = getattr(torch, meta.layout.dtype)
+        device = "cuda" if self.member.backend == "nccl" else "cpu"
+        shape = meta.layout.packed_shape(meta.num_blocks)
+        k = torch.empty(shape, dtype=dtype, device=device)
+        v = torch.empty(shape, dtype=dtype, device=device)
+        def recv() -> None:
+            for t in (k, v):
+                collective.recv(_as_bytes(t), payload["src_rank"], GROUP_NAME)
+
+        t0 = time.perf_counter()
+        self._in_turn("recv", payload["src_rank"], payload, recv)
+        self.stats.received += 1
+        self.stats.bytes_received += k.nbytes + v.nbytes
+        self.stats.seconds_receiving += time.perf_counter() - t0
+        return k, v
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)

@@ -1,0 +1,41 @@
+"""Transfer settings shared by both sides of a transfer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kv_transfer.faults import FaultConfig
+
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "collective"  # collective | object_store | inprocess
+    timeout_s: float = 30.0  # deadline of one transfer, from the reservation
+    lease_s: float = 60.0  # the sender drops its copy after this without an ack
+    failure_policy: str = "recompute"  # what the decode side does when KV does not come
+    op_timeout_s: float = 60.0  # collective operations give up after this
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        from kv_transfer import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}"
+            )
+        for name in ("timeout_s", "lease_s", "op_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def make_backend(self):
+        from kv_transfer import make_backend
+        from kv_transfer.faults import FaultyBackend
+
+        backend = make_backend(self.backend)
+        if self.backend == "collective":
+            backend.member.op_timeout_ms = int(self.op_timeout_s * 1000)
+        return FaultyBackend(backend, self.faults) if self.faults.active else backend

@@ -1,0 +1,69 @@
+"""Fault injection for transfers, switched on by configuration (chaos tests, drills).
+
+``FaultyBackend`` wraps any backend: on the receiving side it drops a share of
+transfers (``drop_rate``) or delays them (``delay_s``), so that the decode side's
+deadline and ``kv_failure_policy`` paths run for real.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    drop_rate: float = 0.0  # share of transfers that fail on the receiver
+    delay_s: float = 0.0  # added before every receive
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.drop_rate <= 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1], got {self.drop_rate}")
+        if self.delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+
+    @property
+    def active(self) -> bool:
+        return self.drop_rate > 0 or self.delay_s > 0
+
+
+class FaultyBackend(KVTransferBackend):
+    def __init__(self, inner: KVTransferBackend, faults: FaultConfig) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = inner.name
+        self.stats = inner.stats
+        self.faults = faults
+        self._rng = random.Random(faults.seed)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    def join(self, world_size: int, rank: int, generation: int) -> None:
+        self.inner.join(world_size, rank, generation)
+
+    async def run(self, fn, *args):
+        return await self.inner.run(fn, *args)
+
+    def prepare(self, meta, k, v):
+        return self.inner.prepare(meta, k, v)
+
+    def push(self, meta, k, v, payload) -> None:
+        self.inner.push(meta, k, v, payload)
+
+    def pull(self, meta: TransferMeta, payload):
+        if self.faults.delay_s:
+            time.sleep(self.faults.delay_s)
+        if self._rng.random() < self.faults.drop_rate:
+            # Still drain the bytes, so a peer-to-peer sender is not left hanging.
+            self.inner.pull(meta, payload)
+            raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
+        return self.inner.pull(meta, payload)
+
+    def release(self, meta, payload) -> None:
+        self.inner.release(meta, payload)

@@ -1,0 +1,164 @@
+"""The prefill worker (a Ray actor): chunked prefill with a prefix cache kept across requests.
+
+A request's lifecycle here::
+
+    prefill() ─▶ queued ─▶ chunks under the step budget ─▶ first token sampled
+      ─▶ KV packed out of the blocks (blocks freed; the prefix cache keeps them)
+      ─▶ payload to the decode worker ─▶ bytes pushed ─▶ ack, or lease expiry ─▶ copy dropped
+
+The engine runs with ``hold_kv``: a finished prompt keeps its blocks only until its
+KV has been copied into one contiguous K and one V tensor. That copy is what the
+transfer sends and what the lease protects; the decode worker acknowledges by
+answering ``receive_kv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from kv_transfer import TransferError, TransferMeta, TransferState
+from kv_transfer.config import TransferConfig
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    worker_id: str
+    queued_prefill_tokens: int
+    running_chunks: int
+    waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_cached_tokens: int
+    state: int  # TransferState
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    kv_bytes: int
+    error: str | None = None
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig,
+        torch_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.transfer = transfer
+        self.engine = LLMEngine(engine_config)
+        self.runtime = AsyncEngine(self.engine)
+        self.backend = transfer.make_backend()
+        self._transfer_ids = itertools.count()
+
+    async def ready(self) -> dict:
+        self.runtime.start()
+        return {"worker_id": self.worker_id, "role": self.role}
+
+    async def join_group(self, world_size: int, rank: int, generation: int) -> int:
+        await asyncio.to_thread(self.backend.join, world_size, rank, generation)
+        return rank
+
+    async def load(self) -> PrefillLoad:
+        with self.runtime.lock:
+            s = self.engine.scheduler
+            queued = sum(r.num_tokens - r.num_computed_tokens for r in s.requests.values())
+            stats = self.engine.kv_manager.stats
+            return PrefillLoad(
+                worker_id=self.worker_id,
+                queued_prefill_tokens=queued,
+                running_chunks=len(s.running),
+                waiting=s.num_waiting,
+                prefix_cache_queries=stats.queries,
+                prefix_cache_hits=stats.hits,
+            )
+
+    async def stats(self) -> dict:
+        with self.runtime.lock:
+            stats = self.engine.stats().__dict__
+        stats["transfer"] = self.backend.stats.as_dict()
+        return stats
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        decode_worker,
+        reservation,
+    ) -> PrefillResult:
+        """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``."""
+        t0 = time.perf_counter()
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=())
+        final = None
+        t_first = None
+        async for out in self.runtime.generate(prompt_token_ids, first_params, request_id, hold_kv=True):
+            t_first = t_first or time.perf_counter()
+            final = out
+        t_done = time.perf_counter()
+        k, v = final.kv
+        meta = TransferMeta(
+            transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
+            request_id=request_id,
+            layout=reservation.layout,
+            num_blocks=k.shape[1],
+            num_tokens=len(prompt_token_ids),
+            src_rank=self.backend.rank,
+            dst_rank=reservation.dst_rank,
+            deadline=reservation.deadline,
+        )
+        state, error = await self._send(meta, k, v, decode_worker, final)
+        return PrefillResult(
+            request_id=request_id,
+            first_token=final.token_ids[0],
+            num_cached_tokens=final.num_cached_tokens,
+            state=int(state),
+            queue_s=0.0,
+            prefill_s=t_done - t0,
+            transfer_s=time.perf_counter() - t_done,
+            kv_bytes=k.nbytes + v.nbytes,
+            error=error,
+        )
+
+    async def _send(self, meta: TransferMeta, k, v, decode_worker, final):
+        lp = final.logprobs[0] if final.logprobs else None
+        payload = None
+        try:
+            payload = self.backend.prepare(meta, k, v)
+            ack = decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp)
+            push = self.backend.run(self.backend.push, meta, k, v, payload)
+            await asyncio.wait_for(push, timeout=max(meta.time_left(), 0.001))
+            state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
+            return state, None if state == TransferState.DONE else "receiver reported failure"
+        except Exception as e:  # any failure ends this transfer; the decode side recovers
+            reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
+            self.backend.stats.failures[reason] += 1
+            # Tell the decode side at once instead of letting it wait for the deadline.
+            decode_worker.transfer_failed.remote(meta.request_id)
+            return TransferState.FAILED, f"{reason}: {e}"
+        finally:
+            if payload is not None:
+                self.backend.release(meta, payload)
+
+    async def abort(self, request_id: str) -> None:
+        self.runtime.abort(request_id)

@@ -1,0 +1,1 @@
+"""Ingress: request dispatch over the worker pools, placement policies (HTTP/gRPC next)."""

@@ -1,0 +1,196 @@
+"""Prefill and decode workers on a local Ray: same tokens as one engine, no leaked blocks.
+
+Every test runs its requests through the cluster's dispatcher and ends by checking
+that blocks in use are back to zero on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.pools import TandemCluster
+from engine import LLM, SamplingParams
+
+NUM_REQUESTS = 32
+
+
+def _workload(seed=0, n=NUM_REQUESTS, shared_prefix=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(4000) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(4000) for _ in range(rng.randint(1, 200))] for _ in range(n)]
+    lengths = [rng.randint(1, 32) for _ in range(n)]
+    return prompts, lengths
+
+
+def _params(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    prompts, lengths = _workload()
+    llm = LLM(model=tiny_model, num_kv_blocks=1024)
+    outs = llm.generate(prompts, [_params(n) for n in lengths])
+    return prompts, lengths, [o.token_ids for o in outs]
+
+
+def _start(model, prefill=1, decode=1, backend="collective", **transfer):
+    cfg = ClusterConfig.from_dict(
+        {
+            "model": model,
+            "prefill_workers": prefill,
+            "decode_workers": decode,
+            "transfer": {"backend": backend, **transfer},
+            "engine": {"num_kv_blocks": 512},
+            "restart_workers": False,
+        }
+    )
+    return TandemCluster(cfg).start()
+
+
+async def _collect(cluster, prompt, n):
+    tokens, errors, finish = [], [], None
+    async for delta in cluster.dispatcher.generate(prompt, _params(n)):
+        tokens += delta.token_ids
+        if delta.error:
+            errors.append(delta.error)
+        finish = delta.finish_reason
+    return tokens, errors, finish
+
+
+def _run_all(cluster, prompts, lengths, timeout=120):
+    async def main():
+        jobs = [_collect(cluster, p, n) for p, n in zip(prompts, lengths)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), timeout)
+
+    return asyncio.run(main())
+
+
+def _assert_no_blocks_in_use(cluster):
+    in_use = cluster.blocks_in_use()
+    assert all(v == 0 for v in in_use.values()), f"blocks still in use: {in_use}"
+
+
+@pytest.mark.parametrize(
+    "backend,prefill,decode",
+    [("collective", 1, 1), ("collective", 2, 2), ("object_store", 1, 1), ("object_store", 2, 2)],
+)
+def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, reference, backend, prefill, decode):
+    prompts, lengths, want = reference
+    cluster = _start(tiny_model, prefill, decode, backend)
+    try:
+        results = _run_all(cluster, prompts, lengths)
+        for i, ((tokens, errors, _), expected) in enumerate(zip(results, want)):
+            assert not errors, f"request {i} failed: {errors}"
+            assert tokens == expected, f"request {i}: {tokens} != single engine {expected}"
+        stats = cluster.stats()
+        sent = sum(s["transfer"]["sent"] for w, s in stats.items() if w.startswith("prefill"))
+        assert sent == NUM_REQUESTS, f"expected {NUM_REQUESTS} KV transfers, saw {sent}"
+        if prefill == 2:
+            busy = [s["prompt_tokens"] > 0 for w, s in stats.items()]
+            assert all(busy), f"every worker should have taken requests: {stats.keys()} {busy}"
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_prefill_prefix_cache_hits_are_counted(ray_cluster, tiny_model):
+    prompts, lengths = _workload(seed=5, n=12, shared_prefix=96)
+    cluster = _start(tiny_model, 1, 1, "object_store")
+    try:
+        # One first, so the shared prefix is cached before the rest arrive.
+        _run_all(cluster, prompts[:1], lengths[:1])
+        _run_all(cluster, prompts[1:], lengths[1:])
+        load = asyncio.run(_load(cluster.prefill_refs()[0]))
+        assert load.prefix_cache_hits >= 11 * 96, f"expected >= {11 * 96} hit tokens, got {load}"
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
+
+
+async def _load(ref):
+    return await ref.handle.load.remote()
+
+
+def test_injected_transfer_failure_recomputes_same_tokens(ray_cluster, tiny_model, reference):
+    prompts, lengths, want = reference
+    cluster = _start(tiny_model, 1, 1, "collective", failure_policy="recompute", faults={"drop_rate": 1.0})
+    try:
+        results = _run_all(cluster, prompts[:8], lengths[:8])
+        assert [r[0] for r in results] == want[:8], "recompute after a failed transfer must give the same tokens"
+        decode_stats = cluster.stats()["decode-0"]
+        assert decode_stats["transfer"]["failures"].get("injected", 0) == 8, decode_stats["transfer"]
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_injected_transfer_failure_under_fail_policy_is_a_clear_error(ray_cluster, tiny_model, reference):
+    prompts, lengths, _ = reference
+    cluster = _start(tiny_model, 1, 1, "object_store", failure_policy="fail", faults={"drop_rate": 1.0})
+    try:
+        results = _run_all(cluster, prompts[:4], lengths[:4])
+        for tokens, errors, finish in results:
+            assert finish == "error" and errors, f"expected a clear error, got {finish} {errors}"
+            assert "transfer failed" in errors[0], errors
+            assert tokens == [], "a failed request must not stream tokens"
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_transfer_slower_than_deadline_falls_back_to_recompute(ray_cluster, tiny_model, reference):
+    prompts, lengths, want = reference
+    cluster = _start(tiny_model, 1, 1, "object_store", timeout_s=0.5, faults={"delay_s": 1.0})
+    try:
+        results = _run_all(cluster, prompts[:4], lengths[:4])
+        assert [r[0] for r in results] == want[:4]
+        failures = cluster.stats()["decode-0"]["transfer"]["failures"]
+        assert failures.get("timeout", 0) >= 4, failures
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_killing_a_decode_worker_mid_stream_ends_every_request(ray_cluster, tiny_model):
+    import ray
+
+    prompts, _ = _workload(seed=9, n=16)
+    lengths = [300] * len(prompts)  # long enough to be mid-stream when the kill lands
+    cfg = ClusterConfig.from_dict(
+        {
+            "model": tiny_model,
+            "prefill_workers": 1,
+            "decode_workers": 2,
+            "transfer": {"backend": "object_store"},
+            "engine": {"num_kv_blocks": 1024},
+            "restart_workers": False,
+        }
+    )
+    cluster = TandemCluster(cfg).start()
+    try:
+        async def main():
+            jobs = [asyncio.ensure_future(_collect(cluster, p, n)) for p, n in zip(prompts, lengths)]
+            await asyncio.sleep(1.5)
+            ray.kill(cluster.decode_refs()[0].handle, no_restart=True)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+            return results, time.monotonic() - t0
+
+        results, elapsed = asyncio.run(main())
+        completed = [r for r in results if not r[1] and len(r[0]) == 300]
+        errored = [r for r in results if r[1]]
+        assert len(completed) + len(errored) == len(results), "every request ends with a result or an error"
+        assert errored, "requests streaming from the killed worker should get an error"
+        assert all("died" in r[1][0] for r in errored), [r[1] for r in errored]
+        assert elapsed < 60
+        replaced = cluster.check_health()
+        assert replaced == ["decode-0"], replaced
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
