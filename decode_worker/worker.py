@@ -169,9 +169,7 @@ class DecodeWorker:
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
-            k, v = await asyncio.wait_for(
-                self.backend.run(self.backend.pull, meta, payload), timeout=max(meta.time_left(), 0.001)
-            )
+            k, v = await self.backend.pull_async(meta, payload)
         except Exception as e:  # any failure ends this transfer; the policy decides what follows
             reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
             self.backend.stats.failures[reason] += 1
@@ -180,9 +178,11 @@ class DecodeWorker:
         with self.runtime.lock:
             self._deadlines.pop(rid, None)
             out = self.engine.remote_kv_arrived(rid, first_token, k, v)
-        if out is not None:
-            self.runtime.deliver(out)
-            self.runtime.wake()
+            # Deliver under the lock: the step thread's next output must queue after this one.
+            if out is not None:
+                self.runtime.deliver(out)
+        self.backend.recycle(k, v)
+        self.runtime.wake()
         return int(TransferState.DONE)
 
     def transfer_failed(self, request_id: str) -> None:
@@ -194,8 +194,8 @@ class DecodeWorker:
                 return
             self.num_transfer_failures += 1
             out = self.engine.remote_kv_failed(request_id, recompute)
-        if out is not None:
-            self.runtime.deliver(out)
+            if out is not None:
+                self.runtime.deliver(out)
         self.runtime.wake()
 
     def _expire_reservations(self, now: float) -> None:

@@ -56,6 +56,9 @@ class TransferError(RuntimeError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # picklable across Ray, reason included
+        return (type(self), (self.reason, str(self)))
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -135,11 +138,28 @@ class KVTransferBackend(ABC):
     def join(self, world_size: int, rank: int, generation: int) -> None:
         """Take part in a (re)built transfer group; a no-op for backends without one."""
 
-    async def run(self, fn, *args):
-        """Run a blocking call (``push``/``pull``) off the event loop."""
+    def _submit(self, fn, *args) -> asyncio.Future:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(MAX_CONCURRENT_TRANSFERS, thread_name_prefix="kv-transfer")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _by_deadline(self, meta: TransferMeta, fn, *args):
+        # Submitted before waiting and shielded from the timeout: a peer-to-peer
+        # operation must still run to completion so that the pair's message order
+        # holds. Only its caller gives up at the deadline.
+        future = self._submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout=max(meta.time_left(), 0.0))
+        except asyncio.TimeoutError:
+            raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline") from None
+
+    async def pull_async(self, meta: TransferMeta, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Receiver: ``pull`` off the event loop, failing with "timeout" at the deadline."""
+        return await self._by_deadline(meta, self.pull, meta, payload)
+
+    async def push_async(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: Any) -> None:
+        """Sender: ``push`` off the event loop, failing with "timeout" at the deadline."""
+        await self._by_deadline(meta, self.push, meta, k, v, payload)
 
     @abstractmethod
     def prepare(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor) -> Any:
@@ -154,6 +174,9 @@ class KVTransferBackend(ABC):
 
     def release(self, meta: TransferMeta, payload: Any) -> None:
         """Sender: drop its copy of the KV (on acknowledgement or lease expiry)."""
+
+    def recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Receiver: the pulled tensors were copied into the cache; their memory may be reused."""
 
     def check_deadline(self, meta: TransferMeta) -> None:
         if meta.deadline and time.time() > meta.deadline:

@@ -47,9 +47,6 @@ class FaultyBackend(KVTransferBackend):
     def join(self, world_size: int, rank: int, generation: int) -> None:
         self.inner.join(world_size, rank, generation)
 
-    async def run(self, fn, *args):
-        return await self.inner.run(fn, *args)
-
     def prepare(self, meta, k, v):
         return self.inner.prepare(meta, k, v)
 
@@ -67,3 +64,6 @@ class FaultyBackend(KVTransferBackend):
 
     def release(self, meta, payload) -> None:
         self.inner.release(meta, payload)
+
+    def recycle(self, k, v) -> None:
+        self.inner.recycle(k, v)

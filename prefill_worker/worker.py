@@ -146,8 +146,7 @@ class PrefillWorker:
         try:
             payload = self.backend.prepare(meta, k, v)
             ack = decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp)
-            push = self.backend.run(self.backend.push, meta, k, v, payload)
-            await asyncio.wait_for(push, timeout=max(meta.time_left(), 0.001))
+            await self.backend.push_async(meta, k, v, payload)
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
             return state, None if state == TransferState.DONE else "receiver reported failure"
         except Exception as e:  # any failure ends this transfer; the decode side recovers

@@ -1,0 +1,179 @@
+"""KV transfer throughput of each backend, beside raw gloo and an in-process copy.
+
+For each size (MiB of K+V per request) it moves the same bytes between two Ray
+actors, all in one run:
+
+* ``raw_gloo``: ``ray.util.collective`` send/recv into existing buffers (the baseline);
+* ``collective``: this project's backend (sequencing, staging buffers, deadlines);
+* ``object_store``: through Ray's object store;
+
+both timed inside the receiver until the bytes sit in a resident buffer, as they must
+in a decode worker's cache (raw gloo receives straight into its buffer);
+* ``inprocess_copy``: one ``torch`` copy of the same bytes in this process.
+
+It also times one request at low load through a 1 prefill + 1 decode cluster and
+splits its TTFT into reserve, prefill (queue included), transfer and first delivery.
+
+    python -m bench.transfer [--sizes 16 256] [--repeats 5] [--out bench-results/transfer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from kv_transfer import KVLayout, TransferMeta
+from kv_transfer.config import TransferConfig
+from kv_transfer.peer import TransferPeer
+
+MiB = 1 << 20
+
+
+def _layout_for(size_mib: int) -> tuple[KVLayout, int]:
+    """A float32 layout whose packed K+V for one request is ``size_mib`` MiB."""
+    layout = KVLayout(num_layers=16, block_size=16, num_kv_heads=8, head_dim=128, dtype="float32")
+    per_block = layout.nbytes(1)
+    return layout, max(1, size_mib * MiB // per_block)
+
+
+def _pair(backend: str):
+    actor = ray.remote(TransferPeer).options(num_cpus=0, max_concurrency=16)
+    a, b = actor.remote(TransferConfig(backend=backend)), actor.remote(TransferConfig(backend=backend))
+    if backend == "collective":
+        ray.get([a.join.remote(2, 0, 0), b.join.remote(2, 1, 0)])
+    return a, b
+
+
+def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
+    layout, blocks = _layout_for(size_mib)
+    times = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        meta = TransferMeta(f"t{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, 0, 1, time.time() + 300)
+        payload, _ = ray.get(a.prepare.remote(meta, i))
+        pull = b.pull.remote(meta, payload)
+        ray.get(a.push.remote(meta))
+        _, seconds = ray.get(pull)  # measured inside the receiver: wait + receive
+        if i:
+            times.append(seconds)
+        ray.get(a.release.remote(meta))
+    return times
+
+
+def time_raw_gloo(a, b, size_mib: int, repeats: int) -> list[float]:
+    nbytes = _layout_for(size_mib)[0].nbytes(_layout_for(size_mib)[1])
+    ray.get([a.raw_setup.remote(nbytes), b.raw_setup.remote(nbytes)])
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        recv = b.raw_recv.remote(0)
+        ray.get(a.raw_send.remote(1))
+        ray.get(recv)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_inprocess(size_mib: int, repeats: int) -> list[float]:
+    layout, blocks = _layout_for(size_mib)
+    n = layout.nbytes(blocks)
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    dst.copy_(src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def ttft_breakdown(model: str | None) -> dict:
+    """One request at low load through 1 prefill + 1 decode (collective backend)."""
+    import asyncio
+
+    from cluster.config import ClusterConfig
+    from cluster.pools import TandemCluster
+    from engine import SamplingParams
+
+    cluster = TandemCluster(
+        ClusterConfig(model=model, prefill_workers=1, decode_workers=1, restart_workers=False)
+    ).start()
+    try:
+        decode, prefill = cluster.decode_refs()[0].handle, cluster.prefill_refs()[0].handle
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async def one(rid: str, i: int) -> dict:
+            prompt = [(i * 7919 + j) % 4000 for j in range(512)]  # distinct: no prefix hits
+            t0 = time.perf_counter()
+            res = await decode.reserve.remote(rid, prompt, params)
+            t_res = time.perf_counter()
+            pref = prefill.prefill.remote(rid, prompt, params, decode, res)
+            stream = decode.generate.options(num_returns="streaming").remote(rid)
+            marks = []
+            async for ref in stream:
+                await ref
+                marks.append(time.perf_counter())
+            result = await pref
+            return {
+                "reserve_s": t_res - t0,
+                "prefill_s": result.prefill_s,
+                "transfer_s": result.transfer_s,
+                "ttft_s": marks[0] - t0,
+                "first_decode_step_s": marks[-1] - marks[0] if len(marks) > 1 else None,
+                "kv_mib": result.kv_bytes / MiB,
+            }
+
+        runs = [asyncio.run(one(f"ttft-{i}", i)) for i in range(6)][1:]
+        return {k: statistics.median(r[k] for r in runs if r[k] is not None) for k in runs[0]}
+    finally:
+        cluster.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[16, 256], help="MiB of K+V per request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", default="bench-results/transfer.json")
+    args = ap.parse_args(argv)
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    torch.set_num_threads(1)
+    gloo_a, gloo_b = _pair("collective")
+    store_a, store_b = _pair("object_store")
+    result: dict = {"sizes_mib": args.sizes, "repeats": args.repeats, "results": {}}
+    for size in args.sizes:
+        rows = {
+            "raw_gloo": time_raw_gloo(gloo_a, gloo_b, size, args.repeats),
+            "collective": time_backend(gloo_a, gloo_b, size, args.repeats),
+            "object_store": time_backend(store_a, store_b, size, args.repeats),
+            "inprocess_copy": time_inprocess(size, args.repeats),
+        }
+        layout, blocks = _layout_for(size)
+        nbytes = layout.nbytes(blocks)
+        summary = {}
+        for name, times in rows.items():
+            med = statistics.median(times)
+            summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
+        summary["collective_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary["collective"]["median_s"]
+        result["results"][f"{size}MiB"] = summary
+        print(f"{size} MiB: " + ", ".join(
+            f"{k} {v['median_s'] * 1e3:.1f} ms ({v['GiB_per_s']:.2f} GiB/s)" for k, v in summary.items() if isinstance(v, dict)
+        ) + f"; collective/raw gloo = {summary['collective_vs_raw_gloo']:.2f}", flush=True)
+    for a in (gloo_a, gloo_b, store_a, store_b):
+        ray.kill(a)
+    result["ttft_breakdown_512_tokens"] = ttft_breakdown(args.model)
+    print("TTFT breakdown (s):", json.dumps(result["ttft_breakdown_512_tokens"], indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
