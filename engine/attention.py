@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: the torch reference backend.
 
-The flattened batch holds decode tokens first (one query per request, batched into a
-single padded attention call), then prefill chunks (many queries per request,
+The flattened batch holds decode tokens first (one query per request, sorted by
+context length and batched into a few padded attention calls, one per group of
+similar lengths, so padding stays small), then prefill chunks (many queries per request,
 causal within the chunk, attending to the request's earlier cached blocks).
 
 New K/V are written into the cache through the slot mapping before attention reads
@@ -27,11 +28,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended in one padded call."""
+
+    q_start: int
+    q_end: int
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with the null block
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each token's K/V goes in the cache
-    num_decode: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks] long
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -64,15 +73,12 @@ def paged_attention(
     """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Returns [T, Hq, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    nd = meta.num_decode
-    if nd:
-        qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = _gather(k_cache, meta.decode_block_tables)
-        vd = _gather(v_cache, meta.decode_block_tables)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = od.squeeze(2)
+    for g in meta.decodes:
+        qd = q[g.q_start : g.q_end].unsqueeze(2)  # [B, Hq, 1, D]
+        kd = _gather(k_cache, g.block_tables)
+        vd = _gather(v_cache, g.block_tables)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        out[g.q_start : g.q_end] = od.squeeze(2)
     for c in meta.prefills:
         qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if c.mask is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import SampleRow, TokenLogprobs, sample
@@ -43,7 +43,10 @@ class ModelRunner:
         self.kv.swap_in(sched.swap_in)
         if not sched.scheduled:
             return RunnerOutput()
-        items = sorted(sched.scheduled, key=lambda s: len(s.token_ids) > 1)
+        # Decodes first, shortest context first (groups of similar length pad little).
+        items = sorted(
+            sched.scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0)
+        )
         input_ids, positions, meta, sample_rows = self._prepare(items)
         hidden = self.model(input_ids, positions, self.kv.k, self.kv.v, meta)
         if not sample_rows:
@@ -99,24 +102,37 @@ class ModelRunner:
                 sample_rows.append((row0 + n - 1, item.request))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decode_tables),
-            decode_block_tables=None,
-            decode_mask=None,
+            decodes=self._decode_groups(decode_tables, decode_lens),
             prefills=prefills,
         )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            keys = torch.arange(width * bs, device=dev)
-            meta.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         return (
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
             sample_rows,
         )
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decode rows (sorted by length) where padding would pass ~1.5x the data."""
+        bs = self.block_size
+        groups, start = [], 0
+        for i in range(1, len(lens) + 1):
+            if i < len(lens) and lens[i] <= 1.5 * lens[start] + 4 * bs:
+                continue
+            width = -(-lens[i - 1] // bs)
+            rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables[start:i]]
+            lengths = torch.tensor(lens[start:i], device=self.device)
+            keys = torch.arange(width * bs, device=self.device)
+            groups.append(
+                DecodeGroup(
+                    q_start=start,
+                    q_end=i,
+                    block_tables=torch.tensor(rows, dtype=torch.long, device=self.device),
+                    mask=(keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
+                )
+            )
+            start = i
+        return groups
 
     def _chunk(self, row0: int, n: int, start: int, table: list[int]) -> PrefillChunk:
         ctx = start + n

@@ -194,3 +194,39 @@ def test_killing_a_decode_worker_mid_stream_ends_every_request(ray_cluster, tiny
         _assert_no_blocks_in_use(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_colocated_workers_match_single_engine(ray_cluster, tiny_model, reference):
+    prompts, lengths, want = reference
+    cluster = _start(tiny_model, prefill=0, decode=2)
+    try:
+        results = _run_all(cluster, prompts, lengths)
+        assert [r[0] for r in results] == want, "colocated workers must give the single engine's tokens"
+        assert set(cluster.stats()) == {"colocated-0", "colocated-1"}
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_topology_yaml_with_overrides(tmp_path):
+    path = tmp_path / "topology.yaml"
+    path.write_text(
+        "prefill_workers: 2\n"
+        "decode_workers: 3\n"
+        "decode_resources: {num_cpus: 1, num_gpus: 1}\n"
+        "transfer: {backend: object_store, failure_policy: fail}\n"
+        "engine: {max_num_batched_tokens: 512}\n"
+        "decode_engine: {num_kv_blocks: 100}\n"
+    )
+    cfg = ClusterConfig.from_yaml(path, decode_workers=4, prefill_workers=None)
+    assert (cfg.prefill_workers, cfg.decode_workers) == (2, 4), "flags override the file, None keeps it"
+    assert cfg.decode_resources.num_gpus == 1 and cfg.transfer.failure_policy == "fail"
+    assert cfg.engine_config("decode").num_kv_blocks == 100
+    assert cfg.engine_config("prefill").num_kv_blocks is None
+    assert cfg.engine_config("prefill").max_num_batched_tokens == 512
+    with pytest.raises(ValueError, match="unknown topology settings"):
+        ClusterConfig.from_dict({"prefil_workers": 1})
+    with pytest.raises(ValueError, match="backend"):
+        ClusterConfig.from_dict({"transfer": {"backend": "carrier-pigeon"}})
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        ClusterConfig.from_dict({"engine": {"blok_size": 8}})
