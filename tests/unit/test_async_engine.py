@@ -1,0 +1,74 @@
+"""AsyncEngine: the step thread behind the workers' streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.async_engine import AsyncEngine
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return LLMEngine(model=str(default_model), num_kv_blocks=128)
+
+
+def _params(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_streams_deliver_every_token_once_and_free_blocks(engine):
+    runtime = AsyncEngine(engine)
+
+    async def one(rid, prompt, n):
+        tokens, text, last = [], "", None
+        async for out in runtime.generate(prompt, _params(n), rid):
+            tokens += out.new_token_ids
+            text += out.new_text
+            last = out
+        return tokens, text, last
+
+    async def main():
+        return await asyncio.gather(*(one(f"s{i}", [5 + i] * (10 + i), 8 + i) for i in range(6)))
+
+    results = asyncio.run(main())
+    runtime.shutdown()
+    for i, (tokens, text, last) in enumerate(results):
+        assert last.finished and tokens == last.token_ids, f"stream {i} lost or repeated tokens"
+        assert len(tokens) == 8 + i and text == last.text
+    assert engine.stats().num_blocks_in_use == 0
+
+
+def test_leaving_a_stream_early_aborts_the_request(engine):
+    runtime = AsyncEngine(engine)
+
+    async def main():
+        async for out in runtime.generate([7] * 20, _params(200), "early"):
+            break  # the consumer goes away after the first delta
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    runtime.shutdown()
+    assert "early" not in engine.scheduler.requests, "an abandoned stream must abort its request"
+    assert engine.stats().num_blocks_in_use == 0
+
+
+def test_a_failing_step_ends_every_stream_with_the_error(engine, monkeypatch):
+    runtime = AsyncEngine(engine)
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+
+    async def main():
+        async for _ in runtime.generate([9] * 12, _params(5), "doomed"):
+            pass
+
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        asyncio.run(asyncio.wait_for(main(), 10))
+    runtime.shutdown()
+    monkeypatch.undo()
+    assert not engine.scheduler.requests and engine.stats().num_blocks_in_use == 0
