@@ -73,12 +73,17 @@ def paged_attention(
     """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Returns [T, Hq, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
     for g in meta.decodes:
-        qd = q[g.q_start : g.q_end].unsqueeze(2)  # [B, Hq, 1, D]
+        b = g.q_end - g.q_start
+        # One query per row: fold each KV head's query group into the query axis,
+        # so K and V are never repeated per query head.
+        qd = q[g.q_start : g.q_end].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kd = _gather(k_cache, g.block_tables)
         vd = _gather(v_cache, g.block_tables)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
-        out[g.q_start : g.q_end] = od.squeeze(2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+        out[g.q_start : g.q_end] = od.reshape(b, num_heads, head_dim)
     for c in meta.prefills:
         qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if c.mask is None:
