@@ -1,1 +1,1 @@
-"""Topology, worker pools and the ``tandem`` command line."""
+"""Topology config, worker pools, the controller actor, the whole service and the ``tandem`` CLI."""

@@ -1,4 +1,5 @@
-"""The ``tandem`` command: make the default model, generate offline, run benchmarks."""
+"""The ``tandem`` command: serve (``up``), query a server (``request``), make the default
+model, generate offline, run benchmarks."""
 
 from __future__ import annotations
 
@@ -38,6 +39,126 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_config(args: argparse.Namespace):
+    from cluster.config import ClusterConfig
+
+    overrides = {
+        "model": args.model,
+        "prefill_workers": args.prefill_workers,
+        "decode_workers": args.decode_workers,
+    }
+    if args.kv_transfer_backend is not None:
+        overrides["transfer"] = {"backend": args.kv_transfer_backend}
+    if args.num_kv_blocks is not None:
+        overrides["engine"] = {"num_kv_blocks": args.num_kv_blocks}
+    if args.config:
+        import yaml
+        from pathlib import Path
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: a topology file must be a mapping")
+        for key in ("transfer", "engine"):  # flags refine these sections, not replace them
+            if key in overrides and isinstance(data.get(key), dict):
+                overrides[key] = {**data[key], **overrides[key]}
+        return ClusterConfig.from_yaml(args.config, **overrides)
+    return ClusterConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    from cluster.service import ServiceConfig, TandemService
+    from router.admission import AdmissionConfig
+    from router.dispatch import DispatchConfig
+    from router.server import RouterConfig
+
+    cluster = _cluster_config(args)
+    config = ServiceConfig(
+        cluster=cluster,
+        router=RouterConfig(
+            admission=AdmissionConfig(
+                max_requests=args.max_outstanding_requests, max_prompt_tokens=args.max_outstanding_prompt_tokens
+            ),
+            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+            dispatch=DispatchConfig(placement=args.placement),
+        ),
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+    )
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level="WARNING")
+    else:
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING")
+    # After ray.init: Ray's core installs its own SIGTERM handler, which aborts the process.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    service = None
+    try:
+        service = TandemService(config).start()
+        info = service.model_info
+        print(
+            f"tandem is up: model {info['name']!r} on {cluster.prefill_workers} prefill + "
+            f"{cluster.decode_workers} decode workers\n"
+            f"  HTTP (OpenAI API): {service.http_url}/v1   health: {service.http_url}/health\n"
+            f"  gRPC (tandem.v1.Generation): {service.grpc_target}\n"
+            f"  auth: {'API key required' if config.router.api_key else 'none'}; Ctrl-C stops",
+            flush=True,
+        )
+        stop.wait()
+        print("shutting down", flush=True)
+    finally:
+        if service is not None:
+            service.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _cmd_request(args: argparse.Namespace) -> int:
+    """Send one completion to a running server and print the answer (stdlib only)."""
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    base = args.url.rstrip("/")
+    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
+    path = "/v1/completions"
+    if args.chat:
+        body = {
+            "messages": [{"role": "user", "content": args.prompt}],
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+        }
+        path = "/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+    key = args.api_key or os.environ.get("TANDEM_API_KEY")
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            out = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
+        return 1
+    choice = out["choices"][0]
+    print(choice["message"]["content"] if args.chat else choice["text"])
+    u = out["usage"]
+    print(
+        f"[{u['prompt_tokens']} prompt tokens, {u['completion_tokens']} generated, "
+        f"finish_reason={choice['finish_reason']}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "offline":
         from bench.offline import main as offline_main
@@ -66,6 +187,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-kv-blocks", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)
+
+    up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
+    up.add_argument("--config", help="topology YAML (see cluster/config.py); flags override it")
+    up.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
+    up.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
+    up.add_argument("--decode-workers", type=int, default=None)
+    up.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "inprocess"])
+    up.add_argument("--num-kv-blocks", type=int, default=None)
+    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--grpc-port", type=int, default=9000)
+    up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
+    up.add_argument("--max-outstanding-requests", type=int, default=256)
+    up.add_argument("--max-outstanding-prompt-tokens", type=int, default=262_144)
+    up.add_argument("--placement", default="load", choices=["load", "round_robin"],
+                    help="worker choice: load-aware with prefix affinity, or the round-robin baseline")
+    up.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray (default: all)")
+    up.set_defaults(func=_cmd_up)
+
+    req = sub.add_parser("request", help="send one completion to a running server and print it")
+    req.add_argument("prompt")
+    req.add_argument("--url", default="http://127.0.0.1:8000")
+    req.add_argument("--max-tokens", type=int, default=32)
+    req.add_argument("--temperature", type=float, default=0.0)
+    req.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    req.add_argument("--api-key", default=None, help="default: $TANDEM_API_KEY")
+    req.add_argument("--timeout", type=float, default=120.0)
+    req.set_defaults(func=_cmd_request)
 
     bench = sub.add_parser("bench", help="run a benchmark program (offline)")
     bench.add_argument("bench", choices=["offline"])

@@ -177,7 +177,7 @@ class DecodeWorker:
             return int(TransferState.FAILED)
         with self.runtime.lock:
             self._deadlines.pop(rid, None)
-            out = self.engine.remote_kv_arrived(rid, first_token, k, v)
+            out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs)
             # Deliver under the lock: the step thread's next output must queue after this one.
             if out is not None:
                 self.runtime.deliver(out)

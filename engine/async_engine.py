@@ -130,8 +130,11 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Abort the request; its stream, if anyone still reads it, ends with "abort"."""
         with self.lock:
-            self.engine.abort(request_id)
+            outputs = self.engine.abort(request_id)
+            for out in outputs:
+                self.deliver(out)
         self._streams.pop(request_id, None)
 
     # -- the step thread -------------------------------------------------------

@@ -37,11 +37,30 @@ class DecodeGroup:
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
 
 
+class GatherWorkspace:
+    """Reused output buffers for gathering K and V out of the paged cache.
+
+    A step gathers tens of MB per layer. Fresh tensors that large are mapped anew by
+    the allocator on every call and page-faulted in, which measured slower than the
+    attention itself; two buffers kept for the engine's life avoid that.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def buffer(self, slot: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers[slot]
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[slot] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel]
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: where each token's K/V goes in the cache
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    workspace: GatherWorkspace | None = None
 
 
 def write_kv(
@@ -52,11 +71,19 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, block_table: torch.Tensor, workspace: GatherWorkspace | None = None, slot: int = 0
+) -> torch.Tensor:
     """[..., nb] block ids -> [..., Hkv, nb * block, D] keys or values."""
     num_blocks, block, heads, dim = cache.shape
+    flat = cache.view(num_blocks, -1)
+    index = block_table.reshape(-1)
     # index_select on a 2-D view is several times faster than advanced indexing on CPU.
-    g = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
+    if workspace is None:
+        g = flat.index_select(0, index)
+    else:
+        out = workspace.buffer(slot, index.numel() * flat.shape[1], cache).view(index.numel(), flat.shape[1])
+        g = torch.index_select(flat, 0, index, out=out)
     g = g.view(*block_table.shape[:-1], block_table.shape[-1] * block, heads, dim)
     return g.transpose(-3, -2)
 
@@ -80,8 +107,8 @@ def paged_attention(
         # One query per row: fold each KV head's query group into the query axis,
         # so K and V are never repeated per query head.
         qd = q[g.q_start : g.q_end].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kd = _gather(k_cache, g.block_tables)
-        vd = _gather(v_cache, g.block_tables)
+        kd = _gather(k_cache, g.block_tables, meta.workspace, 0)
+        vd = _gather(v_cache, g.block_tables, meta.workspace, 1)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
         out[g.q_start : g.q_end] = od.reshape(b, num_heads, head_dim)
     for c in meta.prefills:
@@ -92,8 +119,8 @@ def paged_attention(
             oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ctx = c.mask.shape[1]
-            kc = _gather(k_cache, c.block_table)[:, :ctx].unsqueeze(0)
-            vc = _gather(v_cache, c.block_table)[:, :ctx].unsqueeze(0)
+            kc = _gather(k_cache, c.block_table, meta.workspace, 0)[:, :ctx].unsqueeze(0)
+            vc = _gather(v_cache, c.block_table, meta.workspace, 1)[:, :ctx].unsqueeze(0)
             oc = F.scaled_dot_product_attention(
                 qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=True
             )

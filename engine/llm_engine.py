@@ -194,7 +194,12 @@ class LLMEngine:
         return blocks
 
     def remote_kv_arrived(
-        self, request_id: str, first_token: int, k: torch.Tensor, v: torch.Tensor
+        self,
+        request_id: str,
+        first_token: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        first_logprobs: TokenLogprobs | None = None,
     ) -> RequestOutput | None:
         """Write the received KV into the reserved blocks and start decoding.
 
@@ -214,7 +219,8 @@ class LLMEngine:
         self.kv_cache.v[:, dst] = v.to(self.kv_cache.v.device, self.kv_cache.v.dtype)
         request = self.scheduler.remote_arrived(request_id, first_token)
         self._generation_tokens += 1
-        return self._emit([request], {request_id: first_token}, {})[0]
+        logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
+        return self._emit([request], {request_id: first_token}, logprobs)[0]
 
     def remote_kv_failed(self, request_id: str, recompute: bool) -> RequestOutput | None:
         """The KV will not come: prefill locally, or end the request with an error."""
@@ -254,12 +260,15 @@ class LLMEngine:
         )
         self._prompt_tokens += request.num_prompt_tokens
 
-    def abort(self, request_ids: str | Sequence[str]) -> None:
-        """Finish requests now and free their blocks; unknown ids are ignored."""
+    def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Finish requests now and free their blocks; unknown ids are ignored.
+
+        Returns the final outputs (``finish_reason="abort"``) of the aborted requests.
+        """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED):
-            self._forget(request.request_id)
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._finish_output(r) for r in finished]
 
     def _forget(self, rid: str) -> None:
         self._tracked.pop(rid, None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillChunk
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import SampleRow, TokenLogprobs, sample
@@ -36,6 +36,7 @@ class ModelRunner:
         self.device = kv_cache.k.device
         # Per-request sampling seeds, owned by the engine (they outlive preemption).
         self._seeds = seeds
+        self._workspace = GatherWorkspace()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -104,6 +105,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             decodes=self._decode_groups(decode_tables, decode_lens),
             prefills=prefills,
+            workspace=self._workspace,
         )
         return (
             torch.tensor(token_ids, dtype=torch.long, device=dev),

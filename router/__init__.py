@@ -1,1 +1,3 @@
-"""Ingress: request dispatch over the worker pools, placement policies (HTTP/gRPC next)."""
+"""Ingress: OpenAI HTTP and gRPC on Ray Serve (``server``), request validation
+(``validation``), admission, response shapes (``openai_api``, ``grpc_api``), placement
+policies and the dispatcher that runs requests over the worker pools."""

@@ -2,10 +2,18 @@
 
 No Ray, no torch, no clock: they take plain load records (anything with the fields
 below) and return an index into them, or None when no worker can take the request.
+
+- Prefill: fewest queued tokens, with prefix affinity. ``PrefixIndex`` is the router's
+  picture of each prefill worker's prefix cache (the chained hashes of the full prompt
+  blocks it sent there, least recently used dropped first); a request goes to the
+  worker holding its longest cached prefix unless that worker is much busier.
+- Decode: most free KV blocks under a cap on running requests.
+- ``round_robin``: the baseline the others are measured against.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -27,16 +35,36 @@ def _rotated(n: int, start: int) -> list[int]:
 
 
 def pick_prefill(
-    loads: Sequence[PrefillLoadLike], pending: Sequence[int] = (), tie_break: int = 0
+    loads: Sequence[PrefillLoadLike],
+    pending: Sequence[int] = (),
+    tie_break: int = 0,
+    cached_tokens: Sequence[int] = (),
+    max_imbalance_tokens: int = 4096,
 ) -> int | None:
-    """The worker with the fewest queued prefill tokens.
+    """The worker holding the request's longest cached prefix, else the least queued.
 
     ``pending``: tokens placed on each worker that its last report may not show yet.
+    ``cached_tokens``: how many leading prompt tokens each worker has cached. The
+    affine worker wins unless its queue is more than ``max_imbalance_tokens`` longer
+    than the shortest one ("much busier"); then the least queued worker does.
     """
     if not loads:
         return None
-    extra = list(pending) + [0] * (len(loads) - len(pending))
-    return min(_rotated(len(loads), tie_break), key=lambda i: loads[i].queued_prefill_tokens + extra[i])
+    n = len(loads)
+    queued = [loads[i].queued_prefill_tokens + (pending[i] if i < len(pending) else 0) for i in range(n)]
+    cached = [cached_tokens[i] if i < len(cached_tokens) else 0 for i in range(n)]
+    order = _rotated(n, tie_break)
+    least = min(order, key=lambda i: queued[i])
+    affine = max(order, key=lambda i: (cached[i], -queued[i]))
+    if cached[affine] > 0 and queued[affine] - queued[least] <= max_imbalance_tokens:
+        return affine
+    return least
+
+
+def decode_has_room(load: DecodeLoadLike, blocks_needed: int, max_running: int, pending_blocks: int = 0) -> bool:
+    """Whether the worker can take a request needing ``blocks_needed`` blocks now."""
+    active = load.running + load.waiting + load.waiting_for_kv
+    return load.free_blocks - pending_blocks >= blocks_needed and active < max_running
 
 
 def pick_decode(
@@ -52,16 +80,66 @@ def pick_decode(
     """
     best, best_free = None, -1
     for i in _rotated(len(loads), tie_break):
-        load = loads[i]
-        free = load.free_blocks - (pending_blocks[i] if i < len(pending_blocks) else 0)
-        active = load.running + load.waiting + load.waiting_for_kv
-        if free < blocks_needed or active >= max_running:
+        pending = pending_blocks[i] if i < len(pending_blocks) else 0
+        if not decode_has_room(loads[i], blocks_needed, max_running, pending):
             continue
+        free = loads[i].free_blocks - pending
         if free > best_free:
             best, best_free = i, free
     return best
 
 
-def round_robin(num_workers: int, counter: int) -> int | None:
-    """The baseline: worker ``counter mod n``."""
-    return counter % num_workers if num_workers else None
+def round_robin(num_workers: int, counter: int, eligible: Sequence[bool] = ()) -> int | None:
+    """The baseline: worker ``counter mod n``, or the next eligible one after it.
+
+    ``eligible`` (one flag per worker, all by default) skips workers without room.
+    """
+    for i in _rotated(num_workers, counter % num_workers if num_workers else 0):
+        if not eligible or eligible[i]:
+            return i
+    return None
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks: equal hashes mean equal prefixes."""
+    hashes, prev = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hash((prev, tuple(token_ids[start : start + block_size])))
+        hashes.append(prev)
+    return hashes
+
+
+class PrefixIndex:
+    """Which prompt blocks each worker has seen lately: a guess at its prefix cache.
+
+    Bounded: each worker keeps its ``capacity_blocks`` most recently used hashes.
+    """
+
+    def __init__(self, capacity_blocks: int = 65536) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def matched_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """How many of the leading ``hashes`` the worker holds."""
+        seen = self._blocks.get(worker_id)
+        if not seen:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in seen:
+                break
+            n += 1
+        return n
+
+    def record(self, worker_id: str, hashes: Sequence[int]) -> None:
+        """The worker was sent a prompt with these block hashes."""
+        seen = self._blocks.setdefault(worker_id, OrderedDict())
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.capacity_blocks:
+            seen.popitem(last=False)
+
+    def forget(self, worker_id: str) -> None:
+        """The worker was replaced: its cache is gone."""
+        self._blocks.pop(worker_id, None)

@@ -1,0 +1,81 @@
+"""The cluster controller: one named Ray actor that owns a deployment's worker pools.
+
+It starts the ``TandemCluster`` (pools, transfer group, health thread) and answers
+the router's questions: which workers are live now (``workers``), what model they
+serve (``model_info``), and, for tests and operators, their stats and blocks in use.
+The router replicas poll ``workers()``, so a worker the health thread replaced is
+picked up without restarting the Serve application.
+
+Lifecycle: created -> ``start()`` (pools up) -> serving -> ``shutdown()`` (actors
+killed, placement groups removed) -> the actor is killed by its owner.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.config import ClusterConfig
+from cluster.pools import TandemCluster
+
+DEFAULT_MODEL_NAME = "tandem-tiny-llama"
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients use: the model directory's name, or the default model's."""
+    return Path(model).resolve().name if model else DEFAULT_MODEL_NAME
+
+
+class ClusterController:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.cluster = TandemCluster(config)
+        self._model_info: dict | None = None
+
+    def start(self) -> dict:
+        self.cluster.start()
+        self._model_info = self._read_model_info()
+        return self._model_info
+
+    def _read_model_info(self) -> dict:
+        from engine.default_model import ensure_default_model
+        from engine.model_config import ModelConfig
+
+        engine = self.config.engine_config("decode")
+        model_dir = self.config.model or str(ensure_default_model())
+        mc = ModelConfig.from_pretrained(model_dir)
+        stats = self.cluster.stats().values()
+        return {
+            "name": served_model_name(self.config.model),
+            "model_dir": str(model_dir),
+            "max_model_len": min(engine.max_model_len or mc.max_model_len, mc.max_model_len),
+            "vocab_size": mc.vocab_size,
+            "block_size": engine.block_size,
+            "max_kv_blocks": min(s["num_blocks"] for s in stats),
+            "prefill_workers": self.config.prefill_workers,
+            "decode_workers": self.config.decode_workers,
+        }
+
+    def model_info(self) -> dict:
+        return self._model_info
+
+    def dispatch_settings(self) -> dict:
+        """The ``DispatchConfig`` fields that must agree with the workers' engines."""
+        engine = self.config.engine_config("decode")
+        return {
+            "block_size": engine.block_size,
+            "max_running_per_decode": engine.max_num_seqs,
+            "max_retries": self.config.max_retries,
+        }
+
+    def workers(self) -> tuple[list, list]:
+        """The live (prefill, decode) ``WorkerRef``s."""
+        return self.cluster.prefill_refs(), self.cluster.decode_refs()
+
+    def stats(self) -> dict[str, dict]:
+        return self.cluster.stats()
+
+    def blocks_in_use(self) -> dict[str, int]:
+        return self.cluster.blocks_in_use()
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()

@@ -1,0 +1,1 @@
+"""Interface definitions (.proto) and their generated Python stubs."""

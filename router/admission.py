@@ -1,0 +1,101 @@
+"""Admission control: a bound on the work the router has let in and not yet finished.
+
+Pure logic (integers and ``now`` passed in, no clock, no Ray). A request is admitted
+when both bounds leave room for it: outstanding requests and outstanding prompt
+tokens. A rejection carries a ``retry_after_s`` hint: how long, at the rate requests
+have recently been finishing, until enough of them are gone to make room (never less
+than ``min_retry_after_s``, never more than ``max_retry_after_s``).
+
+A ticket's lifecycle::
+
+    try_admit(prompt_tokens, now) ──▶ Ticket ──▶ release(ticket, now)   (exactly once)
+                                 └──▶ Rejection(reason, retry_after_s)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_requests: int = 256
+    max_prompt_tokens: int = 262_144
+    min_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+    rate_window_s: float = 10.0  # how far back finished requests count for the rate
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1:
+            raise ValueError(f"max_outstanding_requests must be >= 1, got {self.max_requests}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_outstanding_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if not 0 < self.min_retry_after_s <= self.max_retry_after_s:
+            raise ValueError("need 0 < min_retry_after_s <= max_retry_after_s")
+
+
+@dataclass(frozen=True)
+class Ticket:
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str
+    retry_after_s: int
+
+
+class Admission:
+    def __init__(self, config: AdmissionConfig | None = None) -> None:
+        self.config = config or AdmissionConfig()
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.num_admitted = 0
+        self.num_rejected = 0
+        self._finished: deque[float] = deque()  # release times within the rate window
+
+    def try_admit(self, prompt_tokens: int, now: float) -> Ticket | Rejection:
+        """Admit the request (count it as outstanding) or say why not and when to retry."""
+        cfg = self.config
+        if self.requests >= cfg.max_requests:
+            return self._reject(
+                f"the server has {self.requests} requests in progress "
+                f"(max_outstanding_requests={cfg.max_requests})",
+                self.requests - cfg.max_requests + 1,
+                now,
+            )
+        # An idle router admits any single prompt: validation already capped its length.
+        if self.requests and self.prompt_tokens + prompt_tokens > cfg.max_prompt_tokens:
+            return self._reject(
+                f"the server has {self.prompt_tokens} prompt tokens in progress and this request "
+                f"adds {prompt_tokens} (max_outstanding_prompt_tokens={cfg.max_prompt_tokens})",
+                1,
+                now,
+            )
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.num_admitted += 1
+        return Ticket(prompt_tokens)
+
+    def release(self, ticket: Ticket, now: float) -> None:
+        """The admitted request ended (finished, failed or cancelled)."""
+        self.requests -= 1
+        self.prompt_tokens -= ticket.prompt_tokens
+        self._finished.append(now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._finished and self._finished[0] < now - self.config.rate_window_s:
+            self._finished.popleft()
+
+    def _reject(self, reason: str, must_finish: int, now: float) -> Rejection:
+        self.num_rejected += 1
+        self._trim(now)
+        cfg = self.config
+        rate = len(self._finished) / cfg.rate_window_s  # requests finished per second
+        # Nothing finished lately: no rate to go by, so suggest the shortest wait.
+        wait = must_finish / rate if rate > 0 else cfg.min_retry_after_s
+        wait = min(max(wait, cfg.min_retry_after_s), cfg.max_retry_after_s)
+        return Rejection(reason, math.ceil(wait))

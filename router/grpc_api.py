@@ -1,0 +1,80 @@
+"""The gRPC edge: ``tandem.v1`` messages to and from the router's plain types.
+
+Validation is shared with HTTP (``router.validation``); ``ApiError`` statuses map to
+gRPC codes here: 400/413 INVALID_ARGUMENT, 404 NOT_FOUND, 401 UNAUTHENTICATED,
+429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from protos.tandem.v1 import generate_pb2 as pb
+from router.validation import ApiError, PreparedRequest, ServedModel, prepare_completion
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+_OPTIONAL = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "logprobs",
+)
+
+
+def status_code(error: ApiError) -> grpc.StatusCode:
+    return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+def prepare(request: pb.GenerateRequest, model: ServedModel, tokenizer) -> PreparedRequest:
+    """Validate a GenerateRequest through the same rules as an HTTP completion."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise ApiError(400, "prompt: set either text or token_ids", param="prompt")
+    s = request.sampling
+    body: dict = {
+        "model": request.model or None,
+        "prompt": request.text if which == "text" else list(request.token_ids.ids),
+        "stop": list(s.stop) or None,
+        "stop_token_ids": list(s.stop_token_ids) or None,
+        "ignore_eos": s.ignore_eos,
+        "min_tokens": s.min_tokens,
+    }
+    body.update({name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)})
+    return prepare_completion(body, model, tokenizer)
+
+
+def response(delta) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=delta.request_id,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finished=delta.finished,
+        finish_reason=delta.finish_reason or "" if delta.finished else "",
+        usage=pb.Usage(
+            prompt_tokens=delta.num_prompt_tokens,
+            completion_tokens=delta.num_output_tokens,
+            cached_tokens=delta.num_cached_tokens,
+        ),
+    )
+    for token, logprob, top in delta.logprobs or ():
+        msg.logprobs.add(
+            token_id=token, logprob=logprob, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top]
+        )
+    return msg
+
+
+def model_info(model: ServedModel) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=model.name,
+        max_model_len=model.max_model_len,
+        vocab_size=model.vocab_size,
+        block_size=model.block_size,
+        prefill_workers=model.prefill_workers,
+        decode_workers=model.decode_workers,
+    )

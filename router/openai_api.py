@@ -1,0 +1,175 @@
+"""OpenAI response shapes: completions and chat completions, whole or as SSE chunks.
+
+``Accumulator`` folds a request's ``StreamDelta``s into its text, usage, finish
+reason and logprobs; the builders below turn that (or one delta) into the JSON the
+OpenAI API returns. Pure: no Ray, no network.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Accumulator:
+    """Everything a request streamed so far."""
+
+    tokenizer: object
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, delta) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
+        """Take one delta; returns its logprobs with tokens as text (None without logprobs)."""
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
+        self.completion_tokens = max(self.completion_tokens, delta.num_output_tokens, len(self.token_ids))
+        self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        if delta.logprobs is None:
+            return None
+        lps = [(self._token(t), lp, [(self._token(i), v) for i, v in top]) for t, lp, top in delta.logprobs]
+        self.logprobs = (self.logprobs or []) + lps
+        return lps
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def completion_logprobs(lps, text_offset: int) -> dict | None:
+    if lps is None:
+        return None
+    offsets, pos = [], text_offset
+    for token, _, _ in lps:
+        offsets.append(pos)
+        pos += len(token)
+    return {
+        "tokens": [t for t, _, _ in lps],
+        "token_logprobs": [lp for _, lp, _ in lps],
+        "top_logprobs": [dict(top) for _, _, top in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps) -> dict | None:
+    if lps is None:
+        return None
+
+    def entry(token: str, lp: float) -> dict:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top]} for t, lp, top in lps
+        ]
+    }
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The fields every response and chunk of one request share."""
+
+    id: str
+    model: str
+    created: int
+
+    def completion(self, acc: Accumulator) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": acc.text,
+                    "logprobs": completion_logprobs(acc.logprobs, 0),
+                    "finish_reason": acc.finish_reason,
+                }
+            ],
+            "usage": acc.usage(),
+        }
+
+    def completion_chunk(self, text: str, lps, text_offset: int, reason: str | None) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": completion_logprobs(lps, text_offset),
+                    "finish_reason": reason,
+                }
+            ],
+            "usage": None,
+        }
+
+    def chat(self, acc: Accumulator) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": acc.text},
+                    "logprobs": chat_logprobs(acc.logprobs),
+                    "finish_reason": acc.finish_reason,
+                }
+            ],
+            "usage": acc.usage(),
+        }
+
+    def chat_chunk(self, delta: dict, lps, reason: str | None) -> dict:
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": reason}
+            ],
+            "usage": None,
+        }
+
+    def usage_chunk(self, obj: str, acc: Accumulator) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": acc.usage(),
+        }
+
+
+def sse(obj: dict | str) -> str:
+    """One server-sent event."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def model_list(name: str, created: int) -> dict:
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem"}],
+    }

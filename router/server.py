@@ -1,0 +1,318 @@
+"""The router: one Ray Serve deployment serving the OpenAI HTTP API and the gRPC API.
+
+HTTP (FastAPI ingress): ``POST /v1/completions``, ``POST /v1/chat/completions`` (with
+``stream`` as server-sent events), ``GET /v1/models``, ``GET /health``. gRPC (Serve's
+gRPC proxy, servicers from ``protos``): ``tandem.v1.Generation`` and
+``grpc.health.v1.Health/Check``.
+
+A request's way through a replica::
+
+    auth ─▶ parse + validate + tokenize (4xx) ─▶ admission (429 / RESOURCE_EXHAUSTED)
+      ─▶ Dispatcher.generate ─▶ deltas out as JSON, SSE chunks or gRPC messages
+      ─▶ admission ticket released (finished, failed, aborted or client gone)
+
+A client that goes away cancels the handler; the dispatcher then aborts the request on
+both workers. The replica learns the live workers from the cluster controller (an
+actor handle passed in at bind time), refreshed every ``workers_refresh_s``.
+"""
+
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+# No ``from __future__ import annotations`` here: FastAPI must see real classes in the
+# ingress methods' signatures (``Request``). Serve pickles the ingress class when it is
+# decorated, so every helper it calls is defined above it.
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from protos.grpc.health.v1 import health_pb2
+from protos.tandem.v1 import generate_pb2 as pb
+from router import grpc_api
+from router.admission import Admission, AdmissionConfig, Rejection, Ticket
+from router.dispatch import NO_CAPACITY, Dispatcher, DispatchConfig
+from router.openai_api import Accumulator, Envelope, model_list, sse
+from router.validation import (
+    ApiError,
+    PreparedRequest,
+    ServedModel,
+    check_api_key,
+    parse_json,
+    prepare_chat,
+    prepare_completion,
+)
+
+log = logging.getLogger(__name__)
+
+GRPC_SERVICERS = [
+    "protos.tandem.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
+    "protos.grpc.health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)  # block size etc. come from the cluster
+    max_body_bytes: int = 1 << 20
+    api_key: str | None = None  # None: no auth
+    workers_refresh_s: float = 1.0
+
+
+app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+
+class RouterCore:
+    """The transport-independent part: validation, admission, dispatch, auth."""
+
+    def __init__(self, controller, config: RouterConfig) -> None:
+        self.controller = controller
+        self.config = config
+        info = dict(ray.get(controller.model_info.remote()))
+        from engine.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
+        self.model = ServedModel(**info)
+        self.created = int(time.time())
+        self.admission = Admission(config.admission)
+        self._prefill, self._decode = ray.get(controller.workers.remote())
+        self._refresher: asyncio.Task | None = None
+        # Block size and running cap must match the workers' engines: the controller knows them.
+        dispatch = dataclasses.replace(config.dispatch, **ray.get(controller.dispatch_settings.remote()))
+        self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch)
+
+    # -- workers ---------------------------------------------------------------
+
+    def ensure_refreshing(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh())
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.workers_refresh_s)
+            try:
+                self._prefill, self._decode = await self.controller.workers.remote()
+            except Exception:  # the controller restarting is no reason to stop serving
+                log.exception("could not refresh the worker list")
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self._decode)
+
+    # -- auth and admission ----------------------------------------------------
+
+    def check_key(self, presented: str | None) -> None:
+        check_api_key(self.config.api_key, presented)
+
+    def admit(self, prepared: PreparedRequest) -> Ticket:
+        decision = self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic())
+        if isinstance(decision, Rejection):
+            raise ApiError(429, f"server busy: {decision.reason}; retry after {decision.retry_after_s}s",
+                           type="rate_limit_error", code="server_busy", retry_after_s=decision.retry_after_s)
+        return decision
+
+    def release(self, ticket: Ticket) -> None:
+        self.admission.release(ticket, time.monotonic())
+
+    async def run(self, prepared: PreparedRequest, rid: str, ticket: Ticket) -> AsyncIterator:
+        """The request's deltas; releases the admission ticket however it ends."""
+        self.ensure_refreshing()
+        try:
+            async for delta in self.dispatcher.generate(prepared.prompt_token_ids, prepared.params, rid):
+                yield delta
+        finally:
+            self.release(ticket)
+
+
+def _server_error(message: str) -> ApiError:
+    """A failed request: 503 (retry later) when the workers had no room, else 500."""
+    if message.startswith(NO_CAPACITY):
+        return ApiError(503, message, type="server_error", code="no_capacity", retry_after_s=1)
+    return ApiError(500, message, type="server_error")
+
+
+def _bearer(header: str | None) -> str | None:
+    if header and header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return header
+
+
+class GrpcStatusError(Exception):
+    """Raised after the status code is set: Serve sends the code and details."""
+
+
+def _fail(grpc_context, code, details: str):
+    # Serve drops trailing metadata on errors, so hints (retry after) go in the details.
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    raise GrpcStatusError(details)
+
+
+def _grpc_key(grpc_context) -> str | None:
+    metadata = dict(grpc_context.invocation_metadata())
+    return _bearer(metadata.get("authorization")) or metadata.get("x-api-key")
+
+
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class Router:
+    def __init__(self, controller, config: RouterConfig) -> None:
+        self.core = RouterCore(controller, config)
+
+    # -- HTTP ------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        ok = self.core.healthy
+        return JSONResponse({"status": "ok" if ok else "no decode workers"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self.core.check_key(_bearer(request.headers.get("authorization")))
+        return model_list(self.core.model.name, self.core.created)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._http(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._http(request, chat=True)
+
+    async def _http(self, request: Request, chat: bool):
+        core = self.core
+        core.check_key(_bearer(request.headers.get("authorization")))
+        declared = request.headers.get("content-length")
+        limit = core.config.max_body_bytes
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit} bytes")
+        prepare = prepare_chat if chat else prepare_completion
+        prepared = prepare(parse_json(await request.body(), limit), core.model, core.tokenizer)
+        ticket = core.admit(prepared)
+        env = Envelope(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", core.model.name, int(time.time()))
+        deltas = core.run(prepared, env.id, ticket)
+        acc = Accumulator(core.tokenizer)
+        try:
+            first = await anext(deltas)
+        except BaseException:
+            await deltas.aclose()
+            raise
+        if first.error:
+            await deltas.aclose()
+            raise _server_error(first.error)
+        if not prepared.stream:
+            return await self._whole(first, deltas, acc, env, chat)
+        sse_body = self._sse_chat if chat else self._sse_completion
+        body = sse_body(first, deltas, acc, env, prepared)
+        return StreamingResponse(body, media_type="text/event-stream")
+
+    async def _whole(self, first, deltas, acc: Accumulator, env: Envelope, chat: bool) -> dict:
+        acc.add(first)
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if delta.error:
+                    raise _server_error(delta.error)
+                acc.add(delta)
+        return env.chat(acc) if chat else env.completion(acc)
+
+    async def _sse_completion(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest):
+        async for chunk in self._chunks(first, deltas, acc):
+            if isinstance(chunk, ApiError):
+                yield sse(chunk.body())
+                break
+            delta, lps, offset = chunk
+            yield sse(env.completion_chunk(delta.text, lps, offset, delta.finish_reason if delta.finished else None))
+        if prepared.include_usage:
+            yield sse(env.usage_chunk("text_completion", acc))
+        yield sse("[DONE]")
+
+    async def _sse_chat(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest):
+        yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
+        async for chunk in self._chunks(first, deltas, acc):
+            if isinstance(chunk, ApiError):
+                yield sse(chunk.body())
+                break
+            delta, lps, _ = chunk
+            content = {"content": delta.text} if delta.text else {}
+            yield sse(env.chat_chunk(content, lps, delta.finish_reason if delta.finished else None))
+        if prepared.include_usage:
+            yield sse(env.usage_chunk("chat.completion.chunk", acc))
+        yield sse("[DONE]")
+
+    async def _chunks(self, first, deltas, acc: Accumulator):
+        """(delta, its logprobs, text offset) per delta, or an ApiError that ends the stream.
+
+        Leaving early (the client went away) closes ``deltas``, which aborts the request.
+        """
+        try:
+            delta = first
+            while True:
+                if delta.error:
+                    yield _server_error(delta.error)
+                    return
+                offset = len(acc.text)
+                yield delta, acc.add(delta), offset
+                if delta.finished:
+                    return
+                delta = await anext(deltas)
+        finally:
+            await deltas.aclose()
+
+    # -- gRPC ------------------------------------------------------------------
+
+    async def Generate(self, request, grpc_context):
+        core = self.core
+        try:
+            core.check_key(_grpc_key(grpc_context))
+            prepared = grpc_api.prepare(request, core.model, core.tokenizer)
+            rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+            if core.dispatcher.in_flight(rid):
+                raise ApiError(400, f"request_id {rid!r} is already in flight", param="request_id")
+            ticket = core.admit(prepared)
+        except ApiError as e:
+            _fail(grpc_context, grpc_api.status_code(e), e.message)
+        async with aclosing(core.run(prepared, rid, ticket)) as deltas:
+            async for delta in deltas:
+                if delta.error:
+                    _fail(grpc_context, grpc_api.status_code(_server_error(delta.error)), delta.error)
+                yield grpc_api.response(delta)
+
+    async def Abort(self, request, grpc_context):
+        self._grpc_auth(grpc_context)
+        return pb.AbortResponse(found=self.core.dispatcher.abort(request.request_id))
+
+    async def GetModelInfo(self, request, grpc_context):
+        self._grpc_auth(grpc_context)
+        return grpc_api.model_info(self.core.model)
+
+    async def Check(self, request, grpc_context):
+        status = health_pb2.HealthCheckResponse.SERVING if self.core.healthy else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def _grpc_auth(self, grpc_context) -> None:
+        try:
+            self.core.check_key(_grpc_key(grpc_context))
+        except ApiError as e:
+            _fail(grpc_context, grpc_api.status_code(e), e.message)

@@ -1,0 +1,327 @@
+"""Request validation: turns an OpenAI-style body into token ids and ``SamplingParams``.
+
+Everything a user can get wrong is caught here and raised as ``ApiError`` with the
+HTTP status (400, 404, 413), the offending field in ``param`` and a message that
+names the field and the limit. The transports map it: HTTP sends the OpenAI error
+JSON, gRPC a status code (see ``router.grpc_api``). Pure: no Ray, no network; the
+tokenizer and the served model's limits are passed in.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client caused (or a server error worded for the client)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        """The OpenAI error shape."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def check_api_key(expected: str | None, presented: str | None) -> None:
+    """401 unless ``presented`` equals ``expected`` (constant time); no key set: open."""
+    if expected is None:
+        return
+    if presented is None or not hmac.compare_digest(presented.encode(), expected.encode()):
+        raise ApiError(
+            401,
+            "a valid API key is required (Authorization: Bearer <key>)",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What validation needs to know about the model being served."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    max_kv_blocks: int  # the smallest KV pool among the workers: a prompt must fit it
+    prefill_workers: int = 0
+    decode_workers: int = 0
+
+    def check_name(self, requested: str | None) -> None:
+        if requested is not None and requested != self.name:
+            raise ApiError(
+                404,
+                f"The model '{requested}' does not exist; this server serves '{self.name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for the dispatcher."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+
+
+# -- request bodies ------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # Strict: "0.5" is not a number. Unknown fields are ignored, as OpenAI clients send extras.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
+    user: str | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict | None = None
+
+
+_Body.model_rebuild()
+CompletionBody.model_rebuild()
+ChatBody.model_rebuild()
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def _field_path(loc: tuple) -> str:
+    """``('prompt', 'list[int]', 1)`` -> ``prompt.1``: the union member names are noise."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
+    return ".".join(parts)
+
+
+def parse_json(raw: bytes, max_bytes: int) -> dict:
+    """The request body as a JSON object; 413 over the size limit, 400 when malformed."""
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"request body is {len(raw)} bytes, over the limit of {max_bytes} bytes")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _parse(model_cls: type[BaseModel], body: dict) -> Any:
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        path = _field_path(err["loc"])
+        raise ApiError(400, f"{path}: {err['msg']}", param=path) from None
+
+
+# -- sampling ------------------------------------------------------------------
+
+
+def _reject_unsupported(b: _Body) -> None:
+    if b.n != 1:
+        raise ApiError(400, f"n must be 1 (got {b.n}); send separate requests for more choices", param="n")
+    if b.best_of not in (None, 1):
+        raise ApiError(400, f"best_of must be 1 (got {b.best_of})", param="best_of")
+    if b.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _sampling_params(b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None):
+    room = model.max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room
+    elif isinstance(max_tokens, int) and max_tokens > room:
+        raise ApiError(
+            400,
+            f"max_tokens is {max_tokens}, but the prompt has {prompt_len} tokens and the model's "
+            f"context is {model.max_model_len} (max_model_len): at most {room} tokens can be generated",
+            param="max_tokens",
+        )
+    given = {
+        name: getattr(b, name)
+        for name in (
+            "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "stop_token_ids",
+        )
+        if getattr(b, name) is not None
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            stop=b.stop or (),
+            ignore_eos=b.ignore_eos,
+            min_tokens=b.min_tokens,
+            skip_special_tokens=b.skip_special_tokens,
+            include_stop_str_in_output=b.include_stop_str_in_output,
+            logprobs=logprobs,
+            **given,
+        )
+    except ValueError as e:
+        # SamplingParams messages start with the field's name.
+        raise ApiError(400, str(e), param=str(e).split()[0]) from None
+
+
+def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
+    if not ids:
+        raise ApiError(400, f"{param} must not be empty", param=param)
+    for t in ids:
+        if not 0 <= t < model.vocab_size:
+            raise ApiError(
+                400, f"{param} has token id {t}, outside the vocabulary [0, {model.vocab_size})", param=param
+            )
+    if len(ids) >= model.max_model_len:
+        raise ApiError(
+            400,
+            f"{param} has {len(ids)} tokens; the model's context is {model.max_model_len} tokens "
+            "(max_model_len), and the prompt must be shorter to leave room for output",
+            param=param,
+            code="context_length_exceeded",
+        )
+    blocks = -(-(len(ids) + 1) // model.block_size)
+    if blocks > model.max_kv_blocks:
+        raise ApiError(
+            400,
+            f"{param} has {len(ids)} tokens, more than a worker's KV cache holds "
+            f"({model.max_kv_blocks} blocks of {model.block_size} tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _stream_flags(b: _Body) -> tuple[bool, bool]:
+    if b.stream_options is not None and not b.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return b.stream, bool(b.stream_options and b.stream_options.include_usage)
+
+
+# -- the two endpoints ---------------------------------------------------------
+
+
+def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
+    """Validate a ``/v1/completions`` body; raises ``ApiError``."""
+    b: CompletionBody = _parse(CompletionBody, body)
+    model.check_name(b.model)
+    _reject_unsupported(b)
+    if b.echo:
+        raise ApiError(400, "echo is not supported", param="echo")
+    if b.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    prompt = b.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
+        prompt = prompt[0]
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    _check_prompt(ids, model, "prompt")
+    if b.logprobs is not None and b.logprobs < 0:
+        raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
+    max_tokens = 16 if b.max_tokens is None else b.max_tokens
+    params = _sampling_params(b, max_tokens, len(ids), model, b.logprobs)
+    stream, usage = _stream_flags(b)
+    return PreparedRequest(ids, params, stream, usage)
+
+
+def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
+    """Validate a ``/v1/chat/completions`` body; raises ``ApiError``."""
+    b: ChatBody = _parse(ChatBody, body)
+    model.check_name(b.model)
+    _reject_unsupported(b)
+    if b.tools:
+        raise ApiError(400, "tools are not supported", param="tools")
+    if b.response_format and b.response_format.get("type") != "text":
+        raise ApiError(400, "response_format must be {'type': 'text'}", param="response_format")
+    messages = [{"role": m.role, "content": m.text()} for m in b.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+    # The template writes the special tokens itself (as HF's tokenize=True does).
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    _check_prompt(ids, model, "messages")
+    top = b.top_logprobs
+    if top is not None and not b.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    params = _sampling_params(b, max_tokens, len(ids), model, (top or 0) if b.logprobs else None)
+    stream, usage = _stream_flags(b)
+    return PreparedRequest(ids, params, stream, usage)

@@ -1,0 +1,122 @@
+"""Placement policies, from plain load records: no Ray, no clock."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.placement import PrefixIndex, pick_decode, pick_prefill, prefix_hashes, round_robin
+
+
+@dataclass
+class P:
+    queued_prefill_tokens: int
+
+
+@dataclass
+class D:
+    free_blocks: int
+    running: int = 0
+    waiting: int = 0
+    waiting_for_kv: int = 0
+
+
+def test_prefill_goes_to_the_worker_with_the_fewest_queued_tokens():
+    assert pick_prefill([P(300), P(100), P(200)]) == 1
+
+
+def test_prefill_counts_tokens_placed_since_the_last_report():
+    assert pick_prefill([P(100), P(150)], pending=[100, 0]) == 1
+
+
+def test_prefill_ties_rotate_between_workers():
+    picks = Counter(pick_prefill([P(0), P(0), P(0)], tie_break=t) for t in range(9))
+    assert picks == {0: 3, 1: 3, 2: 3}
+
+
+def test_prefill_prefers_the_worker_that_cached_the_prefix_when_it_is_not_much_busier():
+    loads = [P(0), P(1000)]
+    assert pick_prefill(loads, cached_tokens=[0, 512], max_imbalance_tokens=4096) == 1
+
+
+def test_prefill_leaves_an_affine_worker_that_is_much_busier():
+    loads = [P(0), P(10_000)]
+    assert pick_prefill(loads, cached_tokens=[0, 512], max_imbalance_tokens=4096) == 0
+
+
+def test_prefill_picks_the_longest_cached_prefix():
+    assert pick_prefill([P(0), P(0), P(0)], cached_tokens=[16, 64, 32]) == 1
+
+
+def test_no_prefill_workers_means_no_choice():
+    assert pick_prefill([]) is None
+
+
+def test_decode_goes_to_the_worker_with_the_most_free_blocks():
+    assert pick_decode([D(10), D(50), D(30)], blocks_needed=5, max_running=8) == 1
+
+
+def test_decode_skips_workers_at_the_running_cap_and_without_room():
+    loads = [D(100, running=8), D(4), D(20, waiting_for_kv=2)]
+    assert pick_decode(loads, blocks_needed=5, max_running=8) == 2
+    assert pick_decode(loads[:2], blocks_needed=5, max_running=8) is None
+
+
+def test_decode_subtracts_blocks_promised_but_not_yet_reported():
+    assert pick_decode([D(50), D(40)], blocks_needed=5, max_running=8, pending_blocks=[20, 0]) == 1
+
+
+def test_round_robin_cycles_through_every_worker():
+    assert [round_robin(3, c) for c in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert round_robin(0, 5) is None
+
+
+def test_round_robin_skips_workers_without_room():
+    room = [True, False, True]
+    assert [round_robin(3, c, room) for c in range(4)] == [0, 2, 2, 0]
+    assert round_robin(3, 1, [False, False, False]) is None
+
+
+def test_prefix_hashes_cover_only_full_blocks_and_chain():
+    a = prefix_hashes(list(range(40)), 16)
+    b = prefix_hashes(list(range(32)) + [99] * 8, 16)
+    c = prefix_hashes([1] + list(range(1, 40)), 16)
+    assert len(a) == 2 and a == b, "only full blocks count, equal prefixes hash equal"
+    assert c[0] != a[0] and c[1] != a[1], "a change in block 0 changes every later hash"
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest():
+    index = PrefixIndex(capacity_blocks=3)
+    shared = prefix_hashes(list(range(48)), 16)
+    index.record("w0", shared)
+    assert index.matched_blocks("w0", shared) == 3
+    assert index.matched_blocks("w1", shared) == 0
+    assert index.matched_blocks("w0", prefix_hashes([7] * 48, 16)) == 0
+    index.record("w0", prefix_hashes([7] * 16, 16))  # evicts the oldest shared block
+    assert index.matched_blocks("w0", shared) == 0
+    index.forget("w0")
+    assert index.matched_blocks("w0", prefix_hashes([7] * 16, 16)) == 0
+
+
+@given(st.lists(st.integers(0, 10_000), min_size=1, max_size=8), st.integers(0, 100))
+def test_prefill_without_cache_always_picks_a_least_queued_worker(queued, tie):
+    i = pick_prefill([P(q) for q in queued], tie_break=tie)
+    assert queued[i] == min(queued)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 100), st.integers(0, 10)), min_size=1, max_size=8),
+    st.integers(1, 20),
+    st.integers(1, 10),
+)
+def test_decode_choice_always_has_room_and_the_most_free_blocks(workers, need, cap):
+    loads = [D(free, running=run) for free, run in workers]
+    i = pick_decode(loads, need, cap)
+    eligible = [w.free_blocks for w in loads if w.free_blocks >= need and w.running < cap]
+    if not eligible:
+        assert i is None
+    else:
+        assert loads[i].free_blocks == max(eligible)

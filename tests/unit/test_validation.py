@@ -1,0 +1,162 @@
+"""Request validation, admission and API keys: the router's pure edge, without Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.admission import Admission, AdmissionConfig, Rejection, Ticket
+from router.validation import (
+    ApiError,
+    ServedModel,
+    check_api_key,
+    parse_json,
+    prepare_chat,
+    prepare_completion,
+)
+
+MODEL = ServedModel("tandem-tiny-llama", max_model_len=64, vocab_size=1000, block_size=16, max_kv_blocks=3)
+
+
+class FakeTokenizer:
+    """One token per character; a chat template that joins the contents."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 1000 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "|".join(m["content"] for m in messages) + ">"
+
+
+def completion(**body):
+    return prepare_completion({"model": MODEL.name, "prompt": "hi", **body}, MODEL, FakeTokenizer())
+
+
+def error_of(fn, *args, **kwargs) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        fn(*args, **kwargs)
+    return e.value
+
+
+# -- bodies ----------------------------------------------------------------------
+
+
+def test_a_valid_completion_becomes_token_ids_and_sampling_params():
+    req = completion(max_tokens=5, temperature=0.5, seed=3, stop=["\n"], stream=True,
+                     stream_options={"include_usage": True})
+    assert req.prompt_token_ids == [104, 105]
+    assert (req.params.max_tokens, req.params.temperature, req.params.seed, req.params.stop) == (5, 0.5, 3, ("\n",))
+    assert req.stream and req.include_usage
+
+
+def test_completion_max_tokens_defaults_to_16_and_chat_to_the_rest_of_the_context():
+    assert completion().params.max_tokens == 16
+    chat = prepare_chat({"messages": [{"role": "user", "content": "hey"}]}, MODEL, FakeTokenizer())
+    assert chat.params.max_tokens == MODEL.max_model_len - len("hey>")
+
+
+def test_chat_content_parts_and_logprobs_map_onto_the_engine():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}],
+            "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 4}
+    req = prepare_chat(body, MODEL, FakeTokenizer())
+    assert req.prompt_token_ids == [97, 98, 62] and req.params.logprobs == 3 and req.params.max_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"temperature": -0.5}, 400, "temperature"),
+        ({"temperature": "hot"}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": 63}, 400, "max_tokens"),
+        ({"max_tokens": 1.5}, 400, "max_tokens"),
+        ({"seed": -1}, 400, "seed"),
+        ({"n": 2}, 400, "n"),
+        ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"prompt": 7}, 400, "prompt"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": [1, 5000]}, 400, "prompt"),
+        ({"prompt": ["a", "b"]}, 400, "prompt"),
+        ({"prompt": "x" * 64}, 400, "prompt"),
+        ({"prompt": "x" * 60, "max_tokens": 1}, 400, "prompt"),  # fits the context, not the KV pool
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"model": "gpt-4"}, 404, "model"),
+    ],
+)
+def test_bad_completion_fields_are_rejected_naming_the_field(body, status, param):
+    e = error_of(completion, **body)
+    assert (e.status, e.param) == (status, param), e.message
+    assert param in e.message
+    assert e.body()["error"]["param"] == param
+
+
+def test_bad_chat_messages_are_rejected_naming_the_field():
+    tok = FakeTokenizer()
+    for messages in ([], "hi", [{"role": "wizard", "content": "x"}], [{"content": "x"}]):
+        e = error_of(prepare_chat, {"messages": messages}, MODEL, tok)
+        assert e.status == 400 and e.param.startswith("messages"), (messages, e.message)
+    e = error_of(prepare_chat, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, MODEL, tok)
+    assert e.param == "top_logprobs"
+
+
+def test_bodies_must_be_json_objects_under_the_size_limit():
+    assert parse_json(b'{"a": 1}', 100) == {"a": 1}
+    assert error_of(parse_json, b"{oops", 100).status == 400
+    assert error_of(parse_json, b"[1, 2]", 100).status == 400
+    e = error_of(parse_json, b" " * 101, 100)
+    assert e.status == 413 and "100" in e.message
+
+
+# -- API key ---------------------------------------------------------------------
+
+
+def test_api_key_is_checked_only_when_configured():
+    check_api_key(None, None)
+    check_api_key("s3cret", "s3cret")
+    for presented in (None, "", "s3cre", "s3cret!"):
+        e = error_of(check_api_key, "s3cret", presented)
+        assert e.status == 401 and e.type == "authentication_error"
+
+
+# -- admission -------------------------------------------------------------------
+
+
+def test_admission_bounds_outstanding_requests_and_frees_on_release():
+    adm = Admission(AdmissionConfig(max_requests=2, max_prompt_tokens=1000))
+    a, b = adm.try_admit(10, now=0.0), adm.try_admit(10, now=0.0)
+    assert isinstance(a, Ticket) and isinstance(b, Ticket)
+    rejected = adm.try_admit(10, now=0.0)
+    assert isinstance(rejected, Rejection) and "max_outstanding_requests=2" in rejected.reason
+    adm.release(a, now=1.0)
+    assert isinstance(adm.try_admit(10, now=1.0), Ticket)
+    assert (adm.num_admitted, adm.num_rejected) == (3, 1)
+
+
+def test_admission_bounds_outstanding_prompt_tokens_but_admits_any_prompt_when_idle():
+    adm = Admission(AdmissionConfig(max_requests=10, max_prompt_tokens=100))
+    big = adm.try_admit(500, now=0.0)
+    assert isinstance(big, Ticket), "an idle router takes a prompt over the token bound"
+    rejected = adm.try_admit(1, now=0.0)
+    assert isinstance(rejected, Rejection) and "max_outstanding_prompt_tokens=100" in rejected.reason
+    adm.release(big, now=0.5)
+    assert (adm.requests, adm.prompt_tokens) == (0, 0)
+
+
+def test_retry_after_follows_the_recent_finish_rate_within_bounds():
+    cfg = AdmissionConfig(max_requests=1, min_retry_after_s=1, max_retry_after_s=30, rate_window_s=10)
+    adm = Admission(cfg)
+    first = adm.try_admit(1, now=0.0)
+    assert adm.try_admit(1, now=0.0).retry_after_s == 1, "no finishes seen yet: the shortest wait"
+    adm.release(first, now=1.0)
+    held = adm.try_admit(1, now=1.0)
+    # One finish in a 10 s window: 0.1 requests/s, so one more slot takes about 10 s.
+    assert adm.try_admit(1, now=2.0).retry_after_s == 10
+    adm.release(held, now=2.0)
+    assert isinstance(adm.try_admit(1, now=100.0), Ticket)
+    assert adm.try_admit(1, now=100.0).retry_after_s == 1, "finishes older than the window no longer count"
+
+
+def test_admission_config_rejects_nonsense():
+    for kwargs in ({"max_requests": 0}, {"max_prompt_tokens": 0}, {"min_retry_after_s": 5, "max_retry_after_s": 1}):
+        with pytest.raises(ValueError):
+            AdmissionConfig(**kwargs)
