@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -70,6 +71,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from cluster.metrics_server import ENV, start_metrics_server, use_multiprocess_dir
+
+    # Before anything imports prometheus-client: every process on this node writes there.
+    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+    metrics_dir = use_multiprocess_dir(home / "metrics" / str(os.getpid()))
+
     import ray
 
     from cluster.service import ServiceConfig, TandemService
@@ -91,10 +98,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
     )
+    runtime_env = {"env_vars": {ENV: metrics_dir}}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level="WARNING")
+        ray.init(logging_level="WARNING", runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING")
+        ray.init(
+            num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env
+        )
     # After ray.init: Ray's core installs its own SIGTERM handler, which aborts the process.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -102,17 +112,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
     service = None
     try:
         service = TandemService(config).start()
+        metrics_server = start_metrics_server(args.metrics_port, args.host)
         info = service.model_info
         print(
             f"tandem is up: model {info['name']!r} on {cluster.prefill_workers} prefill + "
             f"{cluster.decode_workers} decode workers\n"
             f"  HTTP (OpenAI API): {service.http_url}/v1   health: {service.http_url}/health\n"
             f"  gRPC (tandem.v1.Generation): {service.grpc_target}\n"
+            f"  metrics (Prometheus): http://{args.host}:{args.metrics_port}/metrics\n"
             f"  auth: {'API key required' if config.router.api_key else 'none'}; Ctrl-C stops",
             flush=True,
         )
         stop.wait()
         print("shutting down", flush=True)
+        metrics_server.shutdown()
     finally:
         if service is not None:
             service.shutdown()
@@ -198,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)
+    up.add_argument("--metrics-port", type=int, default=8081, help="Prometheus scrape endpoint of this node")
     up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
     up.add_argument("--max-outstanding-requests", type=int, default=256)
     up.add_argument("--max-outstanding-prompt-tokens", type=int, default=262_144)

@@ -27,6 +27,8 @@ from kv_transfer.faults import FaultConfig
 class Resources:
     num_cpus: float = 0.25
     num_gpus: float = 0.0
+    # Custom Ray resources, e.g. {"tandem_decode": 1} to pin a pool to its node group.
+    custom: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_cpus < 0 or self.num_gpus < 0:
@@ -35,7 +37,7 @@ class Resources:
             raise ValueError("a worker needs some CPU or GPU (num_cpus or num_gpus > 0)")
 
     def bundle(self) -> dict[str, float]:
-        b = {"CPU": self.num_cpus}
+        b = {"CPU": self.num_cpus, **self.custom}
         if self.num_gpus:
             b["GPU"] = self.num_gpus
         return b

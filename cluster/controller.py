@@ -17,11 +17,10 @@ from pathlib import Path
 from cluster.config import ClusterConfig
 from cluster.pools import TandemCluster
 
-DEFAULT_MODEL_NAME = "tandem-tiny-llama"
-
-
 def served_model_name(model: str | None) -> str:
     """The name clients use: the model directory's name, or the default model's."""
+    from engine.default_model import DEFAULT_MODEL_NAME
+
     return Path(model).resolve().name if model else DEFAULT_MODEL_NAME
 
 
@@ -32,6 +31,9 @@ class ClusterController:
         self._model_info: dict | None = None
 
     def start(self) -> dict:
+        """Start the pools (once: a redeployed application finds them running)."""
+        if self._model_info is not None:
+            return self._model_info
         self.cluster.start()
         self._model_info = self._read_model_info()
         return self._model_info

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -40,6 +41,15 @@ class _Slot:
     role: str
     index: int
     ref: WorkerRef | None = None
+    pid: int | None = None
+
+
+def _forget_metrics(pid: int | None) -> None:
+    """Drop a gone worker's live gauges from this node's metrics folder."""
+    if pid is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
 
 
 class TandemCluster:
@@ -85,7 +95,9 @@ class TandemCluster:
                 self._slots.append(_Slot(role, i))
         for slot in self._slots:
             slot.ref = self._spawn(slot)
-        ray.get([w.handle.ready.remote() for w in self.workers()], timeout=READY_TIMEOUT_S)
+        infos = ray.get([s.ref.handle.ready.remote() for s in self._slots], timeout=READY_TIMEOUT_S)
+        for slot, info in zip(self._slots, infos):
+            slot.pid = info["pid"]
         if self.uses_collective:
             self._form_group()
         engine = cfg.engine_config("decode")
@@ -107,8 +119,10 @@ class TandemCluster:
         self._stop.set()
         if self.dispatcher is not None:
             self.dispatcher.close()
-        for w in self.workers():
-            ray.kill(w.handle, no_restart=True)
+        for slot in self._slots:
+            if slot.ref is not None:
+                ray.kill(slot.ref.handle, no_restart=True)
+                _forget_metrics(slot.pid)
         for pg in self._pgs.values():
             remove_placement_group(pg)
         self._slots.clear()
@@ -126,6 +140,7 @@ class TandemCluster:
                 name=name,
                 num_cpus=resources.num_cpus,
                 num_gpus=resources.num_gpus,
+                resources=dict(resources.custom),
                 max_restarts=0,
                 max_concurrency=1000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -169,10 +184,13 @@ class TandemCluster:
                     ray.kill(slot.ref.handle, no_restart=True)
                 except Exception:  # already gone
                     pass
+                _forget_metrics(slot.pid)
                 slot.ref = None
             for slot in dead:
                 slot.ref = self._spawn(slot)
-            ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
+            infos = ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
+            for slot, info in zip(dead, infos):
+                slot.pid = info["pid"]
             if self.uses_collective:
                 self._form_group()
             self.num_restarts += len(dead)

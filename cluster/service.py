@@ -8,12 +8,15 @@ the caller owns ``ray.init`` / ``ray.shutdown``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import ray
 
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterController
+from router.admission import AdmissionConfig
+from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
 
 READY_TIMEOUT_S = 300.0
@@ -83,3 +86,49 @@ class TandemService:
                 finally:
                     ray.kill(self.controller)
                     self.controller = None
+
+
+def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
+    """The deployment a RayService's ``serveConfigV2`` application args describe.
+
+    ``args``: ``topology`` (the keys of a ``tandem up --config`` file),
+    ``worker_resources`` (custom Ray resources per role, pinning each pool to its
+    worker group) and ``router`` (admission bounds, placement, and ``api_key_env``:
+    the environment variable holding the API key, so the key never sits in the config).
+    """
+    topology = dict(args.get("topology") or {})
+    for role, custom in (args.get("worker_resources") or {}).items():
+        key = f"{role}_resources"
+        resources = dict(topology.get(key) or {})
+        resources["custom"] = {**resources.get("custom", {}), **custom}
+        topology[key] = resources
+    r = args.get("router") or {}
+    defaults = AdmissionConfig()
+    router = RouterConfig(
+        admission=AdmissionConfig(
+            max_requests=r.get("max_outstanding_requests", defaults.max_requests),
+            max_prompt_tokens=r.get("max_outstanding_prompt_tokens", defaults.max_prompt_tokens),
+        ),
+        dispatch=DispatchConfig(placement=r.get("placement", "load")),
+        api_key=os.environ.get(r["api_key_env"]) if r.get("api_key_env") else None,
+    )
+    return ClusterConfig.from_dict(topology), router
+
+
+def app(args: dict):
+    """Serve application builder for a RayService (``serveConfigV2`` in ``deploy/helm``).
+
+    The controller is a named detached actor, so a redeploy finds the pools it
+    started still running.
+    """
+    cluster, router = configs_from_args(args)
+    controller = (
+        ray.remote(ClusterController)
+        .options(
+            name=f"{cluster.name}-controller", lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_concurrency=16,
+        )
+        .remote(cluster)
+    )
+    ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
+    return Router.bind(controller, router)

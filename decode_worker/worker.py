@@ -16,6 +16,7 @@ Blocks are freed when a request finishes, is aborted, or its stream is dropped.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, TransferError, TransferMeta, TransferState
 from kv_transfer.config import TransferConfig
@@ -110,7 +112,8 @@ class DecodeWorker:
         self.transfer = transfer
         self.engine = LLMEngine(engine_config)
         self.layout = kv_layout(self.engine)
-        self.runtime = AsyncEngine(self.engine)
+        self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
+        self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
         self.runtime.add_periodic(self._expire_reservations)
         self.backend = transfer.make_backend()
         self._deadlines: dict[str, float] = {}
@@ -120,7 +123,7 @@ class DecodeWorker:
 
     async def ready(self) -> dict:
         self.runtime.start()
-        return {"worker_id": self.worker_id, "role": self.role, "layout": self.layout}
+        return {"worker_id": self.worker_id, "role": self.role, "layout": self.layout, "pid": os.getpid()}
 
     async def join_group(self, world_size: int, rank: int, generation: int) -> int:
         await asyncio.to_thread(self.backend.join, world_size, rank, generation)
@@ -169,10 +172,13 @@ class DecodeWorker:
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
+            t0 = time.perf_counter()
             k, v = await self.backend.pull_async(meta, payload)
+            self.metrics.on_transfer(time.perf_counter() - t0, k.nbytes + v.nbytes)
         except Exception as e:  # any failure ends this transfer; the policy decides what follows
             reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
             self.backend.stats.failures[reason] += 1
+            self.metrics.on_transfer_failure(reason)
             self.transfer_failed(rid)
             return int(TransferState.FAILED)
         with self.runtime.lock:
@@ -202,6 +208,7 @@ class DecodeWorker:
         expired = [rid for rid, d in self._deadlines.items() if d < now]
         for rid in expired:
             self.backend.stats.failures["timeout"] += 1
+            self.metrics.on_transfer_failure("timeout")
             self.transfer_failed(rid)
 
     # -- streaming -------------------------------------------------------------

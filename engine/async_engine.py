@@ -57,8 +57,9 @@ class RequestStream:
 class AsyncEngine:
     """An engine stepping in its own thread, with per-request async output streams."""
 
-    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05, metrics=None) -> None:
         self.engine = engine
+        self.metrics = metrics  # an ``engine.metrics.EngineMetrics``, or None
         self.lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -96,6 +97,8 @@ class AsyncEngine:
         return stream
 
     def deliver(self, out: RequestOutput) -> None:
+        if out.finished and out.times is not None and self.metrics is not None:
+            self.metrics.on_finished(out.times)
         stream = self._streams.get(out.request_id)
         if stream is not None:
             stream.put(out)
@@ -161,6 +164,8 @@ class AsyncEngine:
                         continue
                     for out in outputs:
                         self.deliver(out)
+                    if self.metrics is not None:
+                        self.metrics.on_step(self.engine.stats())
             if not busy:
                 self._wake.wait(self._idle_poll_s)
                 self._wake.clear()

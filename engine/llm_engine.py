@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import torch
 
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.default_model import ensure_default_model
+from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.kv_cache import KVCache, bytes_per_block
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import ModelConfig
@@ -32,6 +33,26 @@ from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Where a finished request's time went, in seconds (None: that phase was elsewhere)."""
+
+    queue_s: float | None
+    prefill_s: float | None
+    decode_s: float | None
+    e2e_s: float
+
+    @classmethod
+    def of(cls, request: Request, now: float) -> "RequestTimes":
+        sched, first = request.first_scheduled_time, request.first_token_time
+        return cls(
+            queue_s=None if sched is None else sched - request.arrival_time,
+            prefill_s=None if sched is None or first is None else first - sched,
+            decode_s=None if first is None else now - first,
+            e2e_s=now - request.arrival_time,
+        )
 
 
 @dataclass
@@ -51,6 +72,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # Prefill role (``hold_kv``): the prompt's KV, [layers, blocks, block, Hkv, D] each.
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    times: RequestTimes | None = None  # set on the final output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,6 +111,8 @@ class LLMEngine:
         config = config or EngineConfig(**overrides)
         self.config = config
         self.model_dir = config.model or str(ensure_default_model())
+        # The name the API serves it under: the checkpoint folder's name.
+        self.model_name = Path(self.model_dir).resolve().name if config.model else DEFAULT_MODEL_NAME
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
@@ -218,6 +242,7 @@ class LLMEngine:
         self.kv_cache.k[:, dst] = k.to(self.kv_cache.k.device, self.kv_cache.k.dtype)
         self.kv_cache.v[:, dst] = v.to(self.kv_cache.v.device, self.kv_cache.v.dtype)
         request = self.scheduler.remote_arrived(request_id, first_token)
+        request.first_scheduled_time = time.monotonic()
         self._generation_tokens += 1
         logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
         return self._emit([request], {request_id: first_token}, logprobs)[0]
@@ -282,6 +307,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of the requests that produced tokens."""
         sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for item in sched.scheduled:
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
         result = self.runner.execute(sched)
         progressed = self.scheduler.update(sched, result.sampled)
         sampled = [r for r, token in progressed if token is not None]
@@ -296,8 +325,11 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Detokenize each request's new token, apply stop strings, build the outputs."""
         stopped = []
+        now = time.monotonic()
         for request in requests:
             rid = request.request_id
+            if request.first_token_time is None:
+                request.first_token_time = now
             tracked = self._tracked[rid]
             if tracked.logprobs is not None and rid in logprobs:
                 tracked.logprobs.append(logprobs[rid])
@@ -315,6 +347,7 @@ class LLMEngine:
     def _finish_output(self, request: Request) -> RequestOutput:
         """Final output of a finished request: hands over held KV and forgets the request."""
         out = self._output(request)
+        out.times = RequestTimes.of(request, time.monotonic())
         rid = request.request_id
         if rid in self.scheduler.held:
             ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_prompt_tokens)]

@@ -68,6 +68,9 @@ class Request:
     seq_no: int = 0
     # Prefill role: keep the blocks after finishing until the engine has packed the KV.
     hold_kv: bool = False
+    # Set by the engine (the scheduler never reads the clock), for latency metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ answering ``receive_kv``.
 from __future__ import annotations
 
 import asyncio
+import os
 import dataclasses
 import itertools
 import time
@@ -25,6 +26,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferError, TransferMeta, TransferState
 from kv_transfer.config import TransferConfig
@@ -67,13 +69,14 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.transfer = transfer
         self.engine = LLMEngine(engine_config)
-        self.runtime = AsyncEngine(self.engine)
+        self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
+        self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
         self.backend = transfer.make_backend()
         self._transfer_ids = itertools.count()
 
     async def ready(self) -> dict:
         self.runtime.start()
-        return {"worker_id": self.worker_id, "role": self.role}
+        return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
 
     async def join_group(self, world_size: int, rank: int, generation: int) -> int:
         await asyncio.to_thread(self.backend.join, world_size, rank, generation)
@@ -152,6 +155,7 @@ class PrefillWorker:
         except Exception as e:  # any failure ends this transfer; the decode side recovers
             reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
             self.backend.stats.failures[reason] += 1
+            self.metrics.on_transfer_failure(reason)
             # Tell the decode side at once instead of letting it wait for the deadline.
             decode_worker.transfer_failed.remote(meta.request_id)
             return TransferState.FAILED, f"{reason}: {e}"

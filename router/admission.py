@@ -45,6 +45,7 @@ class Ticket:
 class Rejection:
     reason: str
     retry_after_s: int
+    code: str = "busy"  # the bound that was hit: a short label for metrics
 
 
 class Admission:
@@ -65,6 +66,7 @@ class Admission:
                 f"(max_outstanding_requests={cfg.max_requests})",
                 self.requests - cfg.max_requests + 1,
                 now,
+                "max_outstanding_requests",
             )
         # An idle router admits any single prompt: validation already capped its length.
         if self.requests and self.prompt_tokens + prompt_tokens > cfg.max_prompt_tokens:
@@ -73,6 +75,7 @@ class Admission:
                 f"adds {prompt_tokens} (max_outstanding_prompt_tokens={cfg.max_prompt_tokens})",
                 1,
                 now,
+                "max_outstanding_prompt_tokens",
             )
         self.requests += 1
         self.prompt_tokens += prompt_tokens
@@ -90,7 +93,7 @@ class Admission:
         while self._finished and self._finished[0] < now - self.config.rate_window_s:
             self._finished.popleft()
 
-    def _reject(self, reason: str, must_finish: int, now: float) -> Rejection:
+    def _reject(self, reason: str, must_finish: int, now: float, code: str) -> Rejection:
         self.num_rejected += 1
         self._trim(now)
         cfg = self.config
@@ -98,4 +101,4 @@ class Admission:
         # Nothing finished lately: no rate to go by, so suggest the shortest wait.
         wait = must_finish / rate if rate > 0 else cfg.min_retry_after_s
         wait = min(max(wait, cfg.min_retry_after_s), cfg.max_retry_after_s)
-        return Rejection(reason, math.ceil(wait))
+        return Rejection(reason, math.ceil(wait), code)

@@ -20,6 +20,7 @@ actor handle passed in at bind time), refreshed every ``workers_refresh_s``.
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from ray import serve
 # decorated, so every helper it calls is defined above it.
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.metrics import RouterMetrics
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
@@ -96,6 +98,7 @@ class RouterCore:
         self.model = ServedModel(**info)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
+        self.metrics = RouterMetrics(self.model.name, f"router-{os.getpid()}")
         self._prefill, self._decode = ray.get(controller.workers.remote())
         self._refresher: asyncio.Task | None = None
         # Block size and running cap must match the workers' engines: the controller knows them.
@@ -128,6 +131,7 @@ class RouterCore:
     def admit(self, prepared: PreparedRequest) -> Ticket:
         decision = self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic())
         if isinstance(decision, Rejection):
+            self.metrics.on_rejected(decision.code)
             raise ApiError(429, f"server busy: {decision.reason}; retry after {decision.retry_after_s}s",
                            type="rate_limit_error", code="server_busy", retry_after_s=decision.retry_after_s)
         return decision
@@ -138,11 +142,29 @@ class RouterCore:
     async def run(self, prepared: PreparedRequest, rid: str, ticket: Ticket) -> AsyncIterator:
         """The request's deltas; releases the admission ticket however it ends."""
         self.ensure_refreshing()
+        start = last = time.monotonic()
+        ttft = None
+        output_tokens = 0
+        reason = "abort"  # if the client leaves before the end
         try:
             async for delta in self.dispatcher.generate(prepared.prompt_token_ids, prepared.params, rid):
+                now = time.monotonic()
+                if delta.token_ids:
+                    if ttft is None:
+                        ttft = now - start
+                        self.metrics.on_first_token(ttft)
+                    else:
+                        self.metrics.on_tokens(len(delta.token_ids), now - last)
+                    last = now
+                    output_tokens += len(delta.token_ids)
+                if delta.finished:
+                    reason = delta.finish_reason or "error"
                 yield delta
         finally:
             self.release(ticket)
+            self.metrics.on_finished(
+                reason, time.monotonic() - start, ttft, len(prepared.prompt_token_ids), output_tokens
+            )
 
 
 def _server_error(message: str) -> ApiError:
@@ -205,10 +227,14 @@ class Router:
         core.check_key(_bearer(request.headers.get("authorization")))
         declared = request.headers.get("content-length")
         limit = core.config.max_body_bytes
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit} bytes")
         prepare = prepare_chat if chat else prepare_completion
-        prepared = prepare(parse_json(await request.body(), limit), core.model, core.tokenizer)
+        try:
+            if declared and declared.isdigit() and int(declared) > limit:
+                raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit} bytes")
+            prepared = prepare(parse_json(await request.body(), limit), core.model, core.tokenizer)
+        except ApiError:
+            core.metrics.on_rejected("invalid_request")
+            raise
         ticket = core.admit(prepared)
         env = Envelope(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", core.model.name, int(time.time()))
         deltas = core.run(prepared, env.id, ticket)
@@ -285,7 +311,11 @@ class Router:
         core = self.core
         try:
             core.check_key(_grpc_key(grpc_context))
-            prepared = grpc_api.prepare(request, core.model, core.tokenizer)
+            try:
+                prepared = grpc_api.prepare(request, core.model, core.tokenizer)
+            except ApiError:
+                core.metrics.on_rejected("invalid_request")
+                raise
             rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
             if core.dispatcher.in_flight(rid):
                 raise ApiError(400, f"request_id {rid!r} is already in flight", param="request_id")

@@ -8,18 +8,43 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tandem_home):
+def metrics_dir(tmp_path_factory) -> str:
+    """Where every Ray process of the session writes its Prometheus metrics."""
+    return str(tmp_path_factory.mktemp("prometheus-multiproc"))
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tandem_home, metrics_dir):
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env={"env_vars": {"TANDEM_HOME": str(tandem_home), "OMP_NUM_THREADS": "1"}},
-    )
+    env = {"TANDEM_HOME": str(tandem_home), "OMP_NUM_THREADS": "1", "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    # The driver too: clusters started here mark their dead workers' gauges in it.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
     yield ray
     ray.shutdown()
+
+
+def scrape(metrics_dir: str) -> dict[tuple, float]:
+    """The node's merged metrics, as the scrape endpoint serves them: (name, labels) -> value."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=metrics_dir)
+    out: dict[tuple, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "pid"))
+            out[(sample.name, labels)] = out.get((sample.name, labels), 0.0) + sample.value
+    return out
+
+
+def metric_sum(samples: dict[tuple, float], name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
 @pytest.fixture(scope="session")

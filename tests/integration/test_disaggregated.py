@@ -230,3 +230,18 @@ def test_topology_yaml_with_overrides(tmp_path):
         ClusterConfig.from_dict({"transfer": {"backend": "carrier-pigeon"}})
     with pytest.raises(ValueError, match="unknown engine setting"):
         ClusterConfig.from_dict({"engine": {"blok_size": 8}})
+
+
+def test_injected_transfer_failures_reach_the_metrics(ray_cluster, tiny_model, reference, metrics_dir):
+    from tests.integration.conftest import metric_sum, scrape
+
+    prompts, lengths, _ = reference
+    before = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")
+    cluster = _start(tiny_model, 1, 1, "object_store", faults={"drop_rate": 1.0})
+    try:
+        _run_all(cluster, prompts[:3], lengths[:3])
+        after = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")
+        assert after - before == 3, f"3 dropped transfers, counter moved by {after - before}"
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,120 @@
+{{/* Names, labels and the pieces the RayService template repeats for each group. */}}
+
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's base name; Service names append -http/-grpc/-metrics, so keep room. */}}
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* rayStartParams.resources wants a quoted JSON string, e.g. '"{\"tandem_prefill\":1}"'. */}}
+{{- define "tandem.rayResourcesParam" -}}
+{{- printf "%q" (toJson .) | squote }}
+{{- end }}
+
+{{/* Environment shared by every Ray container. */}}
+{{- define "tandem.env" -}}
+- name: TANDEM_METRICS_PORT
+  value: {{ .Values.metrics.port | quote }}
+{{- if .Values.apiKey.existingSecret }}
+- name: {{ .Values.apiKey.envVar }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.existingSecret }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every Ray pod: non-root, shared memory, extra volumes. */}}
+{{- define "tandem.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+{{- end }}
+
+{{- define "tandem.volumes" -}}
+- name: dshm   # Ray's object store lives in /dev/shm; the container default is 64 MiB
+  emptyDir:
+    medium: Memory
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.volumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* A worker group's container resources: CPU, memory and, when asked, GPUs. */}}
+{{- define "tandem.workerResources" -}}
+requests:
+  cpu: {{ .cpu | quote }}
+  memory: {{ .memory | quote }}
+  {{- if gt (int .gpus) 0 }}
+  nvidia.com/gpu: {{ .gpus | quote }}
+  {{- end }}
+limits:
+  cpu: {{ .cpu | quote }}
+  memory: {{ .memory | quote }}
+  {{- if gt (int .gpus) 0 }}
+  nvidia.com/gpu: {{ .gpus | quote }}
+  {{- end }}
+{{- end }}
+
+{{/*
+The Serve config (serveConfigV2). Rendered as JSON, which is YAML too: toYaml would print
+numbers of a million and more in exponent form (8.589934592e+09), toJson keeps them whole.
+`args` go to cluster.service:app: the topology (cluster/config.py keys), the custom
+resources that pin each role's workers, the router's settings, the metrics port, and the
+name of the env var holding the API key (never the key).
+*/}}
+{{- define "tandem.serveConfig" -}}
+{{- $s := .Values.serve -}}
+{{- $router := dict "max_outstanding_requests" $s.maxOutstandingRequests "max_outstanding_prompt_tokens" $s.maxOutstandingPromptTokens "placement" $s.placement -}}
+{{- if .Values.apiKey.existingSecret }}
+{{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
+{{- end }}
+{{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port -}}
+{{- $app := dict "name" $s.appName "import_path" $s.importPath "route_prefix" $s.routePrefix "args" $args -}}
+{{- $grpc := dict "port" .Values.service.grpcPort "grpc_servicer_functions" (list "protos.tandem.v1.generate_pb2_grpc.add_GenerationServicer_to_server" "protos.grpc.health.v1.health_pb2_grpc.add_HealthServicer_to_server") -}}
+{{- $cfg := dict "proxy_location" $s.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.service.httpPort) "grpc_options" $grpc "applications" (list $app) -}}
+{{- toPrettyJson $cfg }}
+{{- end }}

@@ -1,0 +1,178 @@
+"""Every metric Tandem exports: names, labels and buckets, in one place.
+
+prometheus-client objects only; no server here (``cluster`` starts the scrape
+endpoint). Names follow vLLM's under the ``tandem:`` prefix and every series carries
+``model``, ``role`` (router | prefill | decode | colocated) and ``worker``.
+
+Ray runs each worker in its own process. When ``PROMETHEUS_MULTIPROC_DIR`` is set
+(``tandem up`` sets it for every process it starts on the node) the values go to
+files there, and the node's one scrape endpoint reads them all; without it (tests,
+the offline API) they live in this process's default registry.
+
+Recording stays off the hot path: the engine keeps plain counters and timestamps,
+and the recorders below turn them into metric updates once per step or per finished
+request, in bulk.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LABELS = ("model", "role", "worker")
+
+# Milliseconds to minutes: serving latencies span five orders of magnitude.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)
+
+_GAUGE_MODE = {"multiprocess_mode": "livemax"}
+
+
+def _histogram(name: str, doc: str, buckets=LATENCY_BUCKETS, extra: tuple[str, ...] = ()) -> Histogram:
+    return Histogram(f"tandem:{name}", doc, LABELS + extra, buckets=buckets)
+
+
+def _counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+    return Counter(f"tandem:{name}", doc, LABELS + extra)
+
+
+def _gauge(name: str, doc: str) -> Gauge:
+    return Gauge(f"tandem:{name}", doc, LABELS, **_GAUGE_MODE)
+
+
+TIME_TO_FIRST_TOKEN = _histogram("time_to_first_token_seconds", "Time to first token, end to end at the router.")
+INTER_TOKEN_LATENCY = _histogram(
+    "inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS
+)
+TIME_PER_OUTPUT_TOKEN = _histogram(
+    "request_time_per_output_token_seconds",
+    "Per request: (e2e - ttft) / (output tokens - 1).",
+    TOKEN_LATENCY_BUCKETS,
+)
+E2E_LATENCY = _histogram("e2e_request_latency_seconds", "Request latency from arrival to its last token.")
+QUEUE_TIME = _histogram("request_queue_time_seconds", "Time a request waited before its first step.")
+PREFILL_TIME = _histogram("request_prefill_time_seconds", "First step to first token.")
+DECODE_TIME = _histogram("request_decode_time_seconds", "First token to last token.")
+KV_TRANSFER_TIME = _histogram("kv_transfer_time_seconds", "One request's KV transfer, as its receiver saw it.")
+
+NUM_RUNNING = _gauge("num_requests_running", "Requests in the running batch.")
+NUM_WAITING = _gauge("num_requests_waiting", "Requests waiting: queued, swapped out or waiting for KV.")
+KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "Share of KV blocks in use (0 to 1).")
+
+PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens of finished requests.")
+GENERATION_TOKENS = _counter("generation_tokens", "Generated tokens of finished requests.")
+REQUEST_SUCCESS = _counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+NUM_PREEMPTIONS = _counter("num_preemptions", "Preemptions, by mode.", ("mode",))
+PREFIX_CACHE_QUERIES = _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+KV_TRANSFER_BYTES = _counter("kv_transfer_bytes", "KV bytes received from prefill workers.")
+KV_TRANSFER_FAILURES = _counter("kv_transfer_failures", "Failed KV transfers, by reason.", ("reason",))
+REQUESTS_REJECTED = _counter("requests_rejected", "Requests turned away, by reason.", ("reason",))
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
+@dataclass
+class _Totals:
+    """The engine counters as last exported, so each export adds only the difference."""
+
+    preempt_recompute: int = 0
+    preempt_swap: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class EngineMetrics:
+    """Exports one engine's state and finished requests (a worker's view)."""
+
+    def __init__(self, model: str, role: str, worker: str) -> None:
+        labels = (model, role, worker)
+        self.labels = labels
+        self._running = NUM_RUNNING.labels(*labels)
+        self._waiting = NUM_WAITING.labels(*labels)
+        self._usage = KV_CACHE_USAGE.labels(*labels)
+        self._recompute = NUM_PREEMPTIONS.labels(*labels, "recompute")
+        self._swap = NUM_PREEMPTIONS.labels(*labels, "swap")
+        self._queries = PREFIX_CACHE_QUERIES.labels(*labels)
+        self._hits = PREFIX_CACHE_HITS.labels(*labels)
+        self._queue = QUEUE_TIME.labels(*labels)
+        self._prefill = PREFILL_TIME.labels(*labels)
+        self._decode = DECODE_TIME.labels(*labels)
+        self._done = _Totals()
+
+    def on_step(self, stats) -> None:
+        """Once per engine step (``stats``: an ``EngineStats``)."""
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting + stats.num_swapped)
+        self._usage.set(stats.kv_cache_usage)
+        d = self._done
+        for child, now, attr in (
+            (self._recompute, stats.num_preemptions_recompute, "preempt_recompute"),
+            (self._swap, stats.num_preemptions_swap, "preempt_swap"),
+            (self._queries, stats.prefix_cache_queries, "prefix_queries"),
+            (self._hits, stats.prefix_cache_hits, "prefix_hits"),
+        ):
+            delta = now - getattr(d, attr)
+            if delta:
+                child.inc(delta)
+                setattr(d, attr, now)
+
+    def on_finished(self, times) -> None:
+        """A request finished here (``times``: its ``RequestTimes``)."""
+        if times.queue_s is not None:
+            self._queue.observe(times.queue_s)
+        if times.prefill_s is not None:
+            self._prefill.observe(times.prefill_s)
+        if times.decode_s is not None:
+            self._decode.observe(times.decode_s)
+
+    def on_transfer(self, seconds: float, nbytes: int) -> None:
+        KV_TRANSFER_TIME.labels(*self.labels).observe(seconds)
+        KV_TRANSFER_BYTES.labels(*self.labels).inc(nbytes)
+
+    def on_transfer_failure(self, reason: str) -> None:
+        KV_TRANSFER_FAILURES.labels(*self.labels, reason).inc()
+
+
+class RouterMetrics:
+    """What only the router sees: latency end to end, usage, rejections."""
+
+    def __init__(self, model: str, worker: str) -> None:
+        self.labels = (model, "router", worker)
+        self._ttft = TIME_TO_FIRST_TOKEN.labels(*self.labels)
+        self._itl = INTER_TOKEN_LATENCY.labels(*self.labels)
+        self._tpot = TIME_PER_OUTPUT_TOKEN.labels(*self.labels)
+        self._e2e = E2E_LATENCY.labels(*self.labels)
+        self._prompt = PROMPT_TOKENS.labels(*self.labels)
+        self._generation = GENERATION_TOKENS.labels(*self.labels)
+
+    def on_first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def on_tokens(self, num_tokens: int, seconds: float) -> None:
+        """``num_tokens`` arrived together ``seconds`` after the previous ones."""
+        if num_tokens > 0:
+            per_token = seconds / num_tokens
+            for _ in range(num_tokens):
+                self._itl.observe(per_token)
+
+    def on_finished(self, reason: str, e2e_s: float, ttft_s: float | None, prompt_tokens: int, output_tokens: int) -> None:
+        REQUEST_SUCCESS.labels(*self.labels, reason).inc()
+        self._e2e.observe(e2e_s)
+        self._prompt.inc(prompt_tokens)
+        self._generation.inc(output_tokens)
+        if ttft_s is not None and output_tokens > 1:
+            self._tpot.observe((e2e_s - ttft_s) / (output_tokens - 1))
+
+    def on_rejected(self, reason: str) -> None:
+        REQUESTS_REJECTED.labels(*self.labels, reason).inc()

@@ -1,0 +1,129 @@
+"""Prometheus metrics end to end: a scrape after real traffic over HTTP and gRPC.
+
+The session's Ray processes all write into one multiprocess folder, which is what a
+node's scrape endpoint serves; each test compares scrapes before and after its load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.service import ServiceConfig, TandemService
+from router.server import RouterConfig
+from tests.integration.conftest import metric_sum, scrape
+from tests.integration.test_router_http import assert_blocks_freed, free_port
+
+N_HTTP, N_GRPC = 12, 4
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_model):
+    cfg = ServiceConfig(
+        cluster=ClusterConfig.from_dict(
+            {
+                "model": tiny_model,
+                "prefill_workers": 1,
+                "decode_workers": 1,
+                "transfer": {"backend": "object_store"},
+                "engine": {"num_kv_blocks": 512},
+                "restart_workers": False,
+            }
+        ),
+        router=RouterConfig(),
+        http_port=free_port(),
+        grpc_port=free_port(),
+    )
+    svc = TandemService(cfg).start()
+    yield svc
+    svc.shutdown()
+
+
+def _delta(before, after, name, **labels):
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+def test_scrape_counts_every_request_and_token(service, metrics_dir, tiny_model):
+    import openai
+
+    from protos.tandem.v1 import generate_pb2 as pb
+    from protos.tandem.v1 import generate_pb2_grpc
+
+    model = tiny_model.rstrip("/").split("/")[-1]
+    before = scrape(metrics_dir)
+    client = openai.AsyncOpenAI(base_url=f"{service.http_url}/v1", api_key="x", max_retries=0)
+
+    async def http_one(i):
+        kwargs = dict(model=model, prompt=f"request {i} " * (1 + i), max_tokens=3 + i, temperature=0,
+                      extra_body={"ignore_eos": True})
+        if i % 2:
+            out = await client.completions.create(**kwargs)
+            return out.usage.prompt_tokens, out.usage.completion_tokens
+        stream = await client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.prompt_tokens, usage.completion_tokens
+
+    async def http_all():
+        return await asyncio.gather(*(http_one(i) for i in range(N_HTTP)))
+
+    usages = asyncio.run(http_all())
+    stub = generate_pb2_grpc.GenerationStub(grpc.insecure_channel(service.grpc_target))
+    for i in range(N_GRPC):
+        req = pb.GenerateRequest(text=f"grpc {i}", sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        msgs = list(stub.Generate(req))
+        usages.append((msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens))
+    assert_blocks_freed(service, within_s=2.0)
+    after = scrape(metrics_dir)
+    n = N_HTTP + N_GRPC
+    router = dict(role="router", model=model)
+    assert _delta(before, after, "tandem:request_success_total", **router) == n
+    assert _delta(before, after, "tandem:request_success_total", finished_reason="length", **router) == n
+    assert _delta(before, after, "tandem:time_to_first_token_seconds_count", **router) == n
+    assert _delta(before, after, "tandem:e2e_request_latency_seconds_count", **router) == n
+    assert _delta(before, after, "tandem:prompt_tokens_total", **router) == sum(u[0] for u in usages)
+    assert _delta(before, after, "tandem:generation_tokens_total", **router) == sum(u[1] for u in usages)
+    # Worker-side views of the same requests.
+    assert _delta(before, after, "tandem:kv_transfer_bytes_total", role="decode") > 0
+    assert _delta(before, after, "tandem:request_queue_time_seconds_count", role="prefill") == n
+    assert metric_sum(after, "tandem:kv_cache_usage_perc", role="decode", model=model) == 0.0
+
+
+def test_rejections_are_counted_by_reason(service, metrics_dir, tiny_model):
+    import json
+    import urllib.error
+    import urllib.request
+
+    model = tiny_model.rstrip("/").split("/")[-1]
+    before = scrape(metrics_dir)
+    body = json.dumps({"model": model, "prompt": "x", "temperature": -1}).encode()
+    req = urllib.request.Request(
+        f"{service.http_url}/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+    after = scrape(metrics_dir)
+    assert _delta(before, after, "tandem:requests_rejected_total", reason="invalid_request") == 1
+    assert_blocks_freed(service, within_s=2.0)
+
+
+def test_preemptions_move_their_counter(default_model):
+    """In-process: the engine's recorder exports preemptions by mode."""
+    from engine import LLMEngine, SamplingParams
+    from engine.metrics import NUM_PREEMPTIONS, EngineMetrics
+
+    engine = LLMEngine(model=str(default_model), num_kv_blocks=12, preemption_mode="recompute")
+    metrics = EngineMetrics("m", "colocated", "preempt-test")
+    child = NUM_PREEMPTIONS.labels("m", "colocated", "preempt-test", "recompute")
+    for i in range(4):
+        engine.add_request([10 + i] * 30, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.on_step(engine.stats())
+    assert engine.stats().num_preemptions_recompute > 0
+    assert child._value.get() == engine.stats().num_preemptions_recompute

@@ -1,0 +1,492 @@
+"""The deployment files in deploy/: Helm chart, values schema, Grafana dashboard,
+Prometheus config and Dockerfiles, checked offline (no cluster, Docker or helm binary).
+
+- The chart is linted and rendered by Helm's own Go code (helm-python-sdk, Helm v4).
+- Built-in Kubernetes objects are validated with kubernetes-validate (strict: unknown
+  fields fail) against Kubernetes KUBE_VERSION.
+- The RayService is validated against KubeRay's CRD schema (vendored in
+  deploy/helm/crds-for-tests/), with unknown fields rejected as well: the API server
+  would silently prune a misspelled field instead of failing.
+- The ServiceMonitor is checked against a small schema of the fields the chart sets
+  (the prometheus-operator CRD is not vendored).
+- The serveConfigV2 is checked with Ray Serve's own config schema, and its topology with
+  cluster.config.ClusterConfig.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (the test extra)")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra")
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CHART = DEPLOY / "helm" / "tandem"
+GPU_VALUES = CHART / "values-gpu.yaml"
+KUBE_VERSION = "1.30.0"
+RELEASE, NAMESPACE = "tandem", "tandem"
+
+# The metric names the dashboard may use: the spec of the metrics the service exports
+# (prometheus-client names: histograms add _bucket/_sum/_count, counters end in _total).
+METRICS_SPEC = {
+    # histograms
+    "tandem:time_to_first_token_seconds",
+    "tandem:inter_token_latency_seconds",
+    "tandem:request_time_per_output_token_seconds",
+    "tandem:e2e_request_latency_seconds",
+    "tandem:request_queue_time_seconds",
+    "tandem:request_prefill_time_seconds",
+    "tandem:request_decode_time_seconds",
+    "tandem:kv_transfer_time_seconds",
+    # gauges
+    "tandem:num_requests_running",
+    "tandem:num_requests_waiting",
+    "tandem:kv_cache_usage_perc",
+    # counters
+    "tandem:prompt_tokens_total",
+    "tandem:generation_tokens_total",
+    "tandem:request_success_total",
+    "tandem:num_preemptions_total",
+    "tandem:prefix_cache_queries_total",
+    "tandem:prefix_cache_hits_total",
+    "tandem:kv_transfer_bytes_total",
+    "tandem:kv_transfer_failures_total",
+    "tandem:requests_rejected_total",
+}
+# Digits too: tandem:e2e_request_latency_seconds.
+METRIC_RE = re.compile(r"tandem:[A-Za-z0-9_:]+")
+HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _ray_service_crd_path() -> Path:
+    """The vendored CRD; the shared/ checkout beside the repo is only a fallback."""
+    vendored = DEPLOY / "helm" / "crds-for-tests" / "ray.io_rayservices.yaml"
+    if vendored.exists():
+        return vendored
+    return REPO / ".." / "shared" / "schemas" / "ray.io_rayservices.yaml"
+
+
+def _reject_unknown_fields(schema):
+    """A copy of a CRD's structural schema in which objects with listed properties accept
+    no other keys (the API server prunes those silently; a test should fail instead)."""
+    if isinstance(schema, list):
+        return [_reject_unknown_fields(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _reject_unknown_fields(v) for k, v in schema.items()}
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _split(manifests: dict[str, str]) -> list[dict]:
+    docs = []
+    for path, text in manifests.items():
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def _by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _service(docs: list[dict], suffix: str) -> dict:
+    (svc,) = [d for d in _by_kind(docs, "Service") if d["metadata"]["name"].endswith(suffix)]
+    return svc
+
+
+def _groups(rayservice: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def _ray_resources_param(group: dict) -> dict:
+    """rayStartParams.resources is a quoted JSON string: '"{\\"tandem_prefill\\":1}"'."""
+    raw = group["rayStartParams"]["resources"]
+    assert raw.startswith('"') and raw.endswith('"'), f"expected a quoted JSON string, got {raw!r}"
+    return json.loads(json.loads(raw))
+
+
+def _error_text(err: Exception) -> str:
+    return f"{err.message} at {'/'.join(map(str, err.absolute_path))}" if hasattr(err, "message") else str(err)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def chart():
+    c = helm.Chart.load(CHART)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_values() -> dict:
+    return yaml.safe_load(GPU_VALUES.read_text())
+
+
+@pytest.fixture(scope="module")
+def rendered(chart, gpu_values) -> dict[str, list[dict]]:
+    """The chart rendered by Helm for the default values and for the GPU example."""
+    return {
+        "default": _split(chart.render({}, name=RELEASE, namespace=NAMESPACE)),
+        "gpu": _split(chart.render(gpu_values, name=RELEASE, namespace=NAMESPACE)),
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_service_schema() -> dict:
+    crd = yaml.load(_ray_service_crd_path().read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    assert crd["spec"]["names"]["kind"] == "RayService"
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return _reject_unknown_fields(v1["schema"]["openAPIV3Schema"])
+
+
+@pytest.fixture(scope="module")
+def values_schema() -> dict:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+# ------------------------------------------------------------------------ Helm chart
+
+
+@pytest.mark.parametrize("example", [None, GPU_VALUES], ids=["default", "gpu"])
+def test_chart_lints_clean(example):
+    values = yaml.safe_load(example.read_text()) if example else None
+    report = helm.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] == [], report
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert problems == [], f"helm lint warnings/errors: {problems}"
+
+
+def test_chart_renders_a_rayservice_and_three_services(rendered):
+    for case, docs in rendered.items():
+        kinds = sorted(d["kind"] for d in docs)
+        expected = ["RayService", "Service", "Service", "Service"]
+        if case == "gpu":  # the example turns the ServiceMonitor on
+            expected = sorted([*expected, "ServiceMonitor"])
+        assert kinds == expected, f"{case}: rendered {kinds}"
+
+
+def test_builtin_objects_validate_against_kubernetes(rendered):
+    for case, docs in rendered.items():
+        for doc in docs:
+            if doc["apiVersion"] in ("ray.io/v1", "monitoring.coreos.com/v1"):
+                continue
+            try:
+                kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{case}: {doc['kind']} {doc['metadata']['name']}: {_error_text(e)}")
+
+
+def test_rayservice_validates_against_the_kuberay_crd(rendered, ray_service_schema):
+    validator = jsonschema.Draft4Validator(ray_service_schema)
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        assert rs["apiVersion"] == "ray.io/v1"
+        errors = [_error_text(e) for e in validator.iter_errors(rs)]
+        assert errors == [], f"{case}: RayService does not match the CRD: {errors[:5]}"
+
+
+def test_crd_check_catches_a_misspelled_field(rendered, ray_service_schema):
+    (rs,) = _by_kind(rendered["default"], "RayService")
+    bad = copy.deepcopy(rs)
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    assert not jsonschema.Draft4Validator(ray_service_schema).is_valid(bad)
+
+
+def test_worker_groups_are_pinned_by_custom_resources(rendered, chart):
+    values = chart.values
+    (rs,) = _by_kind(rendered["default"], "RayService")
+    groups = _groups(rs)
+    assert list(groups) == ["prefill", "decode"]
+    for role, group in groups.items():
+        assert _ray_resources_param(group) == values[role]["rayResources"]
+        assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (
+            values[role]["replicas"], values[role]["minReplicas"], values[role]["maxReplicas"])
+        # each worker actor asks for its own role's resource, which only its group offers
+        assert set(values["serve"]["workerResources"][role]) <= set(values[role]["rayResources"])
+
+
+def test_gpu_example_puts_gpus_selectors_and_tolerations_on_both_groups(rendered, gpu_values):
+    (rs,) = _by_kind(rendered["gpu"], "RayService")
+    for role, group in _groups(rs).items():
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == str(gpu_values[role]["gpus"])
+        assert pod["nodeSelector"] == gpu_values[role]["nodeSelector"]
+        assert pod["tolerations"] == gpu_values[role]["tolerations"]
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
+
+
+def test_cpu_default_asks_for_no_gpus(rendered):
+    (rs,) = _by_kind(rendered["default"], "RayService")
+    for group in _groups(rs).values():
+        assert "nvidia.com/gpu" not in group["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_pods_run_as_non_root(rendered):
+    for docs in rendered.values():
+        (rs,) = _by_kind(docs, "RayService")
+        cluster = rs["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        for pod in pods:
+            assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+            assert pod["spec"]["securityContext"]["runAsUser"] != 0
+
+
+def test_serve_config_is_a_valid_ray_serve_config_for_the_tandem_app(rendered):
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.config import ClusterConfig
+    from cluster.service import configs_from_args
+
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+        ServeDeploySchema.model_validate(config)  # raises on a malformed Serve config
+        (app,) = config["applications"]
+        assert app["import_path"] == "cluster.service:app"
+        assert (config["http_options"]["port"], config["grpc_options"]["port"]) == (8000, 9000)
+        # the topology is exactly what `tandem up --config` accepts
+        ClusterConfig.from_dict(app["args"]["topology"])
+        assert app["args"]["metrics_port"] == 8081, case
+        # and the application builder turns the args into the deployment they describe
+        cluster, _router = configs_from_args(app["args"])
+        assert cluster.prefill_resources.bundle()["tandem_prefill"] == 1, case
+        assert cluster.decode_resources.bundle()["tandem_decode"] == 1, case
+
+
+def test_serve_config_grpc_servicers_match_the_router():
+    from router.server import GRPC_SERVICERS
+
+    template = (CHART / "templates" / "_helpers.tpl").read_text()
+    for servicer in GRPC_SERVICERS:
+        assert f'"{servicer}"' in template, f"the chart's grpc_servicer_functions lack {servicer}"
+
+
+def test_api_key_comes_from_a_secret_never_from_the_config(rendered, gpu_values):
+    (rs,) = _by_kind(rendered["gpu"], "RayService")
+    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    env_var = config["applications"][0]["args"]["router"]["api_key_env"]
+    assert env_var == "TANDEM_API_KEY"
+    cluster = rs["spec"]["rayClusterConfig"]
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+    for c in containers:
+        (entry,) = [e for e in c["env"] if e["name"] == env_var]
+        assert entry["valueFrom"]["secretKeyRef"]["name"] == gpu_values["apiKey"]["existingSecret"]
+    (default_rs,) = _by_kind(rendered["default"], "RayService")
+    assert "api_key_env" not in yaml.safe_load(default_rs["spec"]["serveConfigV2"])["applications"][0]["args"]["router"]
+
+
+def test_services_expose_http_grpc_and_metrics_and_select_the_ray_pods(rendered):
+    docs = rendered["default"]
+    (rs,) = _by_kind(docs, "RayService")
+    cluster = rs["spec"]["rayClusterConfig"]
+    head_labels = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
+    pod_labels = [head_labels] + [g["template"]["metadata"]["labels"] for g in cluster["workerGroupSpecs"]]
+    for suffix, port in (("-http", 8000), ("-grpc", 9000)):
+        svc = _service(docs, suffix)
+        assert [p["port"] for p in svc["spec"]["ports"]] == [port]
+        selector = dict(svc["spec"]["selector"])
+        assert selector.pop("ray.io/serve") == "true"  # set by KubeRay on pods whose proxy is up
+        assert selector.items() <= head_labels.items(), f"{suffix} selects no head pod"
+    metrics = _service(docs, "-metrics")
+    assert metrics["spec"]["clusterIP"] == "None"  # one scrape target per pod
+    assert [(p["name"], p["port"]) for p in metrics["spec"]["ports"]] == [("metrics", 8081)]
+    for labels in pod_labels:
+        assert metrics["spec"]["selector"].items() <= labels.items()
+
+
+# The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
+SERVICE_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector"],
+            "properties": {
+                "selector": {"type": "object", "properties": {
+                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+                "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+                    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                "endpoints": {"type": "array", "items": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "port": {"type": "string"},
+                        "path": {"type": "string"},
+                        "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                        "scrapeTimeout": {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
+                    }}},
+            },
+        },
+    },
+}
+
+
+def test_service_monitor_is_off_by_default_and_scrapes_the_metrics_service(rendered):
+    assert _by_kind(rendered["default"], "ServiceMonitor") == []
+    docs = rendered["gpu"]
+    (sm,) = _by_kind(docs, "ServiceMonitor")
+    jsonschema.validate(sm, SERVICE_MONITOR_SCHEMA)
+    metrics = _service(docs, "-metrics")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in metrics["spec"]["ports"]}
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_replicas_outside_min_max_fail_to_render(chart):
+    with pytest.raises(helm.HelmRenderError, match="minReplicas <= replicas <= maxReplicas"):
+        chart.render({"decode": {"replicas": 9, "maxReplicas": 4}}, name=RELEASE)
+
+
+# ---------------------------------------------------------------------- values schema
+
+
+def test_default_and_gpu_values_match_the_values_schema(chart, gpu_values, values_schema):
+    jsonschema.Draft7Validator.check_schema(values_schema)
+    for values in (chart.values, chart.merge_values(gpu_values)):
+        jsonschema.Draft7Validator(values_schema).validate(values)
+        chart.validate_schema(values)  # Helm's own validator agrees
+
+
+@pytest.mark.parametrize(
+    "override, where",
+    [
+        ({"prefill": {"replicas": -1}}, "replicas"),
+        ({"decode": {"gpus": "two"}}, "gpus"),
+        ({"decode": {"gpus": 0.5}}, "gpus"),
+        ({"prefill": {"replics": 1}}, "replics"),
+        ({"serve": {"topology": {"decode_workers": 0}}}, "decode_workers"),
+        ({"serve": {"placement": "random"}}, "placement"),
+        ({"metrics": {"port": 70000}}, "port"),
+        ({"prefill": {"rayResources": {"tandem_prefill": -1}}}, "tandem_prefill"),
+    ],
+)
+def test_bad_values_are_rejected_by_the_schema(chart, values_schema, override, where):
+    merged = chart.merge_values(override)
+    errors = list(jsonschema.Draft7Validator(values_schema).iter_errors(merged))
+    assert errors, f"the schema accepted {override}"
+    assert any(where in _error_text(e) or where in str(e.path) or where in e.message for e in errors), errors
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(override, name=RELEASE)
+
+
+# ------------------------------------------------------------------- Grafana dashboard
+
+
+def _dashboard() -> dict:
+    return json.loads((DEPLOY / "grafana" / "tandem-dashboard.json").read_text())
+
+
+def _exprs(dashboard: dict) -> list[tuple[str, str]]:
+    out = []
+    for panel in dashboard["panels"]:
+        for nested in [panel, *panel.get("panels", [])]:
+            for target in nested.get("targets", []):
+                out.append((nested["title"], target["expr"]))
+    return out
+
+
+def test_dashboard_uses_only_specified_metric_names():
+    exprs = _exprs(_dashboard())
+    assert exprs, "the dashboard has no queries"
+    used = set()
+    for title, expr in exprs:
+        for name in METRIC_RE.findall(expr):
+            used.add(HISTOGRAM_SUFFIX.sub("", name) if not name.endswith("_total") else name)
+    unknown = used - METRICS_SPEC
+    assert not unknown, f"dashboard queries metrics outside the spec: {sorted(unknown)}"
+    assert used == METRICS_SPEC, f"metrics with no panel: {sorted(METRICS_SPEC - used)}"
+
+
+def test_dashboard_queries_are_well_formed_and_filtered():
+    for title, expr in _exprs(_dashboard()):
+        depth = 0
+        for ch in expr:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            assert depth >= 0, f"{title}: unbalanced parentheses in {expr}"
+        assert depth == 0 and expr.count("{") == expr.count("}"), f"{title}: unbalanced {expr}"
+        for selector in re.findall(r"tandem:[A-Za-z0-9_:]+\{([^}]*)\}", expr):
+            assert 'model=~"$model"' in selector and 'role=~"$role"' in selector, f"{title}: {expr}"
+        for name in METRIC_RE.findall(expr):
+            if name.endswith("_bucket"):
+                assert re.search(re.escape(name) + r"\{[^}]*\}\[5m\]", expr), f"{title}: {expr}"
+
+
+def test_dashboard_has_the_required_panels_and_variables():
+    dash = _dashboard()
+    names = {v["name"]: v for v in dash["templating"]["list"]}
+    assert names["DS_PROMETHEUS"]["type"] == "datasource"
+    assert {"model", "role"} <= set(names)
+    panels = {p["title"]: p for p in dash["panels"] if p["type"] != "row"}
+    for p in panels.values():
+        assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
+    for title in ("Time to first token", "Inter-token latency", "End-to-end request latency", "KV transfer time"):
+        quantiles = {re.match(r"histogram_quantile\(([0-9.]+),", t["expr"]).group(1) for t in panels[title]["targets"]}
+        assert quantiles == {"0.5", "0.9", "0.99"}, f"{title}: {quantiles}"
+    expected_by = {
+        "Preemptions": "mode", "KV transfer failures": "reason", "Rejected requests": "reason",
+        "KV cache usage": "worker", "Requests running / waiting": "worker",
+    }
+    for title, label in expected_by.items():
+        assert all("{{" + label + "}}" in t["legendFormat"] for t in panels[title]["targets"]), title
+    throughput = " ".join(t["expr"] for t in panels["Token throughput"]["targets"])
+    assert "prompt_tokens_total" in throughput and "generation_tokens_total" in throughput
+
+
+# ---------------------------------------------------------------- Prometheus, Docker
+
+
+def test_prometheus_scrapes_the_charts_metrics_service(rendered):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (sd,) = job["dns_sd_configs"]
+    metrics = _service(rendered["default"], "-metrics")
+    assert sd["names"] == [f"{metrics['metadata']['name']}.{NAMESPACE}.svc.cluster.local"]
+    assert sd["port"] == metrics["spec"]["ports"][0]["port"]
+
+
+def _pyproject_packages() -> list[str]:
+    # tomllib is 3.11+; the project supports 3.10, and this one line is all we need
+    (line,) = re.findall(r"^include = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)
+    return [p.strip().strip('"').rstrip("*") for p in line.split(",")]
+
+
+@pytest.mark.parametrize("flavour", ["cpu", "gpu"])
+def test_dockerfiles_copy_every_package_and_run_as_non_root(flavour):
+    text = (DEPLOY / "docker" / f"Dockerfile.{flavour}").read_text()
+    copied = set(re.findall(r"^COPY (\w+)/ ", text, re.M))
+    assert set(_pyproject_packages()) <= copied, f"Dockerfile.{flavour} misses {set(_pyproject_packages()) - copied}"
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert re.search(r'^CMD \["tandem", "up", "--host", "0.0.0.0"\]', text, re.M)
+    if flavour == "cpu":
+        assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
+    else:
+        assert 'pip install ".[gpu]"' in text and "nvidia/cuda:12" in text
