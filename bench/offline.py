@@ -88,21 +88,30 @@ def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
 
 
 def run_hf_continuous(model_dir: str, prompts, outputs) -> dict:
+    """transformers' own continuous batching: one manager, per-request output lengths."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    t0 = time.perf_counter()
-    useful = 0
-    # generate_batch takes one generation config; group requests by output length.
-    by_len: dict[int, list[list[int]]] = {}
-    for p, n in zip(prompts, outputs):
-        by_len.setdefault(n, []).append(p)
-    with torch.inference_mode():
-        for n, group in by_len.items():
-            cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
-            results = model.generate_batch(inputs=group, generation_config=cfg)
-            useful += sum(len(r.generated_tokens) for r in results.values())
-    elapsed = time.perf_counter() - t0
+    cfg = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=cfg)
+    manager.start()
+    try:
+        t0 = time.perf_counter()
+        ids = [
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+            for i, (p, n) in enumerate(zip(prompts, outputs))
+        ]
+        useful, pending = 0, set(ids)
+        while pending:
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("transformers' continuous batching stopped before finishing")
+            if result.request_id in pending and result.is_finished():
+                pending.discard(result.request_id)
+                useful += len(result.generated_tokens)
+        elapsed = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
     return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed}
 
 
