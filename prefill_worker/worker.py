@@ -28,7 +28,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
-from kv_transfer import TransferError, TransferMeta, TransferState
+from kv_transfer import TransferMeta, TransferState
 from kv_transfer.config import TransferConfig
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -53,3 +54,40 @@ def tiny_model(tmp_path_factory, default_model):
     from tests.conftest import build_hf_checkpoint
 
     return str(build_hf_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", default_model, seed=3))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_service(model: str, router=None, prefill_workers: int = 1, num_kv_blocks: int = 512):
+    """The whole service (workers, controller, Serve app) on free ports; shut down on exit."""
+    from cluster.config import ClusterConfig
+    from cluster.service import ServiceConfig, TandemService
+    from router.server import RouterConfig
+
+    cfg = ServiceConfig(
+        cluster=ClusterConfig.from_dict(
+            {
+                "model": model,
+                "prefill_workers": prefill_workers,
+                "decode_workers": 1,
+                "transfer": {"backend": "object_store"},
+                "engine": {"num_kv_blocks": num_kv_blocks},
+                "restart_workers": False,
+            }
+        ),
+        router=router or RouterConfig(),
+        http_port=free_port(),
+        grpc_port=free_port(),
+    )
+    svc = TandemService(cfg).start()
+    try:
+        yield svc
+    finally:
+        svc.shutdown()

@@ -11,35 +11,16 @@ import asyncio
 import grpc
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.service import ServiceConfig, TandemService
-from router.server import RouterConfig
-from tests.integration.conftest import metric_sum, scrape
-from tests.integration.test_router_http import assert_blocks_freed, free_port
+from tests.integration.conftest import metric_sum, running_service, scrape
+from tests.integration.test_router_http import assert_blocks_freed
 
 N_HTTP, N_GRPC = 12, 4
 
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, tiny_model):
-    cfg = ServiceConfig(
-        cluster=ClusterConfig.from_dict(
-            {
-                "model": tiny_model,
-                "prefill_workers": 1,
-                "decode_workers": 1,
-                "transfer": {"backend": "object_store"},
-                "engine": {"num_kv_blocks": 512},
-                "restart_workers": False,
-            }
-        ),
-        router=RouterConfig(),
-        http_port=free_port(),
-        grpc_port=free_port(),
-    )
-    svc = TandemService(cfg).start()
-    yield svc
-    svc.shutdown()
+    with running_service(tiny_model) as svc:
+        yield svc
 
 
 def _delta(before, after, name, **labels):

@@ -14,14 +14,13 @@ import re
 import grpc
 import pytest
 
-from cluster.config import ClusterConfig
-from cluster.service import ServiceConfig, TandemService
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 from protos.tandem.v1 import generate_pb2 as pb
 from protos.tandem.v1 import generate_pb2_grpc
 from router.admission import AdmissionConfig
 from router.server import RouterConfig
-from tests.integration.test_router_http import assert_blocks_freed, free_port
+from tests.integration.conftest import running_service
+from tests.integration.test_router_http import assert_blocks_freed
 
 API_KEY = "test-key-123"
 AUTH = [("authorization", f"Bearer {API_KEY}")]
@@ -30,24 +29,9 @@ MAX_REQUESTS = 4
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, tiny_model):
-    cfg = ServiceConfig(
-        cluster=ClusterConfig.from_dict(
-            {
-                "model": tiny_model,
-                "prefill_workers": 2,
-                "decode_workers": 1,
-                "transfer": {"backend": "object_store"},
-                "engine": {"num_kv_blocks": 256},
-                "restart_workers": False,
-            }
-        ),
-        router=RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), api_key=API_KEY),
-        http_port=free_port(),
-        grpc_port=free_port(),
-    )
-    svc = TandemService(cfg).start()
-    yield svc
-    svc.shutdown()
+    router = RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), api_key=API_KEY)
+    with running_service(tiny_model, router, prefill_workers=2, num_kv_blocks=256) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 
 import pytest
@@ -18,41 +17,19 @@ try:  # the HTTP client the installed openai package is built on
 except ImportError:
     import httpx
 
-from cluster.config import ClusterConfig
-from cluster.service import ServiceConfig, TandemService
 from router.admission import AdmissionConfig
 from router.server import RouterConfig
+from tests.integration.conftest import running_service
 
 MAX_REQUESTS = 64
 MAX_BODY = 64 * 1024
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def service(ray_cluster, tiny_model):
-    cfg = ServiceConfig(
-        cluster=ClusterConfig.from_dict(
-            {
-                "model": tiny_model,
-                "prefill_workers": 1,
-                "decode_workers": 1,
-                "transfer": {"backend": "object_store"},
-                "engine": {"num_kv_blocks": 512},
-                "restart_workers": False,
-            }
-        ),
-        router=RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), max_body_bytes=MAX_BODY),
-        http_port=free_port(),
-        grpc_port=free_port(),
-    )
-    svc = TandemService(cfg).start()
-    yield svc
-    svc.shutdown()
+    router = RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), max_body_bytes=MAX_BODY)
+    with running_service(tiny_model, router) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")
