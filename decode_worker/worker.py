@@ -16,19 +16,15 @@ Blocks are freed when a request finishes, is aborted, or its stream is dropped.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass
 
-import torch
-
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, TransferError, TransferMeta, TransferState
 from kv_transfer.config import TransferConfig
+from kv_transfer.worker_base import WorkerBase
 
 
 @dataclass(frozen=True)
@@ -97,7 +93,7 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     )
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(
@@ -107,27 +103,16 @@ class DecodeWorker:
         transfer: TransferConfig,
         torch_threads: int = 1,
     ) -> None:
-        torch.set_num_threads(torch_threads)
-        self.worker_id = worker_id
-        self.transfer = transfer
-        self.engine = LLMEngine(engine_config)
+        super().__init__(worker_id, engine_config, transfer, torch_threads)
         self.layout = kv_layout(self.engine)
-        self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
-        self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
         self.runtime.add_periodic(self._expire_reservations)
-        self.backend = transfer.make_backend()
         self._deadlines: dict[str, float] = {}
         self.num_transfer_failures = 0
 
     # -- health and load -------------------------------------------------------
 
     async def ready(self) -> dict:
-        self.runtime.start()
-        return {"worker_id": self.worker_id, "role": self.role, "layout": self.layout, "pid": os.getpid()}
-
-    async def join_group(self, world_size: int, rank: int, generation: int) -> int:
-        await asyncio.to_thread(self.backend.join, world_size, rank, generation)
-        return rank
+        return {**await super().ready(), "layout": self.layout}
 
     async def load(self) -> DecodeLoad:
         with self.runtime.lock:
@@ -143,11 +128,7 @@ class DecodeWorker:
             )
 
     async def stats(self) -> dict:
-        with self.runtime.lock:
-            stats = self.engine.stats().__dict__
-        stats["transfer"] = self.backend.stats.as_dict()
-        stats["transfer_failures"] = self.num_transfer_failures
-        return stats
+        return {**await super().stats(), "transfer_failures": self.num_transfer_failures}
 
     # -- disaggregated requests ------------------------------------------------
 
@@ -233,7 +214,7 @@ class DecodeWorker:
 
     async def abort(self, request_id: str) -> None:
         self._deadlines.pop(request_id, None)
-        self.runtime.abort(request_id)
+        await super().abort(request_id)
 
 
 class ColocatedWorker(DecodeWorker):

@@ -15,21 +15,16 @@ answering ``receive_kv``.
 from __future__ import annotations
 
 import asyncio
-import os
 import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
 
-import torch
-
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferMeta, TransferState
 from kv_transfer.config import TransferConfig
+from kv_transfer.worker_base import WorkerBase
 
 
 @dataclass(frozen=True)
@@ -55,7 +50,7 @@ class PrefillResult:
     error: str | None = None
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(
@@ -65,22 +60,8 @@ class PrefillWorker:
         transfer: TransferConfig,
         torch_threads: int = 1,
     ) -> None:
-        torch.set_num_threads(torch_threads)
-        self.worker_id = worker_id
-        self.transfer = transfer
-        self.engine = LLMEngine(engine_config)
-        self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
-        self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
-        self.backend = transfer.make_backend()
+        super().__init__(worker_id, engine_config, transfer, torch_threads)
         self._transfer_ids = itertools.count()
-
-    async def ready(self) -> dict:
-        self.runtime.start()
-        return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
-
-    async def join_group(self, world_size: int, rank: int, generation: int) -> int:
-        await asyncio.to_thread(self.backend.join, world_size, rank, generation)
-        return rank
 
     async def load(self) -> PrefillLoad:
         with self.runtime.lock:
@@ -95,12 +76,6 @@ class PrefillWorker:
                 prefix_cache_queries=stats.queries,
                 prefix_cache_hits=stats.hits,
             )
-
-    async def stats(self) -> dict:
-        with self.runtime.lock:
-            stats = self.engine.stats().__dict__
-        stats["transfer"] = self.backend.stats.as_dict()
-        return stats
 
     async def prefill(
         self,
@@ -163,5 +138,3 @@ class PrefillWorker:
             if payload is not None:
                 self.backend.release(meta, payload)
 
-    async def abort(self, request_id: str) -> None:
-        self.runtime.abort(request_id)

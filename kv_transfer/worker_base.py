@@ -1,0 +1,56 @@
+"""What every worker actor shares: an engine stepping in its thread, its metrics, and
+a transfer backend, with the health, group and stats methods the cluster calls.
+
+``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It lives here,
+below both worker packages, because it joins the engine to a transfer backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
+from kv_transfer.config import TransferConfig
+
+
+class WorkerBase:
+    role = "worker"
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig,
+        torch_threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.transfer = transfer
+        self.engine = LLMEngine(engine_config)
+        self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
+        self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
+        self.backend = transfer.make_backend()
+
+    async def ready(self) -> dict:
+        """Start the step thread; answers health checks with who this is."""
+        self.runtime.start()
+        return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
+
+    async def join_group(self, world_size: int, rank: int, generation: int) -> int:
+        await asyncio.to_thread(self.backend.join, world_size, rank, generation)
+        return rank
+
+    async def stats(self) -> dict:
+        with self.runtime.lock:
+            stats = self.engine.stats().__dict__
+        stats["transfer"] = self.backend.stats.as_dict()
+        return stats
+
+    async def abort(self, request_id: str) -> None:
+        self.runtime.abort(request_id)
