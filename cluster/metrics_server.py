@@ -26,11 +26,33 @@ def use_multiprocess_dir(path: str | Path) -> str:
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1"):
-    """Serve the merged metrics of every process writing to the folder; returns the server."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """Serve the merged metrics of every process writing to the folder; returns the server.
+
+    Always in the classic text format: prometheus-client's OpenMetrics output, which
+    Prometheus asks for first, rewrites ``tandem:ttft`` to ``tandem_ttft``, and the
+    names would no longer match vLLM's convention, the dashboard or the alert rules.
+    """
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=os.environ[ENV])
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        return metrics_app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format, *args) -> None:  # a scrape every few seconds is not news
+            pass
+
+    server = make_server(host, port, app, Server, handler_class=QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server

@@ -65,23 +65,28 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_service(model: str, router=None, prefill_workers: int = 1, num_kv_blocks: int = 512):
-    """The whole service (workers, controller, Serve app) on free ports; shut down on exit."""
+def running_service(
+    model: str, router=None, prefill_workers: int = 1, num_kv_blocks: int = 512, decode_workers: int = 1, **cluster
+):
+    """The whole service (workers, controller, Serve app) on free ports; shut down on exit.
+
+    ``cluster`` overrides topology settings (``transfer``, ``restart_workers``, ...).
+    """
     from cluster.config import ClusterConfig
     from cluster.service import ServiceConfig, TandemService
     from router.server import RouterConfig
 
+    settings = {
+        "model": model,
+        "prefill_workers": prefill_workers,
+        "decode_workers": decode_workers,
+        "transfer": {"backend": "object_store"},
+        "engine": {"num_kv_blocks": num_kv_blocks},
+        "restart_workers": False,
+        **cluster,
+    }
     cfg = ServiceConfig(
-        cluster=ClusterConfig.from_dict(
-            {
-                "model": model,
-                "prefill_workers": prefill_workers,
-                "decode_workers": 1,
-                "transfer": {"backend": "object_store"},
-                "engine": {"num_kv_blocks": num_kv_blocks},
-                "restart_workers": False,
-            }
-        ),
+        cluster=ClusterConfig.from_dict(settings),
         router=router or RouterConfig(),
         http_port=free_port(),
         grpc_port=free_port(),

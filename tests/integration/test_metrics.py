@@ -108,3 +108,23 @@ def test_preemptions_move_their_counter(default_model):
         metrics.on_step(engine.stats())
     assert engine.stats().num_preemptions_recompute > 0
     assert child._value.get() == engine.stats().num_preemptions_recompute
+
+
+def test_scrape_endpoint_keeps_vllm_style_names_whatever_the_scraper_asks_for(service):
+    """Prometheus asks for OpenMetrics first; names must still read ``tandem:...``."""
+    import httpx
+
+    from cluster.metrics_server import start_metrics_server
+    from tests.integration.conftest import free_port
+
+    port = free_port()
+    server = start_metrics_server(port)
+    try:
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+    finally:
+        server.shutdown()
+    assert r.status_code == 200
+    names = {line.split("{")[0].split(" ")[0] for line in r.text.splitlines() if line.startswith("tandem")}
+    assert "tandem:kv_cache_usage_perc" in names
+    assert not [n for n in names if n.startswith("tandem_")]

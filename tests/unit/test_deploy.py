@@ -472,6 +472,31 @@ def test_prometheus_scrapes_the_charts_metrics_service(rendered):
     assert sd["port"] == metrics["spec"]["ports"][0]["port"]
 
 
+def test_alert_rules_use_only_specified_metrics_and_end_in_a_threshold():
+    rules = [r for g in yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"] for r in g["rules"]]
+    assert {r["alert"] for r in rules} == {
+        "TandemHighTTFTP99", "TandemKVTransferFailures", "TandemKVCacheNearlyFull", "TandemRequestsRejected"
+    }
+    for rule in rules:
+        for name in METRIC_RE.findall(rule["expr"]):
+            base = name if name.endswith("_total") else HISTOGRAM_SUFFIX.sub("", name)
+            assert base in METRICS_SPEC, f"{rule['alert']}: {name} is not exported"
+        assert re.search(r"\) (>|<) [0-9.]+$", rule["expr"]), f"{rule['alert']}: {rule['expr']}"
+        assert rule["annotations"]["summary"] and rule["labels"]["severity"]
+
+
+def test_alert_rules_pass_promtool():
+    import shutil
+    import subprocess
+
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool (Debian's prometheus package) is not installed")
+    out = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 4 rules found" in out.stdout
+
+
 def _pyproject_packages() -> list[str]:
     # tomllib is 3.11+; the project supports 3.10, and this one line is all we need
     (line,) = re.findall(r"^include = \[(.*)\]$", (REPO / "pyproject.toml").read_text(), re.M)
