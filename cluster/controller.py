@@ -12,10 +12,15 @@ killed, placement groups removed) -> the actor is killed by its owner.
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 from cluster.config import ClusterConfig
+from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
+
+logger = logging.getLogger(__name__)
 
 def served_model_name(model: str | None) -> str:
     """The name clients use: the model directory's name, or the default model's."""
@@ -25,10 +30,17 @@ def served_model_name(model: str | None) -> str:
 
 
 class ClusterController:
-    def __init__(self, config: ClusterConfig) -> None:
+    """``metrics_port``: when set, serve every node's metrics there (one exporter per
+    node, also on nodes that join later); ``tandem up`` serves its single node itself."""
+
+    NODE_SYNC_S = 10.0
+
+    def __init__(self, config: ClusterConfig, metrics_port: int | None = None, metrics_host: str = "0.0.0.0") -> None:
         self.config = config
         self.cluster = TandemCluster(config)
         self._model_info: dict | None = None
+        self._exporters = NodeExporters(metrics_port, metrics_host, config.name) if metrics_port else None
+        self._stop = threading.Event()
 
     def start(self) -> dict:
         """Start the pools (once: a redeployed application finds them running)."""
@@ -36,7 +48,21 @@ class ClusterController:
             return self._model_info
         self.cluster.start()
         self._model_info = self._read_model_info()
+        if self._exporters is not None:
+            self._exporters.sync()
+            threading.Thread(target=self._sync_exporters, name="tandem-metrics-nodes", daemon=True).start()
         return self._model_info
+
+    def _sync_exporters(self) -> None:
+        while not self._stop.wait(self.NODE_SYNC_S):
+            try:
+                self._exporters.sync()
+            except Exception:  # the GCS is briefly unreachable: try again next round
+                logger.exception("syncing the metrics exporters failed")
+
+    def metrics_addresses(self) -> list[str]:
+        """Where each node's metrics are served (empty without ``metrics_port``)."""
+        return self._exporters.addresses() if self._exporters is not None else []
 
     def _read_model_info(self) -> dict:
         from engine.default_model import ensure_default_model
@@ -80,4 +106,7 @@ class ClusterController:
         return self.cluster.blocks_in_use()
 
     def shutdown(self) -> None:
+        self._stop.set()
+        if self._exporters is not None:
+            self._exporters.shutdown()
         self.cluster.shutdown()

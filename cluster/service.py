@@ -119,7 +119,8 @@ def app(args: dict):
     """Serve application builder for a RayService (``serveConfigV2`` in ``deploy/helm``).
 
     The controller is a named detached actor, so a redeploy finds the pools it
-    started still running.
+    started still running. With ``metrics_port`` in ``args`` it serves every node's
+    metrics on that port (each pod sets ``PROMETHEUS_MULTIPROC_DIR``).
     """
     cluster, router = configs_from_args(args)
     controller = (
@@ -128,7 +129,7 @@ def app(args: dict):
             name=f"{cluster.name}-controller", lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=16,
         )
-        .remote(cluster)
+        .remote(cluster, metrics_port=args.get("metrics_port"))
     )
     ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
     return Router.bind(controller, router)

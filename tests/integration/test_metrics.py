@@ -128,3 +128,34 @@ def test_scrape_endpoint_keeps_vllm_style_names_whatever_the_scraper_asks_for(se
     names = {line.split("{")[0].split(" ")[0] for line in r.text.splitlines() if line.startswith("tandem")}
     assert "tandem:kv_cache_usage_perc" in names
     assert not [n for n in names if n.startswith("tandem_")]
+
+
+def test_controller_serves_every_nodes_metrics_when_given_a_port(ray_cluster, tiny_model):
+    """The RayService path: no ``tandem up``, so the controller starts one exporter per node."""
+    import httpx
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.controller import ClusterController
+    from tests.integration.conftest import free_port
+
+    port = free_port()
+    config = ClusterConfig.from_dict(
+        {"model": tiny_model, "prefill_workers": 0, "decode_workers": 1, "name": "node-metrics",
+         "engine": {"num_kv_blocks": 64}, "restart_workers": False}
+    )
+    controller = ray.remote(ClusterController).options(num_cpus=0, max_concurrency=4).remote(
+        config, metrics_port=port, metrics_host="127.0.0.1"
+    )
+    try:
+        ray.get(controller.start.remote(), timeout=120)
+        (address,) = ray.get(controller.metrics_addresses.remote())  # one node here
+        assert address.endswith(f":{port}")
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert r.status_code == 200
+        assert 'role="colocated"' in r.text and "tandem:kv_cache_usage_perc" in r.text
+    finally:
+        ray.get(controller.shutdown.remote(), timeout=60)
+        ray.kill(controller)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)

@@ -254,6 +254,23 @@ def test_pods_run_as_non_root(rendered):
             assert pod["spec"]["securityContext"]["runAsUser"] != 0
 
 
+def test_every_ray_pod_has_a_metrics_folder_and_the_app_serves_it(rendered):
+    """Each pod's processes write into one folder, which the node's exporter serves."""
+    for docs in rendered.values():
+        (rs,) = _by_kind(docs, "RayService")
+        cluster = rs["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+        for pod in pods:
+            (container,) = pod["spec"]["containers"]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            volume = mounts[env["PROMETHEUS_MULTIPROC_DIR"]]
+            assert "emptyDir" in {v["name"]: v for v in pod["spec"]["volumes"]}[volume]
+            assert any(p["name"] == "metrics" for p in container["ports"])
+        (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["metrics_port"] == int(env["TANDEM_METRICS_PORT"])
+
+
 def test_serve_config_is_a_valid_ray_serve_config_for_the_tandem_app(rendered):
     from ray.serve.schema import ServeDeploySchema
 

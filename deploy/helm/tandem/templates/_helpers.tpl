@@ -46,6 +46,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "tandem.env" -}}
 - name: TANDEM_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
+- name: PROMETHEUS_MULTIPROC_DIR   # every Tandem process on the pod writes its metrics here
+  value: /tmp/tandem-metrics
 {{- if .Values.apiKey.existingSecret }}
 - name: {{ .Values.apiKey.envVar }}
   valueFrom:
@@ -70,6 +72,8 @@ fsGroup: 1000
 - name: dshm   # Ray's object store lives in /dev/shm; the container default is 64 MiB
   emptyDir:
     medium: Memory
+- name: metrics   # the pod's metrics folder, served on metrics.port by the node's exporter
+  emptyDir: {}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -78,6 +82,8 @@ fsGroup: 1000
 {{- define "tandem.volumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
+- name: metrics
+  mountPath: /tmp/tandem-metrics
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
