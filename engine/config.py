@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler import POLICIES, PREEMPTION_MODES
+from engine.scheduler import BATCHING_MODES, POLICIES, PREEMPTION_MODES
 
 GiB = 1 << 30
 
@@ -31,6 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
     policy: str = "fcfs"
+    batching: str = "continuous"  # or "static": a baseline that batches like HF generate
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -53,3 +54,5 @@ class EngineConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")

@@ -139,6 +139,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 policy=config.policy,
+                batching=config.batching,
             ),
             self.kv_manager,
         )

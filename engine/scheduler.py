@@ -10,6 +10,11 @@ One step's budget (``max_num_batched_tokens``) is spent in this order:
 2. swapped requests, brought back when nothing was preempted in this step;
 3. waiting requests, after a prefix-cache lookup.
 
+With ``batching="static"`` (a baseline for benchmarks) waiting requests are let in
+only when nothing runs: then as many as fit (``max_num_seqs``, KV blocks for their
+prompts) form a batch, whose prompts are computed over as many steps as the budget
+needs, and the batch runs to its end before the next one forms.
+
 When blocks run out the victim is the lowest-priority, latest-arrived running
 request. It is preempted by recompute (blocks freed, request to the front of the
 queue) or by swap (blocks copied to the CPU pool), as ``preemption_mode`` says.
@@ -29,6 +34,7 @@ from engine.request import Request, RequestStatus
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 POLICIES = ("fcfs", "priority")
+BATCHING_MODES = ("continuous", "static")
 # "auto" swaps a request once its output is this large a share of its prompt:
 # recomputing it would then cost more than copying its blocks back.
 AUTO_SWAP_OUTPUT_RATIO = 0.2
@@ -42,6 +48,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
     policy: str = "fcfs"
+    batching: str = "continuous"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -53,6 +60,8 @@ class SchedulerConfig:
             )
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens "
@@ -273,10 +282,18 @@ class Scheduler:
         """Plan one step under the token budget."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            budget = self._schedule_swapped(out, budget)
-            self._schedule_waiting(out, budget)
+        if self.config.batching == "static":
+            if not self.running and not self.swapped:
+                self._form_static_batch(out, budget)
+            else:
+                budget = self._schedule_running(out, budget)
+                if not out.preempted:
+                    self._schedule_swapped(out, budget)
+        else:
+            budget = self._schedule_running(out, budget)
+            if not out.preempted:
+                budget = self._schedule_swapped(out, budget)
+                self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
         self.stats.num_steps += 1
         return out
@@ -297,7 +314,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = request.num_tokens - request.num_computed_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    i += 1  # a static batch's whole prompt, in a later step
+                    continue
+                n = budget
             while self.kv.allocate_slots(request, n) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -367,16 +389,38 @@ class Scheduler:
             if self.kv.allocate_slots(request, n, hit) is None:
                 break
             self._pop_waiting()
-            if self.kv.enable_caching:
-                self.kv.stats.queries += request.num_tokens
-                self.kv.stats.hits += num_hit
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_hit
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self._add_running(request)
+            self._start(request, num_hit)
             self._plan(out, request, num_hit, n)
             budget -= n
+
+    def _form_static_batch(self, out: SchedulerOutput, budget: int) -> None:
+        """Let in every waiting request that fits; compute what the budget allows now."""
+        chunked = self.config.enable_chunked_prefill
+        while len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            if request is None:
+                break
+            hit, num_hit = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - num_hit
+            if self.kv.allocate_slots(request, n, hit) is None:
+                break
+            self._pop_waiting()
+            self._start(request, num_hit)
+            planned = n if n <= budget else (budget if chunked else 0)
+            if planned:
+                self._plan(out, request, num_hit, planned)
+                budget -= planned
+
+    def _start(self, request: Request, num_hit: int) -> None:
+        """A waiting request joins the running batch with ``num_hit`` tokens from the cache."""
+        if self.kv.enable_caching:
+            self.kv.stats.queries += request.num_tokens
+            self.kv.stats.hits += num_hit
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        self._add_running(request)
 
     # -- results ---------------------------------------------------------------
 

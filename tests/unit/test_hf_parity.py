@@ -74,6 +74,9 @@ SETTINGS = {
     "16-token-budget": dict(max_num_batched_tokens=16),
     "preempt-recompute": dict(num_kv_blocks=48, preemption_mode="recompute"),
     "preempt-swap": dict(num_kv_blocks=48, preemption_mode="swap"),
+    "static": dict(batching="static", enable_chunked_prefill=False),
+    "static-16-token-chunks": dict(batching="static", max_num_batched_tokens=16),
+    "static-preempt-swap": dict(batching="static", num_kv_blocks=48, preemption_mode="swap"),
 }
 
 

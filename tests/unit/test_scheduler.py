@@ -167,6 +167,40 @@ def test_a_finished_request_leaves_and_a_waiting_one_joins_the_next_step():
     assert _planned(_step(sched)) == {"b": 1, "c": 3}, "c takes a's seat in the very next step"
 
 
+def test_static_batching_keeps_the_seat_empty_until_the_whole_batch_ends():
+    # The same workload as above: under static batching c waits for b as well.
+    sched = _scheduler(max_num_seqs=2, batching="static")
+    a, b, c = _request("a", 3, max_tokens=2), _request("b", 3, max_tokens=5), _request("c", 3)
+    for r in (a, b, c):
+        sched.add_request(r)
+    assert _planned(_step(sched)) == {"a": 3, "b": 3}
+    assert _planned(_step(sched)) == {"a": 1, "b": 1}
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    for _ in range(3):
+        assert _planned(_step(sched)) == {"b": 1}, "no new request joins a running static batch"
+    assert b.status == RequestStatus.FINISHED_LENGTH
+    assert _planned(_step(sched)) == {"c": 3}, "the next batch forms once the last one is done"
+    _run_until_idle(sched)
+    _assert_all_free(sched)
+
+
+def test_static_batch_takes_more_prompts_than_one_steps_budget_and_computes_them_later():
+    sched = _scheduler(max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False, batching="static")
+    for rid in "abc":
+        sched.add_request(_request(rid, 20, max_tokens=2))
+    assert _planned(_step(sched)) == {"a": 20}, "whole prompts only, within the budget"
+    assert sched.num_waiting == 0 and len(sched.running) == 3, "but all three joined the batch"
+    assert _planned(_step(sched)) == {"a": 1, "b": 20}
+    assert _planned(_step(sched)) == {"b": 1, "c": 20}
+    _run_until_idle(sched)
+    _assert_all_free(sched)
+
+
+def test_batching_mode_is_validated():
+    with pytest.raises(ValueError, match="batching must be one of"):
+        SchedulerConfig(batching="dynamic")
+
+
 # ------------------------------------------------------------------ preemption
 
 
