@@ -1,0 +1,764 @@
+"""Serving benchmark: an asynchronous load client for a running Tandem (or any
+OpenAI-compatible completions server), in the manner of vLLM's benchmark_serving.
+
+Requests from a workload (``bench/workloads.py``) are sent on an arrival schedule
+(Poisson or gamma at ``--request-rate``, or all at once), optionally capped at
+``--max-concurrency`` in flight, over streaming HTTP (``/v1/completions`` with SSE) or
+gRPC (``tandem.v1.Generation/Generate``). Every request is greedy with ``ignore_eos``
+and a fixed ``max_tokens``, so configurations are compared on the same work.
+
+Per request, from the client's side:
+
+* TTFT: from sending to the first chunk that carries tokens;
+* ITL: the gaps between consecutive token-carrying chunks. A chunk (an SSE event, a
+  gRPC message) holds every token produced since the previous one, so it can carry
+  several; like vLLM, a chunk of k tokens counts as one gap, not k;
+* TPOT: ``(E2E - TTFT) / (output_tokens - 1)``, the mean time per token after the
+  first, whatever the chunking (undefined for a one-token output, which then meets
+  any TPOT SLO);
+* E2E: from sending to the end of the stream.
+
+Token counts come from the usage the server reports at the end of the stream.
+Rejections (HTTP 429, gRPC RESOURCE_EXHAUSTED) and other failures are counted by kind
+and never retried: a benchmark reports them rather than hiding them. Goodput is the
+rate of completed requests meeting every ``--goodput`` SLO.
+
+A comma-separated ``--request-rate`` runs a sweep, one run per rate in turn; each run
+draws fresh prompts (seed + run index), so no run hits a prefix cache the previous one
+warmed. ``--launch`` starts the service in-process on free ports for the duration of
+the run, with the same topology flags as ``tandem up``.
+
+    tandem bench serve --launch --workload shared-prefix --request-rate 1,2,4 \\
+        --result-json bench-results/serve.json --plot-dir bench-results/serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import socket
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+from bench import workloads
+from bench.workloads import BenchRequest
+
+WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
+SLO_KEYS = ("ttft", "tpot", "e2e")
+LAUNCH_FLAGS = (
+    "config", "prefill_workers", "decode_workers", "num_kv_blocks", "kv_transfer_backend", "engine",
+    "max_outstanding_requests", "max_outstanding_prompt_tokens", "placement", "num_cpus",
+)
+WARMUP_PROMPT_TOKENS = 16
+READY_TIMEOUT_S = 60.0
+# Failures that mean "not up yet" while waiting for a server to answer its first request.
+NOT_READY = {"connection", "unavailable", "http_503"}
+
+
+# -- results and metrics -------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; times in seconds."""
+
+    index: int
+    group: str
+    prompt_tokens: int
+    requested_output_tokens: int
+    sent_s: float = 0.0  # from the start of the run
+    ok: bool = False
+    error: str | None = None  # the failure's kind: "http_429", "resource_exhausted", "timeout", ...
+    message: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def record_stream(self, start: float, chunk_times: Sequence[float], end: float) -> None:
+        """Latencies from the send time, the arrival time of every token-carrying chunk,
+        and the end of the stream (all on one clock)."""
+        self.e2e_s = end - start
+        if chunk_times:
+            self.ttft_s = chunk_times[0] - start
+            self.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+
+    def fail(self, kind: str, message: str = "") -> None:
+        self.ok, self.error, self.message = False, kind, message[:500]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tpot_s": self.tpot_s}
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives in milliseconds; None: not constrained."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
+
+    def met_by(self, r: RequestResult) -> bool:
+        return r.ok and all(
+            limit is None or value is None or value * 1000 <= limit
+            for limit, value in ((self.ttft_ms, r.ttft_s), (self.tpot_ms, r.tpot_s), (self.e2e_ms, r.e2e_s))
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between order statistics (numpy's
+    default, which vLLM's numbers use)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {"mean": None, "median": None, "p90": None, "p99": None}
+    ms = [v * 1000 for v in values_s]
+    return {
+        "mean": sum(ms) / len(ms),
+        "median": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+    }
+
+
+def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dict:
+    """The run's numbers; throughputs count completed requests only, over the whole run
+    (first send to last completion)."""
+    done = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in done)
+    output = sum(r.output_tokens for r in done)
+    return {
+        "duration_s": duration_s,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": dict(Counter(r.error for r in results if not r.ok)),
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in done),
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": output / duration_s,
+        "total_token_throughput": (prompt + output) / duration_s,
+        "goodput": sum(slo.met_by(r) for r in done) / duration_s if slo else None,
+        "ttft_ms": distribution_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        "tpot_ms": distribution_ms([r.tpot_s for r in done if r.tpot_s is not None]),
+        "itl_ms": distribution_ms([gap for r in done for gap in r.itl_s]),
+        "e2e_ms": distribution_ms([r.e2e_s for r in done if r.e2e_s is not None]),
+    }
+
+
+def format_summary(summary: dict, rate: str) -> str:
+    def num(v: float | None, fmt: str = ".2f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    lines = [
+        f"==== request rate {rate} ====",
+        f"completed / failed:          {summary['completed']} / {summary['failed']}"
+        + (f"  {summary['errors']}" if summary["errors"] else ""),
+        f"duration (s):                {num(summary['duration_s'])}",
+        f"requests/s:                  {num(summary['request_throughput'])}",
+        f"output tokens/s:             {num(summary['output_throughput'])}",
+        f"total tokens/s:              {num(summary['total_token_throughput'])}",
+        f"prompt tokens (cached):      {summary['total_input_tokens']} ({summary['cached_prompt_tokens']})",
+    ]
+    if summary["goodput"] is not None:
+        lines.append(f"goodput (requests/s):        {num(summary['goodput'])}")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = summary[key]
+        lines.append(
+            f"{key.split('_')[0].upper():<5} ms mean / median / p90 / p99: "
+            f"{num(d['mean'])} / {num(d['median'])} / {num(d['p90'])} / {num(d['p99'])}"
+        )
+    return "\n".join(lines)
+
+
+# -- clients -------------------------------------------------------------------
+
+
+class Client(Protocol):
+    async def send(self, request: BenchRequest, result: RequestResult) -> None:
+        """Run ``request`` to the end of its stream, filling in ``result``."""
+
+
+class HttpClient:
+    """Streaming ``/v1/completions`` (SSE, usage in the last chunk) over httpx."""
+
+    def __init__(self, http, base_url: str, api_key: str | None, model: str | None) -> None:
+        self.http = http
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+
+    def body(self, request: BenchRequest) -> dict:
+        body = {
+            "prompt": request.prompt_token_ids,
+            "max_tokens": request.output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def send(self, request: BenchRequest, result: RequestResult) -> None:
+        import httpx
+
+        chunks: list[float] = []
+        start = time.perf_counter()
+        try:
+            async with self.http.stream("POST", self.url, json=self.body(request), headers=self.headers) as r:
+                if r.status_code == 200:
+                    await self._read_events(r, chunks, result)
+                else:
+                    result.fail(f"http_{r.status_code}", (await r.aread()).decode(errors="replace"))
+        except httpx.TimeoutException as e:
+            result.fail("timeout", str(e))
+        except httpx.HTTPError as e:
+            result.fail("connection", f"{type(e).__name__}: {e}")
+        result.record_stream(start, chunks, time.perf_counter())
+
+    @staticmethod
+    async def _read_events(response, chunks: list[float], result: RequestResult) -> None:
+        finish_reason = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                _finish(result, finish_reason)
+                return
+            try:
+                event = json.loads(data)
+            except ValueError:
+                result.fail("bad_event", data)
+                return
+            if "error" in event:
+                result.fail("stream_error", str(event["error"].get("message", event["error"])))
+                return
+            if event.get("choices"):
+                chunks.append(time.perf_counter())
+                finish_reason = event["choices"][0].get("finish_reason") or finish_reason
+            if event.get("usage"):
+                usage = event["usage"]
+                result.output_tokens = usage["completion_tokens"]
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        result.fail("incomplete_stream", "the stream ended without [DONE]")
+
+
+class GrpcClient:
+    """Server-streaming ``tandem.v1.Generation/Generate`` over grpc.aio."""
+
+    def __init__(self, channel, api_key: str | None, timeout_s: float) -> None:
+        from protos.tandem.v1 import generate_pb2_grpc
+
+        self.stub = generate_pb2_grpc.GenerationStub(channel)
+        self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+        self.timeout_s = timeout_s
+
+    @staticmethod
+    def message(request: BenchRequest):
+        from protos.tandem.v1 import generate_pb2 as pb
+
+        return pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=request.prompt_token_ids),
+            sampling=pb.SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True),
+        )
+
+    async def send(self, request: BenchRequest, result: RequestResult) -> None:
+        import grpc
+
+        chunks: list[float] = []
+        start = time.perf_counter()
+        last = None
+        try:
+            call = self.stub.Generate(self.message(request), metadata=self.metadata, timeout=self.timeout_s)
+            async for msg in call:
+                if msg.token_ids:
+                    chunks.append(time.perf_counter())
+                last = msg
+        except grpc.aio.AioRpcError as e:
+            result.fail(e.code().name.lower(), e.details() or "")
+        else:
+            if last is None or not last.finished:
+                result.fail("incomplete_stream", "the stream ended before a finished message")
+            else:
+                result.output_tokens = last.usage.completion_tokens
+                result.cached_tokens = last.usage.cached_tokens
+                _finish(result, last.finish_reason)
+        result.record_stream(start, chunks, time.perf_counter())
+
+
+def _finish(result: RequestResult, finish_reason: str | None) -> None:
+    """A stream that ended normally: completed unless the server aborted or failed it."""
+    if finish_reason in ("abort", "error"):
+        result.fail(finish_reason, f"finish_reason {finish_reason!r}")
+    elif result.output_tokens == 0:
+        result.fail("no_tokens", "the stream carried no tokens")
+    else:
+        result.ok = True
+
+
+@contextlib.asynccontextmanager
+async def open_client(args: argparse.Namespace, base_url: str, grpc_target: str):
+    """The client for ``args.backend``; one connection pool for the whole benchmark."""
+    if args.backend == "grpc":
+        import grpc
+
+        async with grpc.aio.insecure_channel(grpc_target) as channel:
+            yield GrpcClient(channel, args.api_key, args.timeout)
+        return
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
+        yield HttpClient(http, base_url, args.api_key, args.served_model_name)
+
+
+# -- running the load -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    rate: float
+    requests: list[BenchRequest]
+    times: list[float]  # send time of each request, from the start of the run
+
+
+async def run_load(
+    client: Client, plan: RunPlan, max_concurrency: int | None, progress: bool
+) -> tuple[list[RequestResult], float]:
+    """Send every request at its scheduled time (waiting for a slot when
+    ``max_concurrency`` are in flight); returns the results and the run's duration."""
+    from tqdm import tqdm
+
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(plan.requests), disable=not progress, desc=f"rate {rate_label(plan.rate)}", leave=False)
+    t0 = time.perf_counter()
+
+    async def one(i: int, request: BenchRequest) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + plan.times[i] - time.perf_counter()))
+        async with slots or contextlib.nullcontext():
+            result = RequestResult(
+                i, request.group, len(request.prompt_token_ids), request.output_len, time.perf_counter() - t0
+            )
+            try:
+                await client.send(request, result)
+            except Exception as e:  # one broken request must not lose the run's other results
+                result.fail("client_error", f"{type(e).__name__}: {e}")
+        bar.update(1)
+        return result
+
+    try:
+        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(plan.requests)))
+    finally:
+        bar.close()
+    return list(results), time.perf_counter() - t0
+
+
+async def warm_up(client: Client, vocab: Sequence[int], seed: int, target: str,
+                  ready_timeout_s: float = READY_TIMEOUT_S, retry_s: float = 1.0) -> None:
+    """One short request before measuring: it waits out a server that is still coming
+    up, and a wrong address or key fails here with a clear message instead of as N
+    failed requests."""
+    prompt = workloads.random_tokens(WARMUP_PROMPT_TOKENS, vocab, random.Random(f"warmup:{seed}"))
+    deadline = time.monotonic() + ready_timeout_s
+    for attempt in itertools.count():
+        result = RequestResult(-1, "warmup", len(prompt), 2)
+        await client.send(BenchRequest(prompt, 2), result)
+        if result.ok:
+            return
+        if result.error not in NOT_READY or time.monotonic() > deadline:
+            raise RuntimeError(f"the warm-up request to {target} failed ({result.error}): {result.message}")
+        if attempt == 0:
+            print(f"waiting up to {ready_timeout_s:g} s for {target} to answer", file=sys.stderr, flush=True)
+        await asyncio.sleep(retry_s)
+
+
+async def run_benchmark(args: argparse.Namespace, plans: Sequence[RunPlan], vocab: Sequence[int],
+                        base_url: str, grpc_target: str) -> list[dict]:
+    """Every planned run in turn over one client; one record per run."""
+    runs = []
+    async with open_client(args, base_url, grpc_target) as client:
+        await warm_up(client, vocab, args.seed, grpc_target if args.backend == "grpc" else base_url)
+        for plan in plans:
+            results, duration = await run_load(client, plan, args.max_concurrency, not args.no_progress)
+            summary = summarize(results, duration, args.goodput)
+            print(format_summary(summary, rate_label(plan.rate)), flush=True)
+            runs.append({
+                "request_rate": rate_label(plan.rate),
+                "summary": summary,
+                "requests": [r.to_json() for r in results],
+            })
+    return runs
+
+
+# -- workloads and schedules ----------------------------------------------------
+
+
+def build_workload(args: argparse.Namespace, tokenizer, vocab: Sequence[int], context_len: int,
+                   rng: random.Random) -> list[BenchRequest]:
+    n = args.num_requests
+    if args.workload == "sharegpt":
+        return workloads.sharegpt(args.dataset_path, n, tokenizer, context_len, rng)
+    if args.workload == "shared-prefix":
+        requests = workloads.shared_prefix(
+            n, args.num_prefix_groups, args.prefix_len, args.suffix_len, args.output_len, args.range_ratio,
+            vocab, rng,
+        )
+    elif args.workload == "long-mix":
+        requests = workloads.long_mix(
+            n, args.input_len, args.output_len, args.range_ratio, args.long_fraction, args.long_len, vocab, rng
+        )
+    else:
+        requests = workloads.synthetic(n, args.input_len, args.output_len, args.range_ratio, vocab, rng)
+    workloads.check_fits(requests, context_len)
+    return requests
+
+
+def plan_runs(args: argparse.Namespace, tokenizer, vocab: Sequence[int], context_len: int) -> list[RunPlan]:
+    """One plan per request rate; run i draws its prompts and gaps from seed + i."""
+    plans = []
+    for i, rate in enumerate(args.request_rate):
+        requests = build_workload(args, tokenizer, vocab, context_len, random.Random(args.seed + i))
+        gaps_rng = random.Random(f"arrivals:{args.seed + i}")
+        plans.append(RunPlan(rate, requests, workloads.arrival_times(len(requests), rate, args.burstiness, gaps_rng)))
+    return plans
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+# -- launching a service ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def service_config(args: argparse.Namespace):
+    """The ``ServiceConfig`` that ``tandem up`` would build from the same topology and
+    admission flags, with the ``--engine`` settings over both roles, on free ports."""
+    from cluster.cli import _cluster_config
+    from cluster.service import ServiceConfig
+    from router.admission import AdmissionConfig
+    from router.dispatch import DispatchConfig
+    from router.server import RouterConfig
+
+    cluster = _cluster_config(args)
+    if args.engine:
+        cluster = cluster.replace(engine={**cluster.engine, **dict(args.engine)})
+    return ServiceConfig(
+        cluster=cluster,
+        router=RouterConfig(
+            admission=AdmissionConfig(
+                max_requests=args.max_outstanding_requests, max_prompt_tokens=args.max_outstanding_prompt_tokens
+            ),
+            dispatch=DispatchConfig(placement=args.placement),
+        ),
+        http_port=_free_port(),
+        grpc_port=_free_port(),
+    )
+
+
+@contextlib.contextmanager
+def launched_service(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """Start Tandem in-process, as ``tandem up`` would from the same flags; yields
+    (HTTP base URL, gRPC target) and shuts everything down after.
+
+    Joins the Ray of ``RAY_ADDRESS`` (or one this process already started) instead of
+    starting its own.
+    """
+    import ray
+
+    from cluster.service import TandemService
+
+    config = service_config(args)
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        local = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": args.num_cpus, "include_dashboard": False}
+        ray.init(logging_level="WARNING", **local)
+    try:
+        service = TandemService(config).start()
+        try:
+            yield service.http_url, service.grpc_target
+        finally:
+            service.shutdown()
+    finally:
+        if own_ray:
+            ray.shutdown()
+
+
+# -- output ------------------------------------------------------------------------
+
+
+def write_plots(runs: Sequence[dict], plot_dir: Path, slo: Slo) -> list[Path]:
+    from bench import plots
+
+    def samples(run: dict) -> dict[str, list[float]]:
+        done = [r for r in run["requests"] if r["ok"]]
+        return {
+            "TTFT": [r["ttft_s"] * 1000 for r in done if r["ttft_s"] is not None],
+            "ITL": [gap * 1000 for r in done for gap in r["itl_s"]],
+            "E2E": [r["e2e_s"] * 1000 for r in done if r["e2e_s"] is not None],
+        }
+
+    written = [plots.latency_cdfs({run["request_rate"]: samples(run) for run in runs}, plot_dir / "latency_cdf.png")]
+    if len(runs) > 1:
+        summaries = [run["summary"] for run in runs]
+        written.append(plots.sweep(
+            [run["request_rate"] for run in runs],
+            [s["ttft_ms"]["p99"] for s in summaries],
+            [s["itl_ms"]["p99"] for s in summaries],
+            [s["goodput"] if slo else s["request_throughput"] for s in summaries],
+            "goodput (req/s)" if slo else "completed requests/s (no --goodput SLO)",
+            plot_dir / "sweep.png",
+        ))
+    return written
+
+
+def config_record(args: argparse.Namespace) -> dict:
+    """The run's settings as JSON: every flag but the API key, rates as labels ("inf"
+    is not JSON)."""
+    record = {k: v for k, v in vars(args).items() if k != "api_key"}
+    record["request_rate"] = [rate_label(r) for r in args.request_rate]
+    record["goodput"] = asdict(args.goodput)
+    record["engine"] = dict(args.engine)
+    return record
+
+
+# -- command line -------------------------------------------------------------------
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or comma-separated numbers: {text!r}") from None
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be > 0 (or inf), got {text!r}")
+    return rates
+
+
+def _slo_item(text: str) -> tuple[str, float]:
+    key, sep, value = text.partition(":")
+    if not sep or key not in SLO_KEYS:
+        raise argparse.ArgumentTypeError(f"expected KEY:MS with KEY one of {', '.join(SLO_KEYS)}, got {text!r}")
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a number of milliseconds") from None
+    if not ms > 0:
+        raise argparse.ArgumentTypeError(f"{key}: an SLO must be > 0 ms, got {value}")
+    return key, ms
+
+
+def _engine_item(text: str) -> tuple[str, object]:
+    """``key=value``, the value read as YAML: ``false`` is a bool, ``4096`` an int."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tandem bench serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = ap.add_argument_group("target")
+    target.add_argument("--backend", choices=["http", "grpc"], default="http")
+    target.add_argument("--base-url", default=None, help="HTTP server (default: http://127.0.0.1:8000)")
+    target.add_argument("--grpc-target", default=None, help="gRPC server (default: 127.0.0.1:9000)")
+    target.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="default: $TANDEM_API_KEY")
+    target.add_argument("--served-model-name", default=None,
+                        help="the HTTP 'model' field, for servers that require it (Tandem does not)")
+    target.add_argument("--model", default=None,
+                        help="HF checkpoint dir: its tokenizer makes the prompts, and --launch serves it "
+                             "(default: the built-in model)")
+    target.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+
+    load = ap.add_argument_group("load")
+    load.add_argument("--num-requests", type=_positive_int, default=100, help="per request rate")
+    load.add_argument("--request-rate", type=_rates, default=[math.inf],
+                      help="requests/s, or inf to send all at once; 1,2,4,8 runs a sweep (default: inf)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps: 1 is Poisson, < 1 burstier, > 1 more regular")
+    load.add_argument("--max-concurrency", type=_positive_int, default=None, help="cap on requests in flight")
+    load.add_argument("--seed", type=int, default=0)
+
+    wl = ap.add_argument_group("workload")
+    wl.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    wl.add_argument("--input-len", type=_positive_int, default=256, help="synthetic, long-mix: prompt tokens")
+    wl.add_argument("--output-len", type=_positive_int, default=64, help="output tokens (not sharegpt)")
+    wl.add_argument("--range-ratio", type=float, default=0.0,
+                    help="lengths are uniform in LEN * (1 ± RATIO), RATIO in [0, 1)")
+    wl.add_argument("--dataset-path", default=None, help="sharegpt: the ShareGPT-format JSON file")
+    wl.add_argument("--num-prefix-groups", type=_positive_int, default=4, help="shared-prefix: distinct prefixes")
+    wl.add_argument("--prefix-len", type=_positive_int, default=512, help="shared-prefix: tokens per prefix")
+    wl.add_argument("--suffix-len", type=_positive_int, default=64, help="shared-prefix: unique tokens per request")
+    wl.add_argument("--long-fraction", type=float, default=0.1, help="long-mix: share of long prompts")
+    wl.add_argument("--long-len", type=_positive_int, default=1536, help="long-mix: tokens per long prompt")
+
+    out = ap.add_argument_group("output")
+    out.add_argument("--goodput", type=_slo_item, nargs="+", action="extend", default=[], metavar="KEY:MS",
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:10000")
+    out.add_argument("--result-json", default=None, help="write config, summaries and per-request records")
+    out.add_argument("--plot-dir", default=None, help="write latency CDFs (and a sweep plot) as PNG")
+    out.add_argument("--label", default=None, help="a name for this run in the JSON, for comparisons")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    launch = ap.add_argument_group("launch (start the service for the run; flags as in tandem up)")
+    launch.add_argument("--launch", action="store_true", help="start Tandem in-process on free ports")
+    launch.add_argument("--config", default=None, help="topology YAML; the flags below override it")
+    launch.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
+    launch.add_argument("--decode-workers", type=int, default=None)
+    launch.add_argument("--num-kv-blocks", type=int, default=None)
+    launch.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "inprocess"])
+    launch.add_argument("--engine", type=_engine_item, action="append", default=[], metavar="KEY=VALUE",
+                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")
+    launch.add_argument("--max-outstanding-requests", type=int, default=None, help="admission bound")
+    launch.add_argument("--max-outstanding-prompt-tokens", type=int, default=None, help="admission bound")
+    launch.add_argument("--placement", default=None, choices=["load", "round_robin"])
+    launch.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray (default: all)")
+    return ap
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the flags together; every mistake exits with a usage error
+    before anything is started or sent."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    problem = _check(args)
+    if problem:
+        ap.error(problem)
+    _fill_defaults(args)
+    return args
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if not 0.0 <= args.range_ratio < 1.0:
+        return f"--range-ratio must be in [0, 1), got {args.range_ratio}"
+    if not args.burstiness > 0:
+        return f"--burstiness must be > 0, got {args.burstiness}"
+    if not 0.0 <= args.long_fraction <= 1.0:
+        return f"--long-fraction must be in [0, 1], got {args.long_fraction}"
+    if args.workload == "sharegpt" and not args.dataset_path:
+        return "--workload sharegpt needs --dataset-path"
+    if args.dataset_path and args.workload != "sharegpt":
+        return "--dataset-path is for --workload sharegpt"
+    if args.dataset_path and not Path(args.dataset_path).is_file():
+        return f"--dataset-path {args.dataset_path}: no such file"
+    keys = [key for key, _ in args.goodput]
+    if len(set(keys)) != len(keys):
+        return f"--goodput names an SLO twice: {' '.join(keys)}"
+    if not args.launch:
+        given = [f"--{name.replace('_', '-')}" for name in LAUNCH_FLAGS if getattr(args, name) not in (None, [])]
+        if given:
+            return f"--launch is needed for {', '.join(given)} (they configure the service it starts)"
+    elif args.base_url or args.grpc_target:
+        return "--launch serves on free ports of its own: drop --base-url / --grpc-target"
+    return None
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Defaults left unset at parse time, so that ``_check`` tells flags given from
+    defaults; the admission bounds are ``tandem up``'s."""
+    from router.admission import AdmissionConfig
+
+    admission = AdmissionConfig()
+    args.goodput = Slo(**{f"{key}_ms": ms for key, ms in args.goodput})
+    args.base_url = args.base_url or "http://127.0.0.1:8000"
+    args.grpc_target = args.grpc_target or "127.0.0.1:9000"
+    if args.max_outstanding_requests is None:
+        args.max_outstanding_requests = admission.max_requests
+    if args.max_outstanding_prompt_tokens is None:
+        args.max_outstanding_prompt_tokens = admission.max_prompt_tokens
+    args.placement = args.placement or "load"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.default_model import ensure_default_model
+    from engine.model_config import ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    model_dir = args.model or str(ensure_default_model())
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    context_len = ModelConfig.from_pretrained(model_dir).max_model_len
+    vocab = workloads.sampleable_ids(tokenizer)
+    plans = plan_runs(args, tokenizer, vocab, context_len)
+    endpoints = launched_service(args) if args.launch else contextlib.nullcontext((args.base_url, args.grpc_target))
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        with endpoints as (base_url, grpc_target):
+            runs = asyncio.run(run_benchmark(args, plans, vocab, base_url, grpc_target))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    report = {
+        "label": args.label,
+        "started": started,
+        "target": grpc_target if args.backend == "grpc" else base_url,
+        "model": model_dir,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "config": config_record(args),
+        "runs": runs,
+    }
+    if args.result_json:
+        path = Path(args.result_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+    if args.plot_dir:
+        for path in write_plots(runs, Path(args.plot_dir), args.goodput):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
