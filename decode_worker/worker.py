@@ -147,8 +147,14 @@ class DecodeWorker(WorkerBase):
         rank = self.backend.rank
         return Reservation(request_id, blocks, self.layout, rank, deadline)
 
-    async def receive_kv(self, meta: TransferMeta, payload, first_token: int, first_logprobs=None) -> int:
-        """Pull the prompt's KV into the reserved blocks; returns the TransferState."""
+    async def receive_kv(
+        self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0
+    ) -> int:
+        """Pull the prompt's KV into the reserved blocks; returns the TransferState.
+
+        ``num_cached_tokens``: the prompt tokens the prefill worker found in its prefix
+        cache, reported in the request's usage.
+        """
         rid = meta.request_id
         try:
             if meta.layout != self.layout:
@@ -164,7 +170,7 @@ class DecodeWorker(WorkerBase):
             return int(TransferState.FAILED)
         with self.runtime.lock:
             self._deadlines.pop(rid, None)
-            out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs)
+            out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs, num_cached_tokens)
             # Deliver under the lock: the step thread's next output must queue after this one.
             if out is not None:
                 self.runtime.deliver(out)

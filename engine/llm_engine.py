@@ -225,10 +225,12 @@ class LLMEngine:
         k: torch.Tensor,
         v: torch.Tensor,
         first_logprobs: TokenLogprobs | None = None,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput | None:
         """Write the received KV into the reserved blocks and start decoding.
 
         ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order.
+        ``num_cached_tokens``: prefix-cache hits on the prefill side, for the usage.
         Returns the output for the first token (sampled by the prefill worker).
         """
         request = self.scheduler.remote.get(request_id)
@@ -244,6 +246,7 @@ class LLMEngine:
         self.kv_cache.v[:, dst] = v.to(self.kv_cache.v.device, self.kv_cache.v.dtype)
         request = self.scheduler.remote_arrived(request_id, first_token)
         request.first_scheduled_time = time.monotonic()
+        request.num_cached_tokens = num_cached_tokens
         self._generation_tokens += 1
         logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
         return self._emit([request], {request_id: first_token}, logprobs)[0]

@@ -123,7 +123,7 @@ class PrefillWorker(WorkerBase):
         payload = None
         try:
             payload = self.backend.prepare(meta, k, v)
-            ack = decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp)
+            ack = decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp, final.num_cached_tokens)
             await self.backend.push_async(meta, k, v, payload)
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
             return state, None if state == TransferState.DONE else "receiver reported failure"

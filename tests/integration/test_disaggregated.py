@@ -105,7 +105,15 @@ def test_prefill_prefix_cache_hits_are_counted(ray_cluster, tiny_model):
     try:
         # One first, so the shared prefix is cached before the rest arrive.
         _run_all(cluster, prompts[:1], lengths[:1])
-        _run_all(cluster, prompts[1:], lengths[1:])
+
+        async def cached_tokens(prompt, n):  # what the usage will report
+            return max([d.num_cached_tokens async for d in cluster.dispatcher.generate(prompt, _params(n))])
+
+        async def rest():
+            return await asyncio.gather(*(cached_tokens(p, n) for p, n in zip(prompts[1:], lengths[1:])))
+
+        cached = asyncio.run(rest())
+        assert all(c >= 96 for c in cached), f"each request's usage should report the shared prefix: {cached}"
         load = asyncio.run(_load(cluster.prefill_refs()[0]))
         assert load.prefix_cache_hits >= 11 * 96, f"expected >= {11 * 96} hit tokens, got {load}"
         _assert_no_blocks_in_use(cluster)
