@@ -151,6 +151,9 @@ class KVTransferBackend(ABC):
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout=max(meta.time_left(), 0.0))
         except asyncio.TimeoutError:
+            # Nobody awaits the operation now: consume its outcome so a late failure
+            # is not reported as "exception never retrieved".
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline") from None
 
     async def pull_async(self, meta: TransferMeta, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,338 @@
+"""Chaos: workers, transfers and the router fail under a steady streaming load.
+
+A live service with 2 prefill and 2 decode workers serves N concurrent streaming
+greedy completions per scenario while one thing breaks. Every scenario asserts:
+
+- every request ends within a deadline (none hangs), with its full result or a clear
+  error; a stream never ends cleanly with fewer tokens than asked (silent truncation);
+- a completed request's text equals the undisturbed single engine's, re-run or not;
+- a request fails only if the failure came after tokens had reached its client (it
+  cannot be re-run then); before that, the router re-runs it on other workers. When the
+  router replica itself dies, its in-flight requests get HTTP 500 from Serve's proxy,
+  which the client retries before any token as the openai client does (2 retries);
+- afterwards every worker (survivors and replacements) holds no KV blocks, and the
+  service answers a normal request.
+
+Each scenario prints one line (sent, completed, errored, hung, blocks leaked);
+``pytest -s tests/chaos`` shows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import ray
+
+from tests.integration.conftest import running_service
+
+N = 60  # requests per scenario
+CONCURRENCY = 8
+DEADLINE_S = 120.0  # per request: past this it counts as hung
+CLIENT_RETRIES = 2
+CHUNK_BUDGET = 64  # prefill tokens per step, so long prompts take several steps
+KILL_SETTINGS = dict(prefill_workers=2, decode_workers=2, num_kv_blocks=512, restart_workers=True)
+
+
+@dataclass
+class Outcome:
+    index: int
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    chunks: int = 0  # chunks with text that reached the client
+    hung: bool = False
+    done: bool = False
+    retries: int = 0  # client retries (before any token)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_model):
+    """N prompts (some long enough for several prefill chunks) and the reference texts."""
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "kv", "block", "stream", "token", "prefill", "decode"]
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([8, 30, 120]))) for _ in range(N)]
+    lengths = [rng.randint(12, 40) for _ in range(N)]
+    llm = LLM(model=tiny_model, num_kv_blocks=512)
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
+    assert llm.stats().num_blocks_in_use == 0
+    return prompts, lengths, [o.text for o in outs]
+
+
+def _model_name(tiny_model: str) -> str:
+    return tiny_model.rstrip("/").split("/")[-1]
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, prompt: str, n: int) -> Outcome:
+    out = Outcome(i)
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def read() -> None:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    out.done = True
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    out.error = event["error"].get("message") or str(event["error"])
+                    continue
+                choice = event["choices"][0]
+                if choice.get("text"):
+                    out.text += choice["text"]
+                    out.chunks += 1
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+
+    async def attempts() -> None:
+        # Like the openai client: a 5xx or a broken connection before any token is retried.
+        for attempt in range(1 + CLIENT_RETRIES):
+            out.error = None
+            try:
+                await read()
+            except httpx.HTTPError as e:  # the connection broke: the client sees that, nothing silent
+                out.error = f"{type(e).__name__}: {e}"
+            retryable = out.error is not None and out.chunks == 0 and not out.error.startswith("HTTP 4")
+            if not retryable or attempt == CLIENT_RETRIES:
+                return
+            out.retries += 1
+            await asyncio.sleep(0.5 * 2**attempt)
+
+    try:
+        await asyncio.wait_for(attempts(), DEADLINE_S)
+    except asyncio.TimeoutError:
+        out.hung = True
+    return out
+
+
+async def _load(url: str, model: str, workload, chaos) -> list[Outcome]:
+    """Run the workload CONCURRENCY at a time while ``chaos(progress)`` runs beside it."""
+    prompts, lengths, _ = workload
+    progress = {"finished": 0, "outcomes": []}
+    queue = list(range(len(prompts)))
+
+    async def worker(client):
+        while queue:
+            i = queue.pop(0)
+            o = await _one(client, url, model, i, prompts[i], lengths[i])
+            progress["outcomes"].append(o)
+            progress["finished"] += 1
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE_S, connect=10)) as client:
+        chaos_task = asyncio.create_task(chaos(progress))
+        await asyncio.gather(*(worker(client) for _ in range(CONCURRENCY)))
+        await chaos_task
+    return sorted(progress["outcomes"], key=lambda o: o.index)
+
+
+def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool) -> None:
+    _, _, want = workload
+    hung = [o.index for o in outcomes if o.hung]
+    truncated = [o.index for o in outcomes if not o.hung and o.error is None and (o.text != want[o.index] or o.finish_reason != "length")]
+    errored = [o for o in outcomes if o.error is not None]
+    completed = len(outcomes) - len(errored) - len(hung)
+    leaked = _blocks_after(svc)
+    retried = sum(o.retries > 0 for o in outcomes)
+    print(f"\nchaos[{name}]: sent {len(outcomes)}, completed {completed}, errored {len(errored)}, "
+          f"hung {len(hung)}, blocks leaked {leaked}, retried by the client {retried}")
+    assert len(outcomes) == N
+    assert not hung, f"requests hung: {hung}"
+    assert not truncated, f"ended without error but not the reference text: {truncated}"
+    for o in errored:
+        assert o.error.strip(), f"request {o.index}: an error without a message"
+        assert may_fail, f"request {o.index} failed where it could have been re-run: {o.error}"
+        assert o.chunks > 0, f"request {o.index} failed before any token reached it (re-runnable): {o.error}"
+    assert leaked == 0, f"{leaked} KV blocks still in use"
+    _assert_serves(svc)
+
+
+def _blocks_after(svc, within_s: float = 60.0) -> int:
+    """Blocks in use on every live worker once things settle (0 unless leaked)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            used = sum(svc.blocks_in_use().values())
+        except ray.exceptions.RayError:  # a worker is being replaced
+            used = -1
+        if used == 0 or time.monotonic() > deadline:
+            return used
+        time.sleep(0.2)
+
+
+def _assert_serves(svc) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.post(f"{svc.http_url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def _workers(svc) -> tuple[list, list]:
+    return ray.get(svc.controller.workers.remote())
+
+
+async def _until(predicate, timeout_s: float = 60.0, every_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "the condition for the fault never came"
+        await asyncio.sleep(every_s)
+
+
+async def _kill(handle) -> None:
+    await asyncio.to_thread(ray.kill, handle, no_restart=True)
+
+
+# ------------------------------------------------------------------ workers die
+
+
+class Services:
+    """One live service at a time (Serve holds one ``tandem`` app): asking for another
+    configuration shuts the current one down first."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._name: str | None = None
+        self._ctx = None
+        self._svc = None
+
+    def get(self, name: str, **settings):
+        if name != self._name:
+            self.close()
+            self._ctx = running_service(self.model, **settings)
+            self._svc, self._name = self._ctx.__enter__(), name
+        return self._svc
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            ctx, self._ctx, self._name = self._ctx, None, None
+            ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def services(ray_cluster, tiny_model):
+    s = Services(tiny_model)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def service(services):
+    """Workers with a small prefill budget, replaced when they die."""
+    engine = {"num_kv_blocks": 512, "max_num_batched_tokens": CHUNK_BUDGET}
+    return services.get("kills", **{**KILL_SETTINGS, "engine": engine})
+
+
+def test_prefill_worker_killed_mid_chunked_prefill(service, tiny_model, workload):
+    async def chaos(progress):
+        (victim, *_), _ = _workers(service)
+
+        async def prefilling():
+            load = await victim.handle.load.remote()
+            return progress["finished"] >= 5 and load.running_chunks > 0 and load.queued_prefill_tokens > CHUNK_BUDGET
+
+        await _until(prefilling)
+        await _kill(victim.handle)
+
+    outcomes = asyncio.run(_load(service.http_url, _model_name(tiny_model), workload, chaos))
+    _judge("prefill killed mid chunked prefill", outcomes, workload, service, may_fail=False)
+
+
+def test_decode_worker_killed_mid_stream(service, tiny_model, workload):
+    async def chaos(progress):
+        _, (victim, *_) = _workers(service)
+
+        async def streaming():
+            load = await victim.handle.load.remote()
+            return progress["finished"] >= 5 and load.running >= 2
+
+        await _until(streaming)
+        await _kill(victim.handle)
+
+    outcomes = asyncio.run(_load(service.http_url, _model_name(tiny_model), workload, chaos))
+    # The requests it was streaming cannot be re-run (tokens were delivered): clear errors.
+    _judge("decode killed mid stream", outcomes, workload, service, may_fail=True)
+
+
+def test_router_replica_restarted(service, tiny_model, workload):
+    from ray import serve
+
+    async def chaos(progress):
+        async def under_way():
+            return progress["finished"] >= 10
+
+        await _until(under_way)
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Router" in a["name"]]
+        assert replicas, "no router replica found"
+        for a in replicas:
+            await _kill(ray.get_actor(a["name"], namespace=a["namespace"]))
+
+    outcomes = asyncio.run(_load(service.http_url, _model_name(tiny_model), workload, chaos))
+    status = serve.status().applications["tandem"].status
+    print(f"serve application after the restart: {status}")
+    _judge("router replica restarted", outcomes, workload, service, may_fail=True)
+
+
+# ------------------------------------------------------------------ transfers
+
+
+@pytest.fixture
+def slow_transfer_service(services):
+    """Each KV receive waits 0.3 s first: there is always a transfer in flight to break."""
+    transfer = {"backend": "object_store", "faults": {"delay_s": 0.3}}
+    return services.get("slow transfers", **{**KILL_SETTINGS, "transfer": transfer})
+
+
+async def _kill_mid_transfer(svc, progress, role: str) -> None:
+    prefill, decode = _workers(svc)
+    receiver = decode[0]
+
+    async def transferring():
+        load = await receiver.handle.load.remote()
+        return progress["finished"] >= 5 and load.waiting_for_kv > 0
+
+    await _until(transferring)
+    await _kill((prefill[0] if role == "sender" else receiver).handle)
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload, side):
+    async def chaos(progress):
+        await _kill_mid_transfer(slow_transfer_service, progress, side)
+
+    outcomes = asyncio.run(_load(slow_transfer_service.http_url, _model_name(tiny_model), workload, chaos))
+    # A dead receiver takes its streaming requests with it; a dead sender loses nothing.
+    _judge(f"{side} killed mid transfer", outcomes, workload, slow_transfer_service, may_fail=side == "receiver")
+
+
+@pytest.mark.parametrize(
+    "name,transfer",
+    [
+        ("transfers dropped", {"backend": "object_store", "faults": {"drop_rate": 0.3, "seed": 2}}),
+        ("transfers past deadline", {"backend": "object_store", "timeout_s": 0.5, "faults": {"delay_s": 1.0}}),
+    ],
+)
+def test_transfer_faults_fall_back_to_recompute(services, tiny_model, workload, name, transfer):
+    svc = services.get(name, prefill_workers=2, decode_workers=2, transfer=transfer)
+    outcomes = asyncio.run(_load(svc.http_url, _model_name(tiny_model), workload, _no_chaos))
+    failures = sum(s.get("transfer_failures", 0) for s in svc.stats().values())
+    _judge(name, outcomes, workload, svc, may_fail=False)
+    assert failures > 0, "the fault setting should have made transfers fail"
+
+
+async def _no_chaos(progress) -> None:
+    return None
