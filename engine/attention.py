@@ -8,14 +8,85 @@ causal within the chunk, attending to the request's earlier cached blocks).
 New K/V are written into the cache through the slot mapping before attention reads
 it, so a chunk sees the blocks that other requests in the same step just wrote.
 This path runs anywhere torch runs (CPU, or a GPU through torch ops).
+
+Backends: the model runner describes each step as a ``StepLayout`` (plain integers)
+and its ``AttentionBackend`` turns that into the metadata its kernels need; the
+layers call the backend through a ``StepAttention``. ``TorchAttention`` here is the
+reference; ``engine.triton_attention.TritonAttention`` is the GPU one.
+``create_attention_backend`` makes the choice once, when the engine is built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from engine.config import ATTENTION_BACKENDS
+
+
+@dataclass
+class ChunkLayout:
+    """A prefill chunk: ``num_tokens`` rows from ``row0``, its request's tokens from ``start``."""
+
+    row0: int
+    num_tokens: int
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class StepLayout:
+    """One step's flattened batch as plain integers, whatever the backend.
+
+    Decode rows come first, one per request, sorted by context length; the prefill
+    chunks follow. ``decode_context_lens`` count the new token.
+    """
+
+    slots: list[int]
+    decode_block_ids: list[list[int]]
+    decode_context_lens: list[int]
+    chunks: list[ChunkLayout]
+
+
+class AttentionBackend(Protocol):
+    """Builds a step's metadata once, then runs attention on it for every layer."""
+
+    name: str
+
+    def build_metadata(self, layout: StepLayout) -> Any: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """A backend bound to one step's metadata: the one attention call every layer makes."""
+
+    backend: AttentionBackend
+    meta: Any
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, scale)
 
 
 @dataclass
@@ -126,3 +197,97 @@ def paged_attention(
             )
         out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
     return out
+
+
+class TorchAttention:
+    """The reference backend: gathers K/V per decode group or chunk and calls SDPA."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self._workspace = GatherWorkspace()
+
+    def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=self.device),
+            decodes=self._decode_groups(layout.decode_block_ids, layout.decode_context_lens),
+            prefills=[self._chunk(c) for c in layout.chunks],
+            workspace=self._workspace,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decode rows (sorted by length) where padding would pass ~1.5x the data."""
+        bs = self.block_size
+        groups, start = [], 0
+        for i in range(1, len(lens) + 1):
+            if i < len(lens) and lens[i] <= 1.5 * lens[start] + 4 * bs:
+                continue
+            width = -(-lens[i - 1] // bs)
+            rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables[start:i]]
+            lengths = torch.tensor(lens[start:i], device=self.device)
+            keys = torch.arange(width * bs, device=self.device)
+            groups.append(
+                DecodeGroup(
+                    q_start=start,
+                    q_end=i,
+                    block_tables=torch.tensor(rows, dtype=torch.long, device=self.device),
+                    mask=(keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
+                )
+            )
+            start = i
+        return groups
+
+    def _chunk(self, chunk: ChunkLayout) -> PrefillChunk:
+        start, n = chunk.start, chunk.num_tokens
+        ctx = start + n
+        nb = -(-ctx // self.block_size)
+        block_table = torch.tensor(chunk.block_ids[:nb], dtype=torch.long, device=self.device)
+        mask = None
+        if start > 0:
+            q_pos = torch.arange(start, ctx, device=self.device).unsqueeze(1)
+            k_pos = torch.arange(ctx, device=self.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+        return PrefillChunk(chunk.row0, chunk.row0 + n, start, block_table, mask)
+
+
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """``auto`` is triton on a CUDA device when triton imports, torch otherwise."""
+    if name != "auto":
+        return name
+    if torch.device(device).type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
+def create_attention_backend(
+    name: str, device: torch.device | str, block_size: int, head_dim: int
+) -> AttentionBackend:
+    """The engine's one attention backend, chosen from the ``attention_backend`` setting."""
+    device = torch.device(device)
+    resolved = resolve_attention_backend(name, device)
+    if resolved == "torch":
+        return TorchAttention(block_size, device)
+    if resolved == "triton":
+        # Imported here: the Triton backend builds on this module's types.
+        from engine.triton_attention import TritonAttention
+
+        return TritonAttention(block_size, device, head_dim)
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

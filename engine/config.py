@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.scheduler import BATCHING_MODES, POLICIES, PREEMPTION_MODES
 
 GiB = 1 << 30
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,8 @@ class EngineConfig:
 
     KV memory comes from ``num_kv_blocks`` when given, else from ``kv_cache_memory``
     bytes; ``swap_space`` bytes of CPU memory hold swapped-out blocks.
+    ``attention_backend``: ``torch`` (reference, any device), ``triton`` (paged
+    kernels, CUDA), or ``auto`` (triton on a CUDA device when triton imports).
     """
 
     model: str | None = None
@@ -32,6 +35,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     policy: str = "fcfs"
     batching: str = "continuous"  # or "static": a baseline that batches like HF generate
+    attention_backend: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,3 +60,8 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import create_attention_backend
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -144,7 +145,10 @@ class LLMEngine:
             self.kv_manager,
         )
         self._seeds: dict[str, int] = {}
-        self.runner = ModelRunner(self.model, self.kv_cache, self._seeds)
+        self.attention = create_attention_backend(
+            config.attention_backend, device, config.block_size, self.model_config.head_dim
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self._seeds, self.attention)
         self._tracked: dict[str, _Tracked] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()

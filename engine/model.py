@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import StepAttention
 from engine.model_config import ModelConfig
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -67,14 +67,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rotary, k_cache, v_cache, attn: StepAttention):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, positions)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        out = attn(q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -101,8 +101,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+    def forward(self, x, positions, rotary, k_cache, v_cache, attn: StepAttention):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,12 +126,15 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         k_caches: torch.Tensor,
         v_caches: torch.Tensor,
-        meta: AttentionMetadata,
+        attn: StepAttention,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]; caches: [layers, blocks, block, Hkv, D]. Returns [T, H]."""
+        """input_ids, positions: [T]; caches: [layers, blocks, block, Hkv, D]. Returns [T, H].
+
+        ``attn`` is the step's attention, bound to its metadata by the model runner.
+        """
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, k_caches[i], v_caches[i], meta)
+            x = layer(x, positions, self.rotary, k_caches[i], v_caches[i], attn)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Runs one scheduler step on the model: the only place where tensors are built.
+"""Runs one scheduler step on the model: with its attention backend, the only place where
+tensors are built.
 
 Input: a plain-data ``SchedulerOutput``. Output: a plain-data ``RunnerOutput`` with
 the sampled ids (and logprobs) of the requests whose step reached the end of their
@@ -6,7 +7,8 @@ known tokens. The runner keeps no request state between steps.
 
 The step is one flattened batch: swaps are copied first, then decode tokens (one per
 request) and prefill chunks go through a single forward, and only the rows that
-sample are projected to logits.
+sample are projected to logits. The runner lays the batch out as plain integers; the
+attention backend it was given turns that layout into its own metadata tensors.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillChunk
+from engine.attention import AttentionBackend, ChunkLayout, StepAttention, StepLayout
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import SampleRow, TokenLogprobs, sample
@@ -29,14 +31,20 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: KVCache, seeds: dict[str, int]) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_cache: KVCache,
+        seeds: dict[str, int],
+        attention: AttentionBackend,
+    ) -> None:
         self.model = model
         self.kv = kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.k.device
+        self.attention = attention
         # Per-request sampling seeds, owned by the engine (they outlive preemption).
         self._seeds = seeds
-        self._workspace = GatherWorkspace()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -48,8 +56,9 @@ class ModelRunner:
         items = sorted(
             sched.scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0)
         )
-        input_ids, positions, meta, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv.k, self.kv.v, meta)
+        input_ids, positions, layout, sample_rows = self._prepare(items)
+        attn = StepAttention(self.attention, self.attention.build_metadata(layout))
+        hidden = self.model(input_ids, positions, self.kv.k, self.kv.v, attn)
         if not sample_rows:
             return RunnerOutput()
         rows_idx, reqs = zip(*sample_rows)
@@ -78,11 +87,8 @@ class ModelRunner:
         dev = self.device
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
         sample_rows = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
         for item in items:
             n = len(item.token_ids)
             row0 = len(token_ids)
@@ -91,58 +97,19 @@ class ModelRunner:
             token_ids.extend(item.token_ids)
             if n == 1:
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
+                layout.slots.append(table[start // bs] * bs + start % bs)
+                layout.decode_block_ids.append(table)
+                layout.decode_context_lens.append(start + 1)
             else:
                 pos = range(start, start + n)
                 positions.extend(pos)
-                slots.extend(table[p // bs] * bs + p % bs for p in pos)
-                prefills.append(self._chunk(row0, n, start, table))
+                layout.slots.extend(table[p // bs] * bs + p % bs for p in pos)
+                layout.chunks.append(ChunkLayout(row0, n, start, table))
             if item.sample:
                 sample_rows.append((row0 + n - 1, item.request))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decodes=self._decode_groups(decode_tables, decode_lens),
-            prefills=prefills,
-            workspace=self._workspace,
-        )
         return (
             torch.tensor(token_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
+            layout,
             sample_rows,
         )
-
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
-        """Split decode rows (sorted by length) where padding would pass ~1.5x the data."""
-        bs = self.block_size
-        groups, start = [], 0
-        for i in range(1, len(lens) + 1):
-            if i < len(lens) and lens[i] <= 1.5 * lens[start] + 4 * bs:
-                continue
-            width = -(-lens[i - 1] // bs)
-            rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables[start:i]]
-            lengths = torch.tensor(lens[start:i], device=self.device)
-            keys = torch.arange(width * bs, device=self.device)
-            groups.append(
-                DecodeGroup(
-                    q_start=start,
-                    q_end=i,
-                    block_tables=torch.tensor(rows, dtype=torch.long, device=self.device),
-                    mask=(keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
-                )
-            )
-            start = i
-        return groups
-
-    def _chunk(self, row0: int, n: int, start: int, table: list[int]) -> PrefillChunk:
-        ctx = start + n
-        nb = -(-ctx // self.block_size)
-        block_table = torch.tensor(table[:nb], dtype=torch.long, device=self.device)
-        mask = None
-        if start > 0:
-            q_pos = torch.arange(start, ctx, device=self.device).unsqueeze(1)
-            k_pos = torch.arange(ctx, device=self.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-        return PrefillChunk(row0, row0 + n, start, block_table, mask)

@@ -249,3 +249,23 @@ def test_a_request_that_outgrows_a_small_kv_pool_finishes_with_length(default_mo
     assert final.finish_reason == "length"
     assert 20 + len(final.token_ids) == 33, "it generates until the 32-token pool is full"
     _assert_idle(small)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine_runs_in_that_dtype_and_matches_hf_first_tokens(tmp_path, default_model, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import build_hf_checkpoint
+
+    ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, seed=11)
+    llm = LLM(model=str(ckpt), dtype=dtype, num_kv_blocks=32)
+    assert {p.dtype for p in llm.engine.model.parameters()} == {getattr(torch, dtype)}
+    prompt = [5, 17, 300, 42, 7, 99, 1000, 3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, **GREEDY))[0]
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].float()
+    # Half precision may round two near-equal logits either way; the pick must be a top one.
+    assert logits[out.token_ids[0]] >= logits.max() - 2e-2 * logits.abs().max()
+    assert llm.stats().num_blocks_in_use == 0

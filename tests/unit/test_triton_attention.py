@@ -1,0 +1,231 @@
+"""The Triton attention kernels agree with the torch reference backend.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET
+must be set before triton (and ``engine.triton_attention``, whose kernels are
+decorated on import) is first imported, so this module sets it at the top. It only
+matters on machines where compiled Triton kernels could not run anyway. With CUDA
+the same tests run the compiled kernels on the GPU.
+
+Each case builds one step's batch at random (ragged contexts, shuffled blocks), runs
+it through both backends' ``forward`` on copies of one cache, and compares the
+outputs (tolerance per dtype) and the written caches (exact).
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip(
+    "triton", reason="triton is not installed (it comes with the test and gpu extras)"
+)
+
+from engine import LLM, SamplingParams, triton_attention  # noqa: E402
+from engine.attention import (  # noqa: E402
+    ChunkLayout,
+    StepLayout,
+    TorchAttention,
+    resolve_attention_backend,
+    write_kv,
+)
+from engine.config import EngineConfig  # noqa: E402
+from engine.triton_attention import TritonAttention  # noqa: E402
+from tests.conftest import build_hf_checkpoint  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+# fp32 is exact up to summation order; fp16/bf16 round the output (and on a GPU the
+# probabilities before the P@V product) to 11 and 8 significant bits.
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+DTYPES = list(TOLERANCE)
+NUM_BLOCKS = 96
+
+
+def _layout(
+    block_size: int, decode_lens: list[int], chunks: list[tuple[int, int]], rng
+) -> StepLayout:
+    """Decode rows then (start, num_tokens) chunks, each request on shuffled blocks."""
+    free = list(range(1, NUM_BLOCKS))
+    rng.shuffle(free)
+    layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
+
+    def blocks(ctx: int) -> list[int]:
+        return [free.pop() for _ in range(-(-ctx // block_size))]
+
+    for ctx in decode_lens:
+        table = blocks(ctx)
+        layout.decode_block_ids.append(table)
+        layout.decode_context_lens.append(ctx)
+        layout.slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
+    row = len(decode_lens)
+    for start, n in chunks:
+        table = blocks(start + n)
+        layout.chunks.append(ChunkLayout(row, n, start, table))
+        layout.slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        )
+        row += n
+    return layout
+
+
+def _compare(
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    decode_lens: list[int],
+    chunks: list[tuple[int, int]],
+    partition_size: int = 32,
+    seed: int = 0,
+) -> None:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    layout = _layout(block_size, decode_lens, chunks, rng)
+    rows = len(layout.slots)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+    cache_shape = (NUM_BLOCKS, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = randn(*cache_shape), randn(*cache_shape)
+    q = randn(rows, num_heads, head_dim)
+    # K and V as the model makes them: views into one fused projection, not contiguous.
+    kv = randn(rows, 2 * num_kv_heads * head_dim)
+    k = kv[:, : num_kv_heads * head_dim].view(rows, num_kv_heads, head_dim)
+    v = kv[:, num_kv_heads * head_dim :].view(rows, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    ref_backend = TorchAttention(block_size, DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want = ref_backend.forward(q, k, v, ref_k, ref_v, ref_backend.build_metadata(layout), scale)
+    backend = TritonAttention(block_size, DEVICE, head_dim, partition_size=partition_size)
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout), scale)
+
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), (
+        "caches differ after the K/V write"
+    )
+    case = f"{dtype}, block {block_size}, {num_heads}/{num_kv_heads} heads, d={head_dim}"
+    torch.testing.assert_close(
+        got.float(), want.float(), **TOLERANCE[dtype], msg=lambda m: f"{case}: {m}"
+    )
+
+
+# (block size, query heads, KV heads): GQA ratios 1, 4 and 8 over three block sizes.
+SHAPES = [(8, 4, 4), (16, 8, 2), (32, 8, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"block{s[0]}-gqa{s[1] // s[2]}")
+def test_decode_with_split_k_over_ragged_contexts_matches_torch(dtype, shape):
+    # Partitions of 32 tokens: the longest context spans 5, the shortest one.
+    _compare(dtype, *shape, head_dim=64, decode_lens=[1, 7, 32, 33, 90, 131], chunks=[])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_within_one_partition_skips_the_reduce_and_matches_torch(dtype):
+    _compare(dtype, 16, 8, 2, 64, decode_lens=[3, 17, 64], chunks=[], partition_size=64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"block{s[0]}-gqa{s[1] // s[2]}")
+def test_prefill_chunks_fresh_mid_block_and_block_aligned_match_torch(dtype, shape):
+    block_size = shape[0]
+    chunks = [(0, 21), (block_size + 3, 19), (2 * block_size, 9)]
+    _compare(dtype, *shape, head_dim=64, decode_lens=[], chunks=chunks)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_batch_at_head_dim_128_matches_torch(dtype):
+    _compare(dtype, 16, 8, 1, 128, decode_lens=[5, 40, 77], chunks=[(0, 12), (21, 30)], seed=3)
+
+
+def test_group_that_is_not_a_power_of_two_matches_torch():
+    # Six query heads over two KV heads, as in the built-in default model.
+    _compare(torch.float32, 16, 6, 2, 64, decode_lens=[9, 50], chunks=[(5, 14)], seed=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_write_kernel_places_each_row_in_its_slot_exactly(dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    shape = (12, block_size, 2, 64)
+    k_cache = torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+    v_cache = torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(12 * block_size, generator=gen)[:37].to(DEVICE)
+    kv = torch.randn(37, 2, 2, 64, generator=gen).to(dtype).to(DEVICE)
+    k, v = kv[:, 0], kv[:, 1]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv(want_k, want_v, k, v, slots)
+    triton_attention.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k), (
+        "K rows landed somewhere else than the torch write puts them"
+    )
+    assert torch.equal(v_cache, want_v), (
+        "V rows landed somewhere else than the torch write puts them"
+    )
+
+
+# ------------------------------------------------------------------ selection
+
+
+def test_unknown_attention_backend_is_rejected_naming_the_field():
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_auto_is_triton_on_cuda_and_torch_elsewhere():
+    assert resolve_attention_backend("auto", "cuda") == "triton"
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+
+
+def test_triton_backend_without_triton_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(triton_attention, "triton", None)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        TritonAttention(16, DEVICE, 64)
+
+
+def test_triton_backend_on_cpu_outside_the_interpreter_asks_for_cuda(monkeypatch):
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        TritonAttention(16, "cpu", 64)
+
+
+def test_triton_backend_rejects_a_head_dim_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="head_dim"):
+        TritonAttention(16, DEVICE, 80)
+
+
+# ------------------------------------------------------------------ engine
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, default_model) -> str:
+    return str(
+        build_hf_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", default_model, seed=5)
+    )
+
+
+def _greedy(model_dir: str, backend: str) -> list[list[int]]:
+    # A 12-token budget splits the longer prompt into chunks that start mid-block.
+    llm = LLM(
+        model=model_dir, attention_backend=backend, device=str(DEVICE), num_kv_blocks=24,
+        block_size=8, max_num_batched_tokens=12,
+    )  # fmt: skip
+    assert llm.engine.attention.name == backend
+    prompts = [list(range(3, 40)), list(range(100, 109))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_engine_on_the_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_llama):
+    want, got = _greedy(tiny_llama, "torch"), _greedy(tiny_llama, "triton")
+    assert got == want, f"triton backend gave {got}, torch backend {want}"
