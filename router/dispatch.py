@@ -199,6 +199,10 @@ class Dispatcher:
             except NoCapacityError as e:
                 yield _error_delta(rid, str(e))
                 return
+            except BaseException:
+                # Cancelled while placing: a reservation may already hold blocks.
+                self._abort_everywhere(rid)
+                raise
             try:
                 while True:
                     delta = await _next_or_abort(stream, abort_wait)
