@@ -3,12 +3,19 @@
 Validation is shared with HTTP (``router.validation``); ``ApiError`` statuses map to
 gRPC codes here: 400/413 INVALID_ARGUMENT, 404 NOT_FOUND, 401 UNAUTHENTICATED,
 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL.
+
+The servicer registrations (``add_generation_servicer``, ``add_health_servicer``; Serve's
+proxy calls them) parse requests leniently: bytes that are not the method's message
+become a ``MalformedRequest``, which the router answers with INVALID_ARGUMENT (the
+generated stubs' parsers raise in the proxy, which gRPC reports as UNKNOWN). The health
+service registers ``Check`` only, so ``Watch`` is UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import grpc
 
+from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router.validation import ApiError, PreparedRequest, ServedModel, prepare_completion
 
@@ -78,3 +85,62 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
         prefill_workers=model.prefill_workers,
         decode_workers=model.decode_workers,
     )
+
+
+# -- servicer registration -----------------------------------------------------------
+
+
+class MalformedRequest:
+    """A request whose bytes did not parse as the method's message type."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name = type_name
+        self.error = error
+
+    @property
+    def details(self) -> str:
+        return f"the request is not a valid {self.type_name}: {self.error}"
+
+
+def _lenient(message_cls):
+    def parse(raw: bytes):
+        try:
+            return message_cls.FromString(raw)
+        except Exception as e:  # DecodeError (bad wire format or UTF-8), RecursionError (nesting)
+            return MalformedRequest(message_cls.DESCRIPTOR.full_name, str(e) or type(e).__name__)
+
+    return parse
+
+
+def _register(server, service: str, handlers: dict) -> None:
+    # As the generated add_*_to_server functions do.
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def add_generation_servicer(servicer, server) -> None:
+    """``tandem.v1.Generation`` (``protos/tandem/v1/generate.proto``), parsed leniently."""
+    _register(server, "tandem.v1.Generation", {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=_lenient(pb.AbortRequest),
+            response_serializer=pb.AbortResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=_lenient(pb.GetModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    })
+
+
+def add_health_servicer(servicer, server) -> None:
+    """``grpc.health.v1.Health/Check``, parsed leniently (``Watch``: UNIMPLEMENTED)."""
+    _register(server, "grpc.health.v1.Health", {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            servicer.Check, request_deserializer=_lenient(health_pb2.HealthCheckRequest),
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        ),
+    })

@@ -19,6 +19,7 @@ actor handle passed in at bind time), refreshed every ``workers_refresh_s``.
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -27,9 +28,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import grpc
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 # No ``from __future__ import annotations`` here: FastAPI must see real classes in the
@@ -57,8 +59,8 @@ from router.validation import (
 log = logging.getLogger(__name__)
 
 GRPC_SERVICERS = [
-    "protos.tandem.v1.generate_pb2_grpc.add_GenerationServicer_to_server",
-    "protos.grpc.health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    "router.grpc_api.add_generation_servicer",
+    "router.grpc_api.add_health_servicer",
 ]
 
 
@@ -74,15 +76,36 @@ class RouterConfig:
 app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
 
 
-@app.exception_handler(ApiError)
-async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+def _error_response(e: ApiError) -> Response:
+    # ASCII JSON: a message that quotes the request (a model name, say) may hold a lone
+    # surrogate from a \ud800 escape, which UTF-8 cannot encode.
     headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s is not None else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    body = json.dumps(e.body())
+    return Response(body, status_code=e.status, headers=headers, media_type="application/json")
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, e: ApiError) -> Response:
+    return _error_response(e)
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-    return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+async def _http_error(_: Request, e: StarletteHTTPException) -> Response:
+    return _error_response(ApiError(e.status_code, str(e.detail)))
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body; 413 once it passes ``limit``, before reading the rest (chunked uploads too)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class RouterCore:
@@ -191,6 +214,13 @@ def _fail(grpc_context, code, details: str):
     raise GrpcStatusError(details)
 
 
+def _well_formed(request, grpc_context):
+    """INVALID_ARGUMENT for bytes that did not parse as the method's message."""
+    if isinstance(request, grpc_api.MalformedRequest):
+        _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    return request
+
+
 def _grpc_key(grpc_context) -> str | None:
     metadata = dict(grpc_context.invocation_metadata())
     return _bearer(metadata.get("authorization")) or metadata.get("x-api-key")
@@ -225,13 +255,11 @@ class Router:
     async def _http(self, request: Request, chat: bool):
         core = self.core
         core.check_key(_bearer(request.headers.get("authorization")))
-        declared = request.headers.get("content-length")
         limit = core.config.max_body_bytes
         prepare = prepare_chat if chat else prepare_completion
         try:
-            if declared and declared.isdigit() and int(declared) > limit:
-                raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit} bytes")
-            prepared = prepare(parse_json(await request.body(), limit), core.model, core.tokenizer)
+            body = parse_json(await _read_body(request, limit), limit)
+            prepared = prepare(body, core.model, core.tokenizer)
         except ApiError:
             core.metrics.on_rejected("invalid_request")
             raise
@@ -311,7 +339,11 @@ class Router:
         core = self.core
         try:
             core.check_key(_grpc_key(grpc_context))
+            _well_formed(request, grpc_context)
             try:
+                size, limit = request.ByteSize(), core.config.max_body_bytes
+                if size > limit:  # Serve's proxy takes messages up to 2 GiB; don't tokenize them
+                    raise ApiError(413, f"the request is {size} bytes, over the limit of {limit} bytes")
                 prepared = grpc_api.prepare(request, core.model, core.tokenizer)
             except ApiError:
                 core.metrics.on_rejected("invalid_request")
@@ -330,13 +362,16 @@ class Router:
 
     async def Abort(self, request, grpc_context):
         self._grpc_auth(grpc_context)
+        _well_formed(request, grpc_context)
         return pb.AbortResponse(found=self.core.dispatcher.abort(request.request_id))
 
     async def GetModelInfo(self, request, grpc_context):
         self._grpc_auth(grpc_context)
+        _well_formed(request, grpc_context)
         return grpc_api.model_info(self.core.model)
 
     async def Check(self, request, grpc_context):
+        _well_formed(request, grpc_context)
         status = health_pb2.HealthCheckResponse.SERVING if self.core.healthy else \
             health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

@@ -178,8 +178,10 @@ def parse_json(raw: bytes, max_bytes: int) -> dict:
         raise ApiError(413, f"request body is {len(raw)} bytes, over the limit of {max_bytes} bytes")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -225,6 +227,8 @@ def _sampling_params(b: _Body, max_tokens: int | None, prompt_len: int, model: S
         )
         if getattr(b, name) is not None
     }
+    if given.get("top_k", 0) >= model.vocab_size:
+        given["top_k"] = 0  # the whole vocabulary, as 0 says (and small enough for the sampler's tensors)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -239,6 +243,17 @@ def _sampling_params(b: _Body, max_tokens: int | None, prompt_len: int, model: S
     except ValueError as e:
         # SamplingParams messages start with the field's name.
         raise ApiError(400, str(e), param=str(e).split()[0]) from None
+
+
+def _check_text(text: str, param: str) -> str:
+    """400 for text that is not Unicode: JSON's \\ud800 escapes can give lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(
+            400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}", param=param
+        ) from None
+    return text
 
 
 def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
@@ -291,7 +306,7 @@ def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedReq
         if len(prompt) != 1:
             raise ApiError(400, f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
         prompt = prompt[0]
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode(_check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
     _check_prompt(ids, model, "prompt")
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
@@ -310,7 +325,10 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
         raise ApiError(400, "tools are not supported", param="tools")
     if b.response_format and b.response_format.get("type") != "text":
         raise ApiError(400, "response_format must be {'type': 'text'}", param="response_format")
-    messages = [{"role": m.role, "content": m.text()} for m in b.messages]
+    messages = [
+        {"role": m.role, "content": _check_text(m.text(), f"messages.{i}.content")}
+        for i, m in enumerate(b.messages)
+    ]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, jinja2.TemplateError) as e:

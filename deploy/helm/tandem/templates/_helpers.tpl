@@ -120,7 +120,7 @@ name of the env var holding the API key (never the key).
 {{- end }}
 {{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port -}}
 {{- $app := dict "name" $s.appName "import_path" $s.importPath "route_prefix" $s.routePrefix "args" $args -}}
-{{- $grpc := dict "port" .Values.service.grpcPort "grpc_servicer_functions" (list "protos.tandem.v1.generate_pb2_grpc.add_GenerationServicer_to_server" "protos.grpc.health.v1.health_pb2_grpc.add_HealthServicer_to_server") -}}
+{{- $grpc := dict "port" .Values.service.grpcPort "grpc_servicer_functions" (list "router.grpc_api.add_generation_servicer" "router.grpc_api.add_health_servicer") -}}
 {{- $cfg := dict "proxy_location" $s.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.service.httpPort) "grpc_options" $grpc "applications" (list $app) -}}
 {{- toPrettyJson $cfg }}
 {{- end }}

@@ -1,0 +1,356 @@
+"""Fuzzing the gRPC API of a live service with hypothesis.
+
+One service for the module (1 prefill + 1 decode worker, tiny model, a 64 KiB request
+limit). Every method (``tandem.v1.Generation`` Generate / Abort / GetModelInfo and
+``grpc.health.v1.Health/Check``) gets generated requests: randomly populated messages
+with values over each field's whole wire range (uint32 / uint64 extremes, NaN and
+infinities, out-of-vocabulary token ids, odd unicode, long strings), hand-built wire
+messages (any field number with any wire type), raw garbage bytes and mutated valid
+serializations, all sent through a generic ``unary_stream`` / ``unary_unary`` call with
+an identity serializer, so the server gets exactly those bytes.
+
+The oracle: bytes that do not parse as the method's message must get INVALID_ARGUMENT;
+a GenerateRequest gets what the router's validation says locally
+(``router.grpc_api.prepare`` with the served model's limits and tokenizer) as a status
+code, and an accepted one a well-formed stream (cheap: ``max_tokens`` is set to
+``CAP``). Never INTERNAL or UNKNOWN. Counts are printed (``-s``) and written to
+``fuzz-grpc.json`` in the session's temp folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protos.grpc.health.v1 import health_pb2
+from protos.tandem.v1 import generate_pb2 as pb
+from router import grpc_api
+from router.server import RouterConfig
+from router.validation import ApiError, ServedModel
+from tests.integration.conftest import running_service
+from tests.integration.test_router_http import assert_blocks_freed
+
+MAX_BODY = 64 * 1024
+CAP = 4
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+CASES: Counter = Counter()  # (test, status code name) -> calls made
+SERVED = "<the served model's name>"
+GENERATE = "/tandem.v1.Generation/Generate"
+UNARY = {
+    "/tandem.v1.Generation/Abort": pb.AbortRequest,
+    "/tandem.v1.Generation/GetModelInfo": pb.GetModelInfoRequest,
+    "/grpc.health.v1.Health/Check": health_pb2.HealthCheckRequest,
+}
+NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_model):
+    with running_service(tiny_model, RouterConfig(max_body_bytes=MAX_BODY), num_kv_blocks=256) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def oracle(service):
+    from engine.tokenizer import Tokenizer
+
+    info = dict(service.model_info)
+    tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
+    return ServedModel(**info), tokenizer
+
+
+@pytest.fixture(scope="module")
+def channel(service):
+    with grpc.insecure_channel(service.grpc_target) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        yield ch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(tmp_path_factory):
+    yield
+    by_test: dict[str, dict[str, int]] = {}
+    for (test, outcome), n in sorted(CASES.items()):
+        by_test.setdefault(test, {})[outcome] = n
+    total = sum(CASES.values())
+    bad = sum(n for (_, outcome), n in CASES.items() if outcome in {c.name for c in NEVER})
+    path = Path(tmp_path_factory.getbasetemp()) / "fuzz-grpc.json"
+    path.write_text(json.dumps({"total": total, "internal_or_unknown": bad, "by_test": by_test}, indent=1))
+    print(f"\ngRPC fuzz: {total} calls, {bad} INTERNAL/UNKNOWN; by test and code: {by_test} ({path})")
+
+
+@pytest.fixture(autouse=True)
+def no_blocks_left(service):
+    yield
+    assert_blocks_freed(service, within_s=5.0)
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def call(channel, method: str, payload: bytes, test: str):
+    """(status code, responses) of the call with exactly these request bytes."""
+    if method == GENERATE or method.endswith("/Watch"):
+        rpc = channel.unary_stream(method, request_serializer=_identity, response_deserializer=_identity)
+        try:
+            out = list(rpc(payload, timeout=60))
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            out, code, details = [], e.code(), e.details()
+    else:
+        rpc = channel.unary_unary(method, request_serializer=_identity, response_deserializer=_identity)
+        try:
+            out = [rpc(payload, timeout=60)]
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            out, code, details = [], e.code(), e.details()
+    CASES[(test, code.name)] += 1
+    assert code not in NEVER, f"{method} {payload[:200]!r}: {code} {details}"
+    return code, details, out
+
+
+# -- the oracle ----------------------------------------------------------------
+
+
+def predict_generate(request: pb.GenerateRequest, oracle) -> ApiError | None:
+    model, tokenizer = oracle
+    try:
+        if request.ByteSize() > MAX_BODY:
+            raise ApiError(413, "over the limit")
+        grpc_api.prepare(request, model, tokenizer)
+    except ApiError as e:
+        return e
+    return None
+
+
+def cheap(request: pb.GenerateRequest, oracle) -> pb.GenerateRequest:
+    """The served model's name in; max_tokens CAP when the router would accept it."""
+    if request.model == SERVED:
+        request.model = oracle[0].name
+    if predict_generate(request, oracle) is None:
+        request.sampling.max_tokens = CAP
+    return request
+
+
+def check_generate(channel, request: pb.GenerateRequest, oracle, test: str) -> None:
+    expected = predict_generate(request, oracle)
+    code, details, out = call(channel, GENERATE, request.SerializeToString(), test)
+    if expected is not None:
+        want = grpc_api.status_code(expected)
+        assert code == want, (code, details, expected.message)
+        assert details, code
+        if expected.param:
+            assert expected.param.split(".")[0] in details, (details, expected.param)
+        return
+    assert code == grpc.StatusCode.OK, (code, details)
+    messages = [pb.GenerateResponse.FromString(m) for m in out]
+    assert messages and messages[-1].finished and messages[-1].finish_reason in ("length", "stop"), messages[-1:]
+    assert 1 <= messages[-1].usage.completion_tokens <= CAP
+    assert not any(m.finished for m in messages[:-1])
+
+
+# -- strategies ----------------------------------------------------------------
+
+U32 = 2**32 - 1
+u32 = st.one_of(st.integers(0, 64), st.integers(0, U32), st.sampled_from([0, 1, 4095, 4096, 2**31, U32]))
+u64 = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1]))
+doubles = st.one_of(
+    st.floats(-3, 3), st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0, 1.0, 5e-324, 1e308]),
+)
+texts = st.one_of(
+    st.text(max_size=40),  # protobuf strings are UTF-8: no lone surrogates
+    st.sampled_from(["", "\x00", "\u202eevil\u202c", "שלום", "\U0001f600\u200d", "\ufeff", "<s>", "</s>",
+                     "a" * 3000, "word " * 700, "x" * (MAX_BODY + 10)]),
+)
+token_ids = st.lists(st.one_of(st.integers(0, 4095), st.integers(4090, 4200), u32), max_size=40)
+
+sampling = st.builds(
+    pb.SamplingParams,
+    max_tokens=st.one_of(st.none(), st.integers(0, 8), u32),
+    temperature=st.one_of(st.none(), doubles),
+    top_p=st.one_of(st.none(), doubles),
+    top_k=st.one_of(st.none(), u32),
+    min_p=st.one_of(st.none(), doubles),
+    repetition_penalty=st.one_of(st.none(), doubles),
+    presence_penalty=st.one_of(st.none(), doubles),
+    frequency_penalty=st.one_of(st.none(), doubles),
+    seed=st.one_of(st.none(), u64),
+    stop=st.lists(texts, max_size=3),
+    stop_token_ids=st.lists(u32, max_size=3),
+    ignore_eos=st.booleans(),
+    logprobs=st.one_of(st.none(), st.integers(0, 25), u32),
+    min_tokens=st.one_of(st.integers(0, 4), u32),
+)
+valid_sampling = st.builds(
+    pb.SamplingParams,
+    max_tokens=st.one_of(st.none(), st.integers(1, 8)),
+    temperature=st.one_of(st.none(), st.floats(0, 2)),
+    top_p=st.one_of(st.none(), st.floats(0.01, 1)),
+    top_k=st.one_of(st.none(), u32),
+    seed=st.one_of(st.none(), u64),
+    stop=st.lists(st.text(min_size=1, max_size=4), max_size=2),
+    stop_token_ids=st.lists(st.integers(0, 4095), max_size=3),
+    ignore_eos=st.booleans(),
+    logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    min_tokens=st.integers(0, 3),
+)
+
+
+@st.composite
+def generate_requests(draw):
+    valid = draw(st.booleans())
+    kwargs = {
+        "request_id": draw(texts),
+        "model": draw(st.sampled_from([SERVED, ""]) if valid else st.one_of(st.sampled_from([SERVED, ""]), texts)),
+        "sampling": draw(valid_sampling if valid else sampling),
+    }
+    prompt = draw(st.sampled_from(["text", "token_ids"] if valid else ["text", "token_ids", "none"]))
+    if prompt == "text":
+        kwargs["text"] = draw(st.text(min_size=1, max_size=60) if valid else texts)
+    elif prompt == "token_ids":
+        ids = st.lists(st.integers(0, 4095), min_size=1, max_size=30) if valid else token_ids
+        kwargs["token_ids"] = pb.TokenIds(ids=draw(ids))
+    if not draw(st.integers(0, 9)):
+        del kwargs["sampling"]
+    return pb.GenerateRequest(**kwargs)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+@st.composite
+def wire_messages(draw, depth: int = 0):
+    """Well-framed protobuf wire data: any field number with any wire type and payload."""
+    out = b""
+    for _ in range(draw(st.integers(0, 6))):
+        field = draw(st.one_of(st.integers(1, 15), st.integers(1, 2**29 - 1)))
+        wire = draw(st.sampled_from([0, 1, 2, 5, 3, 4, 6, 7]))
+        out += _varint(field << 3 | wire)
+        if wire == 0:
+            out += _varint(draw(st.integers(0, 2**64 - 1)))
+        elif wire == 1:
+            out += draw(st.binary(min_size=8, max_size=8))
+        elif wire == 5:
+            out += draw(st.binary(min_size=4, max_size=4))
+        elif wire == 2:
+            nested = depth < 3 and draw(st.booleans())
+            payload = draw(wire_messages(depth + 1) if nested else st.binary(max_size=30))
+            out += _varint(len(payload)) + payload
+    return out
+
+
+@st.composite
+def mutated(draw, message):
+    raw = bytearray(draw(message).SerializeToString())
+    for _ in range(draw(st.integers(1, 3))):
+        if not raw:
+            break
+        i = draw(st.integers(0, len(raw) - 1))
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        if op == "flip":
+            raw[i] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del raw[i:]
+        else:
+            raw[i:i] = draw(st.binary(min_size=1, max_size=4))
+    return bytes(raw)
+
+
+garbage = st.one_of(
+    st.binary(max_size=200),
+    wire_messages(),
+    mutated(generate_requests()),
+    st.sampled_from([b"", b"\x00", b"\xff" * 20, b"\x1a\x03\xff\xfe\xfd", b"\x22\x05\x0a\x03\xff\xff\xff",
+                     b"\x0a" + _varint(2**31) + b"x", b"\x2a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+                     b"\x22\x02" * 2000]),
+)
+
+
+# -- the tests -----------------------------------------------------------------
+
+
+@settings(FUZZ, max_examples=600)
+@given(request=generate_requests())
+def test_generate_with_random_messages(channel, oracle, request):
+    check_generate(channel, cheap(request, oracle), oracle, "Generate messages")
+
+
+@settings(FUZZ, max_examples=400)
+@given(payload=garbage)
+def test_generate_with_raw_bytes(channel, oracle, payload):
+    try:
+        request = pb.GenerateRequest.FromString(payload)
+    except Exception:
+        code, details, _ = call(channel, GENERATE, payload, "Generate bytes")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "GenerateRequest" in details, (code, details)
+        return
+    check_generate(channel, cheap(request, oracle), oracle, "Generate bytes")
+
+
+@settings(FUZZ, max_examples=400)
+@given(
+    method=st.sampled_from(sorted(UNARY)),
+    payload=st.one_of(garbage, st.builds(pb.AbortRequest, request_id=texts).map(lambda m: m.SerializeToString())),
+)
+def test_unary_methods_with_raw_bytes(channel, method, payload):
+    try:
+        UNARY[method].FromString(payload)
+        parses = True
+    except Exception:
+        parses = False
+    code, details, out = call(channel, method, payload, method.rsplit("/", 1)[1])
+    if not parses:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        return
+    assert code == grpc.StatusCode.OK, (code, details)
+    if method.endswith("/Abort"):
+        assert not pb.AbortResponse.FromString(out[0]).found  # nothing runs in between examples
+    elif method.endswith("/Check"):
+        assert health_pb2.HealthCheckResponse.FromString(out[0]).status == health_pb2.HealthCheckResponse.SERVING
+    else:
+        assert pb.ModelInfo.FromString(out[0]).max_model_len > 0
+
+
+@settings(FUZZ, max_examples=40)
+@given(
+    method=st.one_of(
+        st.sampled_from(["/grpc.health.v1.Health/Watch", "/tandem.v1.Generation/Nope", "/tandem.v1.Other/Generate"]),
+        st.text(alphabet="abcXYZ./_", min_size=1, max_size=30).map(lambda s: "/" + s),
+    ),
+    payload=st.binary(max_size=20),
+)
+def test_unknown_methods_are_unimplemented(channel, method, payload):
+    code, details, _ = call(channel, method, payload, "unknown methods")
+    assert code == grpc.StatusCode.UNIMPLEMENTED, (method, code, details)
+
+
+def test_still_serving_after_the_fuzz_run(channel):
+    from protos.grpc.health.v1 import health_pb2_grpc
+    from protos.tandem.v1 import generate_pb2_grpc
+
+    assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    stub = generate_pb2_grpc.GenerationStub(channel)
+    request = pb.GenerateRequest(text="still serving", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+    messages = list(stub.Generate(request, timeout=30))
+    assert messages[-1].finished and messages[-1].usage.completion_tokens == 3
+    assert not any(code in {c.name for c in NEVER} for _, code in CASES), CASES

@@ -1,0 +1,491 @@
+"""Fuzzing the HTTP API of a live service with hypothesis.
+
+One service for the module (1 prefill + 1 decode worker, tiny model, a 64 KiB body
+limit). Every route the app serves gets generated requests: random JSON of every type
+in every field of both POST bodies, missing and extra fields, huge, negative and
+non-finite numbers, deep nesting, odd unicode (lone surrogates, RTL marks, emoji, NUL),
+long strings, token-id prompts with out-of-vocabulary ids, raw garbage bodies, wrong
+content types, other methods and paths, and garbage on the raw socket.
+
+The oracle is the router's own validation, run locally on the same bytes
+(``parse_json`` + ``prepare_completion`` / ``prepare_chat`` with the served model's
+limits and tokenizer): a body it rejects must get that status and ``param`` in the
+OpenAI error JSON; a body it accepts must get 200 and a well-formed response (whole or
+SSE). Accepted bodies are made cheap first: their ``max_tokens`` is set to ``CAP``.
+Nothing may ever answer 5xx. The module ends with a normal request and, like every
+test here, with no KV blocks in use. Cases tried per test are printed (``-s``) and
+written to ``fuzz-http.json`` in the session's temp folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+try:  # the HTTP client the installed openai package is built on
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+from router.server import RouterConfig
+from router.validation import ApiError, ServedModel, parse_json, prepare_chat, prepare_completion
+from tests.integration.conftest import running_service
+from tests.integration.test_router_http import assert_blocks_freed
+
+MAX_BODY = 64 * 1024
+CAP = 4  # max_tokens of a body the server will accept
+FUZZ = settings(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+CASES: Counter = Counter()  # (test, outcome) -> requests sent
+SERVED = "<the served model's name>"  # strategies draw this; the tests put in the real name
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_model):
+    with running_service(tiny_model, RouterConfig(max_body_bytes=MAX_BODY), num_kv_blocks=256) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def oracle(service):
+    from engine.tokenizer import Tokenizer
+
+    info = dict(service.model_info)
+    tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
+    return ServedModel(**info), tokenizer
+
+
+@pytest.fixture(scope="module")
+def http(service):
+    with httpx.Client(base_url=service.http_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(tmp_path_factory):
+    yield
+    by_test: dict[str, dict[str, int]] = {}
+    for (test, outcome), n in sorted(CASES.items()):
+        by_test.setdefault(test, {})[outcome] = n
+    total = sum(CASES.values())
+    server_errors = sum(n for (_, outcome), n in CASES.items() if outcome.startswith("5"))
+    path = Path(tmp_path_factory.getbasetemp()) / "fuzz-http.json"
+    path.write_text(json.dumps({"total": total, "5xx": server_errors, "by_test": by_test}, indent=1))
+    print(f"\nHTTP fuzz: {total} requests, {server_errors} answered 5xx; by test and status: {by_test} ({path})")
+
+
+@pytest.fixture(autouse=True)
+def no_blocks_left(service):
+    yield
+    assert_blocks_freed(service, within_s=5.0)
+
+
+# -- strategies ----------------------------------------------------------------
+
+ODD_STRINGS = [
+    "", " ", "\x00", "a\x00b", "\ud800", "x\udfffy", "\ud83d", "\u202eevil\u202c", "שלום עולם", "مرحبا",
+    "\U0001f600\U0001f469\u200d\U0001f4bb", "\ufeff", "\uffff", "\r\n\t\x0b", "<s>", "</s>", "<|im_end|>",
+    "{{ raise_exception('boom') }}", "{% for x in range(99999999) %}x{% endfor %}", "%s%n%x", "' OR 1=1 --",
+    "../../etc/passwd", "a" * 3000, "word " * 700,
+]
+any_text = st.one_of(
+    st.text(alphabet=st.characters(exclude_categories=()), max_size=40),  # surrogates included
+    st.sampled_from(ODD_STRINGS),
+    st.text(max_size=200),
+)
+big_ints = st.sampled_from([2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30, -(10**30), 10**300])
+any_int = st.one_of(st.integers(), big_ints)
+any_float = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, 1e308, -1e308, 5e-324, -0.0]),
+)
+scalars = st.one_of(st.none(), st.booleans(), any_int, any_float, any_text)
+json_values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4), max_leaves=10
+)
+
+
+def either(plausible):
+    """Mostly a plausible value for the field, sometimes any JSON at all."""
+    return st.one_of(plausible, plausible, json_values)
+
+
+token_ids = st.lists(
+    st.one_of(st.integers(0, 4095), st.integers(-5, 5), st.integers(4090, 5000), big_ints), min_size=0, max_size=24
+)
+SAMPLING = {
+    "model": st.sampled_from([SERVED, "no-such-model", ""]),
+    "max_tokens": st.one_of(st.integers(-2, 600), big_ints),
+    "temperature": st.one_of(st.floats(-1, 3), any_float),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), any_float),
+    "top_k": st.one_of(st.integers(-2, 5000), big_ints),
+    "min_p": st.floats(-0.5, 1.5),
+    "repetition_penalty": st.floats(-1, 3),
+    "presence_penalty": st.floats(-3, 3),
+    "frequency_penalty": st.floats(-3, 3),
+    "seed": any_int,
+    "stop": st.one_of(any_text, st.lists(any_text, max_size=3)),
+    "stop_token_ids": token_ids,
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.one_of(st.integers(-1, 10), big_ints),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "n": st.integers(0, 3),
+    "best_of": st.integers(0, 3),
+    "logit_bias": st.dictionaries(any_text, any_float, max_size=2),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "user": any_text,
+}
+COMPLETION = {
+    **SAMPLING,
+    "prompt": st.one_of(any_text, token_ids, st.lists(any_text, max_size=2), st.lists(token_ids, max_size=2)),
+    "logprobs": st.integers(-2, 25),
+    "echo": st.booleans(),
+    "suffix": any_text,
+}
+part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": any_text})
+message = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "root", ""]),
+        "content": st.one_of(st.none(), any_text, st.lists(part, max_size=3)),
+        "name": any_text,
+    },
+)
+CHAT = {
+    **SAMPLING,
+    "messages": st.lists(message, max_size=4),
+    "max_completion_tokens": st.one_of(st.integers(-2, 600), big_ints),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(-2, 25),
+    "tools": st.lists(json_values, max_size=2),
+    "response_format": st.one_of(st.just({"type": "text"}), st.dictionaries(any_text, json_values, max_size=2)),
+}
+
+
+VALID_SAMPLING = {
+    "model": st.just(SERVED),
+    "max_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.one_of(st.integers(0, 100), big_ints.filter(lambda n: n > 0)),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "seed": st.integers(0, 2**70),
+    "stop": st.lists(st.text(min_size=1, max_size=5), max_size=2),
+    "stop_token_ids": st.lists(st.integers(0, 4095), max_size=3),
+    "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 3),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "n": st.just(1),
+    "stream": st.booleans(),
+    "user": st.text(max_size=10),
+}
+VALID_COMPLETION = {
+    **VALID_SAMPLING,
+    "prompt": st.one_of(
+        st.text(min_size=1, max_size=80), st.lists(st.integers(0, 4095), min_size=1, max_size=30),
+        st.text(min_size=1, max_size=20).map(lambda t: [t]),
+    ),
+    "logprobs": st.integers(0, 5),
+}
+text_part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
+VALID_CHAT = {
+    **VALID_SAMPLING,
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                               "content": st.one_of(st.text(max_size=40), st.lists(text_part, max_size=2))}),
+        min_size=1, max_size=3,
+    ),
+    "max_completion_tokens": st.integers(1, 8),
+    "logprobs": st.booleans(),
+    "response_format": st.just({"type": "text"}),
+}
+
+
+@st.composite
+def bodies(draw, fields: dict, valid: dict, required: str):
+    """A dict body: all valid fields, all valid but one, or chaos; sometimes extra keys."""
+    mode = draw(st.sampled_from(["valid", "one off", "one off", "chaos"]))
+    if mode == "chaos":
+        others = {k: either(v) for k, v in fields.items() if k != required}
+        body = draw(st.fixed_dictionaries({}, optional={required: either(fields[required]), **others}))
+    else:
+        others = {k: v for k, v in valid.items() if k != required}
+        body = draw(st.fixed_dictionaries({required: valid[required]}, optional=others))
+        if mode == "one off":
+            name = draw(st.sampled_from(sorted(fields)))
+            how = draw(st.sampled_from(["plausible", "plausible", "any JSON", "missing"]))
+            if how == "missing":
+                body.pop(name, None)
+            else:
+                body[name] = draw(fields[name] if how == "plausible" else json_values)
+    extra = draw(st.one_of(st.just({}), st.dictionaries(any_text, json_values, max_size=2)))
+    return {**extra, **body}
+
+
+content_types = st.sampled_from([
+    "application/json", "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x", "application/octet-stream", "", "garbage/\tx;;=", None,
+])
+
+
+# -- the oracle ----------------------------------------------------------------
+
+
+def predict(raw: bytes, chat: bool, oracle) -> ApiError | None:
+    """What the router's validation says of these bytes: the ApiError, or None (accepted)."""
+    model, tokenizer = oracle
+    prepare = prepare_chat if chat else prepare_completion
+    try:
+        prepare(parse_json(raw, MAX_BODY), model, tokenizer)
+    except ApiError as e:
+        return e
+    return None
+
+
+def cheap(body: dict, chat: bool, oracle) -> dict:
+    """The body with the served model's name in, and max_tokens CAP if the server would accept it."""
+    if isinstance(body, dict) and body.get("model") == SERVED:
+        body = {**body, "model": oracle[0].name}
+    if isinstance(body, dict) and predict(_dumps(body), chat, oracle) is None:
+        body = dict(body)
+        if chat and "max_completion_tokens" in body:
+            body["max_completion_tokens"] = CAP
+        else:
+            body["max_tokens"] = CAP
+    return body
+
+
+def _dumps(body) -> bytes:
+    return json.dumps(body).encode()  # ASCII: NaN, Infinity and \\ud800 escapes as a client may send them
+
+
+def nesting(raw: bytes) -> int:
+    """How deep the brackets in ``raw`` nest, outside strings (for JSON-ish bytes)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            escaped, in_string = (not escaped and byte == 0x5C), in_string and (escaped or byte != 0x22)
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
+
+
+def check_response(r, expected: ApiError | None, stream: bool, test: str, raw: bytes = b"") -> None:
+    CASES[(test, str(r.status_code))] += 1
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if r.status_code == 400 and "nested too deeply" in r.text and nesting(raw) > 200:
+        return  # where json's recursion limit bites depends on the stack under the parser
+    if expected is not None:
+        assert r.status_code == expected.status, (r.status_code, r.text[:300], expected.message)
+        error = r.json()["error"]
+        assert error["message"] and error["type"], error
+        assert error["param"] == expected.param, (error, expected.param)
+        return
+    assert r.status_code == 200, r.text[:500]
+    if not stream:
+        out = r.json()
+        assert out["choices"] and out["usage"]["completion_tokens"] <= CAP, out
+        return
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks and not any("error" in c for c in chunks), chunks[-3:]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    assert finishes[-1] in ("length", "stop"), finishes
+
+
+def post(http, path: str, raw: bytes, content_type: str | None):
+    headers = {} if content_type is None else {"content-type": content_type}
+    return http.post(path, content=raw, headers=headers)
+
+
+# -- the tests -----------------------------------------------------------------
+
+
+@settings(FUZZ, max_examples=500)
+@given(body=bodies(COMPLETION, VALID_COMPLETION, "prompt"), content_type=content_types)
+def test_completions_bodies(http, oracle, body, content_type):
+    body = cheap(body, chat=False, oracle=oracle)
+    raw = _dumps(body)
+    r = post(http, "/v1/completions", raw, content_type)
+    check_response(r, predict(raw, False, oracle), body.get("stream") is True, "completions")
+
+
+@settings(FUZZ, max_examples=500)
+@given(body=bodies(CHAT, VALID_CHAT, "messages"), content_type=content_types)
+def test_chat_completions_bodies(http, oracle, body, content_type):
+    body = cheap(body, chat=True, oracle=oracle)
+    raw = _dumps(body)
+    r = post(http, "/v1/chat/completions", raw, content_type)
+    check_response(r, predict(raw, True, oracle), body.get("stream") is True, "chat")
+
+
+def _nested(depth: int, opener: str) -> bytes:
+    if opener == "[":
+        return b"[" * depth + b"]" * depth
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
+raw_bodies = st.one_of(
+    st.binary(max_size=300),
+    st.text(alphabet=st.characters(exclude_categories=()), max_size=100).map(
+        lambda s: s.encode("utf-8", "surrogatepass")),
+    json_values.map(_dumps),  # any JSON, mostly not an object
+    st.tuples(st.integers(1, 40_000), st.sampled_from(["[", "{"])).map(lambda t: _nested(*t)),
+    st.integers(4290, 6000).map(lambda n: b'{"prompt": "x", "max_tokens": ' + b"7" * n + b"}"),
+    st.integers(MAX_BODY - 64, MAX_BODY + 64).map(lambda n: b'{"prompt": "' + b"y" * n + b'"}'),
+    st.sampled_from([b"", b"null", b"{}", b"[]", b'"x"', b"NaN", b"{'prompt': 'single quotes'}", b'{"prompt": "x"',
+                     b'\xef\xbb\xbf{"prompt": "bom"}', b'{"prompt": "x", "prompt": [1, 2]}', b"\xff\xfe{\x00}\x00"]),
+)
+
+
+@st.composite
+def mutated_valid_body(draw):
+    """A valid body's JSON with a few bytes changed, cut short or repeated."""
+    chat = draw(st.booleans())
+    body = ({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": CAP} if chat
+            else {"prompt": "hello there", "max_tokens": CAP, "temperature": 0.5})
+    raw = bytearray(_dumps(body))
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, len(raw) - 1))
+        op = draw(st.sampled_from(["flip", "cut", "dup", "insert"]))
+        if op == "flip":
+            raw[i] = draw(st.integers(0, 255))
+        elif op == "cut":
+            del raw[i:]
+            if not raw:
+                break
+        elif op == "dup":
+            raw[i:i] = raw[i:i + draw(st.integers(1, 8))]
+        else:
+            raw[i:i] = draw(st.binary(min_size=1, max_size=4))
+    return chat, bytes(raw)
+
+
+@settings(FUZZ, max_examples=350)
+@given(case=st.one_of(st.tuples(st.booleans(), raw_bodies), mutated_valid_body()), content_type=content_types)
+def test_raw_garbage_bodies(http, oracle, case, content_type):
+    chat, raw = case
+    expected = predict(raw, chat, oracle)
+    if expected is None:  # a mutation that still parses: keep it cheap
+        body = cheap(json.loads(raw), chat, oracle)
+        raw = _dumps(body)
+        expected = predict(raw, chat, oracle)
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", raw, content_type)
+    stream = expected is None and json.loads(raw).get("stream") is True
+    check_response(r, expected, stream, "raw bodies", raw)
+
+
+ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/openapi.json"),
+          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
+paths = st.one_of(
+    st.sampled_from(sorted({p for _, p in ROUTES} | {"/", "/v1", "/v1/", "/v1/models/x", "/docs", "/redoc",
+                                                    "/v1/completions/../models", "/%2e%2e/%2e%2e/etc/passwd",
+                                                    "/v1/models?x=1&x=2", "/health#frag", "//v1//models"})),
+    st.text(alphabet="abc/%.?&=#-_~", max_size=30).map(lambda s: "/" + s),
+)
+header_values = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF, exclude_characters="\x7f"),
+                        max_size=60)
+
+
+def test_the_app_serves_exactly_the_fuzzed_routes(http):
+    """Every route the live app has (its OpenAPI document lists them) is fuzzed here."""
+    doc = http.get("/openapi.json").json()
+    served = {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops} | {("GET", "/openapi.json")}
+    assert served == ROUTES, f"new routes to fuzz: {served - ROUTES}; gone: {ROUTES - served}"
+
+
+@settings(FUZZ, max_examples=250)
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE"]),
+    path=paths,
+    params=st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3),
+    headers=st.dictionaries(
+        st.sampled_from(["authorization", "content-type", "accept", "x-api-key", "content-encoding",
+                         "x-forwarded-for"]),
+        header_values, max_size=3),
+    body=st.one_of(st.just(b""), st.binary(max_size=100), json_values.map(_dumps)),
+)
+def test_any_method_path_query_and_headers(http, method, path, params, headers, body):
+    try:
+        headers = {k: v.strip(" \t").encode("latin-1") for k, v in headers.items()}  # h11 sends no edge spaces
+        request = http.build_request(method, path, params=params, headers=headers, content=body)
+    except (httpx.InvalidURL, ValueError, UnicodeError):  # the client won't send it
+        return
+    if (method, request.url.path) in {("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}:
+        body_ok = False
+        try:
+            body_ok = isinstance(json.loads(body), dict)
+        except ValueError:
+            pass
+        if body_ok:
+            return  # the body tests cover these (and a valid one may be expensive)
+    try:
+        r = http.send(request)
+    except httpx.LocalProtocolError:  # the client won't send it
+        return
+    CASES[("method/path/headers", str(r.status_code))] += 1
+    assert r.status_code < 500, f"{method} {request.url}: {r.status_code} {r.text[:300]}"
+    if (method, request.url.path) in ROUTES and method == "GET":
+        assert r.status_code == 200, (request.url, r.text[:200])
+    elif r.status_code >= 400 and method != "HEAD":
+        assert r.json()["error"]["message"], r.text
+
+
+@settings(FUZZ, max_examples=100)
+@given(
+    head=st.one_of(
+        st.binary(min_size=1, max_size=200),
+        st.sampled_from([b"GET / HTTP/1.1\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: -5\r\n\r\n{}", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
+                         b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X: " + b"a" * 20000 + b"\r\n\r\n",
+                         b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"]),  # a TLS ClientHello on the plain port
+        st.binary(max_size=100).map(lambda b: b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b + b"\r\n\r\n"),
+    ),
+)
+def test_garbage_on_the_raw_socket(service, head):
+    host, port = service.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(head)
+            sock.shutdown(socket.SHUT_WR)
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except (ConnectionResetError, BrokenPipeError, TimeoutError):
+            reply = b""
+    status = reply.split(b" ", 2)[1].decode() if reply.startswith(b"HTTP/") else "closed"
+    CASES[("raw socket", status)] += 1
+    assert not status.startswith("5"), reply[:300]
+
+
+def test_still_serving_after_the_fuzz_run(http):
+    r = http.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert http.get("/health").status_code == 200
+    assert not any(outcome.startswith("5") for _, outcome in CASES), CASES
