@@ -115,17 +115,19 @@ class DecodeWorker(WorkerBase):
         return {**await super().ready(), "layout": self.layout}
 
     async def load(self) -> DecodeLoad:
-        with self.runtime.lock:
-            s = self.engine.scheduler
-            pool = self.engine.kv_manager.pool
-            return DecodeLoad(
-                worker_id=self.worker_id,
-                free_blocks=pool.num_free_blocks,
-                total_blocks=pool.num_usable_blocks,
-                running=len(s.running),
-                waiting=s.num_waiting + len(s.swapped),
-                waiting_for_kv=len(s.remote),
-            )
+        return await self.runtime.call(self._load)
+
+    def _load(self) -> DecodeLoad:
+        s = self.engine.scheduler
+        pool = self.engine.kv_manager.pool
+        return DecodeLoad(
+            worker_id=self.worker_id,
+            free_blocks=pool.num_free_blocks,
+            total_blocks=pool.num_usable_blocks,
+            running=len(s.running),
+            waiting=s.num_waiting + len(s.swapped),
+            waiting_for_kv=len(s.remote),
+        )
 
     async def stats(self) -> dict:
         return {**await super().stats(), "transfer_failures": self.num_transfer_failures}
@@ -137,15 +139,16 @@ class DecodeWorker(WorkerBase):
     ) -> Reservation | None:
         """Reserve blocks for the prompt's KV; None when this worker has no room now."""
         self.runtime.open_stream(request_id)
-        with self.runtime.lock:
-            blocks = self.engine.add_remote_request(prompt_token_ids, params, request_id=request_id)
+        return await self.runtime.call(self._reserve, request_id, prompt_token_ids, params)
+
+    def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation | None:
+        blocks = self.engine.add_remote_request(prompt_token_ids, params, request_id=request_id)
         if blocks is None:
-            self.runtime.abort(request_id)
+            self.runtime.abort_now(request_id)
             return None
         deadline = time.time() + self.transfer.timeout_s
         self._deadlines[request_id] = deadline
-        rank = self.backend.rank
-        return Reservation(request_id, blocks, self.layout, rank, deadline)
+        return Reservation(request_id, blocks, self.layout, self.backend.rank, deadline)
 
     async def receive_kv(
         self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0
@@ -166,37 +169,38 @@ class DecodeWorker(WorkerBase):
             reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
             self.backend.stats.failures[reason] += 1
             self.metrics.on_transfer_failure(reason)
-            self.transfer_failed(rid)
+            await self.runtime.call(self._transfer_failed, rid)
             return int(TransferState.FAILED)
-        with self.runtime.lock:
-            self._deadlines.pop(rid, None)
-            out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs, num_cached_tokens)
-            # Deliver under the lock: the step thread's next output must queue after this one.
-            if out is not None:
-                self.runtime.deliver(out)
+        await self.runtime.call(self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens)
         self.backend.recycle(k, v)
-        self.runtime.wake()
         return int(TransferState.DONE)
 
-    def transfer_failed(self, request_id: str) -> None:
-        """The KV will not come (the sender said so, or the deadline passed)."""
-        recompute = self.transfer.failure_policy == "recompute"
-        with self.runtime.lock:
-            self._deadlines.pop(request_id, None)
-            if request_id not in self.engine.scheduler.remote:
-                return
-            self.num_transfer_failures += 1
-            out = self.engine.remote_kv_failed(request_id, recompute)
-            if out is not None:
-                self.runtime.deliver(out)
-        self.runtime.wake()
+    def _kv_arrived(self, rid: str, first_token: int, k, v, first_logprobs, num_cached_tokens: int) -> None:
+        self._deadlines.pop(rid, None)
+        out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs, num_cached_tokens)
+        if out is not None:
+            self.runtime.deliver(out)
+
+    async def transfer_failed(self, request_id: str) -> None:
+        """The KV will not come (the sender or the router says so)."""
+        await self.runtime.call(self._transfer_failed, request_id)
+
+    def _transfer_failed(self, request_id: str) -> None:
+        """On the step thread: recompute the prompt here, or fail the request."""
+        self._deadlines.pop(request_id, None)
+        if request_id not in self.engine.scheduler.remote:
+            return
+        self.num_transfer_failures += 1
+        out = self.engine.remote_kv_failed(request_id, self.transfer.failure_policy == "recompute")
+        if out is not None:
+            self.runtime.deliver(out)
 
     def _expire_reservations(self, now: float) -> None:
         expired = [rid for rid, d in self._deadlines.items() if d < now]
         for rid in expired:
             self.backend.stats.failures["timeout"] += 1
             self.metrics.on_transfer_failure("timeout")
-            self.transfer_failed(rid)
+            self._transfer_failed(rid)
 
     # -- streaming -------------------------------------------------------------
 
@@ -219,7 +223,7 @@ class DecodeWorker(WorkerBase):
             yield delta
 
     async def abort(self, request_id: str) -> None:
-        self._deadlines.pop(request_id, None)
+        self.runtime.submit(self._deadlines.pop, request_id, None)  # on the step thread, like the rest
         await super().abort(request_id)
 
 

@@ -1,7 +1,12 @@
 """Drives an ``LLMEngine`` from a background thread for asyncio callers (the workers).
 
-The engine is not thread-safe: every call into it holds ``lock``. The step thread
-runs ``engine.step()`` while there is schedulable work and sleeps otherwise. Each
+The engine is not thread-safe, and only the step thread touches it. Asyncio callers
+hand it work with ``await call(fn, ...)`` (or ``submit`` when they cannot wait): the
+step thread runs queued calls between steps, so a caller waits at most one step and
+the event loop never blocks on the engine. (A lock the event loop took itself would
+stall the loop for whole steps, and the step thread, re-taking it at once, would
+starve it, holding back every token the worker streams.) The step thread runs
+``engine.step()`` while there is schedulable work and sleeps otherwise. Each
 request's outputs go to its ``RequestStream``; a consumer that falls behind gets the
 pending outputs merged into one delta, so a slow reader costs one message per read,
 not one per token.
@@ -15,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from engine.llm_engine import LLMEngine, RequestOutput
 
@@ -60,7 +67,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05, metrics=None) -> None:
         self.engine = engine
         self.metrics = metrics  # an ``engine.metrics.EngineMetrics``, or None
-        self.lock = threading.RLock()
+        self._calls: deque[tuple[Callable, tuple, dict, asyncio.Future | None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -81,8 +88,31 @@ class AsyncEngine:
         self._wake.set()
 
     def add_periodic(self, fn: Callable[[float], None]) -> None:
-        """Run ``fn(now)`` under the lock on every loop turn (deadlines, leases)."""
+        """Run ``fn(now)`` on the step thread on every loop turn (deadlines, leases)."""
         self._periodic.append(fn)
+
+    async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run ``fn(*args, **kwargs)`` on the step thread between steps; its result."""
+        self.start()
+        future = self._loop.create_future()
+        self._calls.append((fn, args, kwargs, future))
+        self._wake.set()
+        return await future
+
+    def submit(self, fn: Callable[..., Any], *args, **kwargs) -> None:
+        """Queue ``fn`` for the step thread without waiting (from ``finally`` blocks)."""
+        self._calls.append((fn, args, kwargs, None))
+        self._wake.set()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, args, kwargs, future = self._calls.popleft()
+            try:
+                result, error = fn(*args, **kwargs), None
+            except BaseException as e:  # handed to the caller, never raised here
+                result, error = None, e
+            if future is not None:
+                self._loop.call_soon_threadsafe(_settle, future, result, error)
 
     def wake(self) -> None:
         self._wake.set()
@@ -114,12 +144,13 @@ class AsyncEngine:
         """Add a request and yield its (merged) outputs until it finishes; aborts on exit."""
         stream = self.open_stream(request_id)
         try:
-            with self.lock:
-                self.engine.add_request(prompt, params, request_id=request_id, **kwargs)
+            await self.call(self.engine.add_request, prompt, params, request_id=request_id, **kwargs)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the add still runs on the step thread: undo it
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
-        self._wake.set()
         async for out in self.follow(request_id, stream):
             yield out
 
@@ -133,11 +164,13 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort the request; its stream, if anyone still reads it, ends with "abort"."""
-        with self.lock:
-            outputs = self.engine.abort(request_id)
-            for out in outputs:
-                self.deliver(out)
+        """Abort the request (on the step thread, soon); a reader of its stream gets "abort"."""
+        self.submit(self.abort_now, request_id)
+
+    def abort_now(self, request_id: str) -> None:
+        """``abort`` for code already on the step thread (periodic functions, calls)."""
+        for out in self.engine.abort(request_id):
+            self.deliver(out)
         self._streams.pop(request_id, None)
 
     # -- the step thread -------------------------------------------------------
@@ -151,21 +184,30 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self.lock:
-                now = time.time()
-                for fn in self._periodic:
-                    fn(now)
-                busy = self.engine.scheduler.has_schedulable_work()
-                if busy:
-                    try:
-                        outputs = self.engine.step()
-                    except Exception as e:  # a broken step must not hang the streams
-                        self._fail_all(e)
-                        continue
-                    for out in outputs:
-                        self.deliver(out)
-                    if self.metrics is not None:
-                        self.metrics.on_step(self.engine.stats())
-            if not busy:
+            self._run_calls()
+            now = time.time()
+            for fn in self._periodic:
+                fn(now)
+            busy = self.engine.scheduler.has_schedulable_work()
+            if busy:
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a broken step must not hang the streams
+                    self._fail_all(e)
+                    continue
+                for out in outputs:
+                    self.deliver(out)
+                if self.metrics is not None:
+                    self.metrics.on_step(self.engine.stats())
+            elif not self._calls:
                 self._wake.wait(self._idle_poll_s)
                 self._wake.clear()
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # the caller went away; the call itself has run
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

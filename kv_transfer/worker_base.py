@@ -47,8 +47,7 @@ class WorkerBase:
         return rank
 
     async def stats(self) -> dict:
-        with self.runtime.lock:
-            stats = self.engine.stats().__dict__
+        stats = (await self.runtime.call(self.engine.stats)).__dict__
         stats["transfer"] = self.backend.stats.as_dict()
         return stats
 

@@ -64,18 +64,20 @@ class PrefillWorker(WorkerBase):
         self._transfer_ids = itertools.count()
 
     async def load(self) -> PrefillLoad:
-        with self.runtime.lock:
-            s = self.engine.scheduler
-            queued = sum(r.num_tokens - r.num_computed_tokens for r in s.requests.values())
-            stats = self.engine.kv_manager.stats
-            return PrefillLoad(
-                worker_id=self.worker_id,
-                queued_prefill_tokens=queued,
-                running_chunks=len(s.running),
-                waiting=s.num_waiting,
-                prefix_cache_queries=stats.queries,
-                prefix_cache_hits=stats.hits,
-            )
+        return await self.runtime.call(self._load)
+
+    def _load(self) -> PrefillLoad:
+        s = self.engine.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.requests.values())
+        stats = self.engine.kv_manager.stats
+        return PrefillLoad(
+            worker_id=self.worker_id,
+            queued_prefill_tokens=queued,
+            running_chunks=len(s.running),
+            waiting=s.num_waiting,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+        )
 
     async def prefill(
         self,

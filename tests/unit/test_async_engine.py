@@ -72,3 +72,34 @@ def test_a_failing_step_ends_every_stream_with_the_error(engine, monkeypatch):
     runtime.shutdown()
     monkeypatch.undo()
     assert not engine.scheduler.requests and engine.stats().num_blocks_in_use == 0
+
+
+def test_engine_calls_from_the_event_loop_do_not_hold_back_streamed_tokens(engine):
+    """A worker's load is polled often; that must not stall its event loop, or the
+    tokens of many steps reach the client together."""
+    runtime = AsyncEngine(engine)
+    n = 48
+
+    async def main():
+        polling = True
+
+        async def poll():  # like the router's load poll, only far more often
+            while polling:
+                await runtime.call(engine.stats)
+                await asyncio.sleep(0.002)
+
+        poller = asyncio.create_task(poll())
+        async def one(i):
+            return [len(out.new_token_ids) async for out in runtime.generate([11 + i] * 400, _params(n), f"p{i}")]
+
+        per = await asyncio.gather(*(one(i) for i in range(6)))
+        sizes = [s for p in per for s in p]
+        polling = False
+        await poller
+        return sizes
+
+    sizes = asyncio.run(main())
+    runtime.shutdown()
+    assert sum(sizes) == 6 * n
+    assert sum(s == 1 for s in sizes) >= 3 * n, f"tokens arrived in clumps: {sizes}"
+    assert engine.stats().num_blocks_in_use == 0
