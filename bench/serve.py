@@ -59,7 +59,7 @@ from bench.workloads import BenchRequest
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
 SLO_KEYS = ("ttft", "tpot", "e2e")
 LAUNCH_FLAGS = (
-    "config", "prefill_workers", "decode_workers", "num_kv_blocks", "kv_transfer_backend", "engine",
+    "config", "prefill_workers", "decode_workers", "num_kv_blocks", "kv_transfer_backend", "engine", "stream_interval_s",
     "max_outstanding_requests", "max_outstanding_prompt_tokens", "placement", "num_cpus",
 )
 WARMUP_PROMPT_TOKENS = 16
@@ -658,6 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
     launch.add_argument("--decode-workers", type=int, default=None)
     launch.add_argument("--num-kv-blocks", type=int, default=None)
+    launch.add_argument("--stream-interval-s", type=float, default=None, help="see tandem up --help")
     launch.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "inprocess"])
     launch.add_argument("--engine", type=_engine_item, action="append", default=[], metavar="KEY=VALUE",
                         help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")

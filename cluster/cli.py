@@ -52,6 +52,8 @@ def _cluster_config(args: argparse.Namespace):
         overrides["transfer"] = {"backend": args.kv_transfer_backend}
     if args.num_kv_blocks is not None:
         overrides["engine"] = {"num_kv_blocks": args.num_kv_blocks}
+    if getattr(args, "stream_interval_s", None) is not None:
+        overrides["stream_interval_s"] = args.stream_interval_s
     if args.config:
         import yaml
         from pathlib import Path
@@ -216,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-workers", type=int, default=None)
     up.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "inprocess"])
     up.add_argument("--num-kv-blocks", type=int, default=None)
+    up.add_argument(
+        "--stream-interval-s", type=float, default=None,
+        help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
+    )
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)

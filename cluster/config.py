@@ -10,6 +10,7 @@ Example YAML::
     transfer: {backend: collective, timeout_s: 30, failure_policy: recompute}
     engine: {dtype: bfloat16, max_num_batched_tokens: 4096}   # both roles
     decode_engine: {kv_cache_memory: 40000000000}            # one role only
+    stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class ClusterConfig:
     prefill_engine: dict = field(default_factory=dict)
     decode_engine: dict = field(default_factory=dict)
     torch_threads: int = 1
+    # The least time between two messages of one request's stream; tokens produced
+    # meanwhile go out together. Each message costs the worker about a millisecond of
+    # CPU (serialising, Ray), which on a few cores competes with the engine.
+    stream_interval_s: float = 0.0
     placement_strategy: str = "PACK"
     health_check_s: float = 1.0
     restart_workers: bool = True
@@ -66,6 +71,8 @@ class ClusterConfig:
             raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        if not 0 <= self.stream_interval_s <= 10:
+            raise ValueError(f"stream_interval_s must be in [0, 10] seconds, got {self.stream_interval_s}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be a Ray strategy, got {self.placement_strategy!r}")
         # Build both engine configs now so that bad settings fail here, not in an actor.

@@ -134,6 +134,7 @@ class TandemCluster:
         resources: Resources = cfg.prefill_resources if slot.role == "prefill" else cfg.decode_resources
         worker_id = f"{slot.role}-{slot.index}"
         name = f"{cfg.name}-{worker_id}-{next(self._names)}"
+        extra = {} if slot.role == "prefill" else {"stream_interval_s": cfg.stream_interval_s}
         handle = (
             ray.remote(cls)
             .options(
@@ -152,6 +153,7 @@ class TandemCluster:
                 cfg.engine_config("prefill" if slot.role == "prefill" else "decode"),
                 cfg.transfer,
                 cfg.torch_threads,
+                **extra,
             )
         )
         return WorkerRef(worker_id, handle)

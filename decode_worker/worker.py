@@ -102,8 +102,10 @@ class DecodeWorker(WorkerBase):
         engine_config: EngineConfig,
         transfer: TransferConfig,
         torch_threads: int = 1,
+        stream_interval_s: float = 0.0,
     ) -> None:
         super().__init__(worker_id, engine_config, transfer, torch_threads)
+        self.stream_interval_s = stream_interval_s
         self.layout = kv_layout(self.engine)
         self.runtime.add_periodic(self._expire_reservations)
         self._deadlines: dict[str, float] = {}
@@ -221,6 +223,9 @@ class DecodeWorker(WorkerBase):
             delta = StreamDelta.from_output(out, sent_lps)
             sent_lps += len(delta.logprobs or ())
             yield delta
+            if self.stream_interval_s and not out.finished:
+                # Tokens of the steps meanwhile merge in the stream into the next message.
+                await asyncio.sleep(self.stream_interval_s)
 
     async def abort(self, request_id: str) -> None:
         self.runtime.submit(self._deadlines.pop, request_id, None)  # on the step thread, like the rest

@@ -253,3 +253,24 @@ def test_injected_transfer_failures_reach_the_metrics(ray_cluster, tiny_model, r
         _assert_no_blocks_in_use(cluster)
     finally:
         cluster.shutdown()
+
+
+def test_stream_interval_sends_fewer_messages_with_the_same_tokens(ray_cluster, tiny_model, reference):
+    prompts, lengths, want = reference
+    cfg = ClusterConfig.from_dict(
+        {"model": tiny_model, "prefill_workers": 0, "decode_workers": 1, "engine": {"num_kv_blocks": 512},
+         "restart_workers": False, "stream_interval_s": 0.1}
+    )
+    cluster = TandemCluster(cfg).start()
+
+    async def deltas(prompt, n):
+        return [d async for d in cluster.dispatcher.generate(prompt, _params(n))]
+
+    try:
+        i = max(range(len(lengths)), key=lambda j: lengths[j])  # the longest output
+        got = asyncio.run(deltas(prompts[i], lengths[i]))
+        assert [t for d in got for t in d.token_ids] == want[i]
+        assert len(got) < lengths[i] / 2, f"{len(got)} messages for {lengths[i]} tokens"
+        _assert_no_blocks_in_use(cluster)
+    finally:
+        cluster.shutdown()
