@@ -80,6 +80,8 @@ class CollectiveBackend(KVTransferBackend):
         self._generation = -1
         self._assigned: dict[int, int] = defaultdict(int)  # dst rank -> next seq to hand out
         self._done: dict[tuple[str, int], int] = defaultdict(int)  # (send|recv, peer) -> next seq
+        self._active = 0  # operations running on the current group
+        self._regrouping = False
         self._staging = StagingPool()
 
     @property
@@ -87,7 +89,22 @@ class CollectiveBackend(KVTransferBackend):
         return self.member.rank
 
     def join(self, world_size: int, rank: int, generation: int) -> None:
-        self.member.join(world_size, rank, generation)
+        """Rebuild the group once the operations on the old one are done (or timed out).
+
+        Meanwhile no operation may start: one that started on the new group with a
+        peer rank of the old would exchange another request's KV with whoever holds
+        that rank now.
+        """
+        with self._turn:
+            self._regrouping = True
+            self._turn.notify_all()  # waiting transfers give up
+            self._turn.wait_for(lambda: self._active == 0, timeout=self.member.op_timeout_ms / 1000 + 5)
+        try:
+            self.member.join(world_size, rank, generation)
+        finally:
+            with self._turn:
+                self._regrouping = False
+                self._turn.notify_all()
 
     def _reset_if_regrouped(self) -> None:
         if self._generation != self.member.generation:
@@ -109,16 +126,23 @@ class CollectiveBackend(KVTransferBackend):
         key = (direction, peer)
         with self._turn:
             self._reset_if_regrouped()
-            if payload["generation"] != self.member.generation:
+            current = lambda: payload["generation"] == self.member.generation and not self._regrouping  # noqa: E731
+            if not current():
                 raise TransferError("group_changed", "the transfer group was rebuilt mid-transfer")
-            self._turn.wait_for(lambda: self._done[key] >= payload["seq"])
+            self._turn.wait_for(lambda: self._done[key] >= payload["seq"] or not current())
+            # Checked again after the wait: the group may have been rebuilt meanwhile.
+            if not current():
+                raise TransferError("group_changed", "the transfer group was rebuilt mid-transfer")
+            self._active += 1
         # The operation itself runs unlocked: transfers with other peers go on meanwhile
         # (one lock over all of them could deadlock prefill and decode workers in a ring).
         try:
             op()
         finally:
             with self._turn:
-                self._done[key] = payload["seq"] + 1
+                self._active -= 1
+                if self._generation == payload["generation"]:  # not a newer group's counters
+                    self._done[key] = payload["seq"] + 1
                 self._turn.notify_all()
 
     def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: dict) -> None:

@@ -290,11 +290,15 @@ def test_router_replica_restarted(service, tiny_model, workload):
 # ------------------------------------------------------------------ transfers
 
 
-@pytest.fixture
-def slow_transfer_service(services):
-    """Each KV receive waits 0.3 s first: there is always a transfer in flight to break."""
-    transfer = {"backend": "object_store", "faults": {"delay_s": 0.3}}
-    return services.get("slow transfers", **{**KILL_SETTINGS, "transfer": transfer})
+@pytest.fixture(params=["object_store", "collective"])
+def slow_transfer_service(services, request):
+    """Each KV receive waits 0.3 s first: there is always a transfer in flight to break.
+
+    Over gloo a dead peer leaves its half of a send/recv waiting: short deadlines let the
+    survivors give up (and the group be rebuilt) within the test's patience.
+    """
+    transfer = {"backend": request.param, "faults": {"delay_s": 0.3}, "timeout_s": 5, "op_timeout_s": 10}
+    return services.get(f"slow {request.param} transfers", **{**KILL_SETTINGS, "transfer": transfer})
 
 
 async def _kill_mid_transfer(svc, progress, role: str) -> None:
