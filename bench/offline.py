@@ -7,7 +7,7 @@ same number of useful tokens. Measured in one run:
 * ``tandem``: ``LLM.generate`` over all requests (continuous batching);
 * ``hf_static``: transformers ``generate`` in static batches (left padding); a batch
   runs until its longest request is done, and only requested tokens count;
-* ``hf_continuous``: transformers' own ``generate_batch``, when installed and asked for;
+* ``hf_continuous``: transformers' own continuous batching (``init_continuous_batching``), when installed and asked for;
 * ``schedule_us``: the mean cost of one ``Scheduler.schedule()`` with N requests running.
 
 Writes JSON with the throughputs and their ratios.
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--hf-continuous", action="store_true", help="also time transformers' generate_batch")
+    ap.add_argument("--hf-continuous", action="store_true", help="also time transformers' continuous batching")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench-results/offline.json")
     args = ap.parse_args(argv)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         result["greedy_outputs_identical_to_hf"] = f"{same}/{args.num_requests}"
         print(f"  ratio {result['ratio_vs_hf_static']:.2f}x; identical outputs {same}/{args.num_requests}")
     if args.hf_continuous:
-        print("hf generate_batch ...", flush=True)
+        print("hf continuous batching ...", flush=True)
         hfc = run_hf_continuous(model_dir, prompts, outputs)
         result["hf_continuous"] = hfc
         result["ratio_vs_hf_continuous"] = tandem["output_tokens_per_s"] / hfc["output_tokens_per_s"]

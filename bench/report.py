@@ -728,11 +728,8 @@ def build_report(comparisons: Sequence[Comparison], records: Mapping[str, Sequen
 
 
 def write_outputs(report: dict, out_dir: Path) -> None:
-    """The checks (again, for --render-only), the plots (from ``raw/``), then
-    ``report.json`` and ``report.md``."""
+    """The plots (from ``raw/``), then ``report.json`` and ``report.md``."""
     for key, comp in report["comparisons"].items():
-        checks = CHECKS[key]({r["label"]: r["rates"] for r in comp["runs"]})
-        comp["checks"] = [c.to_json() for c in checks]
         raw = {r["label"]: load_raw(out_dir, r["label"]) for r in comp["runs"]}
         try:
             comp["plot"] = write_plot(key, comp, raw, out_dir)

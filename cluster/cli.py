@@ -52,11 +52,10 @@ def _cluster_config(args: argparse.Namespace):
         overrides["transfer"] = {"backend": args.kv_transfer_backend}
     if args.num_kv_blocks is not None:
         overrides["engine"] = {"num_kv_blocks": args.num_kv_blocks}
-    if getattr(args, "stream_interval_s", None) is not None:
+    if args.stream_interval_s is not None:
         overrides["stream_interval_s"] = args.stream_interval_s
     if args.config:
         import yaml
-        from pathlib import Path
 
         data = yaml.safe_load(Path(args.config).read_text()) or {}
         if not isinstance(data, dict):

@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig, Resources
+from cluster.metrics_server import ENV as METRICS_ENV
 from decode_worker.worker import ColocatedWorker, DecodeWorker
 from prefill_worker.worker import PrefillWorker
 from router.dispatch import Dispatcher, DispatchConfig, WorkerRef
@@ -46,7 +47,7 @@ class _Slot:
 
 def _forget_metrics(pid: int | None) -> None:
     """Drop a gone worker's live gauges from this node's metrics folder."""
-    if pid is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    if pid is not None and os.environ.get(METRICS_ENV):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid)
@@ -62,7 +63,6 @@ class TandemCluster:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
-        self.num_restarts = 0
         self.dispatcher: Dispatcher | None = None
 
     # -- views -----------------------------------------------------------------
@@ -195,7 +195,6 @@ class TandemCluster:
                 slot.pid = info["pid"]
             if self.uses_collective:
                 self._form_group()
-            self.num_restarts += len(dead)
             return [s.ref.worker_id for s in dead]
 
     def _watch(self) -> None:

@@ -15,11 +15,11 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterController
+from cluster.pools import READY_TIMEOUT_S
 from router.admission import AdmissionConfig
 from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
 
-READY_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import RequestOutput
 from engine.sampling_params import SamplingParams
 from kv_transfer import KVLayout, TransferError, TransferMeta, TransferState
 from kv_transfer.config import TransferConfig
@@ -82,17 +82,6 @@ class Reservation:
     deadline: float
 
 
-def kv_layout(engine: LLMEngine) -> KVLayout:
-    c = engine.model_config
-    return KVLayout(
-        num_layers=c.num_layers,
-        block_size=engine.config.block_size,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        dtype=str(engine.kv_cache.k.dtype).removeprefix("torch."),
-    )
-
-
 class DecodeWorker(WorkerBase):
     role = "decode"
 
@@ -106,7 +95,6 @@ class DecodeWorker(WorkerBase):
     ) -> None:
         super().__init__(worker_id, engine_config, transfer, torch_threads)
         self.stream_interval_s = stream_interval_s
-        self.layout = kv_layout(self.engine)
         self.runtime.add_periodic(self._expire_reservations)
         self._deadlines: dict[str, float] = {}
         self.num_transfer_failures = 0

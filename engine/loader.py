@@ -80,9 +80,10 @@ def load_model(
             raise ValueError(
                 f"weight {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
             )
-    # Parameters take ``dtype`` before loading: load_state_dict copies into them.
-    model = model.to_empty(device=device).to(dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
+    # Parameters take ``dtype`` while still on meta (free), then get memory once;
+    # load_state_dict casts as it copies into them.
+    model = model.to(dtype).to_empty(device=device)
+    model.load_state_dict(state, strict=False)
     # Buffers were created on meta; rebuild the rotary tables for real (float32, as HF).
     model.rotary = type(model.rotary)(config, config.max_position_embeddings).to(device)
     if config.tie_word_embeddings:

@@ -16,7 +16,6 @@ request, in bulk.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -64,7 +63,7 @@ DECODE_TIME = _histogram("request_decode_time_seconds", "First token to last tok
 KV_TRANSFER_TIME = _histogram("kv_transfer_time_seconds", "One request's KV transfer, as its receiver saw it.")
 
 NUM_RUNNING = _gauge("num_requests_running", "Requests in the running batch.")
-NUM_WAITING = _gauge("num_requests_waiting", "Requests waiting: queued, swapped out or waiting for KV.")
+NUM_WAITING = _gauge("num_requests_waiting", "Requests waiting: queued or swapped out.")
 KV_CACHE_USAGE = _gauge("kv_cache_usage_perc", "Share of KV blocks in use (0 to 1).")
 
 PROMPT_TOKENS = _counter("prompt_tokens", "Prompt tokens of finished requests.")
@@ -76,10 +75,6 @@ PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens served by the p
 KV_TRANSFER_BYTES = _counter("kv_transfer_bytes", "KV bytes received from prefill workers.")
 KV_TRANSFER_FAILURES = _counter("kv_transfer_failures", "Failed KV transfers, by reason.", ("reason",))
 REQUESTS_REJECTED = _counter("requests_rejected", "Requests turned away, by reason.", ("reason",))
-
-
-def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
 
 @dataclass

@@ -149,7 +149,8 @@ class KVTransferBackend(ABC):
         # holds. Only its caller gives up at the deadline.
         future = self._submit(fn, *args)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=max(meta.time_left(), 0.0))
+            timeout = max(meta.time_left(), 0.0) if meta.deadline else None  # 0: no deadline
+            return await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
         except asyncio.TimeoutError:
             # Nobody awaits the operation now: consume its outcome so a late failure
             # is not reported as "exception never retrieved".

@@ -16,7 +16,20 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from kv_transfer.base import KVLayout
 from kv_transfer.config import TransferConfig
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    """The shape and dtype of one request's KV as this worker's engine holds it."""
+    c = engine.model_config
+    return KVLayout(
+        num_layers=c.num_layers,
+        block_size=engine.config.block_size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=str(engine.kv_cache.k.dtype).removeprefix("torch."),
+    )
 
 
 class WorkerBase:
@@ -36,6 +49,7 @@ class WorkerBase:
         self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
         self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
         self.backend = transfer.make_backend()
+        self.layout = kv_layout(self.engine)
 
     async def ready(self) -> dict:
         """Start the step thread; answers health checks with who this is."""

@@ -91,16 +91,14 @@ class PrefillWorker(WorkerBase):
         t0 = time.perf_counter()
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=())
         final = None
-        t_first = None
         async for out in self.runtime.generate(prompt_token_ids, first_params, request_id, hold_kv=True):
-            t_first = t_first or time.perf_counter()
             final = out
         t_done = time.perf_counter()
         k, v = final.kv
         meta = TransferMeta(
             transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
             request_id=request_id,
-            layout=reservation.layout,
+            layout=self.layout,  # the receiver checks it against its own
             num_blocks=k.shape[1],
             num_tokens=len(prompt_token_ids),
             src_rank=self.backend.rank,

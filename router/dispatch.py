@@ -183,10 +183,11 @@ class Dispatcher:
 
         Returns whether the request was in flight on this dispatcher.
         """
-        self._abort_everywhere(request_id)
         event = self._aborts.get(request_id)
-        if event is not None:
-            event.set()
+        if event is None:
+            self._abort_everywhere(request_id)  # not ours: free whatever the workers hold
+        else:
+            event.set()  # its stream's task aborts it everywhere
         return event is not None
 
     async def _run(self, rid, prompt_token_ids, params, abort_wait) -> AsyncIterator[StreamDelta]:
@@ -292,10 +293,6 @@ class Dispatcher:
                 w.handle.abort.remote(rid)
             except Exception:  # a dead worker has nothing left to free
                 pass
-
-    async def stats(self) -> list[dict]:
-        workers = [*self._prefill(), *self._decode()]
-        return await asyncio.gather(*(w.handle.stats.remote() for w in workers))
 
 
 _ABORTED = object()

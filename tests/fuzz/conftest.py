@@ -61,3 +61,27 @@ def ray_cluster(tandem_home, metrics_dir):  # noqa: F811
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, default_model) -> str:
     return tiny_checkpoint(tmp_path_factory, default_model)
+
+
+MAX_BODY = 64 * 1024  # small, so the fuzzers reach the body limit often
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_model):
+    """One live service per fuzz module, with the small body limit."""
+    from router.server import RouterConfig
+    from tests.integration.conftest import running_service
+
+    with running_service(tiny_model, RouterConfig(max_body_bytes=MAX_BODY), num_kv_blocks=256) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def oracle(service):
+    """The served model's limits and tokenizer, for running the router's validation locally."""
+    from engine.tokenizer import Tokenizer
+    from router.validation import ServedModel
+
+    info = dict(service.model_info)
+    tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
+    return ServedModel(**info), tokenizer

@@ -32,12 +32,10 @@ from hypothesis import strategies as st
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
-from router.server import RouterConfig
-from router.validation import ApiError, ServedModel
-from tests.integration.conftest import running_service
+from router.validation import ApiError
+from tests.fuzz.conftest import MAX_BODY
 from tests.integration.test_router_http import assert_blocks_freed
 
-MAX_BODY = 64 * 1024
 CAP = 4
 FUZZ = settings(
     deadline=None,
@@ -53,21 +51,6 @@ UNARY = {
     "/grpc.health.v1.Health/Check": health_pb2.HealthCheckRequest,
 }
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-
-
-@pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    with running_service(tiny_model, RouterConfig(max_body_bytes=MAX_BODY), num_kv_blocks=256) as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
-def oracle(service):
-    from engine.tokenizer import Tokenizer
-
-    info = dict(service.model_info)
-    tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
-    return ServedModel(**info), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -34,12 +34,10 @@ try:  # the HTTP client the installed openai package is built on
 except ImportError:
     import httpx
 
-from router.server import RouterConfig
-from router.validation import ApiError, ServedModel, parse_json, prepare_chat, prepare_completion
-from tests.integration.conftest import running_service
+from router.validation import ApiError, parse_json, prepare_chat, prepare_completion
+from tests.fuzz.conftest import MAX_BODY
 from tests.integration.test_router_http import assert_blocks_freed
 
-MAX_BODY = 64 * 1024
 CAP = 4  # max_tokens of a body the server will accept
 FUZZ = settings(
     deadline=None,
@@ -48,21 +46,6 @@ FUZZ = settings(
 )
 CASES: Counter = Counter()  # (test, outcome) -> requests sent
 SERVED = "<the served model's name>"  # strategies draw this; the tests put in the real name
-
-
-@pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    with running_service(tiny_model, RouterConfig(max_body_bytes=MAX_BODY), num_kv_blocks=256) as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
-def oracle(service):
-    from engine.tokenizer import Tokenizer
-
-    info = dict(service.model_info)
-    tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
-    return ServedModel(**info), tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -87,3 +87,4 @@ def test_bfloat16_first_tokens_are_hf_argmax_up_to_rounding(reference):
             if gap > BF16_NEAR_TIE:
                 far.append((i, token, int(logits.argmax()), round(gap, 4)))
     assert not far, f"(request, engine token, HF argmax, logit gap) beyond bf16 noise: {far}"
+    assert llm.stats().num_blocks_in_use == 0, "KV blocks leaked"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -186,17 +185,14 @@ def test_killing_a_decode_worker_mid_stream_ends_every_request(ray_cluster, tiny
             jobs = [asyncio.ensure_future(_collect(cluster, p, n)) for p, n in zip(prompts, lengths)]
             await asyncio.sleep(1.5)
             ray.kill(cluster.decode_refs()[0].handle, no_restart=True)
-            t0 = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*jobs), 60)
-            return results, time.monotonic() - t0
+            return await asyncio.wait_for(asyncio.gather(*jobs), 60)  # none may hang
 
-        results, elapsed = asyncio.run(main())
+        results = asyncio.run(main())
         completed = [r for r in results if not r[1] and len(r[0]) == 300]
         errored = [r for r in results if r[1]]
         assert len(completed) + len(errored) == len(results), "every request ends with a result or an error"
         assert errored, "requests streaming from the killed worker should get an error"
         assert all("died" in r[1][0] for r in errored), [r[1] for r in errored]
-        assert elapsed < 60
         replaced = cluster.check_health()
         assert replaced == ["decode-0"], replaced
         _assert_no_blocks_in_use(cluster)

@@ -108,6 +108,7 @@ def test_preemptions_move_their_counter(default_model):
         metrics.on_step(engine.stats())
     assert engine.stats().num_preemptions_recompute > 0
     assert child._value.get() == engine.stats().num_preemptions_recompute
+    assert engine.stats().num_blocks_in_use == 0
 
 
 def test_scrape_endpoint_keeps_vllm_style_names_whatever_the_scraper_asks_for(service):

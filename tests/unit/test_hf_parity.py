@@ -88,6 +88,7 @@ def _run(model_dir, prompts, lengths, **engine_kwargs):
 
 
 def _assert_same(got, want):
+    assert len(got) == len(want), f"{len(got)} outputs for {len(want)} requests"
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             pos = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))

@@ -223,7 +223,9 @@ def _greedy(model_dir: str, backend: str) -> list[list[int]]:
     assert llm.engine.attention.name == backend
     prompts = [list(range(3, 40)), list(range(100, 109))]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params)]
+    tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.stats().num_blocks_in_use == 0, f"{backend}: KV blocks leaked"
+    return tokens
 
 
 def test_engine_on_the_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_llama):
