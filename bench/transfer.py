@@ -3,8 +3,8 @@
 For each size (MiB of K+V per request) it moves the same bytes between two Ray
 actors, all in one run:
 
-* ``raw_gloo``: ``ray.util.collective`` send/recv into existing buffers (the baseline);
-* ``collective``: this project's backend (sequencing, staging buffers, deadlines);
+* ``raw_gloo``: a bare two-rank gloo group's send/recv into existing buffers (the baseline);
+* ``collective``: this project's backend (pairwise channels, staging buffers, deadlines);
 * ``object_store``: through Ray's object store;
 
 both timed inside the receiver until the bytes sit in a resident buffer, as they must
@@ -44,17 +44,16 @@ def _layout_for(size_mib: int) -> tuple[KVLayout, int]:
 
 def _pair(backend: str):
     actor = ray.remote(TransferPeer).options(num_cpus=0, max_concurrency=16)
-    a, b = actor.remote(TransferConfig(backend=backend)), actor.remote(TransferConfig(backend=backend))
-    if backend == "collective":
-        ray.get([a.join.remote(2, 0, 0), b.join.remote(2, 1, 0)])
-    return a, b
+    return actor.remote(TransferConfig(backend=backend)), actor.remote(TransferConfig(backend=backend))
 
 
 def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
     layout, blocks = _layout_for(size_mib)
     times = []
     for i in range(repeats + 1):  # the first is a warm-up
-        meta = TransferMeta(f"t{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, 0, 1, time.time() + 300)
+        meta = TransferMeta(
+            f"t{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, ray.get(b.endpoint.remote()), time.time() + 300
+        )
         payload, _ = ray.get(a.prepare.remote(meta, i))
         pull = b.pull.remote(meta, payload)
         ray.get(a.push.remote(meta))
@@ -67,12 +66,15 @@ def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
 
 def time_raw_gloo(a, b, size_mib: int, repeats: int) -> list[float]:
     nbytes = _layout_for(size_mib)[0].nbytes(_layout_for(size_mib)[1])
-    ray.get([a.raw_setup.remote(nbytes), b.raw_setup.remote(nbytes)])
+    addr = ray.get(b.raw_setup.remote(nbytes, 1))
+    joined = b.raw_join.remote()
+    ray.get(a.raw_setup.remote(nbytes, 0, addr))
+    ray.get(joined)
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        recv = b.raw_recv.remote(0)
-        ray.get(a.raw_send.remote(1))
+        recv = b.raw_recv.remote(i)
+        ray.get(a.raw_send.remote(i))
         ray.get(recv)
         if i:
             times.append(time.perf_counter() - t0)
@@ -108,15 +110,17 @@ def ttft_breakdown(model: str | None) -> dict:
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         async def one(rid: str, i: int) -> dict:
             prompt = [(i * 7919 + j) % 4000 for j in range(512)]  # distinct: no prefix hits
+            stream = decode.subscribe.options(num_returns="streaming").remote(f"bench-{rid}")
             t0 = time.perf_counter()
-            res = await decode.reserve.remote(rid, prompt, params)
+            res = await decode.reserve.remote(rid, prompt, params, f"bench-{rid}")
             t_res = time.perf_counter()
             pref = prefill.prefill.remote(rid, prompt, params, decode, res)
-            stream = decode.generate.options(num_returns="streaming").remote(rid)
             marks = []
-            async for ref in stream:
-                await ref
+            async for ref in stream:  # one message per step: this request's deltas
+                (delta,) = await ref
                 marks.append(time.perf_counter())
+                if delta[3]:  # finished
+                    break
             result = await pref
             return {
                 "reserve_s": t_res - t0,

@@ -1,10 +1,11 @@
 """Starts and watches the worker pools of one deployment on a Ray cluster.
 
 ``TandemCluster.start()`` places each pool in a placement group (one bundle per
-worker), starts the actors, forms the KV transfer group over all of them, and builds
-the ``Dispatcher`` that runs requests over the pools. A health thread pings every
-worker; a dead one is replaced in its bundle, the transfer group is rebuilt, and the
-dispatcher re-runs or fails the requests that were on it.
+worker), starts the actors, and builds the ``Dispatcher`` that runs requests over the
+pools. A health thread pings every worker; a dead one is replaced in its bundle, and
+the dispatcher re-runs or fails the requests that were on it. KV transfer channels
+are per prefill-decode pair and made on first use, so a replacement needs nothing
+from the other workers.
 
 Works on a local Ray (``ray.init(num_cpus=...)`` by the caller) or an existing
 cluster (``RAY_ADDRESS``).
@@ -58,7 +59,6 @@ class TandemCluster:
         self.config = config
         self._slots: list[_Slot] = []
         self._pgs: dict[str, object] = {}
-        self._generation = itertools.count()
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -75,10 +75,6 @@ class TandemCluster:
 
     def workers(self) -> list[WorkerRef]:
         return [s.ref for s in self._slots if s.ref is not None]
-
-    @property
-    def uses_collective(self) -> bool:
-        return self.config.transfer.backend == "collective" and not self.config.colocated
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -98,8 +94,6 @@ class TandemCluster:
         infos = ray.get([s.ref.handle.ready.remote() for s in self._slots], timeout=READY_TIMEOUT_S)
         for slot, info in zip(self._slots, infos):
             slot.pid = info["pid"]
-        if self.uses_collective:
-            self._form_group()
         engine = cfg.engine_config("decode")
         self.dispatcher = Dispatcher(
             self.prefill_refs,
@@ -156,16 +150,7 @@ class TandemCluster:
                 **extra,
             )
         )
-        return WorkerRef(worker_id, handle)
-
-    def _form_group(self) -> None:
-        """(Re)build the transfer group over every live worker, with fresh ranks."""
-        workers = self.workers()
-        generation = next(self._generation)
-        ray.get(
-            [w.handle.join_group.remote(len(workers), rank, generation) for rank, w in enumerate(workers)],
-            timeout=READY_TIMEOUT_S,
-        )
+        return WorkerRef(worker_id, handle, incarnation=name)
 
     # -- health ----------------------------------------------------------------
 
@@ -193,8 +178,6 @@ class TandemCluster:
             infos = ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
             for slot, info in zip(dead, infos):
                 slot.pid = info["pid"]
-            if self.uses_collective:
-                self._form_group()
             return [s.ref.worker_id for s in dead]
 
     def _watch(self) -> None:

@@ -1,5 +1,5 @@
 """The decode worker: receives prompt KV into its pool and streams tokens."""
 
-from decode_worker.worker import DecodeLoad, DecodeWorker, StreamDelta
+from decode_worker.worker import ColocatedWorker, DecodeWorker
 
-__all__ = ["DecodeLoad", "DecodeWorker", "StreamDelta"]
+__all__ = ["ColocatedWorker", "DecodeWorker"]

@@ -7,79 +7,25 @@ A disaggregated request's lifecycle here::
                         ├─ transfer failed / deadline passed, policy recompute ─▶ WAITING (local prefill)
                         └─ policy fail ─▶ finished with an error
 
-``generate(request_id)`` streams the request's token deltas (Ray streaming
-generator); it may be called before or after the KV arrives. ``generate`` with a
-prompt runs the whole request here: the colocated mode, without any transfer.
-Blocks are freed when a request finishes, is aborted, or its stream is dropped.
+Each router replica holds one ``subscribe(subscriber)`` stream (a Ray streaming
+generator) per decode worker; ``reserve`` (disaggregated) or ``submit`` (colocated: the
+whole request runs here, no transfer) routes a request's deltas to it. The stream
+carries one message per engine step with the deltas of all that subscriber's requests.
+Blocks are freed when a request finishes, is aborted, or its subscriber goes away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
+from engine.async_engine import merge_outputs
 from engine.config import EngineConfig
-from engine.llm_engine import RequestOutput
+from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
-from kv_transfer import KVLayout, TransferError, TransferMeta, TransferState
+from kv_transfer import TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.worker_base import WorkerBase
-
-
-@dataclass(frozen=True)
-class StreamDelta:
-    """What a worker sends per message: everything since the previous message."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    logprobs: list | None = None  # [(token, logprob, [(id, logprob), ...])] for the new tokens
-    error: str | None = None
-
-    @classmethod
-    def from_output(cls, out: RequestOutput, num_logprobs_sent: int = 0) -> "StreamDelta":
-        lps = None
-        if out.logprobs is not None:
-            lps = [(lp.token_id, lp.logprob, list(lp.top)) for lp in out.logprobs[num_logprobs_sent:]]
-        return cls(
-            request_id=out.request_id,
-            token_ids=out.new_token_ids,
-            text=out.new_text,
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            num_prompt_tokens=out.num_prompt_tokens,
-            num_output_tokens=len(out.token_ids),
-            num_cached_tokens=out.num_cached_tokens,
-            logprobs=lps,
-            error="the KV transfer failed and kv_failure_policy is 'fail'"
-            if out.finish_reason == "error"
-            else None,
-        )
-
-
-@dataclass(frozen=True)
-class DecodeLoad:
-    worker_id: str
-    free_blocks: int
-    total_blocks: int
-    running: int
-    waiting: int
-    waiting_for_kv: int
-
-
-@dataclass(frozen=True)
-class Reservation:
-    request_id: str
-    block_ids: list[int]
-    layout: KVLayout
-    dst_rank: int
-    deadline: float
 
 
 class DecodeWorker(WorkerBase):
@@ -94,6 +40,7 @@ class DecodeWorker(WorkerBase):
         stream_interval_s: float = 0.0,
     ) -> None:
         super().__init__(worker_id, engine_config, transfer, torch_threads)
+        self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)
         self._deadlines: dict[str, float] = {}
@@ -125,20 +72,25 @@ class DecodeWorker(WorkerBase):
     # -- disaggregated requests ------------------------------------------------
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str
     ) -> Reservation | None:
-        """Reserve blocks for the prompt's KV; None when this worker has no room now."""
-        self.runtime.open_stream(request_id)
-        return await self.runtime.call(self._reserve, request_id, prompt_token_ids, params)
+        """Reserve blocks for the prompt's KV; None when this worker has no room now.
 
-    def _reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Reservation | None:
+        The request's deltas will go to ``subscriber``'s stream (``subscribe``).
+        """
+        return await self.runtime.call(self._reserve, request_id, prompt_token_ids, params, subscriber)
+
+    def _reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str
+    ) -> Reservation | None:
         blocks = self.engine.add_remote_request(prompt_token_ids, params, request_id=request_id)
         if blocks is None:
             self.runtime.abort_now(request_id)
             return None
+        self.runtime.route(request_id, subscriber)
         deadline = time.time() + self.transfer.timeout_s
         self._deadlines[request_id] = deadline
-        return Reservation(request_id, blocks, self.layout, self.backend.rank, deadline)
+        return Reservation(request_id, blocks, self.layout, self._endpoint, deadline)
 
     async def receive_kv(
         self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0
@@ -194,26 +146,41 @@ class DecodeWorker(WorkerBase):
 
     # -- streaming -------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams | None = None,
-    ):
-        """Stream deltas of a reserved request, or (with a prompt) run it here in full."""
-        if prompt_token_ids is None:
-            stream = self.runtime.open_stream(request_id)
-            outputs = self.runtime.follow(request_id, stream)
-        else:
-            outputs = self.runtime.generate(prompt_token_ids, params, request_id)
-        sent_lps = 0
-        async for out in outputs:
-            delta = StreamDelta.from_output(out, sent_lps)
-            sent_lps += len(delta.logprobs or ())
-            yield delta
-            if self.stream_interval_s and not out.finished:
-                # Tokens of the steps meanwhile merge in the stream into the next message.
-                await asyncio.sleep(self.stream_interval_s)
+    async def subscribe(self, subscriber: str):
+        """Stream, per engine step, the deltas of every request routed to ``subscriber``.
+
+        One message (a ``StepDeltas`` list of plain tuples) per step that produced
+        anything for the subscriber, however many of its requests ran in the step. When
+        the subscriber goes away (its stream is cancelled or dropped), its unfinished
+        requests are aborted and their blocks freed.
+        """
+        outbox = await self.runtime.call(self.runtime.open_outbox, subscriber)
+        reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
+        try:
+            while (pending := await outbox.take(reader)) is not None:
+                yield [_wire(rid, items) for rid, items in pending.items()]
+                if self.stream_interval_s:
+                    # Tokens of the steps meanwhile merge into the next message.
+                    await asyncio.sleep(self.stream_interval_s)
+        finally:
+            self.runtime.submit(self._drop_subscriber, subscriber, reader)
+
+    def _drop_subscriber(self, subscriber: str, reader: int) -> None:
+        for rid in self.runtime.close_outbox(subscriber, reader):
+            self._deadlines.pop(rid, None)
+            self.runtime.abort_now(rid)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str) -> None:
+        """Colocated mode: run the whole request here; its deltas go to ``subscriber``."""
+        await self.runtime.call(self._submit, request_id, prompt_token_ids, params, subscriber)
+
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str) -> None:
+        self.runtime.route(request_id, subscriber)
+        try:
+            self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+        except BaseException:
+            self.runtime.unroute(request_id)
+            raise
 
     async def abort(self, request_id: str) -> None:
         self.runtime.submit(self._deadlines.pop, request_id, None)  # on the step thread, like the rest
@@ -221,6 +188,26 @@ class DecodeWorker(WorkerBase):
 
 
 class ColocatedWorker(DecodeWorker):
-    """Both phases in one worker, no transfer: ``generate`` with a prompt."""
+    """Both phases in one worker, no transfer: ``submit`` with a prompt."""
 
     role = "colocated"
+
+
+TRANSFER_FAILED_MESSAGE = "the KV transfer failed and kv_failure_policy is 'fail'"
+
+
+def _wire(rid: str, items: list) -> tuple:
+    """A request's outputs since its last message as one ``StreamDelta`` tuple."""
+    for item in items:
+        if isinstance(item, BaseException):
+            return (rid, [], "", True, "error", 0, 0, 0, None,
+                    f"the decode worker failed: {item}", ErrorKind.WORKER_FAILED.value)
+    out = merge_outputs(items)
+    lps = out.new_logprobs
+    if lps is not None:
+        lps = [(lp.token_id, lp.logprob, list(lp.top)) for lp in lps]
+    error = kind = None
+    if out.finish_reason == "error":
+        error, kind = TRANSFER_FAILED_MESSAGE, ErrorKind.TRANSFER_FAILED.value
+    return (rid, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.num_prompt_tokens,
+            out.num_output_tokens, out.num_cached_tokens, lps, error, kind)

@@ -13,6 +13,15 @@ not one per token.
 
 A stream's lifecycle: ``open_stream`` (before or after the request is added), outputs
 arrive from the step thread, the stream ends with a finished output or ``close``.
+
+Requests can instead be routed to an ``Outbox`` (``route``): one per subscriber (a
+router replica), shared by all of that subscriber's requests. The step thread adds a
+step's outputs to the outboxes and wakes each touched outbox once, so the cost of
+handing a step to the event loop, and the number of messages a worker sends, follow
+the number of subscribers, not the batch size. An outbox's lifecycle: ``open_outbox``
+(by its reader or by the first request routed to it), filled per step, read by one
+consumer with ``take``, ``close_outbox`` when the reader goes (its requests are
+returned so the caller can abort them).
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     last = outs[-1]
     last.new_token_ids = [t for o in outs for t in o.new_token_ids]
     last.new_text = "".join(o.new_text for o in outs)
+    if last.new_logprobs is not None:
+        last.new_logprobs = [lp for o in outs for lp in o.new_logprobs or ()]
     return last
 
 
@@ -61,6 +72,55 @@ class RequestStream:
         return out
 
 
+class Outbox:
+    """One subscriber's pending outputs: filled by the step thread, taken by one reader."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[RequestOutput | BaseException]] = {}
+        self._ready = asyncio.Event()
+        self._signalled = False
+        self.reader = 0  # the current reader's token; a new reader supersedes the old one
+
+    def claim(self) -> int:
+        """Become the outbox's only reader; an earlier reader's ``take`` returns None."""
+        self.reader += 1
+        self._ready.set()  # wake the old reader so it can leave
+        return self.reader
+
+    def add(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        """Step thread: queue an output (or an error) without waking the reader yet."""
+        with self._lock:
+            items = self._pending.get(request_id)
+            if items is None:
+                self._pending[request_id] = [item]
+            else:
+                items.append(item)
+
+    def signal(self) -> None:
+        """Step thread: wake the reader, once however many outputs were added."""
+        with self._lock:
+            if self._signalled:
+                return
+            self._signalled = True
+        self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def take(self, reader: int) -> dict[str, list[RequestOutput | BaseException]] | None:
+        """Everything added since the previous call, by request (waits for something);
+        None once another reader has claimed the outbox."""
+        while True:
+            await self._ready.wait()
+            if reader != self.reader:
+                return None  # the event stays set: the new reader may have work waiting
+            self._ready.clear()
+            with self._lock:
+                pending, self._pending = self._pending, {}
+                self._signalled = False
+            if pending:
+                return pending
+
+
 class AsyncEngine:
     """An engine stepping in its own thread, with per-request async output streams."""
 
@@ -71,6 +131,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, RequestStream] = {}
+        self._outboxes: dict[str, Outbox] = {}  # subscriber -> its outbox
+        self._routes: dict[str, Outbox] = {}  # request id -> the outbox its outputs go to
         self._idle_poll_s = idle_poll_s
         self._periodic: list[Callable[[float], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -126,16 +188,69 @@ class AsyncEngine:
             stream = self._streams[request_id] = RequestStream(self._loop)
         return stream
 
+    def open_outbox(self, subscriber: str) -> Outbox:
+        self.start()
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None:
+            outbox = self._outboxes[subscriber] = Outbox(self._loop)
+        return outbox
+
+    def route(self, request_id: str, subscriber: str) -> None:
+        """Send the request's outputs to ``subscriber``'s outbox (before it can produce any)."""
+        self._routes[request_id] = self.open_outbox(subscriber)
+
+    def unroute(self, request_id: str) -> None:
+        self._routes.pop(request_id, None)
+
+    def close_outbox(self, subscriber: str, reader: int) -> list[str]:
+        """The subscriber's reader went away: forget its outbox (unless a newer reader
+        holds it); returns its unfinished requests."""
+        outbox = self._outboxes.get(subscriber)
+        if outbox is None or outbox.reader != reader:
+            return []
+        del self._outboxes[subscriber]
+        orphans = [rid for rid, ob in self._routes.items() if ob is outbox]
+        for rid in orphans:
+            del self._routes[rid]
+        return orphans
+
     def deliver(self, out: RequestOutput) -> None:
+        outbox = self._put(out)
+        if outbox is not None:
+            outbox.signal()
+
+    def deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs: each touched outbox is woken once."""
+        touched = {}
+        for out in outputs:
+            outbox = self._put(out)
+            if outbox is not None:
+                touched[id(outbox)] = outbox
+        for outbox in touched.values():
+            outbox.signal()
+
+    def _put(self, out: RequestOutput) -> Outbox | None:
         if out.finished and out.times is not None and self.metrics is not None:
             self.metrics.on_finished(out.times)
-        stream = self._streams.get(out.request_id)
+        rid = out.request_id
+        outbox = self._routes.get(rid)
+        if outbox is not None:
+            outbox.add(rid, out)
+            if out.finished:
+                del self._routes[rid]
+            return outbox
+        stream = self._streams.get(rid)
         if stream is not None:
             stream.put(out)
         if out.finished:
-            self._streams.pop(out.request_id, None)
+            self._streams.pop(rid, None)
+        return None
 
     def fail(self, request_id: str, error: BaseException) -> None:
+        outbox = self._routes.pop(request_id, None)
+        if outbox is not None:
+            outbox.add(request_id, error)
+            outbox.signal()
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put(error)
@@ -172,6 +287,7 @@ class AsyncEngine:
         for out in self.engine.abort(request_id):
             self.deliver(out)
         self._streams.pop(request_id, None)
+        self._routes.pop(request_id, None)
 
     # -- the step thread -------------------------------------------------------
 
@@ -179,7 +295,7 @@ class AsyncEngine:
         """Every request in the engine ends with ``error``; their blocks are freed."""
         self.step_error = error
         self.engine.abort(list(self.engine.scheduler.requests))
-        for rid in list(self._streams):
+        for rid in [*self._streams, *self._routes]:
             self.fail(rid, error)
 
     def _run(self) -> None:
@@ -195,8 +311,7 @@ class AsyncEngine:
                 except Exception as e:  # a broken step must not hang the streams
                     self._fail_all(e)
                     continue
-                for out in outputs:
-                    self.deliver(out)
+                self.deliver_all(outputs)
                 if self.metrics is not None:
                     self.metrics.on_step(self.engine.stats())
             elif not self._calls:

@@ -58,7 +58,11 @@ class RequestTimes:
 
 @dataclass
 class RequestOutput:
-    """Progress of one request after a step. ``new_*`` fields hold this step's delta."""
+    """Progress of one request after a step. ``new_*`` fields hold this step's delta.
+
+    ``token_ids`` and ``logprobs`` (the whole output so far) are filled on the final
+    output only: copying them every step made streaming cost grow with output length.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -71,6 +75,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_output_tokens: int = 0
     # Prefill role (``hold_kv``): the prompt's KV, [layers, blocks, block, Hkv, D] each.
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
     times: RequestTimes | None = None  # set on the final output
@@ -104,6 +110,7 @@ class _Tracked:
     logprobs: list[TokenLogprobs] | None = None
     text_sent: int = 0
     tokens_sent: int = 0
+    logprobs_sent: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -371,10 +378,15 @@ class LLMEngine:
         new_text = tracked.detok.take_delta(finished=finished)
         new_ids = request.output_token_ids[tracked.tokens_sent :]
         tracked.tokens_sent = request.num_output_tokens
+        lps = tracked.logprobs
+        new_lps = None
+        if lps is not None:
+            new_lps = lps[tracked.logprobs_sent :]
+            tracked.logprobs_sent = len(lps)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids) if finished else [],
             text=tracked.detok.output_text(),
             new_token_ids=new_ids,
             new_text=new_text,
@@ -382,7 +394,9 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            logprobs=list(lps) if lps is not None and finished else None,
+            new_logprobs=new_lps,
+            num_output_tokens=request.num_output_tokens,
         )
 
     # -- introspection ---------------------------------------------------------

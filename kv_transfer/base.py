@@ -12,7 +12,7 @@ Roles and the way of a transfer::
     prefill, sample first token
     payload = backend.prepare(meta, k, v)
     decode.receive_kv(meta, payload) ─────────────▶ k, v = backend.pull(meta, payload)
-    backend.push(meta, k, v, payload)  ══ bytes ══▶ (collective: matched send/recv)
+    backend.push(meta, k, v, payload)  ══ bytes ══▶ (collective: tagged send/recv on the pair's channel)
                                                     write into reserved blocks -> RUNNING
     ack or lease expiry ◀──────────────────────────
     backend.release(meta, payload)
@@ -25,7 +25,6 @@ States are ordered so that the slowest of several parts gives the state of the w
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
@@ -35,18 +34,7 @@ from typing import Any
 
 import torch
 
-
-class TransferState(enum.IntEnum):
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING = 2
-    TRANSFERRING = 3
-    DONE = 4
-
-    @staticmethod
-    def combine(states) -> "TransferState":
-        """The state of a transfer made of parts: its least advanced part."""
-        return min(states, default=TransferState.DONE)
+from engine.messages import KVLayout, TransferState  # noqa: F401  (re-exported)
 
 
 class TransferError(RuntimeError):
@@ -61,27 +49,6 @@ class TransferError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class KVLayout:
-    """Shape of one side's paged KV; both sides of a transfer must agree on it."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def nbytes(self, num_blocks: int) -> int:
-        elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        n = 1
-        for d in self.packed_shape(num_blocks):
-            n *= d
-        return 2 * n * elem
-
-
-@dataclass(frozen=True)
 class TransferMeta:
     """Describes one transfer; small and picklable, it travels with the RPC."""
 
@@ -90,8 +57,7 @@ class TransferMeta:
     layout: KVLayout
     num_blocks: int
     num_tokens: int
-    src_rank: int = -1  # collective group ranks, -1 when the backend has none
-    dst_rank: int = -1
+    dst_endpoint: str = ""  # the receiver's channel endpoint, for backends with channels
     deadline: float = 0.0  # time.time() after which the transfer has failed
 
     def time_left(self) -> float:
@@ -131,12 +97,9 @@ class KVTransferBackend(ABC):
         self._executor: ThreadPoolExecutor | None = None
 
     @property
-    def rank(self) -> int:
-        """This process's rank in the transfer group; -1 for backends without one."""
-        return -1
-
-    def join(self, world_size: int, rank: int, generation: int) -> None:
-        """Take part in a (re)built transfer group; a no-op for backends without one."""
+    def endpoint(self) -> str:
+        """Receiver: where senders open channels to this process; "" for backends without."""
+        return ""
 
     def _submit(self, fn, *args) -> asyncio.Future:
         if self._executor is None:
@@ -178,6 +141,12 @@ class KVTransferBackend(ABC):
 
     def release(self, meta: TransferMeta, payload: Any) -> None:
         """Sender: drop its copy of the KV (on acknowledgement or lease expiry)."""
+
+    def abandon(self, meta: TransferMeta, payload: Any) -> None:
+        """Sender: the receiver gave up on this transfer; stop a push that waits for it."""
+
+    def close(self) -> None:
+        """Drop every channel and buffer (the worker is going away)."""
 
     def recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Receiver: the pulled tensors were copied into the cache; their memory may be reused."""

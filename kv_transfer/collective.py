@@ -1,35 +1,52 @@
-"""Collective backend: point-to-point send/recv with ``ray.util.collective``.
+"""Collective backend: a two-rank channel per sender-receiver pair, made on first use.
 
-NCCL (through cupy) when ``torch.cuda.is_available()``, gloo otherwise. On this Ray
-version gloo sits on ``torch.distributed``, so a process belongs to one group at a
-time: the group spans every prefill and decode worker and is rebuilt (all members
-leave, then join with new ranks) whenever a worker joins or dies. ``GroupMember`` is
-the part of a worker that takes part in that.
+Every receiving process hosts a small rendezvous store (``endpoint``, "host:port",
+published in its reservations). A sender that first pushes to an endpoint and the
+receiver that first pulls from that sender both build the pair's channel, a
+``torch.distributed.ProcessGroupGloo`` of two ranks (sender 0, receiver 1) keyed by
+the sender's id and an epoch; no process joins any group wider than a pair, so a
+worker joining, leaving or dying touches only its own channels and transfers between
+other pairs never pause.
 
-K and V go as two messages of raw bytes (any dtype, bfloat16 included) into staging
-buffers on the receiver, which then scatters them into its paged blocks with one
-indexed copy. Staging buffers are kept and reused (``recycle``): fresh ones cost a
-page fault per 4 KiB, which measured slower than the transfer itself.
+Each transfer has its own message tags on its channel (allocated by the sender, sent in
+the payload), so a receive can only match the send of the same transfer: transfers of
+one pair may run in any order and concurrently, and one that gives up cannot shift
+another's bytes. A transfer is three messages: a fixed-size header (transfer id, block
+count, layout, byte counts), then K, then V. The receiver takes the header first and
+posts the K and V receives only when it matches what it expects, so no byte lands for
+a transfer that is not the one announced, and a receive never meets a larger message
+(gloo aborts the process on that).
 
-Point-to-point messages between two ranks are matched in the order they are posted,
-so both sides must handle a pair's transfers in the same order: the sender numbers
-its transfers per destination when it prepares them and pushes them in that order;
-the receiver pulls them from each source in the same order. A transfer whose caller
-gave up (deadline) still completes its send or receive in the background, so the
-sequence never skips.
+A channel that fails (peer gone, deadline passed, receiver refused) is closed on the
+side that saw it, which makes the peer's pending operations on it fail too; the
+sender then moves to the next epoch, and the receiver refuses payloads of an epoch it
+has closed. The next transfer builds a fresh channel; nothing else is touched.
+
+Channel lifecycle (sender view)::
+
+    first push to endpoint ─▶ build(epoch) ─▶ open ─▶ send, send, ... ─▶ a failure
+       ─▶ close, epoch += 1 ─▶ next push builds(epoch) ...
+
+gloo carries bytes on CPUs; on GPUs the tensors are staged through host memory (a
+pairwise NCCL channel is the next step for GPU pools).
+
+K and V arrive in staging buffers that are kept and reused (``recycle``): fresh ones
+cost a page fault per 4 KiB, which measured slower than the transfer itself.
 """
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import threading
 import time
-from collections import defaultdict
+import uuid
+import zlib
+from dataclasses import dataclass, field
 
 import torch
 
 from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
-
-GROUP_NAME = "default"  # the gloo backend tears down only the default group fully
 
 
 def device_backend() -> str:
@@ -37,150 +54,268 @@ def device_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-class GroupMember:
-    """This process's membership of the transfer group."""
+def advertised_host() -> str:
+    """The address peers reach this process at: the Ray node's, or loopback outside Ray."""
+    try:
+        import ray
 
-    def __init__(self, op_timeout_s: float = 60.0) -> None:
-        self.rank = -1
-        self.world_size = 0
-        self.generation = -1
-        self.backend = device_backend()
-        self.op_timeout_ms = int(op_timeout_s * 1000)
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # not in a Ray worker
+        pass
+    return "127.0.0.1"
 
-    @property
-    def joined(self) -> bool:
-        return self.rank >= 0
 
-    def join(self, world_size: int, rank: int, generation: int) -> None:
-        """Blocks until every member of the new group has joined."""
-        from ray.util import collective
+HEADER_MAGIC = 0x54414E44454D  # "TANDEM"
+TAGS_PER_TRANSFER = 4  # header, K, V, and one spare
 
-        self.leave()
-        collective.init_collective_group(
-            world_size, rank, backend=self.backend, group_name=GROUP_NAME,
-            gloo_timeout=self.op_timeout_ms,
-        )
-        self.rank, self.world_size, self.generation = rank, world_size, generation
 
-    def leave(self) -> None:
-        from ray.util import collective
+def transfer_header(meta: TransferMeta, nbytes_k: int, nbytes_v: int) -> torch.Tensor:
+    """What the sender says it sends; the receiver compares it with its own view first."""
+    ident = zlib.crc32(f"{meta.transfer_id}|{meta.request_id}|{meta.layout}".encode())
+    return torch.tensor([HEADER_MAGIC, ident, meta.num_blocks, nbytes_k, nbytes_v, 0, 0, 0], dtype=torch.int64)
 
-        if collective.is_group_initialized(GROUP_NAME):
-            collective.destroy_collective_group(GROUP_NAME)
-        self.rank, self.world_size = -1, 0
+
+class Channel:
+    """One two-rank gloo group between a sender (rank 0) and a receiver (rank 1)."""
+
+    def __init__(self, store, prefix: str, rank: int, timeout_s: float) -> None:
+        from torch.distributed import PrefixStore, ProcessGroupGloo
+
+        # Blocks until the peer builds its side too (or raises at the timeout).
+        self._pg = ProcessGroupGloo(PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=timeout_s))
+        self.peer = 1 - rank
+        self.closed = False
+
+    def exchange(self, op: str, tensors: list[torch.Tensor], first_tag: int, timeout_s: float) -> None:
+        """Send or receive ``tensors`` under consecutive tags, all posted before any wait."""
+        pg = self._pg
+        if self.closed or pg is None:
+            raise TransferError("channel_closed", "the channel was closed")
+        post = pg.send if op == "send" else pg.recv
+        works = [post([t], self.peer, first_tag + i) for i, t in enumerate(tensors)]
+        deadline = time.monotonic() + timeout_s
+        for w in works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError("timeout", f"{op} passed its deadline")
+            w.wait(datetime.timedelta(seconds=left))
+
+    def close(self) -> None:
+        """Fail pending operations here; dropping the group closes the peer's sockets."""
+        self.closed = True
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            pg.abort()
+
+
+@dataclass
+class _Outgoing:
+    """The sender's state towards one receiver endpoint."""
+
+    epoch: int = 0
+    channel: Channel | None = None
+    tags: itertools.count = field(default_factory=lambda: itertools.count(0, TAGS_PER_TRANSFER))
+    store: object = None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # serializes building
 
 
 class CollectiveBackend(KVTransferBackend):
     name = "collective"
 
-    def __init__(self, member: GroupMember | None = None) -> None:
+    def __init__(self, op_timeout_s: float = 60.0, connect_timeout_s: float = 30.0) -> None:
         super().__init__()
-        self.member = member or GroupMember()
-        self._turn = threading.Condition()
-        self._generation = -1
-        self._assigned: dict[int, int] = defaultdict(int)  # dst rank -> next seq to hand out
-        self._done: dict[tuple[str, int], int] = defaultdict(int)  # (send|recv, peer) -> next seq
-        self._active = 0  # operations running on the current group
-        self._regrouping = False
+        self.device = device_backend()
+        self.op_timeout_s = op_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.sender_id = uuid.uuid4().hex[:12]
+        self._lock = threading.Lock()
+        self._out: dict[str, _Outgoing] = {}  # receiver endpoint -> state
+        self._in: dict[tuple[str, int], Channel] = {}  # (sender id, epoch) -> channel
+        self._in_building: dict[tuple[str, int], threading.Lock] = {}
+        self._closed_in: set[tuple[str, int]] = set()
+        self._store = None
+        self._endpoint = ""
         self._staging = StagingPool()
 
+    # -- the receiver's rendezvous point ------------------------------------------
+
     @property
-    def rank(self) -> int:
-        return self.member.rank
+    def endpoint(self) -> str:
+        """Where senders reach this process ("host:port"); the store starts on first use."""
+        with self._lock:
+            if self._store is None:
+                from torch.distributed import TCPStore
 
-    def join(self, world_size: int, rank: int, generation: int) -> None:
-        """Rebuild the group once the operations on the old one are done (or timed out).
+                self._store = TCPStore(
+                    "0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=self.connect_timeout_s),
+                )
+                self._endpoint = f"{advertised_host()}:{self._store.port}"
+            return self._endpoint
 
-        Meanwhile no operation may start: one that started on the new group with a
-        peer rank of the old would exchange another request's KV with whoever holds
-        that rank now.
-        """
-        with self._turn:
-            self._regrouping = True
-            self._turn.notify_all()  # waiting transfers give up
-            self._turn.wait_for(lambda: self._active == 0, timeout=self.member.op_timeout_ms / 1000 + 5)
-        try:
-            self.member.join(world_size, rank, generation)
-        finally:
-            with self._turn:
-                self._regrouping = False
-                self._turn.notify_all()
+    @property
+    def num_channels(self) -> int:
+        with self._lock:
+            return sum(o.channel is not None for o in self._out.values()) + len(self._in)
 
-    def _reset_if_regrouped(self) -> None:
-        if self._generation != self.member.generation:
-            self._generation = self.member.generation
-            self._assigned.clear()
-            self._done.clear()
+    # -- sender ---------------------------------------------------------------------
 
     def prepare(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor) -> dict:
-        if not self.member.joined:
-            raise TransferError("no_group", "this worker is not in a transfer group")
-        with self._turn:
-            self._reset_if_regrouped()
-            seq = self._assigned[meta.dst_rank]
-            self._assigned[meta.dst_rank] += 1
-        return {"src_rank": self.member.rank, "generation": self.member.generation, "seq": seq}
+        if not meta.dst_endpoint:
+            raise TransferError("no_endpoint", "the receiver published no transfer endpoint")
+        expected = meta.layout.nbytes(meta.num_blocks)
+        if k.nbytes + v.nbytes != expected:
+            raise TransferError("layout", f"KV holds {k.nbytes + v.nbytes} bytes, its layout says {expected}")
+        out = self._outgoing(meta.dst_endpoint)
+        return {"sender": self.sender_id, "epoch": out.epoch, "tag": next(out.tags)}
 
-    def _in_turn(self, direction: str, peer: int, payload: dict, op) -> None:
-        """Run ``op`` when every earlier transfer with ``peer`` in this direction is done."""
-        key = (direction, peer)
-        with self._turn:
-            self._reset_if_regrouped()
-            current = lambda: payload["generation"] == self.member.generation and not self._regrouping  # noqa: E731
-            if not current():
-                raise TransferError("group_changed", "the transfer group was rebuilt mid-transfer")
-            self._turn.wait_for(lambda: self._done[key] >= payload["seq"] or not current())
-            # Checked again after the wait: the group may have been rebuilt meanwhile.
-            if not current():
-                raise TransferError("group_changed", "the transfer group was rebuilt mid-transfer")
-            self._active += 1
-        # The operation itself runs unlocked: transfers with other peers go on meanwhile
-        # (one lock over all of them could deadlock prefill and decode workers in a ring).
-        try:
-            op()
-        finally:
-            with self._turn:
-                self._active -= 1
-                if self._generation == payload["generation"]:  # not a newer group's counters
-                    self._done[key] = payload["seq"] + 1
-                self._turn.notify_all()
+    def _outgoing(self, endpoint: str) -> _Outgoing:
+        with self._lock:
+            return self._out.setdefault(endpoint, _Outgoing())
 
     def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: dict) -> None:
-        from ray.util import collective
-
-        def send() -> None:
-            for t in (k, v):
-                collective.send(_as_bytes(t), meta.dst_rank, GROUP_NAME)
-
         t0 = time.perf_counter()
-        self._in_turn("send", meta.dst_rank, payload, send)
+        out = self._outgoing(meta.dst_endpoint)
+        channel = self._send_channel(meta.dst_endpoint, out, payload["epoch"])
+        header = transfer_header(meta, k.nbytes, v.nbytes)
+        try:
+            channel.exchange("send", [header, _host_bytes(k), _host_bytes(v)], payload["tag"], self._op_timeout(meta))
+        except Exception as e:
+            self._drop_outgoing(out, payload["epoch"])
+            raise _as_transfer_error(e) from e
         self.stats.sent += 1
         self.stats.bytes_sent += k.nbytes + v.nbytes
         self.stats.seconds_sending += time.perf_counter() - t0
 
+    def _send_channel(self, endpoint: str, out: _Outgoing, epoch: int) -> Channel:
+        with out.lock:
+            if out.epoch != epoch:
+                raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
+            if out.channel is None:
+                from torch.distributed import TCPStore
+
+                host, port = endpoint.rsplit(":", 1)
+                try:
+                    if out.store is None:
+                        out.store = TCPStore(
+                            host, int(port), is_master=False, wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=self.connect_timeout_s),
+                        )
+                    out.channel = Channel(out.store, f"{self.sender_id}/{epoch}", 0, self.connect_timeout_s)
+                except Exception as e:
+                    out.epoch += 1  # a half-built rendezvous must not be joined again
+                    out.store = None
+                    raise TransferError("connect", f"no channel to {endpoint}: {e}") from e
+            return out.channel
+
+    def _drop_outgoing(self, out: _Outgoing, epoch: int) -> None:
+        with out.lock:
+            if out.epoch == epoch:
+                if out.channel is not None:
+                    out.channel.close()
+                out.channel = None
+                out.epoch += 1
+
+    def abandon(self, meta: TransferMeta, payload: dict) -> None:
+        """The receiver gave up on this transfer: close its channel, so the send fails now."""
+        self._drop_outgoing(self._outgoing(meta.dst_endpoint), payload["epoch"])
+
+    # -- receiver -------------------------------------------------------------------
+
     def pull(self, meta: TransferMeta, payload: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        from ray.util import collective
-
-        dtype = getattr(torch, meta.layout.dtype)
-        device = "cuda" if self.member.backend == "nccl" else "cpu"
-        shape = meta.layout.packed_shape(meta.num_blocks)
-        k = self._staging.take(shape, dtype, device)
-        v = self._staging.take(shape, dtype, device)
-        def recv() -> None:
-            for t in (k, v):
-                collective.recv(_as_bytes(t), payload["src_rank"], GROUP_NAME)
-
         t0 = time.perf_counter()
-        self._in_turn("recv", payload["src_rank"], payload, recv)
+        self.check_deadline(meta)
+        key = (payload["sender"], payload["epoch"])
+        channel = self._recv_channel(key)
+        dtype = getattr(torch, meta.layout.dtype)
+        shape = meta.layout.packed_shape(meta.num_blocks)
+        k = self._staging.take(shape, dtype, "cpu")
+        v = self._staging.take(shape, dtype, "cpu")
+        expected = transfer_header(meta, k.nbytes, v.nbytes)
+        header = torch.zeros_like(expected)
+        try:
+            channel.exchange("recv", [header], payload["tag"], self._op_timeout(meta))
+            if not torch.equal(header, expected):
+                raise TransferError(
+                    "header", f"transfer {meta.transfer_id}: header mismatch, the sender announced {header.tolist()}, "
+                    f"expected {expected.tolist()} (id hash, blocks, K bytes, V bytes)",
+                )
+            channel.exchange("recv", [_host_bytes(k), _host_bytes(v)], payload["tag"] + 1, self._op_timeout(meta))
+        except Exception as e:
+            # A receive that gave up may still be posted: the buffers stay out of the pool.
+            self._drop_incoming(key)
+            raise _as_transfer_error(e) from e
         self.stats.received += 1
         self.stats.bytes_received += k.nbytes + v.nbytes
         self.stats.seconds_receiving += time.perf_counter() - t0
+        if self.device == "nccl":
+            k, v = k.cuda(non_blocking=True), v.cuda(non_blocking=True)
         return k, v
 
+    def _recv_channel(self, key: tuple[str, int]) -> Channel:
+        sender, epoch = key
+        store = self._store_or_fail()
+        with self._lock:
+            if key in self._closed_in:
+                raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
+            # A newer epoch from the same sender means it has given up on the older ones.
+            for old in [k for k in self._in if k[0] == sender and k[1] < epoch]:
+                self._closed_in.add(old)
+                self._in.pop(old).close()
+            building = self._in_building.setdefault(key, threading.Lock())
+        with building:
+            with self._lock:
+                if key in self._in:
+                    return self._in[key]
+            try:
+                channel = Channel(store, f"{sender}/{epoch}", 1, self.connect_timeout_s)
+            except Exception as e:
+                with self._lock:
+                    self._closed_in.add(key)
+                raise TransferError("connect", f"no channel from {sender}: {e}") from e
+            with self._lock:
+                self._in[key] = channel
+                self._in_building.pop(key, None)
+            return channel
+
+    def _store_or_fail(self):
+        if self._store is None:
+            raise TransferError("no_endpoint", "this process published no transfer endpoint")
+        return self._store
+
+    def _drop_incoming(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            self._closed_in.add(key)
+            channel = self._in.pop(key, None)
+        if channel is not None:
+            channel.close()
 
     def recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._staging.give(k)
-        self._staging.give(v)
+        if k.device.type == "cpu":
+            self._staging.give(k)
+            self._staging.give(v)
+
+    def close(self) -> None:
+        """Close every channel (worker shutdown)."""
+        with self._lock:
+            channels = [o.channel for o in self._out.values() if o.channel] + list(self._in.values())
+            self._out.clear()
+            self._in.clear()
+        for c in channels:
+            c.close()
+
+    def _op_timeout(self, meta: TransferMeta) -> float:
+        return min(self.op_timeout_s, meta.time_left()) if meta.deadline else self.op_timeout_s
+
+
+def _as_transfer_error(e: Exception) -> TransferError:
+    if isinstance(e, TransferError):
+        return e
+    text = str(e)
+    if "Timed out" in text:
+        return TransferError("timeout", f"transfer timed out: {text[:200]}")
+    return TransferError("peer", f"transfer channel failed: {text[:200]}")
 
 
 class StagingPool:
@@ -213,5 +348,8 @@ class StagingPool:
                 self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 view, in host memory (gloo moves CPU tensors)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
     return t.contiguous().view(-1).view(torch.uint8)

@@ -15,7 +15,7 @@ class TransferConfig:
     timeout_s: float = 30.0  # deadline of one transfer, from the reservation
     lease_s: float = 60.0  # the sender drops its copy after this without an ack
     failure_policy: str = "recompute"  # what the decode side does when KV does not come
-    op_timeout_s: float = 60.0  # collective operations give up after this
+    op_timeout_s: float = 60.0  # a channel operation gives up after this, deadline or not
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
@@ -37,5 +37,5 @@ class TransferConfig:
 
         backend = make_backend(self.backend)
         if self.backend == "collective":
-            backend.member.op_timeout_ms = int(self.op_timeout_s * 1000)
+            backend.op_timeout_s = self.op_timeout_s
         return FaultyBackend(backend, self.faults) if self.faults.active else backend

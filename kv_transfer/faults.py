@@ -41,11 +41,8 @@ class FaultyBackend(KVTransferBackend):
         self._rng = random.Random(faults.seed)
 
     @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    def join(self, world_size: int, rank: int, generation: int) -> None:
-        self.inner.join(world_size, rank, generation)
+    def endpoint(self) -> str:
+        return self.inner.endpoint
 
     def prepare(self, meta, k, v):
         return self.inner.prepare(meta, k, v)
@@ -64,6 +61,12 @@ class FaultyBackend(KVTransferBackend):
 
     def release(self, meta, payload) -> None:
         self.inner.release(meta, payload)
+
+    def abandon(self, meta, payload) -> None:
+        self.inner.abandon(meta, payload)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def recycle(self, k, v) -> None:
         self.inner.recycle(k, v)

@@ -6,6 +6,8 @@ backend between two processes without engines in the way.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import time
 
 import torch
@@ -21,8 +23,12 @@ def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> tuple[torch.Tensor,
     return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
 
 
-def checksum(k: torch.Tensor, v: torch.Tensor) -> float:
-    return float(k.double().sum() + 2 * v.double().sum())
+def checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 of K's bytes then V's: any changed, lost or reordered byte shows."""
+    h = hashlib.sha256()
+    for t in (k, v):
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class TransferPeer:
@@ -31,12 +37,13 @@ class TransferPeer:
         self.backend = transfer.make_backend()
         self._held: dict[str, tuple] = {}
 
-    def join(self, world_size: int, rank: int, generation: int) -> int:
-        self.backend.join(world_size, rank, generation)
-        return rank
+    def endpoint(self) -> str:
+        return self.backend.endpoint
 
-    def rank(self) -> int:
-        return self.backend.rank
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def prepare(self, meta: TransferMeta, seed: int):
         """Make KV from ``seed``; returns (payload, checksum)."""
@@ -83,20 +90,31 @@ class TransferPeer:
     def stats(self) -> dict:
         return self.backend.stats.as_dict()
 
-    # Raw ray.util.collective send/recv into existing buffers: the benchmark's baseline.
-    def raw_setup(self, nbytes: int) -> None:
+    # A bare two-rank gloo group sending into existing buffers: the benchmark's baseline.
+    def raw_setup(self, nbytes: int, rank: int, store_addr: str | None = None) -> str:
+        """Rank 1 hosts the rendezvous and returns its address; rank 0 joins it (blocking)."""
+        from torch.distributed import ProcessGroupGloo, TCPStore
+
         self._raw = torch.empty(nbytes, dtype=torch.uint8)
+        if rank == 1:
+            self._raw_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            return f"127.0.0.1:{self._raw_store.port}"
+        host, port = store_addr.rsplit(":", 1)
+        self._raw_store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+        self._raw_pg = ProcessGroupGloo(self._raw_store, 0, 2, datetime.timedelta(seconds=60))
+        return store_addr
 
-    def raw_send(self, dst: int) -> float:
-        from ray.util import collective
+    def raw_join(self) -> None:
+        from torch.distributed import ProcessGroupGloo
 
+        self._raw_pg = ProcessGroupGloo(self._raw_store, 1, 2, datetime.timedelta(seconds=60))
+
+    def raw_send(self, tag: int) -> float:
         t0 = time.perf_counter()
-        collective.send(self._raw, dst, "default")
+        self._raw_pg.send([self._raw], 1, tag).wait()
         return time.perf_counter() - t0
 
-    def raw_recv(self, src: int) -> float:
-        from ray.util import collective
-
+    def raw_recv(self, tag: int) -> float:
         t0 = time.perf_counter()
-        collective.recv(self._raw, src, "default")
+        self._raw_pg.recv([self._raw], 0, tag).wait()
         return time.perf_counter() - t0

@@ -1,5 +1,5 @@
 """What every worker actor shares: an engine stepping in its thread, its metrics, and
-a transfer backend, with the health, group and stats methods the cluster calls.
+a transfer backend, with the health and stats methods the cluster calls.
 
 ``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It lives here,
 below both worker packages, because it joins the engine to a transfer backend.
@@ -7,7 +7,6 @@ below both worker packages, because it joins the engine to a transfer backend.
 
 from __future__ import annotations
 
-import asyncio
 import os
 
 import torch
@@ -55,10 +54,6 @@ class WorkerBase:
         """Start the step thread; answers health checks with who this is."""
         self.runtime.start()
         return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
-
-    async def join_group(self, world_size: int, rank: int, generation: int) -> int:
-        await asyncio.to_thread(self.backend.join, world_size, rank, generation)
-        return rank
 
     async def stats(self) -> dict:
         stats = (await self.runtime.call(self.engine.stats)).__dict__

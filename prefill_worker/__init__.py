@@ -1,5 +1,5 @@
 """The prefill worker: computes prompt KV and ships it to a decode worker."""
 
-from prefill_worker.worker import PrefillLoad, PrefillResult, PrefillWorker
+from prefill_worker.worker import PrefillWorker
 
-__all__ = ["PrefillLoad", "PrefillResult", "PrefillWorker"]
+__all__ = ["PrefillWorker"]

@@ -18,36 +18,13 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from kv_transfer import TransferMeta, TransferState
+from engine.messages import PrefillLoad, PrefillResult, TransferState
+from kv_transfer import TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.worker_base import WorkerBase
-
-
-@dataclass(frozen=True)
-class PrefillLoad:
-    worker_id: str
-    queued_prefill_tokens: int
-    running_chunks: int
-    waiting: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    first_token: int
-    num_cached_tokens: int
-    state: int  # TransferState
-    queue_s: float
-    prefill_s: float
-    transfer_s: float
-    kv_bytes: int
-    error: str | None = None
 
 
 class PrefillWorker(WorkerBase):
@@ -101,8 +78,7 @@ class PrefillWorker(WorkerBase):
             layout=self.layout,  # the receiver checks it against its own
             num_blocks=k.shape[1],
             num_tokens=len(prompt_token_ids),
-            src_rank=self.backend.rank,
-            dst_rank=reservation.dst_rank,
+            dst_endpoint=reservation.endpoint,
             deadline=reservation.deadline,
         )
         state, error = await self._send(meta, k, v, decode_worker, final)
@@ -123,8 +99,10 @@ class PrefillWorker(WorkerBase):
         payload = None
         try:
             payload = self.backend.prepare(meta, k, v)
-            ack = decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp, final.num_cached_tokens)
-            await self.backend.push_async(meta, k, v, payload)
+            ack = asyncio.ensure_future(
+                decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp, final.num_cached_tokens)
+            )
+            await self._push_until_answered(meta, k, v, payload, ack)
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
             return state, None if state == TransferState.DONE else "receiver reported failure"
         except Exception as e:  # any failure ends this transfer; the decode side recovers
@@ -137,4 +115,18 @@ class PrefillWorker(WorkerBase):
         finally:
             if payload is not None:
                 self.backend.release(meta, payload)
+
+    async def _push_until_answered(self, meta: TransferMeta, k, v, payload, ack: asyncio.Future) -> None:
+        """Push the bytes; stop early if the receiver answers that it will not take them."""
+        push = asyncio.ensure_future(self.backend.push_async(meta, k, v, payload))
+        await asyncio.wait([ack, push], return_when=asyncio.FIRST_COMPLETED)
+        if not push.done() and (ack.exception() is not None or ack.result() != TransferState.DONE):
+            # Refused or gave up: without this the push waits for a receive that never comes.
+            self.backend.abandon(meta, payload)
+        try:
+            await push
+        except Exception:
+            if not ack.done():
+                raise
+            # The receiver's answer says what happened; the push's own error adds nothing.
 

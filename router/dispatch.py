@@ -5,6 +5,12 @@ A disaggregated request's way through the dispatcher::
     pick decode worker ─▶ reserve blocks ─▶ pick prefill worker ─▶ prefill (async)
         ─▶ stream deltas from the decode worker ─▶ finished / error / cancelled
 
+Tokens come back over one ``subscribe`` stream per decode worker (``Subscriptions``):
+each message holds one engine step's deltas for all of this dispatcher's requests on
+that worker, which the dispatcher hands to each request's ``Inbox``. So the Ray
+messages per step do not grow with the batch, and an abort is just one more item in
+the request's inbox.
+
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
 apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
 reached the client is retried on another worker (up to ``max_retries``); once tokens
@@ -20,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
 
-from decode_worker.worker import StreamDelta
+from engine.messages import ErrorKind, StreamDelta
 from engine.sampling_params import SamplingParams
 from router.placement import (
     PrefixIndex,
@@ -37,8 +45,6 @@ from router.placement import (
 )
 
 PLACEMENTS = ("load", "round_robin")
-# How a "no room anywhere" error delta begins, so the ingress can answer 503 (retryable).
-NO_CAPACITY = "no decode worker had room"
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,103 @@ log = logging.getLogger(__name__)
 class WorkerRef:
     worker_id: str
     handle: object  # a Ray actor handle
+    incarnation: str = ""  # unique per actor: a replacement reuses worker_id, not this
+
+    @property
+    def key(self) -> str:
+        return self.incarnation or self.worker_id
+
+
+class WorkerDied(RuntimeError):
+    """The decode worker's subscription stream broke: the worker is gone."""
+
+
+_ABORTED = object()
+
+
+class Inbox:
+    """One request's deltas as the subscription delivers them (a minimal async queue)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class Subscriptions:
+    """This dispatcher's ``subscribe`` stream to each decode worker, and who waits on it.
+
+    A stream is opened on the first request to a worker and kept; each message (one
+    engine step's deltas) is fanned out to the requests' inboxes. When the stream
+    breaks (the worker died) every request still registered on it gets ``WorkerDied``.
+    Every stream has its own subscriber name, so a stream opened anew (after a death,
+    or from another event loop) never shares a worker-side outbox with an old one.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._streams = itertools.count()
+        self._inboxes: dict[str, dict[str, Inbox]] = {}  # worker key -> request id -> inbox
+        self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # worker key -> (reader, subscriber)
+
+    def open(self, worker: WorkerRef, request_id: str, inbox: Inbox) -> str:
+        """Register a request before it is sent to ``worker``; starts the stream if needed.
+
+        Returns the subscriber name to route the request to.
+        """
+        self._inboxes.setdefault(worker.key, {})[request_id] = inbox
+        reader = self._readers.get(worker.key)
+        if reader is None or reader[0].done():
+            subscriber = f"{self.name}-{next(self._streams)}"
+            task = asyncio.get_running_loop().create_task(self._read(worker, subscriber))
+            reader = self._readers[worker.key] = (task, subscriber)
+        return reader[1]
+
+    def close(self, worker: WorkerRef, request_id: str) -> None:
+        inboxes = self._inboxes.get(worker.key)
+        if inboxes is not None:
+            inboxes.pop(request_id, None)
+
+    async def _read(self, worker: WorkerRef, subscriber: str) -> None:
+        inboxes = self._inboxes[worker.key]
+        make = StreamDelta._make
+        error: BaseException = WorkerDied(f"decode worker {worker.worker_id} ended its stream")
+        try:
+            stream = worker.handle.subscribe.options(num_returns="streaming").remote(subscriber)
+            async for ref in stream:
+                for item in await ref:
+                    inbox = inboxes.get(item[0])
+                    if inbox is not None:
+                        inbox.put(make(item))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # RayActorError above all: the worker is gone
+            error = WorkerDied(f"decode worker {worker.worker_id} died: {type(e).__name__}")
+        finally:
+            self._readers.pop(worker.key, None)
+            dropped = self._inboxes.pop(worker.key, {})
+            for inbox in dropped.values():
+                inbox.put(error)
+
+    def stop(self) -> None:
+        for task, _ in self._readers.values():
+            task.cancel()
 
 
 @dataclass(frozen=True)
@@ -86,8 +189,9 @@ class Dispatcher:
         self._decode_ties = itertools.count()  # separate counters, so ties rotate within each pool
         self._prefill_ties = itertools.count()
         self._poller: asyncio.Task | None = None
-        self._aborts: dict[str, asyncio.Event] = {}  # in-flight request id -> its abort signal
+        self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._prefixes = PrefixIndex()
+        self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}")
 
     # -- load reports ----------------------------------------------------------
 
@@ -117,6 +221,7 @@ class Dispatcher:
     def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+        self.subscriptions.stop()
 
     # -- placement -------------------------------------------------------------
 
@@ -163,42 +268,40 @@ class Dispatcher:
         """
         self._ensure_polling()
         rid = request_id or f"d{next(self._ids)}"
-        if rid in self._aborts:
-            yield _error_delta(rid, f"request_id {rid!r} is already in flight")
+        if rid in self._inflight:
+            yield StreamDelta.failure(rid, ErrorKind.INVALID, f"request_id {rid!r} is already in flight")
             return
-        aborted = self._aborts[rid] = asyncio.Event()
-        abort_wait = asyncio.ensure_future(aborted.wait())
+        inbox = self._inflight[rid] = Inbox()
         try:
-            async for delta in self._run(rid, prompt_token_ids, params, abort_wait):
+            async for delta in self._run(rid, prompt_token_ids, params, inbox):
                 yield delta
         finally:
-            abort_wait.cancel()
-            del self._aborts[rid]
+            del self._inflight[rid]
 
     def in_flight(self, request_id: str) -> bool:
-        return request_id in self._aborts
+        return request_id in self._inflight
 
     def abort(self, request_id: str) -> bool:
         """Abort a request: its blocks are freed on every worker and its stream ends.
 
         Returns whether the request was in flight on this dispatcher.
         """
-        event = self._aborts.get(request_id)
-        if event is None:
+        inbox = self._inflight.get(request_id)
+        if inbox is None:
             self._abort_everywhere(request_id)  # not ours: free whatever the workers hold
         else:
-            event.set()  # its stream's task aborts it everywhere
-        return event is not None
+            inbox.put(_ABORTED)  # its stream's task aborts it everywhere
+        return inbox is not None
 
-    async def _run(self, rid, prompt_token_ids, params, abort_wait) -> AsyncIterator[StreamDelta]:
+    async def _run(self, rid, prompt_token_ids, params, inbox: Inbox) -> AsyncIterator[StreamDelta]:
         blocks = -(-(len(prompt_token_ids) + 1) // self.config.block_size)
         delivered = 0
         failed: set[str] = set()
         for attempt in range(self.config.max_retries + 1):
             try:
-                decode, stream = await self._start(rid, prompt_token_ids, params, blocks, failed)
+                decode = await self._start(rid, prompt_token_ids, params, blocks, failed, inbox)
             except NoCapacityError as e:
-                yield _error_delta(rid, str(e))
+                yield StreamDelta.failure(rid, ErrorKind.NO_CAPACITY, str(e))
                 return
             except BaseException:
                 # Cancelled while placing: a reservation may already hold blocks.
@@ -206,24 +309,24 @@ class Dispatcher:
                 raise
             try:
                 while True:
-                    delta = await _next_or_abort(stream, abort_wait)
-                    if delta is None:
-                        yield _error_delta(rid, "the decode worker ended the stream early")
-                        return
-                    if delta is _ABORTED:
+                    item = await inbox.get()
+                    if item is _ABORTED:
                         self._abort_everywhere(rid)
                         yield _aborted_delta(rid, len(prompt_token_ids), delivered)
                         return
-                    delivered += len(delta.token_ids)
-                    yield delta
-                    if delta.finished:
+                    if isinstance(item, WorkerDied):
+                        raise item
+                    delivered += len(item.token_ids)
+                    yield item
+                    if item.finished:
                         return
-            except RayActorError:
+            except (WorkerDied, RayActorError):
                 failed.add(decode.worker_id)
                 self._loads.pop(decode.worker_id, None)
                 if delivered:
-                    yield _error_delta(
-                        rid, f"decode worker {decode.worker_id} died after {delivered} tokens were sent"
+                    yield StreamDelta.failure(
+                        rid, ErrorKind.WORKER_FAILED,
+                        f"decode worker {decode.worker_id} died after {delivered} tokens were sent",
                     )
                     return
                 log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, attempt + 1)
@@ -231,10 +334,17 @@ class Dispatcher:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
                 self._abort_everywhere(rid)
                 raise
-        yield _error_delta(rid, f"request failed after {self.config.max_retries + 1} attempts")
+            finally:
+                self.subscriptions.close(decode, rid)
+        yield StreamDelta.failure(
+            rid, ErrorKind.WORKER_FAILED, f"request failed after {self.config.max_retries + 1} attempts"
+        )
 
-    async def _start(self, rid, prompt, params, blocks, exclude):
-        """Place the request and start its stream; waits (bounded) for KV room."""
+    async def _start(self, rid, prompt, params, blocks, exclude, inbox: Inbox) -> WorkerRef:
+        """Place the request on a decode worker, its deltas routed to ``inbox``.
+
+        Waits (bounded) for KV room.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.capacity_wait_s
         while True:
@@ -242,27 +352,31 @@ class Dispatcher:
                 await self.refresh_loads()
             decode = self._choose_decode(blocks, exclude)
             if decode is not None:
-                if not self._prefill():
-                    self._pending_blocks[decode.worker_id] -= blocks
-                    stream = decode.handle.generate.options(num_returns="streaming").remote(rid, prompt, params)
-                    return decode, stream
+                subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
-                    reservation = await decode.handle.reserve.remote(rid, prompt, params)
+                    if not self._prefill():
+                        await decode.handle.submit.remote(rid, prompt, params, subscriber)
+                        return decode
+                    reservation = await decode.handle.reserve.remote(rid, prompt, params, subscriber)
                 except RayActorError:
                     # Died before taking the request: place it elsewhere.
+                    self.subscriptions.close(decode, rid)
                     exclude.add(decode.worker_id)
                     self._loads.pop(decode.worker_id, None)
                     continue
+                except BaseException:
+                    self.subscriptions.close(decode, rid)
+                    raise
                 finally:
-                    # From here the worker's own load reports count the reservation.
+                    # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
                     self._start_prefill(rid, prompt, params, decode, reservation)
-                    stream = decode.handle.generate.options(num_returns="streaming").remote(rid)
-                    return decode, stream
+                    return decode
+                self.subscriptions.close(decode, rid)
             if loop.time() > deadline:
                 raise NoCapacityError(
-                    f"{NO_CAPACITY} for {blocks} KV blocks within {self.config.capacity_wait_s}s"
+                    f"no decode worker had room for {blocks} KV blocks within {self.config.capacity_wait_s}s"
                 )
             await asyncio.sleep(self.config.load_poll_s)
             await self.refresh_loads()
@@ -295,36 +409,6 @@ class Dispatcher:
                 pass
 
 
-_ABORTED = object()
-
-
-async def _next_delta(stream) -> StreamDelta | None:
-    try:
-        ref = await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-    return await ref
-
-
-async def _next_or_abort(stream, abort_wait: asyncio.Future):
-    """The stream's next delta (None at its end), or ``_ABORTED`` if the abort came first."""
-    if abort_wait.done():
-        return _ABORTED
-    nxt = asyncio.ensure_future(_next_delta(stream))
-    try:
-        await asyncio.wait((nxt, abort_wait), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not nxt.done():
-            nxt.cancel()
-            nxt.add_done_callback(_swallow)  # its TaskCancelledError is expected
-    return nxt.result() if nxt.done() and not nxt.cancelled() else _ABORTED
-
-
-def _swallow(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
 def _aborted_delta(rid: str, num_prompt_tokens: int, num_output_tokens: int) -> StreamDelta:
     return StreamDelta(
         request_id=rid,
@@ -335,7 +419,3 @@ def _aborted_delta(rid: str, num_prompt_tokens: int, num_output_tokens: int) -> 
         num_prompt_tokens=num_prompt_tokens,
         num_output_tokens=num_output_tokens,
     )
-
-
-def _error_delta(rid: str, message: str) -> StreamDelta:
-    return StreamDelta(request_id=rid, token_ids=[], text="", finished=True, finish_reason="error", error=message)

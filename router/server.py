@@ -44,7 +44,8 @@ from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
-from router.dispatch import NO_CAPACITY, Dispatcher, DispatchConfig
+from engine.messages import ErrorKind, StreamDelta
+from router.dispatch import Dispatcher, DispatchConfig
 from router.openai_api import Accumulator, Envelope, model_list, sse
 from router.validation import (
     ApiError,
@@ -190,11 +191,14 @@ class RouterCore:
             )
 
 
-def _server_error(message: str) -> ApiError:
-    """A failed request: 503 (retry later) when the workers had no room, else 500."""
-    if message.startswith(NO_CAPACITY):
-        return ApiError(503, message, type="server_error", code="no_capacity", retry_after_s=1)
-    return ApiError(500, message, type="server_error")
+def _server_error(delta: StreamDelta) -> ApiError:
+    """A failed request: 503 (retry later) when the workers had no room, 400 for a bad
+    request the workers caught, else 500."""
+    if delta.error_kind == ErrorKind.NO_CAPACITY:
+        return ApiError(503, delta.error, type="server_error", code="no_capacity", retry_after_s=1)
+    if delta.error_kind == ErrorKind.INVALID:
+        return ApiError(400, delta.error)
+    return ApiError(500, delta.error, type="server_error")
 
 
 def _bearer(header: str | None) -> str | None:
@@ -274,7 +278,7 @@ class Router:
             raise
         if first.error:
             await deltas.aclose()
-            raise _server_error(first.error)
+            raise _server_error(first)
         if not prepared.stream:
             return await self._whole(first, deltas, acc, env, chat)
         sse_body = self._sse_chat if chat else self._sse_completion
@@ -286,7 +290,7 @@ class Router:
         async with aclosing(deltas):
             async for delta in deltas:
                 if delta.error:
-                    raise _server_error(delta.error)
+                    raise _server_error(delta)
                 acc.add(delta)
         return env.chat(acc) if chat else env.completion(acc)
 
@@ -323,7 +327,7 @@ class Router:
             delta = first
             while True:
                 if delta.error:
-                    yield _server_error(delta.error)
+                    yield _server_error(delta)
                     return
                 offset = len(acc.text)
                 yield delta, acc.add(delta), offset
@@ -357,7 +361,7 @@ class Router:
         async with aclosing(core.run(prepared, rid, ticket)) as deltas:
             async for delta in deltas:
                 if delta.error:
-                    _fail(grpc_context, grpc_api.status_code(_server_error(delta.error)), delta.error)
+                    _fail(grpc_context, grpc_api.status_code(_server_error(delta)), delta.error)
                 yield grpc_api.response(delta)
 
     async def Abort(self, request, grpc_context):

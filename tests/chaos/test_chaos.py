@@ -293,8 +293,8 @@ def test_router_replica_restarted(service, tiny_model, workload):
 def slow_transfer_service(services, request):
     """Each KV receive waits 0.3 s first: there is always a transfer in flight to break.
 
-    Over gloo a dead peer leaves its half of a send/recv waiting: short deadlines let the
-    survivors give up (and the group be rebuilt) within the test's patience.
+    Short deadlines let a survivor whose peer froze give up within the test's patience
+    (a dead peer fails its channel at once).
     """
     transfer = {"backend": request.param, "faults": {"delay_s": 0.3}, "timeout_s": 5, "op_timeout_s": 10}
     return services.get(f"slow {request.param} transfers", **{**KILL_SETTINGS, "transfer": transfer})

@@ -1,9 +1,12 @@
 """Conformance suite: every transfer backend the machine can run, between two processes.
 
 The same checks run against each backend: bytes arrive intact (float32 and
-bfloat16), concurrent transfers from two senders to one receiver do not mix, a
-transfer past its deadline fails with reason "timeout" and is counted, and a
-released transfer leaves nothing held. NCCL needs a GPU per rank: its checks are in
+bfloat16, compared by sha256), concurrent transfers from two senders to one receiver do
+not mix, a transfer past its deadline fails with reason "timeout" and is counted, and a
+released transfer leaves nothing held. The collective backend's pairwise channels are
+checked further: a layout that does not match is refused before any byte moves, a
+receiver that gives up does not stall the pair, and a sender that dies mid-stream
+breaks only its own channel. NCCL needs a GPU per rank: its checks are in
 ``tests/gpu/test_nccl_transfer.py``.
 """
 
@@ -25,19 +28,19 @@ BACKENDS = ["object_store", "collective"]  # collective: gloo, as the actors see
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def peers(request, ray_cluster):
-    """Two senders and one receiver sharing one transfer group."""
+    """Two senders and one receiver."""
     actor = ray.remote(TransferPeer).options(num_cpus=0, max_concurrency=64)
     peers = [actor.remote(TransferConfig(backend=request.param)) for _ in range(3)]
-    ray.get([p.join.remote(3, rank, 0) for rank, p in enumerate(peers)], timeout=120)
     yield peers
     for p in peers:
         ray.kill(p)
 
 
-def _meta(tid, src, dst, num_blocks=3, layout=LAYOUT, deadline_s=30.0):
+def _meta(tid, receiver, num_blocks=3, layout=LAYOUT, deadline_s=30.0):
     return TransferMeta(
         transfer_id=tid, request_id=tid, layout=layout, num_blocks=num_blocks,
-        num_tokens=num_blocks * layout.block_size, src_rank=src, dst_rank=dst,
+        num_tokens=num_blocks * layout.block_size,
+        dst_endpoint=ray.get(receiver.endpoint.remote()) if receiver is not None else "",
         deadline=time.time() + deadline_s,
     )
 
@@ -54,7 +57,7 @@ def _transfer(sender, receiver, meta, seed):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_arrives_intact(peers, dtype):
     layout = KVLayout(2, 16, 2, 64, dtype)
-    sent, got = _transfer(peers[0], peers[2], _meta(f"intact-{dtype}", 0, 2, layout=layout), seed=1)
+    sent, got = _transfer(peers[0], peers[2], _meta(f"intact-{dtype}", peers[2], layout=layout), seed=1)
     assert got == sent, "received KV differs from what was sent"
 
 
@@ -62,7 +65,7 @@ def test_concurrent_transfers_from_two_senders_do_not_mix(peers):
     metas, expected, pulls = [], [], []
     for i in range(8):
         src = i % 2
-        meta = _meta(f"mix-{i}", src, 2, num_blocks=1 + i)
+        meta = _meta(f"mix-{i}", peers[2], num_blocks=1 + i)
         payload, s = ray.get(peers[src].prepare.remote(meta, seed=100 + i))
         metas.append((src, meta))
         expected.append(s)
@@ -75,17 +78,17 @@ def test_concurrent_transfers_from_two_senders_do_not_mix(peers):
 
 
 def test_transfer_past_its_deadline_fails_and_is_counted(peers):
-    meta = _meta("late", 0, 2, deadline_s=-1.0)
+    meta = _meta("late", peers[2], deadline_s=-1.0)
     payload, _ = ray.get(peers[0].prepare.remote(meta, seed=3))
     before = ray.get(peers[2].stats.remote())["failures"].get("timeout", 0)
     with pytest.raises(TransferError, match="deadline|timed out"):
         ray.get(peers[2].pull.remote(meta, payload), timeout=30)
     # The sender still pushes, as a prefill worker does: a late transfer must not
-    # leave the pair's messages out of step for the transfers after it.
+    # break the pair for the transfers after it.
     with pytest.raises(TransferError, match="deadline"):
         ray.get(peers[0].push.remote(meta), timeout=30)
     ray.get(peers[0].release.remote(meta))
-    sent, got = _transfer(peers[0], peers[2], _meta("after-late", 0, 2), seed=4)
+    sent, got = _transfer(peers[0], peers[2], _meta("after-late", peers[2]), seed=4)
     assert got == sent, "the transfer after a late one must arrive intact"
     after = ray.get(peers[2].stats.remote())["failures"].get("timeout", 0)
     assert after == before + 1, "a timed-out transfer is counted once by the receiver"
@@ -95,7 +98,7 @@ def test_inprocess_backend_round_trip_and_release():
     from kv_transfer.inprocess import InProcessBackend
 
     backend = InProcessBackend()
-    meta = _meta("local", -1, -1)
+    meta = _meta("local", None)
     k, v = make_kv(LAYOUT, 3, seed=4)
     payload = backend.prepare(meta, k, v)
     k2, v2 = backend.pull(meta, payload)
@@ -105,4 +108,77 @@ def test_inprocess_backend_round_trip_and_release():
     with pytest.raises(TransferError, match="no data"):
         backend.pull(meta, payload)
     with pytest.raises(TransferError, match="deadline"):
-        backend.pull(_meta("late", -1, -1, deadline_s=-1), payload)
+        backend.pull(_meta("late", None, deadline_s=-1), payload)
+
+
+# -- the collective backend's pairwise channels ---------------------------------------
+
+
+@pytest.fixture
+def channel_peers(ray_cluster):
+    """Fresh collective peers per test: these tests break channels on purpose."""
+    actor = ray.remote(TransferPeer).options(num_cpus=0, max_concurrency=64)
+    peers = [actor.remote(TransferConfig(backend="collective", op_timeout_s=20)) for _ in range(3)]
+    yield peers
+    for p in peers:
+        ray.kill(p)
+
+
+def test_a_transfer_that_is_not_the_announced_one_is_refused_before_bytes_land(channel_peers):
+    sender, receiver = channel_peers[0], channel_peers[2]
+    meta = _meta("announced", receiver, num_blocks=3)
+    payload, _ = ray.get(sender.prepare.remote(meta, seed=5))
+    # The receiver expects four blocks where the sender packed three: the header differs.
+    expected = TransferMeta(**{**meta.__dict__, "num_blocks": 4})
+    pull = receiver.pull.remote(expected, payload)
+    with pytest.raises(TransferError):
+        ray.get(sender.push.remote(meta), timeout=30)
+    with pytest.raises(TransferError, match="header"):
+        ray.get(pull, timeout=30)
+    assert ray.get(receiver.stats.remote())["bytes_received"] == 0, "no byte may land"
+    ray.get(sender.release.remote(meta))
+    sent, got = _transfer(sender, receiver, _meta("after-refusal", receiver), seed=6)
+    assert got == sent, "a refused transfer must leave the pair working"
+
+
+def test_a_receiver_that_gives_up_breaks_neither_the_pair_nor_the_process(channel_peers):
+    sender, receiver = channel_peers[0], channel_peers[2]
+    meta = _meta("given-up", receiver, deadline_s=1.5)
+    payload, _ = ray.get(sender.prepare.remote(meta, seed=7))
+    with pytest.raises(TransferError, match="deadline|timed out"):
+        ray.get(receiver.pull.remote(meta, payload), timeout=30)  # nobody pushes
+    # The sender pushes after the receiver gave up: its send must fail, not hang or land.
+    with pytest.raises(TransferError):
+        ray.get(sender.push.remote(meta), timeout=30)
+    ray.get(sender.release.remote(meta))
+    for i in range(3):  # the next transfers build a fresh channel and arrive intact
+        sent, got = _transfer(sender, receiver, _meta(f"after-give-up-{i}", receiver), seed=8 + i)
+        assert got == sent, f"transfer {i} after a receiver gave up must arrive intact"
+
+
+def test_transfers_of_one_pair_match_whatever_order_they_run_in(channel_peers):
+    sender, receiver = channel_peers[0], channel_peers[2]
+    metas = [_meta(f"order-{i}", receiver, num_blocks=1 + i % 3) for i in range(6)]
+    prepared = [ray.get(sender.prepare.remote(m, seed=20 + i)) for i, m in enumerate(metas)]
+    pulls = [receiver.pull.remote(m, p) for m, (p, _) in zip(metas, prepared)]
+    ray.get([sender.push.remote(m) for m in reversed(metas)], timeout=60)  # pushed last first
+    got = [r[0] for r in ray.get(pulls, timeout=60)]
+    assert got == [s for _, s in prepared], "each receive must get its own transfer's bytes"
+    ray.get([sender.release.remote(m) for m in metas])
+
+
+def test_a_dead_sender_breaks_only_its_own_channel(channel_peers):
+    doomed, other, receiver = channel_peers
+    for sender, seed in ((doomed, 30), (other, 31)):  # both channels built and working
+        sent, got = _transfer(sender, receiver, _meta(f"warm-{seed}", receiver), seed=seed)
+        assert got == sent
+    meta = _meta("doomed", receiver, num_blocks=2)
+    payload, _ = ray.get(doomed.prepare.remote(meta, seed=32))
+    pull = receiver.pull.remote(meta, payload)  # posted; the sender dies before sending
+    ray.kill(doomed)
+    t0 = time.time()
+    with pytest.raises(TransferError, match="channel|closed|peer"):
+        ray.get(pull, timeout=30)
+    assert time.time() - t0 < 15, "a dead peer must fail the receive long before its deadline"
+    sent, got = _transfer(other, receiver, _meta("survivor", receiver), seed=33)
+    assert got == sent, "another sender's channel must keep working after a peer died"

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from decode_worker.worker import DecodeLoad
+from engine.messages import DecodeLoad, PrefillLoad
 from engine.sampling_params import SamplingParams
-from prefill_worker.worker import PrefillLoad
 from router.dispatch import DispatchConfig, Dispatcher, WorkerRef
 
 
@@ -36,7 +35,7 @@ class _FakeDecode:
     async def _load(self):
         return DecodeLoad("decode-0", free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _reserve(self, rid, prompt, params):
+    async def _reserve(self, rid, prompt, params, subscriber):
         self.reserve_started.set()
         await self.release_reserve.wait()
         self.reserved.add(rid)
@@ -84,3 +83,175 @@ def test_a_request_cancelled_while_its_blocks_are_being_reserved_is_aborted_on_e
     decode, prefill = asyncio.run(main())
     assert decode.aborted == ["r1"] and prefill.aborted == ["r1"]
     assert not decode.reserved, "the reservation must not outlive the request"
+
+
+# -- token delivery over the per-worker subscription -------------------------------
+
+
+class _Stream:
+    """What ``subscribe.options(num_returns="streaming").remote()`` returns: refs to await."""
+
+    def __init__(self, queue: asyncio.Queue) -> None:
+        self.queue = queue
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        ref = asyncio.get_running_loop().create_future()
+        ref.set_result(item)
+        return ref
+
+
+class _StreamingMethod:
+    def __init__(self, open_stream) -> None:
+        self.open_stream = open_stream
+
+    def options(self, **_):
+        return self
+
+    def remote(self, subscriber):
+        return self.open_stream(subscriber)
+
+
+class _FakeColocated:
+    """A colocated worker whose step messages the test writes by hand."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self.subscribers: list[str] = []
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self.load = _Method(self._load)
+        self.submit = _Method(self._submit)
+        self.abort = _Method(self._abort)
+        self.subscribe = _StreamingMethod(self._subscribe)
+
+    def _subscribe(self, subscriber):
+        self.subscribers.append(subscriber)
+        return _Stream(self.messages)
+
+    async def _load(self):
+        return DecodeLoad(self.worker_id, free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
+
+    async def _submit(self, rid, prompt, params, subscriber):
+        self.submitted.append(rid)
+
+    async def _abort(self, rid):
+        self.aborted.append(rid)
+
+    def step(self, *deltas: tuple) -> None:
+        """One engine step's message: (request id, token ids, text, finished) per request."""
+        self.messages.put_nowait(
+            [(rid, ids, text, done, "length" if done else None, 3, 0, 0, None, None, None)
+             for rid, ids, text, done in deltas]
+        )
+
+
+def _colocated_dispatcher(*workers: _FakeColocated) -> Dispatcher:
+    refs = [WorkerRef(w.worker_id, w) for w in workers]
+    return Dispatcher(lambda: [], lambda: [r for r in refs if r.handle.alive], DispatchConfig())
+
+
+async def _collect(dispatcher: Dispatcher, rid: str, out: dict) -> None:
+    out[rid] = [d async for d in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), rid)]
+
+
+async def _until(cond, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def test_one_step_message_reaches_every_request_it_carries_over_one_stream():
+    async def main():
+        worker = _FakeColocated("decode-0")
+        worker.alive = True
+        dispatcher = _colocated_dispatcher(worker)
+        out: dict = {}
+        tasks = [asyncio.create_task(_collect(dispatcher, f"r{i}", out)) for i in range(3)]
+        await _until(lambda: len(worker.submitted) == 3)
+        worker.step(("r0", [5], "a", False), ("r1", [6], "b", False), ("r2", [7], "c", True))
+        worker.step(("r0", [8, 9], "de", True), ("r1", [10], "f", True))
+        await asyncio.gather(*tasks)
+        dispatcher.close()
+        return worker, out
+
+    worker, out = asyncio.run(main())
+    assert len(worker.subscribers) == 1, "all requests on a worker must share one subscription stream"
+    assert [d.token_ids for d in out["r0"]] == [[5], [8, 9]]
+    assert [d.text for d in out["r1"]] == ["b", "f"]
+    assert [d.finished for d in out["r2"]] == [True], "r2 finished in the first step"
+
+
+def test_a_worker_dying_before_any_token_reruns_the_request_elsewhere():
+    from ray.exceptions import RayActorError
+
+    async def main():
+        doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1")
+        doomed.alive, spare.alive = True, False  # the spare joins after the death
+        dispatcher = _colocated_dispatcher(doomed, spare)
+        out: dict = {}
+        task = asyncio.create_task(_collect(dispatcher, "r0", out))
+        await _until(lambda: doomed.submitted == ["r0"])
+        doomed.alive, spare.alive = False, True
+        await dispatcher.refresh_loads()
+        doomed.messages.put_nowait(RayActorError())
+        await _until(lambda: spare.submitted == ["r0"])
+        spare.step(("r0", [4, 5], "ok", True))
+        await task
+        dispatcher.close()
+        return out
+
+    out = asyncio.run(main())
+    assert [(d.token_ids, d.error) for d in out["r0"]] == [([4, 5], None)], "the re-run must finish cleanly"
+
+
+def test_a_worker_dying_after_tokens_were_sent_ends_the_stream_with_an_error():
+    from engine.messages import ErrorKind
+    from ray.exceptions import RayActorError
+
+    async def main():
+        worker = _FakeColocated("decode-0")
+        worker.alive = True
+        dispatcher = _colocated_dispatcher(worker)
+        out: dict = {}
+        task = asyncio.create_task(_collect(dispatcher, "r0", out))
+        await _until(lambda: worker.submitted == ["r0"])
+        worker.step(("r0", [4], "x", False))
+        worker.messages.put_nowait(RayActorError())
+        await task
+        dispatcher.close()
+        return out
+
+    deltas = asyncio.run(main())["r0"]
+    assert deltas[0].token_ids == [4]
+    assert deltas[-1].finished and deltas[-1].error_kind == ErrorKind.WORKER_FAILED
+    assert "after 1 tokens" in deltas[-1].error, deltas[-1].error
+
+
+def test_abort_ends_the_stream_with_abort_and_frees_the_request_on_the_worker():
+    async def main():
+        worker = _FakeColocated("decode-0")
+        worker.alive = True
+        dispatcher = _colocated_dispatcher(worker)
+        out: dict = {}
+        task = asyncio.create_task(_collect(dispatcher, "r0", out))
+        await _until(lambda: worker.submitted == ["r0"])
+        worker.step(("r0", [4], "x", False))
+        await _until(worker.messages.empty)
+        await asyncio.sleep(0.05)  # the token reaches the request before the abort
+        assert dispatcher.abort("r0")
+        await task
+        await _until(lambda: worker.aborted == ["r0"])
+        dispatcher.close()
+        return out
+
+    deltas = asyncio.run(main())["r0"]
+    assert deltas[-1].finish_reason == "abort" and deltas[-1].num_output_tokens == 1

@@ -1,0 +1,129 @@
+"""The messages that cross process boundaries between the router and the workers.
+
+Plain data, no torch: the router process unpickles every one of these (load reports,
+reservations, prefill results, token deltas), and a process that only routes should
+not load a tensor library to do so. Workers build them; the router reads them.
+
+Token deltas travel as plain tuples in ``StreamDelta``'s field order, one list of them
+per engine step and subscriber (``StepDeltas``): a tuple pickles several times faster
+than any class instance, and this is the path every streamed token takes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request failed, so that each edge can answer with the right status."""
+
+    NO_CAPACITY = "no_capacity"  # no decode worker had room in time (retryable: 503)
+    WORKER_FAILED = "worker_failed"  # a worker died or broke mid request (500)
+    TRANSFER_FAILED = "transfer_failed"  # the KV did not come and the policy is "fail" (500)
+    INVALID = "invalid"  # the request itself was wrong (400)
+
+
+class StreamDelta(NamedTuple):
+    """Everything one request produced since its previous delta."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list | None = None  # [(token, logprob, [(id, logprob), ...])] for the new tokens
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+
+    @classmethod
+    def failure(cls, request_id: str, kind: ErrorKind, message: str) -> "StreamDelta":
+        return cls(request_id, [], "", True, "error", error=message, error_kind=kind)
+
+
+# One engine step's deltas for one subscriber: plain tuples, ``StreamDelta._make`` each.
+StepDeltas = list[tuple]
+
+
+class TransferState(enum.IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING = 2
+    TRANSFERRING = 3
+    DONE = 4
+
+    @staticmethod
+    def combine(states) -> "TransferState":
+        """The state of a transfer made of parts: its least advanced part."""
+        return min(states, default=TransferState.DONE)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one side's paged KV; both sides of a transfer must agree on it."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def nbytes(self, num_blocks: int) -> int:
+        """Bytes of K and V together for ``num_blocks`` blocks."""
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.packed_shape(num_blocks):
+            n *= d
+        return 2 * n
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    worker_id: str
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    waiting_for_kv: int
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    worker_id: str
+    queued_prefill_tokens: int
+    running_chunks: int
+    waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode worker holds for a request's KV, and where to send it."""
+
+    request_id: str
+    block_ids: list[int]
+    layout: KVLayout
+    endpoint: str  # where the prefill worker opens its channel to this worker ("" if none)
+    deadline: float
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_cached_tokens: int
+    state: int  # TransferState
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    kv_bytes: int
+    error: str | None = None
