@@ -16,7 +16,8 @@ class Accumulator:
     """Everything a request streamed so far."""
 
     tokenizer: object
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)
+    text_len: int = 0  # characters so far, without joining the parts
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
     finish_reason: str | None = None
@@ -26,7 +27,9 @@ class Accumulator:
 
     def add(self, delta) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
         """Take one delta; returns its logprobs with tokens as text (None without logprobs)."""
-        self.text += delta.text
+        if delta.text:
+            self.text_parts.append(delta.text)
+            self.text_len += len(delta.text)
         self.token_ids += delta.token_ids
         self.prompt_tokens = delta.num_prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, delta.num_output_tokens, len(self.token_ids))
@@ -38,6 +41,10 @@ class Accumulator:
         lps = [(self._token(t), lp, [(self._token(i), v) for i, v in top]) for t, lp, top in delta.logprobs]
         self.logprobs = (self.logprobs or []) + lps
         return lps
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -80,6 +87,10 @@ def chat_logprobs(lps) -> dict | None:
     }
 
 
+def _json(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class Envelope:
     """The fields every response and chunk of one request share."""
@@ -87,6 +98,27 @@ class Envelope:
     id: str
     model: str
     created: int
+
+    def completion_sse(self, text: str, reason: str | None) -> str:
+        """``sse(completion_chunk(text, None, 0, reason))``, built from a per-request prefix:
+        the hot path of a stream without logprobs encodes only the new text."""
+        return f"{self._prefix('text_completion')}\"text\":{_json(text)},\"logprobs\":null," \
+            f"\"finish_reason\":{_json(reason)}}}],\"usage\":null}}\n\n"
+
+    def chat_sse(self, text: str | None, reason: str | None) -> str:
+        """``sse(chat_chunk({"content": text} if text else {}, None, reason))``, the same way."""
+        delta = f"{{\"content\":{_json(text)}}}" if text else "{}"
+        return f"{self._prefix('chat.completion.chunk')}\"delta\":{delta},\"logprobs\":null," \
+            f"\"finish_reason\":{_json(reason)}}}],\"usage\":null}}\n\n"
+
+    def _prefix(self, obj: str) -> str:
+        # Cached per envelope: the same for every chunk of the request.
+        cache = self.__dict__.setdefault("_prefixes", {})
+        prefix = cache.get(obj)
+        if prefix is None:
+            head = _json({"id": self.id, "object": obj, "created": self.created, "model": self.model})
+            prefix = cache[obj] = f"data: {head[:-1]},\"choices\":[{{\"index\":0,"
+        return prefix
 
     def completion(self, acc: Accumulator) -> dict:
         return {
@@ -164,7 +196,7 @@ class Envelope:
 
 def sse(obj: dict | str) -> str:
     """One server-sent event."""
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    data = obj if isinstance(obj, str) else _json(obj)
     return f"data: {data}\n\n"
 
 

@@ -300,7 +300,11 @@ class Router:
                 yield sse(chunk.body())
                 break
             delta, lps, offset = chunk
-            yield sse(env.completion_chunk(delta.text, lps, offset, delta.finish_reason if delta.finished else None))
+            reason = delta.finish_reason if delta.finished else None
+            if lps is None:
+                yield env.completion_sse(delta.text, reason)
+            else:
+                yield sse(env.completion_chunk(delta.text, lps, offset, reason))
         if prepared.include_usage:
             yield sse(env.usage_chunk("text_completion", acc))
         yield sse("[DONE]")
@@ -312,8 +316,12 @@ class Router:
                 yield sse(chunk.body())
                 break
             delta, lps, _ = chunk
-            content = {"content": delta.text} if delta.text else {}
-            yield sse(env.chat_chunk(content, lps, delta.finish_reason if delta.finished else None))
+            reason = delta.finish_reason if delta.finished else None
+            if lps is None:
+                yield env.chat_sse(delta.text, reason)
+            else:
+                content = {"content": delta.text} if delta.text else {}
+                yield sse(env.chat_chunk(content, lps, reason))
         if prepared.include_usage:
             yield sse(env.usage_chunk("chat.completion.chunk", acc))
         yield sse("[DONE]")
@@ -329,7 +337,7 @@ class Router:
                 if delta.error:
                     yield _server_error(delta)
                     return
-                offset = len(acc.text)
+                offset = acc.text_len
                 yield delta, acc.add(delta), offset
                 if delta.finished:
                     return

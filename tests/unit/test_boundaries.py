@@ -1,0 +1,33 @@
+"""Import boundaries: what a process loads when it imports a part of the house.
+
+Each check runs in a fresh interpreter, since this one has torch loaded already.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _loaded_after(imports: list[str]) -> set[str]:
+    code = "import sys\n" + "".join(f"import {m}\n" for m in imports) + "print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(out.stdout.split())
+
+
+def test_the_router_process_loads_no_torch_and_no_worker_code():
+    loaded = _loaded_after(["router.server", "router.dispatch", "router.grpc_api", "engine.messages"])
+    assert "torch" not in loaded, "the router must not import torch (move cross-process types to engine.messages)"
+    workers = sorted(m for m in loaded if m.split(".")[0] in ("decode_worker", "prefill_worker", "kv_transfer"))
+    assert not workers, f"the router must not import worker code: {workers}"
+
+
+@pytest.mark.parametrize(
+    "module", ["engine.scheduler", "engine.block_pool", "router.placement", "router.admission", "engine.messages"]
+)
+def test_pure_parts_import_no_torch_ray_or_network_library(module):
+    loaded = _loaded_after([module])
+    heavy = sorted(m for m in ("torch", "ray", "grpc", "fastapi", "httpx") if m in loaded)
+    assert not heavy, f"{module} must stay pure, but importing it loaded {heavy}"
