@@ -63,7 +63,8 @@ class ClusterConfig:
     placement_strategy: str = "PACK"
     health_check_s: float = 1.0
     restart_workers: bool = True
-    max_retries: int = 2
+    max_retries: int = 2  # re-runs of a request whose decode worker died before any token
+    max_migrations: int = 3  # moves of a stream whose decode worker died mid-stream
     name: str = "tandem"
 
     def __post_init__(self) -> None:
@@ -71,6 +72,9 @@ class ClusterConfig:
             raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
         if self.decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
+        for name in ("max_retries", "max_migrations"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.stream_interval_s <= 10:
             raise ValueError(f"stream_interval_s must be in [0, 10] seconds, got {self.stream_interval_s}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

@@ -93,6 +93,7 @@ class ClusterController:
             "block_size": engine.block_size,
             "max_running_per_decode": engine.max_num_seqs,
             "max_retries": self.config.max_retries,
+            "max_migrations": self.config.max_migrations,
         }
 
     def workers(self) -> tuple[list, list]:

@@ -102,6 +102,7 @@ class TandemCluster:
                 block_size=engine.block_size,
                 max_running_per_decode=engine.max_num_seqs,
                 max_retries=cfg.max_retries,
+                max_migrations=cfg.max_migrations,
             ),
         )
         if cfg.restart_workers:

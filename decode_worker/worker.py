@@ -170,14 +170,18 @@ class DecodeWorker(WorkerBase):
             self._deadlines.pop(rid, None)
             self.runtime.abort_now(rid)
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str) -> None:
-        """Colocated mode: run the whole request here; its deltas go to ``subscriber``."""
-        await self.runtime.call(self._submit, request_id, prompt_token_ids, params, subscriber)
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
+        resume_output: list[int] = (),
+    ) -> None:
+        """Run the whole request here (colocated mode, or a stream migrated from a dead
+        worker, ``resume_output`` being the tokens it had sent); deltas go to ``subscriber``."""
+        await self.runtime.call(self._submit, request_id, prompt_token_ids, params, subscriber, resume_output)
 
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str) -> None:
+    def _submit(self, request_id, prompt_token_ids, params, subscriber: str, resume_output) -> None:
         self.runtime.route(request_id, subscriber)
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id=request_id)
+            self.engine.add_request(prompt_token_ids, params, request_id=request_id, resume_output=resume_output)
         except BaseException:
             self.runtime.unroute(request_id)
             raise

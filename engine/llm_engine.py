@@ -199,15 +199,26 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         hold_kv: bool = False,
+        resume_output: Sequence[int] = (),
     ) -> str:
         """Queue a request; returns its id.
 
         ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``kv``.
+        ``resume_output``: tokens this request already generated elsewhere (a migrated
+        stream). They are recomputed with the prompt, as after a recompute preemption,
+        and count towards ``max_tokens``, penalties and the seeded random stream; the
+        outputs carry only what comes after them.
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
         request.hold_kv = hold_kv
+        request.output_token_ids = list(resume_output)
         self.scheduler.add_request(request)
         self._track(request)
+        if resume_output:
+            tracked = self._tracked[request.request_id]
+            tracked.detok.update(list(resume_output))
+            tracked.detok.take_delta()  # already streamed by the worker it resumes from
+            tracked.tokens_sent = len(resume_output)
         return request.request_id
 
     def add_remote_request(

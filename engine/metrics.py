@@ -75,6 +75,9 @@ PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens served by the p
 KV_TRANSFER_BYTES = _counter("kv_transfer_bytes", "KV bytes received from prefill workers.")
 KV_TRANSFER_FAILURES = _counter("kv_transfer_failures", "Failed KV transfers, by reason.", ("reason",))
 REQUESTS_REJECTED = _counter("requests_rejected", "Requests turned away, by reason.", ("reason",))
+REQUEST_MIGRATIONS = _counter(
+    "request_migrations", "Streams moved to another decode worker after theirs died mid-stream."
+)
 
 
 @dataclass
@@ -171,3 +174,6 @@ class RouterMetrics:
 
     def on_rejected(self, reason: str) -> None:
         REQUESTS_REJECTED.labels(*self.labels, reason).inc()
+
+    def on_migrated(self) -> None:
+        REQUEST_MIGRATIONS.labels(*self.labels).inc()

@@ -13,8 +13,12 @@ the request's inbox.
 
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
 apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
-reached the client is retried on another worker (up to ``max_retries``); once tokens
-were delivered the client gets an error delta instead of a silently cut stream.
+reached the client is retried on another worker (up to ``max_retries``). One that dies
+after tokens were delivered has its stream moved (up to ``max_migrations``): another
+decode worker recomputes the prompt plus the tokens already sent and goes on from
+there, so the client sees one unbroken stream (greedy output is unchanged, and a
+seeded request keeps its random stream, which is indexed by output position). Past
+the bound the client gets an error delta, never a silently cut stream.
 Cancellation (the consumer stops iterating) aborts the request on both workers, and so
 does ``abort(request_id)`` from another task (a gRPC Abort), which also ends the stream
 with finish_reason "abort".
@@ -156,7 +160,8 @@ class Subscriptions:
 class DispatchConfig:
     block_size: int = 16
     max_running_per_decode: int = 256
-    max_retries: int = 2
+    max_retries: int = 2  # re-runs of a request whose decode worker died before any token
+    max_migrations: int = 3  # moves of a stream whose decode worker died after tokens were sent
     capacity_wait_s: float = 30.0  # how long a request may wait for KV room
     load_poll_s: float = 0.05
     placement: str = "load"  # "load": the load-aware policies; "round_robin": the baseline
@@ -178,10 +183,13 @@ class Dispatcher:
         prefill_workers: Callable[[], Sequence[WorkerRef]],
         decode_workers: Callable[[], Sequence[WorkerRef]],
         config: DispatchConfig | None = None,
+        metrics=None,
     ) -> None:
         self._prefill = prefill_workers
         self._decode = decode_workers
         self.config = config or DispatchConfig()
+        self.metrics = metrics  # an ``engine.metrics.RouterMetrics``, or None
+        self.num_migrations = 0
         self._loads: dict[str, object] = {}
         self._pending_blocks: dict[str, int] = {}
         self._pending_tokens: dict[str, int] = {}
@@ -226,7 +234,7 @@ class Dispatcher:
     # -- placement -------------------------------------------------------------
 
     def _choose_decode(self, blocks: int, exclude: set[str]) -> WorkerRef | None:
-        workers = [w for w in self._decode() if w.worker_id in self._loads and w.worker_id not in exclude]
+        workers = [w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_blocks.get(w.worker_id, 0) for w in workers]
         cap = self.config.max_running_per_decode
@@ -294,12 +302,13 @@ class Dispatcher:
         return inbox is not None
 
     async def _run(self, rid, prompt_token_ids, params, inbox: Inbox) -> AsyncIterator[StreamDelta]:
-        blocks = -(-(len(prompt_token_ids) + 1) // self.config.block_size)
-        delivered = 0
-        failed: set[str] = set()
-        for attempt in range(self.config.max_retries + 1):
+        sent: list[int] = []  # tokens that reached the client
+        failed: set[str] = set()  # worker keys this request died on
+        reruns = migrations = 0
+        while True:
+            blocks = -(-(len(prompt_token_ids) + len(sent) + 1) // self.config.block_size)
             try:
-                decode = await self._start(rid, prompt_token_ids, params, blocks, failed, inbox)
+                decode = await self._start(rid, prompt_token_ids, params, blocks, failed, inbox, sent)
             except NoCapacityError as e:
                 yield StreamDelta.failure(rid, ErrorKind.NO_CAPACITY, str(e))
                 return
@@ -312,38 +321,50 @@ class Dispatcher:
                     item = await inbox.get()
                     if item is _ABORTED:
                         self._abort_everywhere(rid)
-                        yield _aborted_delta(rid, len(prompt_token_ids), delivered)
+                        yield _aborted_delta(rid, len(prompt_token_ids), len(sent))
                         return
                     if isinstance(item, WorkerDied):
                         raise item
-                    delivered += len(item.token_ids)
+                    sent += item.token_ids
                     yield item
                     if item.finished:
                         return
             except (WorkerDied, RayActorError):
-                failed.add(decode.worker_id)
+                failed.add(decode.key)
                 self._loads.pop(decode.worker_id, None)
-                if delivered:
-                    yield StreamDelta.failure(
-                        rid, ErrorKind.WORKER_FAILED,
-                        f"decode worker {decode.worker_id} died after {delivered} tokens were sent",
-                    )
-                    return
-                log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, attempt + 1)
             except BaseException:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
                 self._abort_everywhere(rid)
                 raise
             finally:
                 self.subscriptions.close(decode, rid)
-        yield StreamDelta.failure(
-            rid, ErrorKind.WORKER_FAILED, f"request failed after {self.config.max_retries + 1} attempts"
-        )
+            if sent:
+                migrations += 1
+                if migrations > self.config.max_migrations:
+                    yield StreamDelta.failure(
+                        rid, ErrorKind.WORKER_FAILED,
+                        f"decode worker {decode.worker_id} died after {len(sent)} tokens were sent, and the "
+                        f"stream had already moved {self.config.max_migrations} times (max_migrations)",
+                    )
+                    return
+                log.warning("decode worker %s died; moving %s on after %d tokens", decode.worker_id, rid, len(sent))
+                self.num_migrations += 1
+                if self.metrics is not None:
+                    self.metrics.on_migrated()
+            else:
+                reruns += 1
+                if reruns > self.config.max_retries:
+                    yield StreamDelta.failure(
+                        rid, ErrorKind.WORKER_FAILED, f"request failed after {reruns} attempts (max_retries)"
+                    )
+                    return
+                log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, reruns + 1)
 
-    async def _start(self, rid, prompt, params, blocks, exclude, inbox: Inbox) -> WorkerRef:
+    async def _start(self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int]) -> WorkerRef:
         """Place the request on a decode worker, its deltas routed to ``inbox``.
 
-        Waits (bounded) for KV room.
+        ``resume``: tokens already streamed (a migrated request), which the decode worker
+        recomputes with the prompt before it goes on. Waits (bounded) for KV room.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.capacity_wait_s
@@ -354,14 +375,14 @@ class Dispatcher:
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
-                    if not self._prefill():
-                        await decode.handle.submit.remote(rid, prompt, params, subscriber)
+                    if resume or not self._prefill():
+                        await decode.handle.submit.remote(rid, prompt, params, subscriber, list(resume))
                         return decode
                     reservation = await decode.handle.reserve.remote(rid, prompt, params, subscriber)
                 except RayActorError:
                     # Died before taking the request: place it elsewhere.
                     self.subscriptions.close(decode, rid)
-                    exclude.add(decode.worker_id)
+                    exclude.add(decode.key)
                     self._loads.pop(decode.worker_id, None)
                     continue
                 except BaseException:

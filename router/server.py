@@ -127,7 +127,7 @@ class RouterCore:
         self._refresher: asyncio.Task | None = None
         # Block size and running cap must match the workers' engines: the controller knows them.
         dispatch = dataclasses.replace(config.dispatch, **ray.get(controller.dispatch_settings.remote()))
-        self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch)
+        self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch, self.metrics)
 
     # -- workers ---------------------------------------------------------------
 

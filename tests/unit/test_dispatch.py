@@ -125,6 +125,7 @@ class _FakeColocated:
         self.messages: asyncio.Queue = asyncio.Queue()
         self.subscribers: list[str] = []
         self.submitted: list[str] = []
+        self.resumed: list[list[int]] = []
         self.aborted: list[str] = []
         self.load = _Method(self._load)
         self.submit = _Method(self._submit)
@@ -138,8 +139,9 @@ class _FakeColocated:
     async def _load(self):
         return DecodeLoad(self.worker_id, free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _submit(self, rid, prompt, params, subscriber):
+    async def _submit(self, rid, prompt, params, subscriber, resume_output=()):
         self.submitted.append(rid)
+        self.resumed.append(list(resume_output))
 
     async def _abort(self, rid):
         self.aborted.append(rid)
@@ -152,9 +154,9 @@ class _FakeColocated:
         )
 
 
-def _colocated_dispatcher(*workers: _FakeColocated) -> Dispatcher:
+def _colocated_dispatcher(*workers: _FakeColocated, **config) -> Dispatcher:
     refs = [WorkerRef(w.worker_id, w) for w in workers]
-    return Dispatcher(lambda: [], lambda: [r for r in refs if r.handle.alive], DispatchConfig())
+    return Dispatcher(lambda: [], lambda: [r for r in refs if r.handle.alive], DispatchConfig(**config))
 
 
 async def _collect(dispatcher: Dispatcher, rid: str, out: dict) -> None:
@@ -213,14 +215,44 @@ def test_a_worker_dying_before_any_token_reruns_the_request_elsewhere():
     assert [(d.token_ids, d.error) for d in out["r0"]] == [([4, 5], None)], "the re-run must finish cleanly"
 
 
-def test_a_worker_dying_after_tokens_were_sent_ends_the_stream_with_an_error():
+def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
+    from ray.exceptions import RayActorError
+
+    async def main():
+        doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1")
+        doomed.alive, spare.alive = True, False
+        dispatcher = _colocated_dispatcher(doomed, spare)
+        out: dict = {}
+        task = asyncio.create_task(_collect(dispatcher, "r0", out))
+        await _until(lambda: doomed.submitted == ["r0"])
+        doomed.step(("r0", [4], "x", False))
+        doomed.step(("r0", [5, 6], "yz", False))
+        await _until(doomed.messages.empty)
+        await asyncio.sleep(0.05)
+        doomed.alive, spare.alive = False, True
+        await dispatcher.refresh_loads()
+        doomed.messages.put_nowait(RayActorError())
+        await _until(lambda: spare.submitted == ["r0"])
+        spare.step(("r0", [7], "!", True))
+        await task
+        dispatcher.close()
+        return spare, out
+
+    spare, out = asyncio.run(main())
+    assert spare.resumed == [[4, 5, 6]], "the new worker must recompute the tokens already sent"
+    deltas = out["r0"]
+    assert [t for d in deltas for t in d.token_ids] == [4, 5, 6, 7] and not any(d.error for d in deltas)
+    assert deltas[-1].finished
+
+
+def test_a_stream_that_outlives_max_migrations_ends_with_an_error():
     from engine.messages import ErrorKind
     from ray.exceptions import RayActorError
 
     async def main():
         worker = _FakeColocated("decode-0")
         worker.alive = True
-        dispatcher = _colocated_dispatcher(worker)
+        dispatcher = _colocated_dispatcher(worker, max_migrations=0)
         out: dict = {}
         task = asyncio.create_task(_collect(dispatcher, "r0", out))
         await _until(lambda: worker.submitted == ["r0"])
@@ -233,7 +265,7 @@ def test_a_worker_dying_after_tokens_were_sent_ends_the_stream_with_an_error():
     deltas = asyncio.run(main())["r0"]
     assert deltas[0].token_ids == [4]
     assert deltas[-1].finished and deltas[-1].error_kind == ErrorKind.WORKER_FAILED
-    assert "after 1 tokens" in deltas[-1].error, deltas[-1].error
+    assert "after 1 tokens" in deltas[-1].error and "max_migrations" in deltas[-1].error, deltas[-1].error
 
 
 def test_abort_ends_the_stream_with_abort_and_frees_the_request_on_the_worker():

@@ -269,3 +269,35 @@ def test_half_precision_engine_runs_in_that_dtype_and_matches_hf_first_tokens(tm
     # Half precision may round two near-equal logits either way; the pick must be a top one.
     assert logits[out.token_ids[0]] >= logits.max() - 2e-2 * logits.abs().max()
     assert llm.stats().num_blocks_in_use == 0
+
+
+# ------------------------------------------------------------------ resumed (migrated) requests
+
+
+def _run_to_end(llm: LLM, prompt_ids, params, resume=()):
+    rid = llm.engine.add_request(prompt_ids, params, resume_output=resume)
+    ids, text, final = [], "", None
+    text_after = {}  # tokens so far -> text streamed so far
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            assert out.request_id == rid
+            ids += out.new_token_ids
+            text += out.new_text
+            text_after[len(ids)] = text
+            final = out
+    return ids, text, final, text_after
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=50, seed=11, presence_penalty=0.5)]
+)
+def test_a_resumed_request_continues_exactly_where_its_tokens_stop(llm, sampling):
+    prompt = llm.engine.encode_prompt(PROMPTS[2])
+    params = SamplingParams(max_tokens=20, ignore_eos=True, **sampling)
+    full_ids, full_text, _, text_after = _run_to_end(llm, prompt, params)
+    for k in (1, 7, 19):
+        ids, text, final, _ = _run_to_end(llm, prompt, params, resume=full_ids[:k])
+        assert ids == full_ids[k:], f"resumed after {k} tokens: expected {full_ids[k:]}, got {ids}"
+        assert text_after[k] + text == full_text, "the resumed text must continue the streamed text exactly"
+        assert final.num_output_tokens == 20 and final.finish_reason == "length"
+    _assert_idle(llm)
