@@ -103,6 +103,7 @@ class PrefillLoad:
     waiting: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    sending: int = 0  # KV transfers in flight from this worker
 
 
 @dataclass(frozen=True)

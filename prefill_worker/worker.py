@@ -39,6 +39,7 @@ class PrefillWorker(WorkerBase):
     ) -> None:
         super().__init__(worker_id, engine_config, transfer, torch_threads)
         self._transfer_ids = itertools.count()
+        self._sending = 0
 
     async def load(self) -> PrefillLoad:
         return await self.runtime.call(self._load)
@@ -54,6 +55,7 @@ class PrefillWorker(WorkerBase):
             waiting=s.num_waiting,
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
+            sending=self._sending,
         )
 
     async def prefill(
@@ -81,7 +83,11 @@ class PrefillWorker(WorkerBase):
             dst_endpoint=reservation.endpoint,
             deadline=reservation.deadline,
         )
-        state, error = await self._send(meta, k, v, decode_worker, final)
+        self._sending += 1
+        try:
+            state, error = await self._send(meta, k, v, decode_worker, final)
+        finally:
+            self._sending -= 1
         return PrefillResult(
             request_id=request_id,
             first_token=final.token_ids[0],

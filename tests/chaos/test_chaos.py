@@ -306,24 +306,51 @@ def slow_transfer_service(services, request):
     return services.get(f"slow {request.param} transfers", **{**KILL_SETTINGS, "transfer": transfer})
 
 
-async def _kill_mid_transfer(svc, progress, role: str) -> None:
+async def _kill_mid_transfer(svc, progress, role: str) -> str:
+    """Kill a worker while a transfer it takes part in is in flight; returns its id."""
     prefill, decode = _workers(svc)
-    receiver = decode[0]
+    victim = None
 
     async def transferring():
-        load = await receiver.handle.load.remote()
-        return progress["finished"] >= 5 and load.waiting_for_kv > 0
+        nonlocal victim
+        if progress["finished"] < 5:
+            return False
+        if role == "sender":  # a prefill worker with a transfer going out
+            loads = await asyncio.gather(*(w.handle.load.remote() for w in prefill))
+            victim = next((w for w, load in zip(prefill, loads) if load.sending > 0), None)
+        else:  # a decode worker with KV on its way in
+            loads = await asyncio.gather(*(w.handle.load.remote() for w in decode))
+            victim = next((w for w, load in zip(decode, loads) if load.waiting_for_kv > 0), None)
+        return victim is not None
 
     await _until(transferring)
-    await _kill((prefill[0] if role == "sender" else receiver).handle)
+    await _kill(victim.handle)
+    return victim.worker_id
+
+
+def _transfer_failures(svc) -> int:
+    return sum(s.get("transfer_failures", 0) for s in svc.stats().values())
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload, side):
-    async def chaos(progress):
-        await _kill_mid_transfer(slow_transfer_service, progress, side)
+    svc = slow_transfer_service
+    before = {w.worker_id: w.key for w in _workers(svc)[side == "receiver"]}
+    failures_before = _transfer_failures(svc)
+    killed = []
 
-    outcomes = asyncio.run(_load(slow_transfer_service.http_url, _model_name(tiny_model), workload, chaos))
+    async def chaos(progress):
+        killed.append(await _kill_mid_transfer(svc, progress, side))
+
+    outcomes = asyncio.run(_load(svc.http_url, _model_name(tiny_model), workload, chaos))
+
+    async def replaced():
+        after = {w.worker_id: w.key for w in _workers(svc)[side == "receiver"]}
+        return after.get(killed[0], before[killed[0]]) != before[killed[0]]
+
+    asyncio.run(_until(replaced))
+    if side == "sender":  # its cut transfer ended on the decode side: recomputed there
+        assert _transfer_failures(svc) > failures_before, "the cut transfer should have been counted"
     # A dead sender loses nothing; a dead receiver's streams move to the other decode worker.
     _judge(f"{side} killed mid transfer", outcomes, workload, slow_transfer_service, may_fail=False)
 
