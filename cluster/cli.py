@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
     up.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
     up.add_argument("--decode-workers", type=int, default=None)
-    up.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "inprocess"])
+    up.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "nixl", "inprocess"])
     up.add_argument("--num-kv-blocks", type=int, default=None)
     up.add_argument(
         "--stream-interval-s", type=float, default=None,

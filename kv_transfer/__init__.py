@@ -9,7 +9,7 @@ from kv_transfer.base import (
     TransferStats,
 )
 
-BACKENDS = ("collective", "object_store", "inprocess")
+BACKENDS = ("collective", "object_store", "nixl", "inprocess")
 
 
 def make_backend(name: str) -> KVTransferBackend:
@@ -21,6 +21,10 @@ def make_backend(name: str) -> KVTransferBackend:
         from kv_transfer.object_store import ObjectStoreBackend
 
         return ObjectStoreBackend()
+    if name == "nixl":
+        from kv_transfer.nixl import NixlBackend
+
+        return NixlBackend()
     if name == "inprocess":
         from kv_transfer.inprocess import InProcessBackend
 

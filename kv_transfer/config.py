@@ -11,7 +11,7 @@ FAILURE_POLICIES = ("recompute", "fail")
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str = "collective"  # collective | object_store | inprocess
+    backend: str = "collective"  # collective | object_store | nixl | inprocess
     timeout_s: float = 30.0  # deadline of one transfer, from the reservation
     lease_s: float = 60.0  # the sender drops its copy after this without an ack
     failure_policy: str = "recompute"  # what the decode side does when KV does not come

@@ -14,6 +14,7 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.pools import TandemCluster
 from engine import LLM, SamplingParams
+from kv_transfer.nixl import unavailable_reason
 
 NUM_REQUESTS = 32
 
@@ -77,7 +78,11 @@ def _assert_no_blocks_in_use(cluster):
 
 @pytest.mark.parametrize(
     "backend,prefill,decode",
-    [("collective", 1, 1), ("collective", 2, 2), ("object_store", 1, 1), ("object_store", 2, 2)],
+    [
+        ("collective", 1, 1), ("collective", 2, 2), ("object_store", 1, 1), ("object_store", 2, 2),
+        pytest.param("nixl", 2, 2, marks=pytest.mark.skipif(
+            unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")),
+    ],
 )
 def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, reference, backend, prefill, decode):
     prompts, lengths, want = reference

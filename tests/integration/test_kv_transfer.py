@@ -7,7 +7,8 @@ released transfer leaves nothing held. The collective backend's pairwise channel
 checked further: a layout that does not match is refused before any byte moves, a
 receiver that gives up does not stall the pair, and a sender that dies mid-stream
 breaks only its own channel. NCCL needs a GPU per rank: its checks are in
-``tests/gpu/test_nccl_transfer.py``.
+``tests/gpu/test_nccl_transfer.py``; NIXL's own failure modes (refused sizes, dead
+and frozen senders) are in ``test_nixl_transfer.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +20,17 @@ import ray
 
 from kv_transfer import KVLayout, TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
+from kv_transfer.nixl import unavailable_reason
 from kv_transfer.peer import TransferPeer, checksum, make_kv
 
 LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
 
-BACKENDS = ["object_store", "collective"]  # collective: gloo, as the actors see no GPU
+NIXL_MISSING = unavailable_reason()
+BACKENDS = [
+    "object_store",
+    "collective",  # gloo, as the actors see no GPU
+    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl unavailable: {NIXL_MISSING}")),
+]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
