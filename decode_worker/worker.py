@@ -113,7 +113,14 @@ class DecodeWorker(WorkerBase):
             self.metrics.on_transfer_failure(reason)
             await self.runtime.call(self._transfer_failed, rid)
             return int(TransferState.FAILED)
-        await self.runtime.call(self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens)
+        try:
+            await self.runtime.call(self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens)
+        except Exception:
+            # The hand-over ran and failed: recycle anyway, as a backend (nixl) holds its
+            # receive buffers until then. Not on cancellation: the step thread may still
+            # be about to copy from them.
+            self.backend.recycle(k, v)
+            raise
         self.backend.recycle(k, v)
         return int(TransferState.DONE)
 

@@ -54,8 +54,9 @@ class FaultyBackend(KVTransferBackend):
         if self.faults.delay_s:
             time.sleep(self.faults.delay_s)
         if self._rng.random() < self.faults.drop_rate:
-            # Still drain the bytes, so a peer-to-peer sender is not left hanging.
-            self.inner.pull(meta, payload)
+            # Still drain the bytes, so a peer-to-peer sender is not left hanging, and
+            # hand back the receive buffers they landed in.
+            self.inner.recycle(*self.inner.pull(meta, payload))
             raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
         return self.inner.pull(meta, payload)
 
