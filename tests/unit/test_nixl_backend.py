@@ -73,3 +73,19 @@ def test_a_pull_past_its_deadline_reads_nothing(pair):
     assert info.value.reason == "timeout"
     assert receiver.staging_in_use == 0
     sender.release(meta, payload)
+
+
+def test_transfers_go_on_across_the_periodic_reconnect(pair, monkeypatch):
+    import kv_transfer.nixl as nixl
+
+    sender, receiver = pair
+    monkeypatch.setattr(nixl, "REFRESH_AFTER_LOADS", 2)  # reconnect every other transfer
+    for i in range(6):
+        meta = _meta(f"f{i}", 2)
+        k, v = make_kv(LAYOUT, 2, seed=40 + i)
+        payload = sender.prepare(meta, k, v)
+        k2, v2 = receiver.pull(meta, payload)
+        assert checksum(k2, v2) == checksum(k, v), f"transfer {i} after a reconnect differs"
+        receiver.recycle(k2, v2)
+        sender.release(meta, payload)
+    assert receiver._peers[sender._agent().name].loads <= 2, "the peer's loaded regions were dropped"
