@@ -6,6 +6,9 @@ actors, all in one run:
 * ``raw_gloo``: a bare two-rank gloo group's send/recv into existing buffers (the baseline);
 * ``collective``: this project's backend (pairwise channels, staging buffers, deadlines);
 * ``object_store``: through Ray's object store;
+* ``nixl``: one-sided READ through NIXL (UCX), where the nixl packages are installed;
+  ``nixl_read`` is the receiver's own time for the same transfers (its stats), without
+  the copy into the resident buffer that every backend row includes;
 
 both timed inside the receiver until the bytes sit in a resident buffer, as they must
 in a decode worker's cache (raw gloo receives straight into its buffer);
@@ -30,6 +33,7 @@ import torch
 
 from kv_transfer import KVLayout, TransferMeta
 from kv_transfer.config import TransferConfig
+from kv_transfer.nixl import unavailable_reason
 from kv_transfer.peer import TransferPeer
 
 MiB = 1 << 20
@@ -61,6 +65,17 @@ def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
         if i:
             times.append(seconds)
         ray.get(a.release.remote(meta))
+    return times
+
+
+def time_receive_only(a, b, size_mib: int, repeats: int) -> list[float]:
+    """The receiving backend's own seconds per transfer, from its stats."""
+    times = []
+    for i in range(repeats + 1):
+        before = ray.get(b.stats.remote())["seconds_receiving"]
+        time_backend(a, b, size_mib, 0)  # one transfer, untimed here
+        if i:
+            times.append(ray.get(b.stats.remote())["seconds_receiving"] - before)
     return times
 
 
@@ -149,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     gloo_a, gloo_b = _pair("collective")
     store_a, store_b = _pair("object_store")
+    nixl_missing = unavailable_reason()
+    nixl_a, nixl_b = _pair("nixl") if nixl_missing is None else (None, None)
+    if nixl_missing:
+        print(f"nixl skipped: {nixl_missing}", flush=True)
     result: dict = {"sizes_mib": args.sizes, "repeats": args.repeats, "results": {}}
     for size in args.sizes:
         rows = {
@@ -157,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             "object_store": time_backend(store_a, store_b, size, args.repeats),
             "inprocess_copy": time_inprocess(size, args.repeats),
         }
+        if nixl_a is not None:
+            rows["nixl"] = time_backend(nixl_a, nixl_b, size, args.repeats)
+            rows["nixl_read"] = time_receive_only(nixl_a, nixl_b, size, args.repeats)
         layout, blocks = _layout_for(size)
         nbytes = layout.nbytes(blocks)
         summary = {}
@@ -164,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(times)
             summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
         summary["collective_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary["collective"]["median_s"]
+        for name in ("nixl", "nixl_read"):
+            if name in summary:
+                summary[f"{name}_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary[name]["median_s"]
         result["results"][f"{size}MiB"] = summary
         print(f"{size} MiB: " + ", ".join(
             f"{k} {v['median_s'] * 1e3:.1f} ms ({v['GiB_per_s']:.2f} GiB/s)" for k, v in summary.items() if isinstance(v, dict)
-        ) + f"; collective/raw gloo = {summary['collective_vs_raw_gloo']:.2f}", flush=True)
-    for a in (gloo_a, gloo_b, store_a, store_b):
-        ray.kill(a)
+        ) + "; " + ", ".join(
+            f"{k.removesuffix('_vs_raw_gloo')}/raw gloo = {v:.2f}" for k, v in summary.items() if k.endswith("_vs_raw_gloo")
+        ), flush=True)
+    for a in (gloo_a, gloo_b, store_a, store_b, nixl_a, nixl_b):
+        if a is not None:
+            ray.kill(a)
     result["ttft_breakdown_512_tokens"] = ttft_breakdown(args.model)
     print("TTFT breakdown (s):", json.dumps(result["ttft_breakdown_512_tokens"], indent=1))
     out = Path(args.out)
