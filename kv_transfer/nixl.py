@@ -221,9 +221,10 @@ class NixlBackend(KVTransferBackend):
     def _checked_descs(self, agent, meta: TransferMeta, payload) -> object:
         """The sender's descriptors, once they match the layout; nothing is read before."""
         if not isinstance(payload, NixlPayload):
-            raise TransferError("layout", f"transfer {meta.transfer_id}: not a nixl payload ({type(payload).__name__})")
+            kind = type(payload).__name__
+            raise TransferError("layout", f"transfer {meta.transfer_id}: not a nixl payload ({kind})")
         expected = meta.layout.nbytes(meta.num_blocks)
-        if len(payload.nbytes) != 2 or payload.nbytes[0] != payload.nbytes[1] or sum(payload.nbytes) != expected:
+        if list(payload.nbytes) != [expected // 2] * 2:
             raise TransferError(
                 "layout",
                 f"transfer {meta.transfer_id}: sender offers K+V of {payload.nbytes} bytes, "
@@ -391,7 +392,8 @@ class _RegisteredStaging:
         with self._lock:
             fits = [i for i, b in enumerate(self._free) if b.tensor.numel() >= nbytes]
             # Among equal fits the latest returned: its pages are likeliest still in cache.
-            buf = self._free.pop(min(fits, key=lambda i: (self._free[i].tensor.numel(), -i))) if fits else None
+            best = min(fits, key=lambda i: (self._free[i].tensor.numel(), -i), default=None)
+            buf = self._free.pop(best) if best is not None else None
         if buf is None:
             tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8)  # zeros: touch the pages now
             buf = _Buffer(tensor, self._agent_fn().register_memory(tensor))
@@ -408,7 +410,8 @@ class _RegisteredStaging:
             self._free.append(buf)
             evicted = None
             if len(self._free) > self.max_free:
-                evicted = self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].tensor.numel()))
+                smallest = min(range(len(self._free)), key=lambda i: self._free[i].tensor.numel())
+                evicted = self._free.pop(smallest)
         if evicted is not None:
             self._agent_fn().deregister_memory(evicted.registration)
 
