@@ -25,6 +25,8 @@ has one backend, so a process has one agent). The way of a transfer::
       or the lease): drain notifications,        return (K, V), views of the staging
       deregister the two regions                 recycle: staging back to the pool
 
+``close`` (worker shutdown) deregisters everything and drops the agent.
+
 Why register the caller's tensors rather than copy them into a registered pool:
 registering measured ~0.2 ms for 16-256 MiB, while copying 128 MiB measured ~26 ms.
 
@@ -168,6 +170,20 @@ class NixlBackend(KVTransferBackend):
         if self._agent_obj is not None:
             self._drain_notifications(self._agent_obj)
         return self._reads_confirmed
+
+    def close(self) -> None:
+        """Deregister every region and idle buffer and drop the agent (worker shutdown)."""
+        with self._lock:
+            agent, self._agent_obj = self._agent_obj, None
+            regions, self._regions = list(self._regions.values()), {}
+            peers, self._peers = list(self._peers), {}
+        if agent is None:
+            return
+        for registration, _, _ in regions:
+            agent.deregister_memory(registration)
+        self._staging.drop_all(agent)
+        for name in peers:
+            _forget(agent, name)
 
     @property
     def num_held(self) -> int:
@@ -414,6 +430,14 @@ class _RegisteredStaging:
                 evicted = self._free.pop(smallest)
         if evicted is not None:
             self._agent_fn().deregister_memory(evicted.registration)
+
+    def drop_all(self, agent) -> None:
+        """Deregister the idle buffers and forget every buffer: lent ones, registered with
+        this agent, must not come back into a pool that a new agent will use."""
+        with self._lock:
+            free, self._free, self._lent = self._free, [], {}
+        for buf in free:
+            agent.deregister_memory(buf.registration)
 
     @property
     def num_lent(self) -> int:

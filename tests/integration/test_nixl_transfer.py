@@ -32,9 +32,6 @@ LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtyp
 class NixlPeer(TransferPeer):
     """A transfer endpoint that also answers what these tests look at."""
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def reads_confirmed(self) -> int:
         return self.backend.reads_confirmed()
 

@@ -89,3 +89,23 @@ def test_transfers_go_on_across_the_periodic_reconnect(pair, monkeypatch):
         receiver.recycle(k2, v2)
         sender.release(meta, payload)
     assert receiver._peers[sender._agent().name].loads <= 2, "the peer's loaded regions were dropped"
+
+
+def test_close_deregisters_everything_and_a_later_transfer_starts_afresh():
+    from kv_transfer.nixl import NixlBackend
+
+    sender, receiver = NixlBackend(), NixlBackend()
+    meta = _meta("closing", 2)
+    k, v = make_kv(LAYOUT, 2, seed=7)
+    payload = sender.prepare(meta, k, v)
+    k2, v2 = receiver.pull(meta, payload)
+    receiver.recycle(k2, v2)
+    sender.close()
+    receiver.close()
+    assert sender.num_held == 0 and receiver.staging_in_use == 0
+    meta = _meta("after-close", 2)
+    payload = sender.prepare(meta, k, v)  # a new agent, under a new name
+    k2, v2 = receiver.pull(meta, payload)
+    assert checksum(k2, v2) == checksum(k, v)
+    receiver.recycle(k2, v2)
+    sender.release(meta, payload)
