@@ -209,9 +209,10 @@ class NixlBackend(KVTransferBackend):
             self._staging.give(staging)  # ignored when retired by _release
             raise
         k, v = _views(meta, staging, payload.nbytes)
-        self.stats.received += 1
-        self.stats.bytes_received += k.nbytes + v.nbytes
-        self.stats.seconds_receiving += time.perf_counter() - t0
+        with self._lock:  # pulls finish on several threads at once
+            self.stats.received += 1
+            self.stats.bytes_received += k.nbytes + v.nbytes
+            self.stats.seconds_receiving += time.perf_counter() - t0
         return k, v
 
     def recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
