@@ -66,11 +66,19 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_service(
-    model: str, router=None, prefill_workers: int = 1, num_kv_blocks: int = 512, decode_workers: int = 1, **cluster
+    model: str,
+    router=None,
+    prefill_workers: int = 1,
+    num_kv_blocks: int = 512,
+    decode_workers: int = 1,
+    ingress: str | None = None,
+    **cluster,
 ):
     """The whole service (workers, controller, Serve app) on free ports; shut down on exit.
 
     ``cluster`` overrides topology settings (``transfer``, ``restart_workers``, ...).
+    ``ingress``: Serve's ingress (cluster/ingress.py); by default ``$TANDEM_TEST_INGRESS``,
+    else the service's default, so the same tests run on either.
     """
     from cluster.config import ClusterConfig
     from cluster.service import ServiceConfig, TandemService
@@ -85,11 +93,13 @@ def running_service(
         "restart_workers": False,
         **cluster,
     }
+    ingress = ingress or os.environ.get("TANDEM_TEST_INGRESS") or ServiceConfig.ingress
     cfg = ServiceConfig(
         cluster=ClusterConfig.from_dict(settings),
         router=router or RouterConfig(),
         http_port=free_port(),
         grpc_port=free_port(),
+        ingress=ingress,
     )
     svc = TandemService(cfg).start()
     try:
