@@ -215,6 +215,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.report import main as report_main
 
         return report_main(args.rest)
+    if args.bench == "overhead":
+        from bench.overhead import main as overhead_main
+
+        return overhead_main(args.rest)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
@@ -274,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--timeout", type=float, default=120.0)
     req.set_defaults(func=_cmd_request)
 
-    bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report)")
-    bench.add_argument("bench", choices=["offline", "serve", "report"])
+    bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead)")
+    bench.add_argument("bench", choices=["offline", "serve", "report", "overhead"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return p
