@@ -9,8 +9,11 @@ tests use it; the caller owns ``ray.init`` / ``ray.shutdown``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import ray
@@ -45,10 +48,29 @@ class ServiceConfig:
         check_ingress(self.ingress)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host if host != "0.0.0.0" else "", 0))
-        return sock.getsockname()[1]
+# Ports chosen now and bound later come from below the kernel's ephemeral range
+# (32768+ on Linux), where an outgoing connection could take one in the meantime, and
+# above Ray's worker ports (10002-19999); Serve's replicas bind from 30000.
+SPARE_PORTS = range(20000, 30000)
+
+
+def free_ports(host: str, n: int, avoid: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct ports of ``SPARE_PORTS`` free now on ``host``, none in ``avoid``."""
+    avoid = set(avoid)
+    with contextlib.ExitStack() as stack:  # hold each until all are chosen: distinct
+        ports: list[int] = []
+        for port in random.sample(SPARE_PORTS, len(SPARE_PORTS)):
+            if port in avoid:
+                continue
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind((host if host != "0.0.0.0" else "", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"fewer than {n} free ports in {SPARE_PORTS} on {host}")
 
 
 def _on_head_node() -> bool:
@@ -67,7 +89,7 @@ def controller_env(config: ServiceConfig, on_head: bool, environ) -> dict[str, s
     """
     if config.ingress == "proxy":
         return serve_env("proxy")
-    ports = (_free_port(config.host), _free_port(config.host)) if on_head else None
+    ports = tuple(free_ports(config.host, 2, avoid={config.http_port, config.grpc_port})) if on_head else None
     env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S)
     env.update({k: environ[k] for k in env if k != ENABLE_HAPROXY and k in environ})
     return env

@@ -77,3 +77,11 @@ def test_the_flag_or_the_topology_file_chooses_the_ingress(tmp_path):
         _ingress(_up("--config", str(path)))
     with pytest.raises(SystemExit):
         _up("--ingress", "nginx")
+
+
+def test_ports_chosen_for_later_are_distinct_free_and_below_the_ephemeral_range():
+    from cluster.service import SPARE_PORTS, free_ports
+
+    avoid = set(range(20000, 29990))
+    ports = free_ports("127.0.0.1", 3, avoid=avoid)
+    assert len(set(ports)) == 3 and all(p in SPARE_PORTS and p not in avoid for p in ports), ports
