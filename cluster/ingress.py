@@ -10,8 +10,9 @@ Ray Serve 2.60 has two ingresses; ``ServiceConfig.ingress`` picks one:
   A Python proxy still runs on the head node as HAProxy's backup server, used only
   while no router replica is up (ports 8500 / 9500 unless chosen here).
 - ``proxy``: Serve's Python proxy actor terminates HTTP and gRPC and relays every
-  request and streamed message to the replica over Ray (about 0.4 ms of CPU per
-  streamed token, docs/BENCHMARKS.md). For platforms where HAProxy cannot run.
+  request and streamed message to the replica over Ray (about 0.6 ms of its CPU per
+  streamed token, and 0.4 ms more in the replica: docs/BENCHMARKS.md). For platforms
+  where HAProxy cannot run.
 
 Serve reads these settings from environment variables when its modules are imported,
 in its controller and in every actor the controller starts (proxies, replicas). So the
