@@ -153,6 +153,7 @@ def by_kind(deltas: Iterable[Proc]) -> list[KindRow]:
 def format_table(rows: Sequence[KindRow], tokens: int, notes: dict[str, str] | None = None) -> str:
     """The per-kind table, components of a kind with several indented below it."""
     notes = notes or {}
+
     def line(label: str, procs: str, cpu_s: float, note: str = "") -> str:
         return f"{label:<28}{procs:>6}{cpu_s:>9.2f}{per_token_ms(cpu_s, tokens):>10.3f}  {note}".rstrip()
 
@@ -404,11 +405,13 @@ def engine_per_token(before: dict, after: dict, tokens: int) -> dict[str, dict[s
 
 @dataclass
 class Target:
-    """What to load and how to see it: the URL, the processes, the engines' timers."""
+    """What to load and how to see it: the URL, its processes, the engines' timers."""
 
     url: str
     api_key: str | None
-    pids: dict[int, tuple[str, str]]
+    # pid -> (kind, component), asked at both snapshots: HAProxy's reloads replace its
+    # process, and a process that appears during the load counts from zero.
+    processes: Callable[[], dict[int, tuple[str, str]]]
     engine_timers: Callable[[], dict] | None = None  # engine_seconds, when the service is ours
 
 
@@ -421,7 +424,7 @@ def measure(target: Target, requests: Sequence[BenchRequest], concurrency: int, 
 
     def mark(when: str) -> None:
         t = me.cpu_times()
-        snaps[when] = (snapshot(target.pids), t.user + t.system,
+        snaps[when] = (snapshot(target.processes()), t.user + t.system,
                        target.engine_timers() if target.engine_timers else {})
 
     load = run_client(target.url, target.api_key, requests, concurrency, vocab,
@@ -531,12 +534,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _target(args: argparse.Namespace, config, stack: contextlib.ExitStack) -> Target:
     """The service to load: a running one (``--url``), or one started for the run."""
     if args.url:
-        return Target(args.url, args.api_key, discover(descendants_only=False, workers={}))
+        return Target(args.url, args.api_key, lambda: discover(descendants_only=False, workers={}))
     service = stack.enter_context(launched(config, args.num_cpus))
     infos = worker_infos(service)
     workers = {i["pid"]: (kind_of_role(i["role"]), f"{i['role']} worker {i['worker_id']}") for i in infos}
     roles = {i["worker_id"]: i["role"] for i in infos}
-    return Target(service.http_url, None, discover(descendants_only=True, workers=workers),
+    return Target(service.http_url, None, lambda: discover(descendants_only=True, workers=workers),
                   lambda: engine_seconds(service, roles))
 
 
