@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress, describe
+
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from engine.default_model import make_model
@@ -40,6 +42,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Keys of a topology file that configure the service around the pools, not the pools.
+SERVICE_KEYS = ("ingress",)
+
+
+def _topology_file(path: str) -> dict:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a topology file must be a mapping")
+    return data
+
+
 def _cluster_config(args: argparse.Namespace):
     from cluster.config import ClusterConfig
 
@@ -54,17 +69,39 @@ def _cluster_config(args: argparse.Namespace):
         overrides["engine"] = {"num_kv_blocks": args.num_kv_blocks}
     if args.stream_interval_s is not None:
         overrides["stream_interval_s"] = args.stream_interval_s
+    data = {}
     if args.config:
-        import yaml
-
-        data = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{args.config}: a topology file must be a mapping")
+        data = {k: v for k, v in _topology_file(args.config).items() if k not in SERVICE_KEYS}
         for key in ("transfer", "engine"):  # flags refine these sections, not replace them
             if key in overrides and isinstance(data.get(key), dict):
                 overrides[key] = {**data[key], **overrides[key]}
-        return ClusterConfig.from_yaml(args.config, **overrides)
-    return ClusterConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return ClusterConfig.from_dict(data)
+
+
+def _ingress(args: argparse.Namespace) -> str:
+    """``--ingress``, else the topology file's ``ingress``, else the default (HAProxy)."""
+    if args.ingress:
+        return args.ingress
+    if args.config:
+        return check_ingress(_topology_file(args.config).get("ingress", DEFAULT_INGRESS))
+    return DEFAULT_INGRESS
+
+
+def _banner(service, args: argparse.Namespace) -> str:
+    """What ``tandem up`` started and where, for the operator."""
+    import os
+
+    info, config = service.model_info, service.config
+    return (
+        f"tandem is up: model {info['name']!r} on {config.cluster.prefill_workers} prefill + "
+        f"{config.cluster.decode_workers} decode workers\n"
+        f"  HTTP (OpenAI API): {service.http_url}/v1   health: {service.http_url}/health\n"
+        f"  gRPC (tandem.v1.Generation): {service.grpc_target}\n"
+        f"  ingress: {describe(config.ingress, os.environ)}\n"
+        f"  metrics (Prometheus): http://{args.host}:{args.metrics_port}/metrics\n"
+        f"  auth: {'API key required' if config.router.api_key else 'none'}; Ctrl-C stops"
+    )
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -98,6 +135,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
+        ingress=_ingress(args),
     )
     runtime_env = {"env_vars": {ENV: metrics_dir}}
     if os.environ.get("RAY_ADDRESS"):
@@ -114,16 +152,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     try:
         service = TandemService(config).start()
         metrics_server = start_metrics_server(args.metrics_port, args.host)
-        info = service.model_info
-        print(
-            f"tandem is up: model {info['name']!r} on {cluster.prefill_workers} prefill + "
-            f"{cluster.decode_workers} decode workers\n"
-            f"  HTTP (OpenAI API): {service.http_url}/v1   health: {service.http_url}/health\n"
-            f"  gRPC (tandem.v1.Generation): {service.grpc_target}\n"
-            f"  metrics (Prometheus): http://{args.host}:{args.metrics_port}/metrics\n"
-            f"  auth: {'API key required' if config.router.api_key else 'none'}; Ctrl-C stops",
-            flush=True,
-        )
+        print(_banner(service, args), flush=True)
         stop.wait()
         print("shutting down", flush=True)
         metrics_server.shutdown()
@@ -186,6 +215,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.report import main as report_main
 
         return report_main(args.rest)
+    if args.bench == "overhead":
+        from bench.overhead import main as overhead_main
+
+        return overhead_main(args.rest)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
@@ -225,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)
     up.add_argument("--metrics-port", type=int, default=8081, help="Prometheus scrape endpoint of this node")
+    up.add_argument("--ingress", default=None, choices=INGRESSES,
+                    help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")
     up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
     up.add_argument("--max-outstanding-requests", type=int, default=256)
     up.add_argument("--max-outstanding-prompt-tokens", type=int, default=262_144)
@@ -243,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--timeout", type=float, default=120.0)
     req.set_defaults(func=_cmd_request)
 
-    bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report)")
-    bench.add_argument("bench", choices=["offline", "serve", "report"])
+    bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead)")
+    bench.add_argument("bench", choices=["offline", "serve", "report", "overhead"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return p

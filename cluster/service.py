@@ -1,25 +1,37 @@
 """The whole service on a Ray cluster: worker pools, their controller, and the router.
 
 ``TandemService(config, ...).start()`` starts the controller actor (which starts the
-pools), Serve's HTTP and gRPC proxies, and the router application; ``shutdown()``
-takes them down in reverse order. ``tandem up`` and the integration tests use it;
-the caller owns ``ray.init`` / ``ray.shutdown``.
+pools), Serve with its ingress (HAProxy by default, or Serve's Python proxy: see
+``cluster/ingress.py``) on the HTTP and gRPC ports, and the router application;
+``shutdown()`` takes them down in reverse order. ``tandem up`` and the integration
+tests use it; the caller owns ``ray.init`` / ``ray.shutdown``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
+import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import ray
 
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterController
+from cluster.ingress import (
+    DEFAULT_INGRESS,
+    ENABLE_HAPROXY,
+    LOCAL_DRAIN_S,
+    check_environment,
+    check_ingress,
+    serve_env,
+)
 from cluster.pools import READY_TIMEOUT_S
 from router.admission import AdmissionConfig
 from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
-
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,57 @@ class ServiceConfig:
     http_port: int = 8000
     grpc_port: int = 9000
     app_name: str = "tandem"
+    ingress: str = DEFAULT_INGRESS  # "haproxy" or "proxy": Serve's Python proxy (cluster/ingress.py)
+
+    def __post_init__(self) -> None:
+        check_ingress(self.ingress)
+
+
+# Ports chosen now and bound later come from below the kernel's ephemeral range
+# (32768+ on Linux), where an outgoing connection could take one in the meantime, and
+# above Ray's worker ports (10002-19999); Serve's replicas bind from 30000.
+SPARE_PORTS = range(20000, 30000)
+
+
+def free_ports(host: str, n: int, avoid: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct ports of ``SPARE_PORTS`` free now on ``host``, none in ``avoid``."""
+    avoid = set(avoid)
+    with contextlib.ExitStack() as stack:  # hold each until all are chosen: distinct
+        ports: list[int] = []
+        for port in random.sample(SPARE_PORTS, len(SPARE_PORTS)):
+            if port in avoid:
+                continue
+            sock = stack.enter_context(socket.socket())
+            try:
+                sock.bind((host if host != "0.0.0.0" else "", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"fewer than {n} free ports in {SPARE_PORTS} on {host}")
+
+
+def _on_head_node() -> bool:
+    """Whether this driver runs on the Ray head node (where Serve's proxies start)."""
+    me = ray.get_runtime_context().get_node_id()
+    return any(n["NodeID"] == me and "node:__internal_head__" in n["Resources"] for n in ray.nodes() if n["Alive"])
+
+
+def controller_env(config: ServiceConfig, on_head: bool, environ) -> dict[str, str]:
+    """The environment of Serve's controller (and so of its proxies and replicas).
+
+    On the head node (where the driver can see which ports are free), HAProxy's backup
+    proxy gets free ports rather than Serve's fixed 8500 / 9500, so that two services on
+    one machine (tests, a second ``tandem up``) do not collide. Values in ``environ``
+    (this process's environment) win over the defaults chosen here.
+    """
+    if config.ingress == "proxy":
+        return serve_env("proxy")
+    ports = tuple(free_ports(config.host, 2, avoid={config.http_port, config.grpc_port})) if on_head else None
+    env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S)
+    env.update({k: environ[k] for k in env if k != ENABLE_HAPROXY and k in environ})
+    return env
 
 
 class TandemService:
@@ -53,6 +116,7 @@ class TandemService:
             serve.start(
                 http_options={"host": cfg.host, "port": cfg.http_port},
                 grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
+                controller_options={"runtime_env": {"env_vars": controller_env(cfg, _on_head_node(), os.environ)}},
             )
             serve.run(Router.bind(self.controller, cfg.router), name=cfg.app_name, route_prefix="/")
         except BaseException:
@@ -120,8 +184,10 @@ def app(args: dict):
 
     The controller is a named detached actor, so a redeploy finds the pools it
     started still running. With ``metrics_port`` in ``args`` it serves every node's
-    metrics on that port (each pod sets ``PROMETHEUS_MULTIPROC_DIR``).
+    metrics on that port (each pod sets ``PROMETHEUS_MULTIPROC_DIR``). ``ingress`` in
+    ``args`` must be the one the pods' environment runs (cluster/ingress.py).
     """
+    check_environment(args.get("ingress"), os.environ)
     cluster, router = configs_from_args(args)
     controller = (
         ray.remote(ClusterController)

@@ -102,6 +102,10 @@ class EngineStats:
     num_steps: int
     prompt_tokens: int
     generation_tokens: int
+    # Time in the model runner (inputs, forward, sampling) over all steps: wall clock,
+    # and CPU of the step thread (below the wall clock when the step waited for a core).
+    forward_s: float = 0.0
+    forward_cpu_s: float = 0.0
 
 
 @dataclass
@@ -161,6 +165,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._forward_s = 0.0
+        self._forward_cpu_s = 0.0
 
     # -- intake ----------------------------------------------------------------
 
@@ -337,7 +343,10 @@ class LLMEngine:
         for item in sched.scheduled:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
+        wall, cpu = time.perf_counter(), time.thread_time()
         result = self.runner.execute(sched)
+        self._forward_s += time.perf_counter() - wall
+        self._forward_cpu_s += time.thread_time() - cpu
         progressed = self.scheduler.update(sched, result.sampled)
         sampled = [r for r, token in progressed if token is not None]
         self._generation_tokens += len(sampled)
@@ -430,4 +439,6 @@ class LLMEngine:
             num_steps=s.stats.num_steps,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            forward_s=self._forward_s,
+            forward_cpu_s=self._forward_cpu_s,
         )

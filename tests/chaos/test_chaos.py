@@ -8,8 +8,10 @@ greedy completions per scenario while one thing breaks. Every scenario asserts:
 - a completed request's text equals the undisturbed single engine's, re-run or not;
 - a request fails only if the failure came after tokens had reached its client (it
   cannot be re-run then); before that, the router re-runs it on other workers. When the
-  router replica itself dies, its in-flight requests get HTTP 500 from Serve's proxy,
-  which the client retries before any token as the openai client does (2 retries);
+  router replica itself dies, its open streams break off (an incomplete chunked body,
+  an error for the client), and requests with no answer yet get HTTP 500 from Serve's
+  Python proxy, or a closed connection from HAProxy (the default ingress); the client
+  retries either before any token, as the openai client does (2 retries);
 - afterwards every worker (survivors and replacements) holds no KV blocks, and the
   service answers a normal request.
 

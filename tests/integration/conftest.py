@@ -57,23 +57,31 @@ def tiny_model(tmp_path_factory, default_model):
 
 
 def free_port() -> int:
-    import socket
+    """A port free now, outside the ephemeral range (see ``cluster.service.SPARE_PORTS``):
+    the service binds it tens of seconds later, after its workers opened connections."""
+    from cluster.service import free_ports
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports("127.0.0.1", 1)[0]
 
 
 @contextlib.contextmanager
 def running_service(
-    model: str, router=None, prefill_workers: int = 1, num_kv_blocks: int = 512, decode_workers: int = 1, **cluster
+    model: str,
+    router=None,
+    prefill_workers: int = 1,
+    num_kv_blocks: int = 512,
+    decode_workers: int = 1,
+    ingress: str | None = None,
+    **cluster,
 ):
     """The whole service (workers, controller, Serve app) on free ports; shut down on exit.
 
     ``cluster`` overrides topology settings (``transfer``, ``restart_workers``, ...).
+    ``ingress``: Serve's ingress (cluster/ingress.py); by default ``$TANDEM_TEST_INGRESS``,
+    else the service's default, so the same tests run on either.
     """
     from cluster.config import ClusterConfig
-    from cluster.service import ServiceConfig, TandemService
+    from cluster.service import ServiceConfig, TandemService, free_ports
     from router.server import RouterConfig
 
     settings = {
@@ -85,11 +93,14 @@ def running_service(
         "restart_workers": False,
         **cluster,
     }
+    ingress = ingress or os.environ.get("TANDEM_TEST_INGRESS") or ServiceConfig.ingress
+    http_port, grpc_port = free_ports("127.0.0.1", 2)
     cfg = ServiceConfig(
         cluster=ClusterConfig.from_dict(settings),
         router=router or RouterConfig(),
-        http_port=free_port(),
-        grpc_port=free_port(),
+        http_port=http_port,
+        grpc_port=grpc_port,
+        ingress=ingress,
     )
     svc = TandemService(cfg).start()
     try:

@@ -293,6 +293,30 @@ def test_serve_config_is_a_valid_ray_serve_config_for_the_tandem_app(rendered):
         assert cluster.decode_resources.bundle()["tandem_decode"] == 1, case
 
 
+def _containers(rs: dict) -> list[dict]:
+    cluster = rs["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+
+
+def test_every_ray_container_runs_the_ingress_the_app_asks_for(chart, rendered):
+    """Serve reads RAY_SERVE_ENABLE_HA_PROXY in every process it starts, on any pod; the
+    app's args name the same ingress, which the app checks against its environment."""
+    from cluster.ingress import check_environment
+
+    proxy = _by_kind(_split(chart.render({"serve": {"ingress": "proxy"}}, name=RELEASE)), "RayService")
+    for rs, ingress in [(_by_kind(rendered["default"], "RayService")[0], "haproxy"),
+                        (_by_kind(rendered["gpu"], "RayService")[0], "haproxy"), (proxy[0], "proxy")]:
+        (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["ingress"] == ingress
+        for c in _containers(rs):
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0"), (ingress, c["name"])
+            check_environment(app["args"]["ingress"], env)
+        head_ports = {p["name"] for p in _containers(rs)[0]["ports"]}
+        assert ({"haproxy-stats", "haproxy-metrics"} <= head_ports) == (ingress == "haproxy"), head_ports
+
+
 def test_serve_config_grpc_servicers_match_the_router():
     from router.server import GRPC_SERVICERS
 
@@ -401,6 +425,7 @@ def test_default_and_gpu_values_match_the_values_schema(chart, gpu_values, value
         ({"prefill": {"replics": 1}}, "replics"),
         ({"serve": {"topology": {"decode_workers": 0}}}, "decode_workers"),
         ({"serve": {"placement": "random"}}, "placement"),
+        ({"serve": {"ingress": "nginx"}}, "ingress"),
         ({"metrics": {"port": 70000}}, "port"),
         ({"prefill": {"rayResources": {"tandem_prefill": -1}}}, "tandem_prefill"),
     ],

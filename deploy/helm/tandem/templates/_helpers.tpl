@@ -42,8 +42,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%q" (toJson .) | squote }}
 {{- end }}
 
-{{/* Environment shared by every Ray container. */}}
+{{/* Environment shared by every Ray container. Serve reads RAY_SERVE_ENABLE_HA_PROXY in
+its controller and in every proxy and replica it starts, on any pod. */}}
 {{- define "tandem.env" -}}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" (eq .Values.serve.ingress "haproxy") | quote }}
 - name: TANDEM_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
 - name: PROMETHEUS_MULTIPROC_DIR   # every Tandem process on the pod writes its metrics here
@@ -109,8 +112,8 @@ limits:
 The Serve config (serveConfigV2). Rendered as JSON, which is YAML too: toYaml would print
 numbers of a million and more in exponent form (8.589934592e+09), toJson keeps them whole.
 `args` go to cluster.service:app: the topology (cluster/config.py keys), the custom
-resources that pin each role's workers, the router's settings, the metrics port, and the
-name of the env var holding the API key (never the key).
+resources that pin each role's workers, the router's settings, the metrics port, the
+ingress the pods run, and the name of the env var holding the API key (never the key).
 */}}
 {{- define "tandem.serveConfig" -}}
 {{- $s := .Values.serve -}}
@@ -118,7 +121,7 @@ name of the env var holding the API key (never the key).
 {{- if .Values.apiKey.existingSecret }}
 {{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
 {{- end }}
-{{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port -}}
+{{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port "ingress" $s.ingress -}}
 {{- $app := dict "name" $s.appName "import_path" $s.importPath "route_prefix" $s.routePrefix "args" $args -}}
 {{- $grpc := dict "port" .Values.service.grpcPort "grpc_servicer_functions" (list "router.grpc_api.add_generation_servicer" "router.grpc_api.add_health_servicer") -}}
 {{- $cfg := dict "proxy_location" $s.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.service.httpPort) "grpc_options" $grpc "applications" (list $app) -}}

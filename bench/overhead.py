@@ -1,0 +1,547 @@
+"""Where the CPU of a streamed token goes: every process of the service, per output token.
+
+One fixed streaming load (by default 96 ``/v1/completions`` requests of 64 random prompt
+tokens and 128 output tokens with ``ignore_eos``, 32 in flight, 1 prefill + 1 decode
+worker) runs against the service this program starts (``--ingress``, topology flags) or
+a running one (``--url``). Around the load, every process's user+system CPU time is read
+(psutil ``cpu_times``); each delta divided by the output tokens the client received is
+that process's CPU milliseconds per token, summed by kind:
+
+* ``router``: the Serve replica(s) of the Router deployment;
+* ``ingress``: HAProxy's processes and Serve's ``HAProxyManager`` actor, or Serve's
+  Python proxy actor (with HAProxy, a Python proxy still idles as its backup);
+* ``decode`` / ``prefill``: the worker actors (a colocated worker counts as decode),
+  with the engine's own model-runner time per token beside them;
+* ``client``: the load client, one thread of this process (its thread CPU time);
+* ``driver``: the rest of this process (Ray's core worker threads when it started Ray);
+* ``control``: Serve's controller and Tandem's cluster controller;
+* ``ray``: Ray's own processes (raylet, gcs_server, agents, idle workers).
+
+Before starting the service, the same requests run through the offline engine
+(``engine.LLM``, as many in flight, in this process) for the engine's ceiling in output
+tokens/s. Processes are found as this process's descendants when it started Ray, and
+among every process of the machine by command line with ``--url`` (so run that where
+no other Ray runs).
+
+    python -m bench.overhead --ingress haproxy [--prefill-workers 0] [--out bench-results/overhead.json]
+    tandem bench overhead --url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench import workloads
+from bench.workloads import BenchRequest
+
+KINDS = ("decode", "router", "ingress", "client", "prefill", "driver", "control", "ray", "other")
+WARMUP_REQUESTS = 8
+ROUTER_DEPLOYMENT = "Router"
+# Ray's own helper processes, known by the script they run.
+RAY_SCRIPTS = {
+    "dashboard/agent.py": "dashboard agent",
+    "dashboard/dashboard.py": "dashboard",
+    "runtime_env/agent/main.py": "runtime env agent",
+    "log_monitor.py": "log monitor",
+    "autoscaler/_private/monitor.py": "autoscaler monitor",
+}
+ACTORS = {
+    "ProxyActor": ("ingress", "Serve proxy actor"),
+    "HAProxyManager": ("ingress", "HAProxyManager actor"),
+    "DecodeWorker": ("decode", "decode worker"),
+    "ColocatedWorker": ("decode", "colocated worker"),
+    "PrefillWorker": ("prefill", "prefill worker"),
+    "ServeController": ("control", "Serve controller"),
+    "ClusterController": ("control", "cluster controller"),
+    "NodeMetricsExporter": ("control", "metrics exporter"),
+    "DashboardAgent": ("ray", "dashboard agent"),
+    "RuntimeEnvAgent": ("ray", "runtime env agent"),
+}
+
+
+# -- pure parts: which process is what, and the arithmetic ------------------------------
+
+
+def classify(name: str, cmdline: Sequence[str]) -> tuple[str, str] | None:
+    """(kind, component) of a process from its name and command line; None: not ours.
+
+    Ray titles an actor's process ``ray::<Class>`` (``ray::<Class>.<method>`` while a
+    method runs, ``ray::<actor name>:<Class>.<method>`` for some named actors, and
+    ``ray::ServeReplica:<app>:<deployment>`` for a Serve replica).
+    """
+    title = " ".join(cmdline) if cmdline else name
+    if title.startswith("ray::"):
+        actor = title[len("ray::"):].split(" ")[0]
+        if "ServeReplica:" in actor:
+            actor = actor[actor.index("ServeReplica:"):]
+        elif ":" in actor:
+            actor = actor.rsplit(":", 1)[1]
+        if actor.startswith("ServeReplica:"):
+            deployment = actor.split(":")[-1].split(".")[0]
+            return ("router", "router replica") if deployment == ROUTER_DEPLOYMENT else ("other", actor)
+        cls = actor.split(".")[0]
+        if cls in ACTORS:
+            return ACTORS[cls]
+        return "ray", "idle workers" if cls == "IDLE" else f"actor {cls}"
+    program = os.path.basename(cmdline[0]) if cmdline else name
+    if program == "haproxy" or name == "haproxy":
+        return "ingress", "haproxy"
+    if name in ("raylet", "gcs_server") or program in ("raylet", "gcs_server"):
+        return "ray", name if name in ("raylet", "gcs_server") else program
+    for script, component in RAY_SCRIPTS.items():
+        if any(arg.endswith(script) for arg in cmdline):
+            return "ray", component
+    return None
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    kind: str
+    component: str
+    cpu_s: float  # user + system, since the process started
+
+
+@dataclass
+class KindRow:
+    kind: str
+    processes: int = 0
+    cpu_s: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)  # component -> CPU seconds
+
+    def ms_per_token(self, tokens: int) -> float:
+        return per_token_ms(self.cpu_s, tokens)
+
+
+def per_token_ms(seconds: float, tokens: int) -> float:
+    """Milliseconds per token; a ValueError for a run that received no tokens."""
+    if tokens <= 0:
+        raise ValueError(f"no output tokens were received (got {tokens}): nothing to divide by")
+    return seconds * 1000.0 / tokens
+
+
+def cpu_deltas(before: Iterable[Proc], after: Iterable[Proc]) -> list[Proc]:
+    """Each process's CPU spent between the two snapshots (a process that appeared in
+    between counts from zero; one that exited in between is lost, and left out)."""
+    start = {p.pid: p.cpu_s for p in before}
+    return [Proc(p.pid, p.kind, p.component, max(0.0, p.cpu_s - start.get(p.pid, 0.0))) for p in after]
+
+
+def by_kind(deltas: Iterable[Proc]) -> list[KindRow]:
+    """One row per kind (in ``KINDS`` order, kinds with no process left out)."""
+    rows = {k: KindRow(k) for k in KINDS}
+    for p in deltas:
+        row = rows.setdefault(p.kind, KindRow(p.kind))
+        row.processes += 1
+        row.cpu_s += p.cpu_s
+        row.components[p.component] = row.components.get(p.component, 0.0) + p.cpu_s
+    return [r for r in rows.values() if r.processes]
+
+
+def format_table(rows: Sequence[KindRow], tokens: int, notes: dict[str, str] | None = None) -> str:
+    """The per-kind table, components of a kind with several indented below it."""
+    notes = notes or {}
+
+    def line(label: str, procs: str, cpu_s: float, note: str = "") -> str:
+        return f"{label:<28}{procs:>6}{cpu_s:>9.2f}{per_token_ms(cpu_s, tokens):>10.3f}  {note}".rstrip()
+
+    lines = [f"{'kind':<28}{'procs':>6}{'CPU s':>9}{'ms/token':>10}  notes", "-" * 68]
+    for r in rows:
+        lines.append(line(r.kind, str(r.processes), r.cpu_s, notes.get(r.kind, "")))
+        if len(r.components) > 1:
+            for name, cpu in sorted(r.components.items(), key=lambda kv: -kv[1]):
+                lines.append(line(f"  {name}", "", cpu))
+    lines += ["-" * 68, line("total", str(sum(r.processes for r in rows)), sum(r.cpu_s for r in rows))]
+    return "\n".join(lines)
+
+
+# -- finding and reading processes ---------------------------------------------------------
+
+
+def snapshot(pids: dict[int, tuple[str, str]]) -> list[Proc]:
+    """The current CPU time of each known process still alive."""
+    import psutil
+
+    out = []
+    for pid, (kind, component) in pids.items():
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            out.append(Proc(pid, kind, component, t.user + t.system))
+    return out
+
+
+def discover(descendants_only: bool, workers: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str]]:
+    """pid -> (kind, component) for the service's processes, this process excluded.
+
+    ``workers``: the worker actors' pids as they reported them (their role is certain).
+    """
+    import psutil
+
+    me = psutil.Process()
+    procs = me.children(recursive=True) if descendants_only else [p for p in psutil.process_iter() if p.pid != me.pid]
+    found = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            label = workers.get(proc.pid) or classify(proc.name(), proc.cmdline())
+            if label is None and descendants_only:
+                label = ("other", proc.name())
+            if label is not None:
+                found[proc.pid] = label
+    return found
+
+
+# -- the load --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    tokens: int
+    completed: int
+    failed: int
+    errors: dict[str, int]
+    wall_s: float
+    client_cpu_s: float
+
+
+def build_requests(args: argparse.Namespace, vocab: Sequence[int]) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    return workloads.synthetic(args.num_requests, args.input_len, args.output_len, 0.0, vocab, rng)
+
+
+async def _load(url: str, api_key: str | None, requests: Sequence[BenchRequest], concurrency: int,
+                vocab: Sequence[int], begin) -> list:
+    """Warm up (one short request, then a few of the real shape), call ``begin()``, then
+    run every request with ``concurrency`` in flight; returns their results."""
+    import httpx
+
+    from bench.serve import HttpClient, RunPlan, run_load, warm_up
+
+    def plan(reqs: Sequence[BenchRequest]) -> RunPlan:
+        return RunPlan(float("inf"), list(reqs), [0.0] * len(reqs))
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as http:
+        client = HttpClient(http, url, api_key, None)
+        await warm_up(client, vocab, 0, url)
+        await run_load(client, plan(requests[:WARMUP_REQUESTS]), concurrency, False)
+        begin()
+        results, _ = await run_load(client, plan(requests), concurrency, False)
+        return results
+
+
+def run_client(url: str, api_key: str | None, requests: Sequence[BenchRequest], concurrency: int,
+               vocab: Sequence[int], on_start, on_end) -> LoadResult:
+    """Run the load in a thread of its own and time that thread's CPU over the measured
+    part; ``on_start`` / ``on_end`` (the other processes' snapshots) run just outside it."""
+    box: dict = {}
+
+    def begin() -> None:
+        on_start()
+        box["cpu0"], box["t0"] = time.thread_time(), time.perf_counter()
+
+    def target() -> None:
+        try:
+            results = asyncio.run(_load(url, api_key, requests, concurrency, vocab, begin))
+            box["cpu"], box["wall"] = time.thread_time() - box["cpu0"], time.perf_counter() - box["t0"]
+            on_end()
+            box["results"] = results
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="overhead-client")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    results = box["results"]
+    done = [r for r in results if r.ok]
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return LoadResult(sum(r.output_tokens for r in done), len(done), len(results) - len(done), errors,
+                      box["wall"], box["cpu"])
+
+
+# -- the offline engine's ceiling ----------------------------------------------------------
+
+
+def run_offline(engine_config, requests: Sequence[BenchRequest], concurrency: int, torch_threads: int) -> dict:
+    """The same requests through ``engine.LLM`` in this process, ``concurrency`` at a time
+    (``max_num_seqs``) on as many torch threads as a worker: the engine's ceiling."""
+    import dataclasses
+    import gc
+
+    import torch
+
+    from engine import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        cfg = dataclasses.replace(engine_config, max_num_seqs=min(engine_config.max_num_seqs, concurrency))
+        llm = LLM(**dataclasses.asdict(cfg))
+        llm.generate([requests[0].prompt_token_ids], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+        before = llm.stats()
+        wall, cpu = time.perf_counter(), time.thread_time()
+        outs = llm.generate([r.prompt_token_ids for r in requests], params)
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        after = llm.stats()
+        tokens = sum(len(o.token_ids) for o in outs)
+        del llm, outs
+        gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens_per_s": tokens / wall,
+        "cpu_ms_per_token": per_token_ms(cpu, tokens),
+        "forward_ms_per_token": per_token_ms(after.forward_s - before.forward_s, tokens),
+        "max_num_seqs": cfg.max_num_seqs,
+        "torch_threads": torch_threads,
+    }
+
+
+# -- the service -------------------------------------------------------------------------------
+
+
+def service_config(args: argparse.Namespace):
+    from bench.serve import _free_port
+    from cluster.config import ClusterConfig
+    from cluster.service import ServiceConfig
+
+    topology = {"model": args.model, "prefill_workers": args.prefill_workers, "decode_workers": args.decode_workers}
+    if args.kv_transfer_backend:
+        topology["transfer"] = {"backend": args.kv_transfer_backend}
+    return ServiceConfig(
+        cluster=ClusterConfig.from_dict({k: v for k, v in topology.items() if v is not None}),
+        http_port=_free_port(),
+        grpc_port=_free_port(),
+        ingress=args.ingress,
+    )
+
+
+@contextlib.contextmanager
+def launched(config, num_cpus: int) -> Iterator[object]:
+    """Ray (``num_cpus``, no dashboard) and the service in this process, with metrics on
+    as ``tandem up`` has them (every process writes them to one folder)."""
+    import shutil
+
+    from cluster.metrics_server import ENV, use_multiprocess_dir
+
+    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+    metrics_dir = use_multiprocess_dir(home / "metrics" / f"overhead-{os.getpid()}")
+    import ray
+
+    from cluster.service import TandemService
+
+    # log_to_driver off: a line per request from the replica would cost this process CPU
+    # (and bury the table); the session's log folder keeps them.
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+             runtime_env={"env_vars": {ENV: metrics_dir, "OMP_NUM_THREADS": "1"}})
+    try:
+        service = TandemService(config).start()
+        try:
+            yield service
+        finally:
+            service.shutdown()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def kind_of_role(role: str) -> str:
+    """A worker role's kind: a colocated worker runs both phases and counts as decode."""
+    return "prefill" if role == "prefill" else "decode"
+
+
+def worker_infos(service) -> list[dict]:
+    """Every worker actor's ``ready()`` answer: worker_id, role, pid."""
+    import ray
+
+    prefill, decode = ray.get(service.controller.workers.remote())
+    return ray.get([w.handle.ready.remote() for w in prefill + decode])
+
+
+def engine_seconds(service, roles: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per kind, the model-runner time its workers have spent so far (wall, CPU);
+    ``roles``: worker_id -> role."""
+    import ray
+
+    out: dict[str, dict[str, float]] = {}
+    for worker_id, stats in ray.get(service.controller.stats.remote()).items():
+        totals = out.setdefault(kind_of_role(roles.get(worker_id, "decode")), {"forward_s": 0.0, "forward_cpu_s": 0.0})
+        for key in totals:
+            totals[key] += stats.get(key, 0.0)
+    return out
+
+
+def engine_per_token(before: dict, after: dict, tokens: int) -> dict[str, dict[str, float]]:
+    """Per role, the model runner's wall and CPU milliseconds per output token."""
+    return {
+        role: {key.replace("_s", "_ms_per_token"): per_token_ms(after[role][key] - before.get(role, {}).get(key, 0.0),
+                                                                 tokens)
+               for key in ("forward_s", "forward_cpu_s")}
+        for role in after
+    }
+
+
+# -- one measured run -------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """What to load and how to see it: the URL, its processes, the engines' timers."""
+
+    url: str
+    api_key: str | None
+    # pid -> (kind, component), asked at both snapshots: HAProxy's reloads replace its
+    # process, and a process that appears during the load counts from zero.
+    processes: Callable[[], dict[int, tuple[str, str]]]
+    engine_timers: Callable[[], dict] | None = None  # engine_seconds, when the service is ours
+
+
+def measure(target: Target, requests: Sequence[BenchRequest], concurrency: int, vocab: Sequence[int]) -> dict:
+    """Run the load once; CPU per output token of every process and kind, and the engines'."""
+    import psutil
+
+    me = psutil.Process()
+    snaps: dict[str, object] = {}
+
+    def mark(when: str) -> None:
+        t = me.cpu_times()
+        snaps[when] = (snapshot(target.processes()), t.user + t.system,
+                       target.engine_timers() if target.engine_timers else {})
+
+    load = run_client(target.url, target.api_key, requests, concurrency, vocab,
+                      lambda: mark("before"), lambda: mark("after"))
+    (procs0, own0, eng0), (procs1, own1, eng1) = snaps["before"], snaps["after"]
+    deltas = cpu_deltas(procs0, procs1)
+    deltas.append(Proc(me.pid, "client", "load client thread", load.client_cpu_s))
+    deltas.append(Proc(me.pid, "driver", "this process, other threads", max(0.0, own1 - own0 - load.client_cpu_s)))
+    rows = by_kind(deltas)
+    return {
+        "load": asdict(load),
+        "output_tokens_per_s": load.tokens / load.wall_s,
+        "kinds": [{"kind": r.kind, "processes": r.processes, "cpu_s": r.cpu_s,
+                   "ms_per_token": r.ms_per_token(load.tokens), "components": r.components} for r in rows],
+        "processes": [asdict(p) for p in deltas],
+        "engine": engine_per_token(eng0, eng1, load.tokens) if eng1 else {},
+        "_rows": rows,
+    }
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def notes(result: dict) -> dict[str, str]:
+    """The table's notes column: the engine's own time beside each worker kind."""
+    return {kind: f"model runner {e['forward_ms_per_token']:.3f} ms wall, {e['forward_cpu_ms_per_token']:.3f} CPU"
+            for kind, e in result["engine"].items()}
+
+
+def report_text(result: dict, offline: dict | None, label: str) -> str:
+    load = result["load"]
+    lines = [f"== {label}: {load['tokens']} output tokens from {load['completed']} requests"
+             + (f" ({load['failed']} failed: {load['errors']})" if load["failed"] else "")
+             + f" in {load['wall_s']:.1f} s",
+             format_table(result["_rows"], load["tokens"], notes(result)),
+             f"service output tokens/s: {result['output_tokens_per_s']:.0f}"]
+    if offline:
+        lines[-1] += (f"   offline engine (same requests, {offline['max_num_seqs']} in flight, this process): "
+                      f"{offline['output_tokens_per_s']:.0f}, "
+                      f"model runner {offline['forward_ms_per_token']:.3f} ms/token")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cluster.ingress import DEFAULT_INGRESS, INGRESSES
+
+    ap = argparse.ArgumentParser(prog="tandem bench overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running service's HTTP base URL (default: start one)")
+    ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="with --url; default: $TANDEM_API_KEY")
+    ap.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
+                    help="Serve's ingress of the service it starts")
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
+    ap.add_argument("--prefill-workers", type=int, default=1, help="0: one colocated worker")
+    ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store"])
+    ap.add_argument("--num-cpus", type=int, default=2, help="CPUs for the local Ray")
+    ap.add_argument("--num-requests", type=int, default=96)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-offline", action="store_true", help="skip the offline engine's run")
+    ap.add_argument("--out", default="bench-results/overhead.json")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if min(args.num_requests, args.input_len, args.output_len, args.concurrency) < 1:
+        raise SystemExit("--num-requests, --input-len, --output-len and --concurrency must be >= 1")
+    from engine.default_model import ensure_default_model
+    from engine.tokenizer import Tokenizer
+
+    load_before = os.getloadavg()
+    args.model = args.model or str(ensure_default_model())
+    vocab = workloads.sampleable_ids(Tokenizer.from_pretrained(args.model))
+    requests = build_requests(args, vocab)
+    config = None if args.url else service_config(args)
+    offline = None
+    if not args.no_offline:
+        cluster = config.cluster if config else service_config(args).cluster
+        offline = run_offline(cluster.engine_config("decode"), requests, args.concurrency, cluster.torch_threads)
+    with contextlib.ExitStack() as stack:
+        target = _target(args, config, stack)
+        result = measure(target, requests, args.concurrency, vocab)
+    label = f"ingress {args.ingress}" if not args.url else args.url
+    print(report_text(result, offline, label), flush=True)
+    print(f"machine load average (1 min) before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs", flush=True)
+    record = {
+        "label": label,
+        # The load average says how far a shared machine's numbers can be trusted.
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
+        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "offline": offline,
+        **{k: v for k, v in result.items() if not k.startswith("_")},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def _target(args: argparse.Namespace, config, stack: contextlib.ExitStack) -> Target:
+    """The service to load: a running one (``--url``), or one started for the run."""
+    if args.url:
+        return Target(args.url, args.api_key, lambda: discover(descendants_only=False, workers={}))
+    service = stack.enter_context(launched(config, args.num_cpus))
+    infos = worker_infos(service)
+    workers = {i["pid"]: (kind_of_role(i["role"]), f"{i['role']} worker {i['worker_id']}") for i in infos}
+    roles = {i["worker_id"]: i["role"] for i in infos}
+    return Target(service.http_url, None, lambda: discover(descendants_only=True, workers=workers),
+                  lambda: engine_seconds(service, roles))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

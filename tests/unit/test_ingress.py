@@ -1,0 +1,87 @@
+"""Choosing Serve's ingress: the setting, the environment it becomes, the flags and files."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import _cluster_config, _ingress, build_parser
+from cluster.ingress import (
+    ENABLE_HAPROXY,
+    FALLBACK_GRPC_PORT,
+    FALLBACK_HTTP_PORT,
+    MIN_DRAIN_S,
+    check_environment,
+    describe,
+    ingress_from_env,
+    serve_env,
+)
+from cluster.service import ServiceConfig, controller_env
+
+
+def test_haproxy_is_the_default_and_other_names_are_refused_naming_the_field():
+    assert ServiceConfig().ingress == "haproxy"
+    assert ServiceConfig(ingress="proxy").ingress == "proxy"
+    with pytest.raises(ValueError, match="ingress must be one of haproxy, proxy; got 'nginx'"):
+        ServiceConfig(ingress="nginx")
+
+
+def test_serve_env_turns_haproxy_on_or_explicitly_off():
+    assert serve_env("haproxy") == {ENABLE_HAPROXY: "1"}
+    # off explicitly: a RAY_SERVE_ENABLE_HA_PROXY=1 inherited from the shell must not win
+    assert serve_env("proxy") == {ENABLE_HAPROXY: "0"}
+    env = serve_env("haproxy", fallback_ports=(41000, 41001), drain_s=2.0)
+    assert env == {ENABLE_HAPROXY: "1", FALLBACK_HTTP_PORT: "41000", FALLBACK_GRPC_PORT: "41001", MIN_DRAIN_S: "2"}
+
+
+def test_the_controller_env_picks_free_backup_ports_on_the_head_and_keeps_exported_values():
+    env = controller_env(ServiceConfig(), on_head=True, environ={})
+    assert env[ENABLE_HAPROXY] == "1" and env[MIN_DRAIN_S] == "2"
+    assert int(env[FALLBACK_HTTP_PORT]) != int(env[FALLBACK_GRPC_PORT]), env
+    remote = controller_env(ServiceConfig(), on_head=False, environ={})
+    assert FALLBACK_HTTP_PORT not in remote, "off the head this process cannot tell which ports are free"
+    exported = {MIN_DRAIN_S: "30", FALLBACK_HTTP_PORT: "8500", ENABLE_HAPROXY: "0"}
+    env = controller_env(ServiceConfig(), on_head=True, environ=exported)
+    assert (env[MIN_DRAIN_S], env[FALLBACK_HTTP_PORT], env[ENABLE_HAPROXY]) == ("30", "8500", "1"), env
+    assert controller_env(ServiceConfig(ingress="proxy"), on_head=True, environ={}) == {ENABLE_HAPROXY: "0"}
+
+
+def test_an_application_asking_for_another_ingress_than_the_pods_run_fails_clearly():
+    check_environment(None, {})
+    check_environment("haproxy", {ENABLE_HAPROXY: "1"})
+    check_environment("proxy", {})
+    with pytest.raises(ValueError, match="asks for 'haproxy', but this Ray cluster runs 'proxy'"):
+        check_environment("haproxy", {ENABLE_HAPROXY: "0"})
+    assert ingress_from_env({ENABLE_HAPROXY: "true"}) == "proxy", "Serve turns it on for '1' only"
+
+
+def test_operators_are_told_haproxys_other_ports():
+    assert describe("haproxy", {}) == "HAProxy (stats page :8404, Prometheus exporter :9101, on all interfaces)"
+    assert ":9999" in describe("haproxy", {"RAY_SERVE_HAPROXY_STATS_PORT": "9999"})
+    assert describe("proxy", {}) == "Serve's Python proxy"
+
+
+def _up(*argv):
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_the_flag_or_the_topology_file_chooses_the_ingress(tmp_path):
+    assert _ingress(_up()) == "haproxy"
+    assert _ingress(_up("--ingress", "proxy")) == "proxy"
+    path = tmp_path / "topology.yaml"
+    path.write_text("ingress: proxy\nprefill_workers: 2\n")
+    assert _ingress(_up("--config", str(path))) == "proxy"
+    assert _ingress(_up("--config", str(path), "--ingress", "haproxy")) == "haproxy", "the flag overrides the file"
+    assert _cluster_config(_up("--config", str(path))).prefill_workers == 2, "ingress is no pool setting"
+    path.write_text("ingress: nginx\n")
+    with pytest.raises(ValueError, match="ingress must be one of"):
+        _ingress(_up("--config", str(path)))
+    with pytest.raises(SystemExit):
+        _up("--ingress", "nginx")
+
+
+def test_ports_chosen_for_later_are_distinct_free_and_below_the_ephemeral_range():
+    from cluster.service import SPARE_PORTS, free_ports
+
+    avoid = set(range(20000, 29990))
+    ports = free_ports("127.0.0.1", 3, avoid=avoid)
+    assert len(set(ports)) == 3 and all(p in SPARE_PORTS and p not in avoid for p in ports), ports
