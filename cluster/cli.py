@@ -98,7 +98,7 @@ def _banner(service, args: argparse.Namespace) -> str:
         f"{config.cluster.decode_workers} decode workers\n"
         f"  HTTP (OpenAI API): {service.http_url}/v1   health: {service.http_url}/health\n"
         f"  gRPC (tandem.v1.Generation): {service.grpc_target}\n"
-        f"  ingress: {describe(config.ingress, os.environ)}\n"
+        f"  ingress: {describe(config.ingress, {**os.environ, **service.serve_env})}\n"
         f"  metrics (Prometheus): http://{args.host}:{args.metrics_port}/metrics\n"
         f"  auth: {'API key required' if config.router.api_key else 'none'}; Ctrl-C stops"
     )

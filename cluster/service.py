@@ -24,6 +24,7 @@ from cluster.ingress import (
     DEFAULT_INGRESS,
     ENABLE_HAPROXY,
     LOCAL_DRAIN_S,
+    HAPROXY_SIDE_PORTS,
     check_environment,
     check_ingress,
     serve_env,
@@ -91,8 +92,25 @@ def controller_env(config: ServiceConfig, on_head: bool, environ) -> dict[str, s
         return serve_env("proxy")
     ports = tuple(free_ports(config.host, 2, avoid={config.http_port, config.grpc_port})) if on_head else None
     env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S)
+    if on_head:
+        # HAProxy's stats page and exporter: their usual ports when free, else spare ones
+        # (a second service on the machine would otherwise stop HAProxy from starting).
+        taken = {config.http_port, config.grpc_port, *(ports or ())}
+        for var, default in HAPROXY_SIDE_PORTS.values():
+            port = default if _port_free(default) and default not in taken else free_ports("0.0.0.0", 1, taken)[0]
+            env[var] = str(port)
+            taken.add(port)
     env.update({k: environ[k] for k in env if k != ENABLE_HAPROXY and k in environ})
     return env
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 class TandemService:
@@ -100,6 +118,7 @@ class TandemService:
         self.config = config
         self.controller = None
         self.model_info: dict | None = None
+        self.serve_env: dict[str, str] = {}  # what Serve's controller and proxies run with
 
     def start(self) -> "TandemService":
         from ray import serve
@@ -113,10 +132,11 @@ class TandemService:
         )
         try:
             self.model_info = ray.get(self.controller.start.remote(), timeout=READY_TIMEOUT_S)
+            self.serve_env = controller_env(cfg, _on_head_node(), os.environ)
             serve.start(
                 http_options={"host": cfg.host, "port": cfg.http_port},
                 grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
-                controller_options={"runtime_env": {"env_vars": controller_env(cfg, _on_head_node(), os.environ)}},
+                controller_options={"runtime_env": {"env_vars": self.serve_env}},
             )
             serve.run(Router.bind(self.controller, cfg.router), name=cfg.app_name, route_prefix="/")
         except BaseException:

@@ -124,7 +124,7 @@ class Outbox:
 class AsyncEngine:
     """An engine stepping in its own thread, with per-request async output streams."""
 
-    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05, metrics=None) -> None:
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.25, metrics=None) -> None:
         self.engine = engine
         self.metrics = metrics  # an ``engine.metrics.EngineMetrics``, or None
         self._calls: deque[tuple[Callable, tuple, dict, asyncio.Future | None]] = deque()

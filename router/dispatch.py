@@ -163,7 +163,7 @@ class DispatchConfig:
     max_retries: int = 2  # re-runs of a request whose decode worker died before any token
     max_migrations: int = 3  # moves of a stream whose decode worker died after tokens were sent
     capacity_wait_s: float = 30.0  # how long a request may wait for KV room
-    load_poll_s: float = 0.05
+    load_poll_s: float = 0.05  # placement uses load reports at most this old
     placement: str = "load"  # "load": the load-aware policies; "round_robin": the baseline
     prefix_affinity: bool = True
     max_imbalance_tokens: int = 4096  # how much busier an affine prefill worker may be
@@ -196,7 +196,8 @@ class Dispatcher:
         self._ids = itertools.count()
         self._decode_ties = itertools.count()  # separate counters, so ties rotate within each pool
         self._prefill_ties = itertools.count()
-        self._poller: asyncio.Task | None = None
+        self._loads_at = float("-inf")  # event-loop time of the last load reports
+        self._refreshing: asyncio.Future | None = None
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._prefixes = PrefixIndex()
         self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}")
@@ -204,6 +205,13 @@ class Dispatcher:
     # -- load reports ----------------------------------------------------------
 
     async def refresh_loads(self) -> None:
+        """Ask every worker for its load now (one refresh at a time; callers share it)."""
+        if self._refreshing is not None and not self._refreshing.done():
+            return await asyncio.shield(self._refreshing)
+        self._refreshing = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self._refreshing)
+
+    async def _refresh(self) -> None:
         workers = [*self._prefill(), *self._decode()]
         results = await asyncio.gather(
             *(w.handle.load.remote() for w in workers), return_exceptions=True
@@ -213,22 +221,15 @@ class Dispatcher:
                 self._loads.pop(w.worker_id, None)
             else:
                 self._loads[w.worker_id] = r
+        self._loads_at = asyncio.get_running_loop().time()
 
-    async def _poll(self) -> None:
-        while True:
-            try:
-                await self.refresh_loads()
-            except Exception:  # a poll must never die; the next one retries
-                log.exception("load poll failed")
-            await asyncio.sleep(self.config.load_poll_s)
-
-    def _ensure_polling(self) -> None:
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
+    async def _fresh_loads(self) -> None:
+        """Load reports no older than ``load_poll_s``. Asked for at placement only: an
+        idle router sends no polls (polling every 50 ms cost more CPU than the tokens)."""
+        if asyncio.get_running_loop().time() - self._loads_at > self.config.load_poll_s:
+            await self.refresh_loads()
 
     def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
         self.subscriptions.stop()
 
     # -- placement -------------------------------------------------------------
@@ -274,7 +275,6 @@ class Dispatcher:
 
         ``abort(request_id)`` from any task ends the stream with finish_reason "abort".
         """
-        self._ensure_polling()
         rid = request_id or f"d{next(self._ids)}"
         if rid in self._inflight:
             yield StreamDelta.failure(rid, ErrorKind.INVALID, f"request_id {rid!r} is already in flight")
@@ -369,8 +369,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.capacity_wait_s
         while True:
-            if not self._loads:
-                await self.refresh_loads()
+            await self._fresh_loads()
             decode = self._choose_decode(blocks, exclude)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
@@ -400,7 +399,6 @@ class Dispatcher:
                     f"no decode worker had room for {blocks} KV blocks within {self.config.capacity_wait_s}s"
                 )
             await asyncio.sleep(self.config.load_poll_s)
-            await self.refresh_loads()
 
     def _start_prefill(self, rid, prompt, params, decode: WorkerRef, reservation) -> None:
         prefill = self._choose_prefill(prompt)
