@@ -94,8 +94,7 @@ def run(model: str | None, seconds: float, every_s: float) -> dict:
     from cluster.pools import TandemCluster
 
     cluster = TandemCluster(
-        ClusterConfig(model=model, prefill_workers=2, decode_workers=2, restart_workers=False,
-                      transfer={"backend": "collective"})
+        ClusterConfig(model=model, prefill_workers=2, decode_workers=2, restart_workers=False)  # collective
     ).start()
     try:
         asyncio.run(_steady(cluster, 2.0))  # warm-up: the steady pair's channel exists
