@@ -49,11 +49,6 @@ import torch
 from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
 
 
-def device_backend() -> str:
-    """NCCL on GPUs, gloo otherwise (``nccl_available()`` can be true without a GPU)."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def advertised_host() -> str:
     """The address peers reach this process at: the Ray node's, or loopback outside Ray."""
     try:
@@ -125,7 +120,8 @@ class CollectiveBackend(KVTransferBackend):
 
     def __init__(self, op_timeout_s: float = 60.0, connect_timeout_s: float = 30.0) -> None:
         super().__init__()
-        self.device = device_backend()
+        # On GPUs the bytes go through host memory: gloo moves CPU tensors.
+        self.on_gpu = torch.cuda.is_available()
         self.op_timeout_s = op_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.sender_id = uuid.uuid4().hex[:12]
@@ -249,7 +245,7 @@ class CollectiveBackend(KVTransferBackend):
         self.stats.received += 1
         self.stats.bytes_received += k.nbytes + v.nbytes
         self.stats.seconds_receiving += time.perf_counter() - t0
-        if self.device == "nccl":
+        if self.on_gpu:
             k, v = k.cuda(non_blocking=True), v.cuda(non_blocking=True)
         return k, v
 

@@ -27,7 +27,7 @@ def checksum(k: torch.Tensor, v: torch.Tensor) -> str:
     """sha256 of K's bytes then V's: any changed, lost or reordered byte shows."""
     h = hashlib.sha256()
     for t in (k, v):
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -7,7 +7,7 @@ released transfer leaves nothing held. The collective backend's pairwise channel
 checked further: a layout that does not match is refused before any byte moves, a
 receiver that gives up does not stall the pair, and a sender that dies mid-stream
 breaks only its own channel. NCCL needs a GPU per rank: its checks are in
-``tests/gpu/test_nccl_transfer.py``; NIXL's own failure modes (refused sizes, dead
+``tests/gpu/test_gpu_transfer.py``; NIXL's own failure modes (refused sizes, dead
 and frozen senders) are in ``test_nixl_transfer.py``.
 """
 
