@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import ray
 
+from bench.common import write_result
 from engine import SamplingParams
 
 PROMPT_TOKENS = 256
@@ -133,10 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"steady pair, churn: p50 {c['p50_ms']:.1f} ms, p99 {c['p99_ms']:.1f} ms ({c['n']} transfers)")
     print(f"p99 churn / quiet: {result['p99_churn_over_quiet']:.2f}")
     print("join to first transfer (s):", ", ".join(f"{t:.2f}" for t in result["join_to_first_transfer_s"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -18,13 +18,13 @@ Writes JSON with the throughputs and their ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import time
-from pathlib import Path
 
 import torch
+
+from bench.common import write_result
 
 
 def make_workload(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
@@ -195,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     result["tandem"] = tandem
     result["schedule"] = time_schedule(256)
     print(f"schedule() with 256 running: {result['schedule']['mean_us']:.0f} us")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

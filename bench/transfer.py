@@ -26,10 +26,11 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import ray
 import torch
+
+from bench.common import write_result
 
 from kv_transfer import KVLayout, TransferMeta
 from kv_transfer.config import TransferConfig
@@ -200,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.kill(a)
     result["ttft_breakdown_512_tokens"] = ttft_breakdown(args.model)
     print("TTFT breakdown (s):", json.dumps(result["ttft_breakdown_512_tokens"], indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 
