@@ -9,6 +9,7 @@ Stubs are generated with ``-I <repo root>``, so they import as ``protos.tandem.v
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,13 +23,17 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Write the stubs of every proto file under ``out_dir``; returns their paths."""
-    from grpc_tools import protoc
+    """Write the stubs of every proto file under ``out_dir``; returns their paths.
 
+    protoc runs in a process of its own: loaded into a process that has loaded UCX
+    (the nixl backend) it crashed.
+    """
     files = [str(p.relative_to(ROOT)) for p in proto_files()]
-    args = ["protoc", f"-I{ROOT}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", *files]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out_dir}",
+            f"--grpc_python_out={out_dir}", *files]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}\n{done.stderr}")
     stems = [out_dir / f.removesuffix(".proto") for f in files]
     return [Path(f"{s}{suffix}") for s in stems for suffix in ("_pb2.py", "_pb2_grpc.py")]
 
