@@ -3,11 +3,14 @@
 One loader for every model, the built-in default one included: ``config.json``, then
 ``model.safetensors`` or the shards named by ``model.safetensors.index.json``.
 Separate q/k/v and gate/up weights are fused into the model's single projections.
+A checkpoint tensor the model does not use is an error, not something to skip: a
+weight silently left out (a bias, a norm) still gives a model that runs, only wrongly.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +23,13 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+# Tensors some checkpoints carry that the model rightly ignores: rotary tables that
+# older exports saved (the model computes its own), and the output projection of a
+# tied-embedding model (the model uses the embedding itself).
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_TIED_HEAD = "lm_head.weight"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -61,9 +71,12 @@ def load_model(
         model = DecoderModel(config)
     raw = _read_tensors(model_dir)
 
+    used: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         for candidate in (name, f"model.{name}"):
             if candidate in raw:
+                used.add(candidate)
                 return raw[candidate]
         raise ValueError(f"checkpoint {model_dir} is missing weight {name!r}")
 
@@ -80,6 +93,7 @@ def load_model(
             raise ValueError(
                 f"weight {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
             )
+    _check_all_used(model_dir, raw, used, config.tie_word_embeddings)
     # Parameters take ``dtype`` while still on meta (free), then get memory once;
     # load_state_dict casts as it copies into them.
     model = model.to(dtype).to_empty(device=device)
@@ -89,3 +103,22 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def _check_all_used(
+    model_dir: Path, raw: dict[str, torch.Tensor], used: set[str], tied: bool
+) -> None:
+    """Refuse a checkpoint with tensors the model would drop, naming them."""
+    unused = sorted(
+        name
+        for name in raw
+        if name not in used and not _IGNORED.search(name) and not (tied and name == _TIED_HEAD)
+    )
+    if unused:
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        raise ValueError(
+            f"checkpoint {model_dir} holds {len(unused)} weight(s) the model would not load: "
+            f"{shown}. Its config.json may disagree with its weights (attention_bias, "
+            "mlp_bias, tie_word_embeddings), or it is a variant of the architecture this "
+            "engine does not support."
+        )

@@ -30,7 +30,11 @@ def default_model(tandem_home) -> Path:
 
 
 def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight HF model of the given family, with the default tokenizer."""
+    """Save a random-weight HF model of the given family, with the default tokenizer.
+
+    Biases and norm weights are random too: transformers starts them at 0 and 1, the
+    values a loader that dropped them would also leave.
+    """
     import json
 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -54,7 +58,18 @@ def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int
         model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True, **common))
     else:
         raise ValueError(arch)
+    _randomise_biases_and_norms(model)
     model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+def _randomise_biases_and_norms(model) -> None:
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+            elif name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)

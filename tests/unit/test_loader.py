@@ -1,0 +1,94 @@
+"""The loader takes every tensor of a checkpoint or refuses it, naming what it would drop.
+
+A dropped bias or norm weight leaves a model that runs and answers wrongly, so a
+checkpoint tensor the model has no place for is an error. Only tensors known to be
+harmless are let through: rotary tables some exports carry, and the output projection
+of a tied-embedding model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.loader import load_model
+from tests.conftest import build_hf_checkpoint
+
+SMALL = dict(num_hidden_layers=1)
+
+
+def _add_tensors(model_dir, **extra: torch.Tensor) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    tensors.update(extra)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_a_checkpoint_with_weights_the_model_does_not_use_is_refused_naming_them(tmp_path, default_model):
+    # A Llama config without attention_bias, over weights that have q and o biases:
+    # loading it anyway would serve a different model from the one trained.
+    ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, **SMALL)
+    _add_tensors(
+        ckpt,
+        **{
+            "model.layers.0.self_attn.q_proj.bias": torch.randn(64),
+            "model.layers.0.self_attn.o_proj.bias": torch.randn(64),
+        },
+    )
+    with pytest.raises(ValueError, match="2 weight") as e:
+        load_model(ckpt)
+    for name in ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.o_proj.bias"):
+        assert name in str(e.value), f"the error should name {name}: {e.value}"
+
+
+def test_an_untied_output_projection_is_refused_when_the_config_ties_embeddings(tmp_path, default_model):
+    ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, tie_word_embeddings=True, **SMALL)
+    _add_tensors(ckpt, **{"model.extra_head.weight": torch.randn(4, 64)})
+    with pytest.raises(ValueError, match="model.extra_head.weight"):
+        load_model(ckpt)
+
+
+def test_a_tied_head_copy_and_saved_rotary_tables_are_accepted(tmp_path, default_model):
+    ckpt = build_hf_checkpoint(tmp_path, "qwen2", default_model, **SMALL)
+    tensors = load_file(ckpt / "model.safetensors")
+    _add_tensors(
+        ckpt,
+        **{
+            "lm_head.weight": tensors["model.embed_tokens.weight"].clone(),
+            "model.layers.0.self_attn.rotary_emb.inv_freq": torch.rand(8),
+        },
+    )
+    model = load_model(ckpt)
+    assert model.lm_head.weight is model.embed_tokens.weight, "a tied model's head is its embedding"
+
+
+# Qwen2 has q/k/v biases of its own; Llama has them (and o, MLP biases) when its config says.
+BIASED = {"llama": dict(attention_bias=True, mlp_bias=True), "qwen2": {}}
+
+
+@pytest.mark.parametrize("arch", list(BIASED))
+def test_biases_and_norm_weights_are_loaded_as_saved(tmp_path, default_model, arch):
+    """The test checkpoints hold random biases and norms, not transformers' 0 and 1."""
+    ckpt = build_hf_checkpoint(tmp_path, arch, default_model, **BIASED[arch], **SMALL)
+    saved = load_file(ckpt / "model.safetensors")
+    model = load_model(ckpt)
+    layer = model.layers[0]
+    prefix = "model.layers.0"
+    q, k, v = (saved[f"{prefix}.self_attn.{p}_proj.bias"] for p in "qkv")
+    expected = {
+        "q/k/v biases": (layer.self_attn.qkv_proj.bias, torch.cat([q, k, v])),
+        "input norm": (layer.input_layernorm.weight, saved[f"{prefix}.input_layernorm.weight"]),
+        "post-attention norm": (
+            layer.post_attention_layernorm.weight, saved[f"{prefix}.post_attention_layernorm.weight"]
+        ),
+        "final norm": (model.norm.weight, saved["model.norm.weight"]),
+    }
+    if arch == "llama":
+        g, u = (saved[f"{prefix}.mlp.{p}_proj.bias"] for p in ("gate", "up"))
+        expected["o bias"] = (layer.self_attn.o_proj.bias, saved[f"{prefix}.self_attn.o_proj.bias"])
+        expected["gate/up biases"] = (layer.mlp.gate_up_proj.bias, torch.cat([g, u]))
+        expected["down bias"] = (layer.mlp.down_proj.bias, saved[f"{prefix}.mlp.down_proj.bias"])
+    for what, (got, want) in expected.items():
+        assert want.unique().numel() > 1, f"the checkpoint's {what} should be random, not constant"
+        assert torch.equal(got, want), f"{what}: the model should hold the checkpoint's values"
