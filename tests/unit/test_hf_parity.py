@@ -4,10 +4,18 @@ Each request is generated alone by HF ``generate`` (float32), then all 32 run to
 in the engine under different schedules: no chunking, a tiny step budget, a KV pool
 small enough to force preemption (recompute and swap), and shared prefixes with the
 prefix cache on.
+
+Parity only shows something if the reference depends on what the engine could get
+wrong. At transformers' default init (std 0.02) it does not: the residual stream is
+little more than the last token's embedding, so the tied-embedding Qwen2 model repeats
+its last prompt token forever and zeroing attention changes no output; a broken KV
+cache, preemption or prefix cache would pass. The checkpoints here use a larger init,
+and the reference fixture checks that the outputs depend on attention.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -17,6 +25,8 @@ from engine import LLM, SamplingParams
 from tests.conftest import build_hf_checkpoint
 
 NUM_REQUESTS = 32
+# Large enough that attention, not the last token's embedding, decides the outputs.
+INIT = dict(initializer_range=0.2)
 
 
 def _workload(vocab: int, seed: int, shared_prefix: int = 0):
@@ -33,10 +43,13 @@ def _workload(vocab: int, seed: int, shared_prefix: int = 0):
     return prompts, lengths
 
 
-def _hf_greedy(model_dir, prompts, lengths):
+def _hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _hf_greedy(model, prompts, lengths):
     outs = []
     with torch.inference_mode():
         for prompt, n in zip(prompts, lengths):
@@ -53,20 +66,55 @@ def _hf_greedy(model_dir, prompts, lengths):
     return outs
 
 
+def _first_departures(model, prompts, outputs):
+    """Where ``model``'s greedy output would first leave ``outputs``, per request (None: never).
+
+    One forward over prompt + output gives the model's pick at every position; the
+    first pick that differs is where its own greedy generation would part.
+    """
+    departures = []
+    with torch.inference_mode():
+        for prompt, out in zip(prompts, outputs):
+            logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]
+            picks = logits.argmax(-1).tolist()
+            departures.append(next((i for i, (a, b) in enumerate(zip(picks, out)) if a != b), None))
+    return departures
+
+
+def _assert_outputs_depend_on_attention(model, prompts, outputs):
+    """A reference that could catch an attention, KV, preemption or prefix-cache bug."""
+    blind = copy.deepcopy(model)
+    for layer in blind.model.layers:
+        layer.self_attn.o_proj.weight.data.zero_()
+    same = sum(d is None for d in _first_departures(blind, prompts, outputs))
+    assert same <= len(prompts) // 4, (
+        f"{same} of {len(prompts)} outputs are unchanged with attention zeroed: "
+        "the checkpoint is too weak for parity to catch attention or KV bugs"
+    )
+    previous = [[p[-1]] + o[:-1] for p, o in zip(prompts, outputs)]
+    repeats = sum(t == q for o, prev in zip(outputs, previous) for t, q in zip(o, prev))
+    total = sum(len(o) for o in outputs)
+    assert repeats <= total // 10, (
+        f"{repeats} of {total} generated tokens repeat the token before them: "
+        "the model mostly echoes its input"
+    )
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def reference(request, tmp_path_factory, default_model):
     """A random-weight checkpoint and HF's greedy outputs for two workloads on it."""
-    model_dir = build_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, default_model)
+    model_dir = build_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, default_model, **INIT)
     from engine.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
-    mixed = _workload(vocab, seed=1)
-    shared = _workload(vocab, seed=2, shared_prefix=200)
-    return {
-        "dir": str(model_dir),
-        "mixed": (*mixed, _hf_greedy(model_dir, *mixed)),
-        "shared": (*shared, _hf_greedy(model_dir, *shared)),
-    }
+    model = _hf_model(model_dir)
+    workloads = {"mixed": _workload(vocab, seed=1), "shared": _workload(vocab, seed=2, shared_prefix=200)}
+    ref = {"dir": str(model_dir)}
+    for name, (prompts, lengths) in workloads.items():
+        want = _hf_greedy(model, prompts, lengths)
+        _assert_outputs_depend_on_attention(model, prompts, want)
+        ref[name] = (prompts, lengths, want)
+    return ref
 
 
 SETTINGS = {
