@@ -38,6 +38,7 @@ from ray import serve
 # ingress methods' signatures (``Request``). Serve pickles the ingress class when it is
 # decorated, so every helper it calls is defined above it.
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.metrics import RouterMetrics
 from protos.grpc.health.v1 import health_pb2
@@ -101,11 +102,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if declared and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A body cut short is the client's doing: a 4xx, never a 500 (with HAProxy in
+        # front, the client may still read the answer on its half-closed socket).
+        raise ApiError(400, "the request body ended early: the client closed the connection") from None
     return b"".join(chunks)
 
 
