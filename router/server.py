@@ -236,7 +236,15 @@ def _grpc_key(grpc_context) -> str | None:
     return _bearer(metadata.get("authorization")) or metadata.get("x-api-key")
 
 
-@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+# The router's code never blocks its event loop, so it runs on the replica's own loop:
+# with user code in a separate thread (Serve's default) every streamed chunk hops
+# between two loops, about 15% of the router's CPU per token (docs/BENCHMARKS.md).
+SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
+@serve.deployment(
+    max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": SAME_LOOP}}
+)
 @serve.ingress(app)
 class Router:
     def __init__(self, controller, config: RouterConfig) -> None:
