@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kv_transfer import BACKENDS
 from bench import workloads
 from bench.workloads import BenchRequest
 
@@ -480,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
     ap.add_argument("--prefill-workers", type=int, default=1, help="0: one colocated worker")
     ap.add_argument("--decode-workers", type=int, default=1)
-    ap.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store"])
+    ap.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS)
     ap.add_argument("--num-cpus", type=int, default=2, help="CPUs for the local Ray")
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=64)

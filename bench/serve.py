@@ -55,6 +55,7 @@ from typing import Protocol
 
 from bench import workloads
 from bench.workloads import BenchRequest
+from kv_transfer import BACKENDS
 
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -659,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode-workers", type=int, default=None)
     launch.add_argument("--num-kv-blocks", type=int, default=None)
     launch.add_argument("--stream-interval-s", type=float, default=None, help="see tandem up --help")
-    launch.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "inprocess"])
+    launch.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS)
     launch.add_argument("--engine", type=_engine_item, action="append", default=[], metavar="KEY=VALUE",
                         help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")
     launch.add_argument("--max-outstanding-requests", type=int, default=None, help="admission bound")

@@ -61,6 +61,7 @@ from bench.serve import (
     warm_up,
 )
 from bench.workloads import BenchRequest
+from kv_transfer import BACKENDS
 
 MB = 1 << 20
 # Ray's own processes: recorded (a leak of Ray objects shows there) but not judged.
@@ -985,7 +986,7 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
     svc.add_argument("--prefill-workers", type=int, default=1)
     svc.add_argument("--decode-workers", type=int, default=1)
-    svc.add_argument("--kv-transfer-backend", default="collective", choices=["collective", "object_store"])
+    svc.add_argument("--kv-transfer-backend", default="collective", choices=BACKENDS)
     svc.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
     svc.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (2)")
     svc.add_argument("--worker-logs", action="store_true",

@@ -9,6 +9,9 @@ actors, all in one run:
 * ``nixl``: one-sided READ through NIXL (UCX), where the nixl packages are installed;
   ``nixl_read`` is the receiver's own time for the same transfers (its stats), without
   the copy into the resident buffer that every backend row includes;
+* ``nixl_paged``: what the workers run with NIXL: the receiver reads the blocks out of
+  the sender's paged cache straight into its own paged cache (no packing on either
+  side), into scattered blocks (one descriptor per block and layer: the worst case);
 
 both timed inside the receiver until the bytes sit in a resident buffer, as they must
 in a decode worker's cache (raw gloo receives straight into its buffer);
@@ -63,6 +66,28 @@ def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
         pull = b.pull.remote(meta, payload)
         ray.get(a.push.remote(meta))
         _, seconds = ray.get(pull)  # measured inside the receiver: wait + receive
+        if i:
+            times.append(seconds)
+        ray.get(a.release.remote(meta))
+    return times
+
+
+def time_paged(a, b, size_mib: int, repeats: int) -> list[float]:
+    """Blocks read from one paged cache into scattered blocks of another; bytes checked."""
+    import random
+
+    layout, blocks = _layout_for(size_mib)
+    ray.get([a.attach.remote(layout, blocks, 1), b.attach.remote(layout, 2 * blocks, 2)])
+    rng = random.Random(size_mib)
+    times = []
+    for i in range(repeats + 1):
+        src = list(range(blocks))
+        dst = rng.sample(range(2 * blocks), blocks)
+        meta = TransferMeta(f"p{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, "", time.time() + 300)
+        payload, want = ray.get(a.prepare_blocks.remote(meta, src))
+        got, seconds = ray.get(b.pull_blocks.remote(meta, payload, dst))
+        if got != want:
+            raise RuntimeError(f"paged read {meta.transfer_id} delivered other bytes")
         if i:
             times.append(seconds)
         ray.get(a.release.remote(meta))
@@ -180,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         if nixl_a is not None:
             rows["nixl"] = time_backend(nixl_a, nixl_b, size, args.repeats)
             rows["nixl_read"] = time_receive_only(nixl_a, nixl_b, size, args.repeats)
+            paged_a, paged_b = _pair("nixl")  # a cache of its own for each size
+            rows["nixl_paged"] = time_paged(paged_a, paged_b, size, args.repeats)
+            for actor in (paged_a, paged_b):
+                ray.kill(actor)
         layout, blocks = _layout_for(size)
         nbytes = layout.nbytes(blocks)
         summary = {}
@@ -187,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(times)
             summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
         summary["collective_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary["collective"]["median_s"]
-        for name in ("nixl", "nixl_read"):
+        for name in ("nixl", "nixl_read", "nixl_paged"):
             if name in summary:
                 summary[f"{name}_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary[name]["median_s"]
         result["results"][f"{size}MiB"] = summary

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress, describe
+from kv_transfer import BACKENDS
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -248,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
     up.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
     up.add_argument("--decode-workers", type=int, default=None)
-    up.add_argument("--kv-transfer-backend", default=None, choices=["collective", "object_store", "nixl", "inprocess"])
+    up.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS,
+                    help="default: nixl where installed, else collective")
     up.add_argument("--num-kv-blocks", type=int, default=None)
     up.add_argument(
         "--stream-interval-s", type=float, default=None,

@@ -7,7 +7,7 @@ Example YAML::
     decode_workers: 2                # prefill_workers: 0 runs colocated workers
     prefill_resources: {num_cpus: 1, num_gpus: 1}
     decode_resources: {num_cpus: 1, num_gpus: 1}
-    transfer: {backend: collective, timeout_s: 30, failure_policy: recompute}
+    transfer: {backend: nixl, timeout_s: 30, failure_policy: recompute}   # default: nixl where installed
     engine: {dtype: bfloat16, max_num_batched_tokens: 4096}   # both roles
     decode_engine: {kv_cache_memory: 40000000000}            # one role only
     stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)

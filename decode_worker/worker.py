@@ -17,6 +17,8 @@ Blocks are freed when a request finishes, is aborted, or its subscriber goes awa
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 
 from engine.async_engine import merge_outputs
@@ -26,6 +28,8 @@ from engine.sampling_params import SamplingParams
 from kv_transfer import TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.worker_base import WorkerBase
+
+log = logging.getLogger(__name__)
 
 
 class DecodeWorker(WorkerBase):
@@ -44,6 +48,12 @@ class DecodeWorker(WorkerBase):
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)
         self._deadlines: dict[str, float] = {}
+        # Paged transfers write into reserved blocks from a reader thread. Each reservation
+        # pins its blocks (one more reference) so that nothing else can take them, even if
+        # the request ends meanwhile, until no read can write into them any more.
+        self._pins: dict[str, list] = {}
+        self._reading: set[str] = set()
+        self._pin_lock = threading.Lock()
         self.num_transfer_failures = 0
 
     # -- health and load -------------------------------------------------------
@@ -88,6 +98,8 @@ class DecodeWorker(WorkerBase):
             self.runtime.abort_now(request_id)
             return None
         self.runtime.route(request_id, subscriber)
+        if self.backend.paged:
+            self._pins[request_id] = self.engine.pin_blocks(request_id)
         deadline = time.time() + self.transfer.timeout_s
         self._deadlines[request_id] = deadline
         return Reservation(request_id, blocks, self.layout, self._endpoint, deadline)
@@ -101,6 +113,8 @@ class DecodeWorker(WorkerBase):
         cache, reported in the request's usage.
         """
         rid = meta.request_id
+        if self.backend.paged:
+            return await self._receive_in_place(meta, payload, first_token, first_logprobs, num_cached_tokens)
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
@@ -108,10 +122,7 @@ class DecodeWorker(WorkerBase):
             k, v = await self.backend.pull_async(meta, payload)
             self.metrics.on_transfer(time.perf_counter() - t0, k.nbytes + v.nbytes)
         except Exception as e:  # any failure ends this transfer; the policy decides what follows
-            reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
-            self.backend.stats.failures[reason] += 1
-            self.metrics.on_transfer_failure(reason)
-            await self.runtime.call(self._transfer_failed, rid)
+            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
             return int(TransferState.FAILED)
         try:
             await self.runtime.call(self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens)
@@ -124,7 +135,49 @@ class DecodeWorker(WorkerBase):
         self.backend.recycle(k, v)
         return int(TransferState.DONE)
 
+    async def _receive_in_place(self, meta: TransferMeta, payload, first_token, first_logprobs, num_cached_tokens):
+        """Paged backends: read the sender's blocks straight into the reserved ones."""
+        rid = meta.request_id
+        with self._pin_lock:
+            blocks = self._pins.get(rid)
+            if blocks is not None:
+                self._reading.add(rid)
+        if blocks is None:  # the reservation ended (aborted, expired) before the KV came
+            await self.runtime.call(self._transfer_failed, rid, "expired")
+            return int(TransferState.FAILED)
+        unpin = True
+        try:
+            if meta.layout != self.layout:
+                raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
+            t0 = time.perf_counter()
+            await self.backend.pull_blocks_async(meta, payload, [b.block_id for b in blocks])
+            self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
+        except Exception as e:
+            # A read that could not be stopped may still write into the blocks: keep them.
+            unpin = getattr(e, "reason", None) != "stuck"
+            if not unpin:
+                log.error("transfer %s: %s; its %d blocks stay out of use", meta.transfer_id, e, len(blocks))
+            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e), unpin)
+            return int(TransferState.FAILED)
+        await self.runtime.call(self._kv_arrived, rid, first_token, None, None, first_logprobs, num_cached_tokens)
+        return int(TransferState.DONE)
+
+    def _unpin(self, rid: str) -> None:
+        """On the step thread: the reservation's blocks may go back to the pool."""
+        with self._pin_lock:
+            self._reading.discard(rid)
+            blocks = self._pins.pop(rid, None)
+        if blocks is not None:
+            self.engine.unpin_blocks(blocks)
+
+    def _failure_reason(self, e: BaseException) -> str:
+        reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
+        self.backend.stats.failures[reason] += 1
+        self.metrics.on_transfer_failure(reason)
+        return reason
+
     def _kv_arrived(self, rid: str, first_token: int, k, v, first_logprobs, num_cached_tokens: int) -> None:
+        self._unpin(rid)
         self._deadlines.pop(rid, None)
         out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs, num_cached_tokens)
         if out is not None:
@@ -134,8 +187,14 @@ class DecodeWorker(WorkerBase):
         """The KV will not come (the sender or the router says so)."""
         await self.runtime.call(self._transfer_failed, request_id)
 
-    def _transfer_failed(self, request_id: str) -> None:
+    def _transfer_failed(self, request_id: str, reason: str = "", unpin: bool = True) -> None:
         """On the step thread: recompute the prompt here, or fail the request."""
+        with self._pin_lock:
+            if request_id in self._reading and not reason:
+                # Told by the sender or the router while a read still runs: its own end decides.
+                return
+        if unpin:
+            self._unpin(request_id)
         self._deadlines.pop(request_id, None)
         if request_id not in self.engine.scheduler.remote:
             return
@@ -145,11 +204,21 @@ class DecodeWorker(WorkerBase):
             self.runtime.deliver(out)
 
     def _expire_reservations(self, now: float) -> None:
-        expired = [rid for rid, d in self._deadlines.items() if d < now]
-        for rid in expired:
+        expired = [rid for rid, d in self._deadlines.items() if d < now and rid not in self._reading]
+        for rid in expired:  # a read in progress ends by the same deadline and reports itself
             self.backend.stats.failures["timeout"] += 1
             self.metrics.on_transfer_failure("timeout")
-            self._transfer_failed(rid)
+            self._transfer_failed(rid, "timeout")
+        if self._pins:
+            self._drop_stale_pins()
+
+    def _drop_stale_pins(self) -> None:
+        """Unpin reservations that ended (aborted, finished) without a read in progress."""
+        remote = self.engine.scheduler.remote
+        with self._pin_lock:
+            stale = [rid for rid in self._pins if rid not in remote and rid not in self._reading]
+            for rid in stale:
+                self.engine.unpin_blocks(self._pins.pop(rid))
 
     # -- streaming -------------------------------------------------------------
 

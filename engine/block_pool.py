@@ -287,6 +287,15 @@ class KVCacheManager:
         self._hashes.pop(rid, None)
         self._num_hashed.pop(rid, None)
 
+    def pin(self, request_id: str) -> list[KVBlock]:
+        """Take one more reference to each of the request's blocks; ``unpin`` drops them."""
+        blocks = list(self._blocks.get(request_id, ()))
+        self.pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        self.pool.free(reversed(blocks))
+
     # -- swapping --------------------------------------------------------------
 
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

@@ -77,8 +77,10 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_output_tokens: int = 0
-    # Prefill role (``hold_kv``): the prompt's KV, [layers, blocks, block, Hkv, D] each.
+    # Prefill role (``hold_kv``): the prompt's KV, [layers, blocks, block, Hkv, D] each;
+    # with ``keep_blocks``, the ids of the blocks that hold it instead (``release_held``).
     kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    kv_blocks: list[int] | None = None
     times: RequestTimes | None = None  # set on the final output
 
     @property
@@ -206,10 +208,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         hold_kv: bool = False,
         resume_output: Sequence[int] = (),
+        keep_blocks: bool = False,
     ) -> str:
         """Queue a request; returns its id.
 
-        ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``kv``.
+        ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``kv``;
+        with ``keep_blocks``, the ids of the blocks holding it in ``kv_blocks``, and the
+        blocks stay allocated until ``release_held`` (a transfer reads them in place).
         ``resume_output``: tokens this request already generated elsewhere (a migrated
         stream). They are recomputed with the prompt, as after a recompute preemption,
         and count towards ``max_tokens``, penalties and the seeded random stream; the
@@ -217,6 +222,7 @@ class LLMEngine:
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
         request.hold_kv = hold_kv
+        request.keep_blocks = hold_kv and keep_blocks
         request.output_token_ids = list(resume_output)
         self.scheduler.add_request(request)
         self._track(request)
@@ -257,13 +263,24 @@ class LLMEngine:
     ) -> RequestOutput | None:
         """Write the received KV into the reserved blocks and start decoding.
 
-        ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order.
+        ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order; None
+        when the transfer already wrote them into the reserved blocks.
         ``num_cached_tokens``: prefix-cache hits on the prefill side, for the usage.
         Returns the output for the first token (sampled by the prefill worker).
         """
         request = self.scheduler.remote.get(request_id)
         if request is None:
             return None
+        if k is not None:
+            self._write_blocks(request_id, k, v)
+        request = self.scheduler.remote_arrived(request_id, first_token)
+        request.first_scheduled_time = time.monotonic()
+        request.num_cached_tokens = num_cached_tokens
+        self._generation_tokens += 1
+        logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
+        return self._emit([request], {request_id: first_token}, logprobs)[0]
+
+    def _write_blocks(self, request_id: str, k: torch.Tensor, v: torch.Tensor) -> None:
         dst = torch.tensor(self.kv_manager.block_ids(request_id), device=self.kv_cache.k.device)
         if k.shape[1] != dst.numel() or k.shape[2:] != self.kv_cache.k.shape[2:]:
             raise ValueError(
@@ -272,12 +289,19 @@ class LLMEngine:
             )
         self.kv_cache.k[:, dst] = k.to(self.kv_cache.k.device, self.kv_cache.k.dtype)
         self.kv_cache.v[:, dst] = v.to(self.kv_cache.v.device, self.kv_cache.v.dtype)
-        request = self.scheduler.remote_arrived(request_id, first_token)
-        request.first_scheduled_time = time.monotonic()
-        request.num_cached_tokens = num_cached_tokens
-        self._generation_tokens += 1
-        logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
-        return self._emit([request], {request_id: first_token}, logprobs)[0]
+
+    def release_held(self, request_id: str) -> None:
+        """Free the blocks a finished ``keep_blocks`` request still holds (its KV was read)."""
+        self.scheduler.release_held(request_id)
+
+    def pin_blocks(self, request_id: str) -> list:
+        """One more reference to each block of the request: they stay out of the free
+        pool, whatever happens to the request, until ``unpin_blocks`` (a transfer may
+        still be writing into them)."""
+        return self.kv_manager.pin(request_id)
+
+    def unpin_blocks(self, pinned: list) -> None:
+        self.kv_manager.unpin(pinned)
 
     def remote_kv_failed(self, request_id: str, recompute: bool) -> RequestOutput | None:
         """The KV will not come: prefill locally, or end the request with an error."""
@@ -386,9 +410,12 @@ class LLMEngine:
         rid = request.request_id
         if rid in self.scheduler.held:
             ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_prompt_tokens)]
-            index = torch.tensor(ids, device=self.kv_cache.k.device)
-            out.kv = (self.kv_cache.k[:, index], self.kv_cache.v[:, index])
-            self.scheduler.release_held(rid)
+            if request.keep_blocks:
+                out.kv_blocks = ids
+            else:
+                index = torch.tensor(ids, device=self.kv_cache.k.device)
+                out.kv = (self.kv_cache.k[:, index], self.kv_cache.v[:, index])
+                self.scheduler.release_held(rid)
         self._forget(rid)
         return out
 

@@ -88,9 +88,16 @@ MAX_CONCURRENT_TRANSFERS = 512
 
 
 class KVTransferBackend(ABC):
-    """One way of moving packed KV from a sender process to a receiver process."""
+    """One way of moving packed KV from a sender process to a receiver process.
+
+    A ``paged`` backend moves blocks instead: each worker registers its paged cache once
+    (``attach_cache``), the sender offers the ids of the blocks holding a prompt's KV
+    (``prepare_blocks``, nothing copied), and the receiver reads them straight into the
+    blocks it reserved (``pull_blocks``). Workers use that path when ``paged`` is set.
+    """
 
     name: str = "abstract"
+    paged: bool = False
 
     def __init__(self) -> None:
         self.stats = TransferStats()
@@ -138,6 +145,24 @@ class KVTransferBackend(ABC):
     @abstractmethod
     def pull(self, meta: TransferMeta, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Receiver: fetch the packed K and V (blocking)."""
+
+    # -- paged transfers (backends with ``paged``) --------------------------------
+
+    def attach_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Both roles: this worker's paged K and V (``[layers, blocks, ...]`` each), once."""
+        raise NotImplementedError(f"{self.name} moves packed KV, not blocks")
+
+    def prepare_blocks(self, meta: TransferMeta, block_ids: list[int]) -> Any:
+        """Sender: the payload that lets the receiver read these blocks of the attached cache."""
+        raise NotImplementedError(f"{self.name} moves packed KV, not blocks")
+
+    def pull_blocks(self, meta: TransferMeta, payload: Any, block_ids: list[int]) -> None:
+        """Receiver: read the sender's blocks into ``block_ids`` of the attached cache (blocking)."""
+        raise NotImplementedError(f"{self.name} moves packed KV, not blocks")
+
+    async def pull_blocks_async(self, meta: TransferMeta, payload: Any, block_ids: list[int]) -> None:
+        """Receiver: ``pull_blocks`` off the event loop, failing with "timeout" at the deadline."""
+        await self._by_deadline(meta, self.pull_blocks, meta, payload, block_ids)
 
     def release(self, meta: TransferMeta, payload: Any) -> None:
         """Sender: drop its copy of the KV (on acknowledgement or lease expiry)."""

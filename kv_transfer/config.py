@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from kv_transfer.faults import FaultConfig
@@ -9,11 +10,17 @@ from kv_transfer.faults import FaultConfig
 FAILURE_POLICIES = ("recompute", "fail")
 
 
+def default_backend() -> str:
+    """``nixl`` where its packages are installed (scripts/install puts them in), else
+    ``collective``. Looked up without importing them: UCX loads only in the workers."""
+    return "nixl" if importlib.util.find_spec("nixl") is not None else "collective"
+
+
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str = "collective"  # collective | object_store | nixl | inprocess
+    backend: str = field(default_factory=default_backend)  # nixl | collective | object_store | inprocess
     timeout_s: float = 30.0  # deadline of one transfer, from the reservation
-    lease_s: float = 60.0  # the sender drops its copy after this without an ack
+    lease_s: float = 60.0  # the sender frees its copy (or its blocks) after this without an ack
     failure_policy: str = "recompute"  # what the decode side does when KV does not come
     op_timeout_s: float = 60.0  # a channel operation gives up after this, deadline or not
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -30,6 +37,9 @@ class TransferConfig:
         for name in ("timeout_s", "lease_s", "op_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lease_s < self.timeout_s:
+            # A receiver may read until the deadline: what it reads must still be there.
+            raise ValueError(f"lease_s ({self.lease_s}) must be at least timeout_s ({self.timeout_s})")
 
     def make_backend(self):
         from kv_transfer import make_backend

@@ -7,6 +7,7 @@ deadline and ``kv_failure_policy`` paths run for real.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from dataclasses import dataclass
@@ -59,6 +60,34 @@ class FaultyBackend(KVTransferBackend):
             self.inner.recycle(*self.inner.pull(meta, payload))
             raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
         return self.inner.pull(meta, payload)
+
+    # -- paged backends: the same faults around a read into reserved blocks ----------
+
+    @property
+    def paged(self) -> bool:
+        return self.inner.paged
+
+    def attach_cache(self, k, v) -> None:
+        self.inner.attach_cache(k, v)
+
+    def prepare_blocks(self, meta, block_ids):
+        return self.inner.prepare_blocks(meta, block_ids)
+
+    def pull_blocks(self, meta, payload, block_ids) -> None:
+        if self.faults.delay_s:
+            time.sleep(self.faults.delay_s)
+        drop = self._rng.random() < self.faults.drop_rate
+        self.inner.pull_blocks(meta, payload, block_ids)  # read anyway, as ``pull`` does
+        if drop:
+            raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
+
+    async def pull_blocks_async(self, meta, payload, block_ids) -> None:
+        if self.faults.delay_s:
+            await asyncio.sleep(self.faults.delay_s)
+        drop = self._rng.random() < self.faults.drop_rate
+        await self.inner.pull_blocks_async(meta, payload, block_ids)  # the inner backend's deadline rules
+        if drop:
+            raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
 
     def release(self, meta, payload) -> None:
         self.inner.release(meta, payload)

@@ -1,13 +1,26 @@
-"""NIXL backend: the receiver reads the sender's packed KV with a one-sided READ.
+"""NIXL backend: the receiver reads the sender's KV with one-sided READs.
 
 NIXL (UCX underneath; DRAM here, VRAM where UCX has CUDA) moves bytes between
 registered memory regions without the sender taking part: on one host UCX reads
 the sender's pages straight out of its process (CMA), across hosts over RDMA.
-This is the pull model of vLLM's NIXL connector, on this project's packed-tensor
-interface.
+This is the pull model of vLLM's NIXL connector.
 
-Each backend owns one nixl agent, made on first use under a unique name (a worker
-has one backend, so a process has one agent). The way of a transfer::
+Paged (what the workers run): each worker registers its whole paged cache once
+(``attach_cache``). The sender offers the ids of the blocks that hold a prompt's KV
+(``prepare_blocks``: no copy; the engine keeps the blocks until the receiver has
+answered), with its cache's base addresses and the metadata that lets a receiver
+connect (the same every time, loaded once per sender). The receiver turns both
+block lists into descriptors, one per stretch of blocks consecutive on both sides,
+per layer, for K and V (``[layers, blocks, ...]``: block b of layer l sits at
+``base + (l * blocks + b) * block_bytes``), checks counts and ranges before any
+read, and READs straight into the blocks it reserved (``pull_blocks``): neither
+side packs or scatters. A read that ends in any way but DONE, or outlives its
+deadline, is cancelled before the call returns, so its blocks may be reused; one
+that cannot be cancelled is reported as "stuck" and its blocks must stay out of use.
+
+Packed (the conformance suite's interface, and a FaultyBackend-wrapped worker): each
+backend owns one nixl agent, made on first use under a unique name (a worker has
+one backend, so a process has one agent). The way of a transfer::
 
     sender                                       receiver
     ------                                       --------
@@ -50,6 +63,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
@@ -99,6 +113,65 @@ class NixlPayload:
     nbytes: tuple[int, int]  # bytes of K and of V
 
 
+@dataclass(frozen=True)
+class PagedPayload:
+    """What the receiver needs to read one prompt's blocks out of the sender's cache."""
+
+    agent: str  # the sender's agent name
+    metadata: bytes  # its connection info and its registered cache (the same every time)
+    base: tuple[int, int]  # addresses of the sender's paged K and V
+    num_blocks: int  # blocks per layer in the sender's cache: the layer stride
+    device: int  # the cache's device index (0 for host memory)
+    block_ids: tuple[int, ...]  # the prompt's blocks, in prompt order
+
+
+@dataclass(frozen=True)
+class _Cache:
+    """A worker's paged K and V, registered once."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    registration: object = field(repr=False)
+    metadata: bytes = field(repr=False)
+
+    @property
+    def mem_type(self) -> str:
+        return "VRAM" if self.k.is_cuda else "DRAM"
+
+    @property
+    def device(self) -> int:
+        return (self.k.device.index or 0) if self.k.is_cuda else 0
+
+    @property
+    def block_bytes(self) -> int:
+        return self.k[0, 0].numel() * self.k.element_size()
+
+
+def block_descs(base: tuple[int, int], num_blocks: int, layers: int, block_bytes: int, device: int,
+                runs: "np.ndarray") -> "np.ndarray":
+    """Nx3 (address, length, device) rows for ``runs`` of blocks in every layer of K then V.
+
+    ``runs``: (first block, number of blocks) rows. The cache is ``[layers, num_blocks,
+    ...]``, so block ``b`` of layer ``l`` starts at ``base + (l * num_blocks + b) * block_bytes``.
+    """
+    layer_starts = np.arange(layers, dtype=np.int64)[:, None] * num_blocks  # [L, 1]
+    starts = (layer_starts + runs[None, :, 0]) * block_bytes  # [L, R] offsets
+    lengths = np.broadcast_to(runs[None, :, 1] * block_bytes, starts.shape)
+    rows = []
+    for addr in base:
+        rows.append(np.stack([addr + starts, lengths, np.full_like(starts, device)], axis=-1).reshape(-1, 3))
+    return np.concatenate(rows)
+
+
+def contiguous_runs(src: list[int], dst: list[int]) -> tuple["np.ndarray", "np.ndarray"]:
+    """(first, count) rows of the stretches where both ``src`` and ``dst`` go up by one."""
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    firsts = np.concatenate([[0], breaks])
+    counts = np.diff(np.concatenate([firsts, [len(s)]]))
+    return np.stack([s[firsts], counts], axis=1), np.stack([d[firsts], counts], axis=1)
+
+
 @dataclass
 class _Peer:
     """A sender this receiver reads from."""
@@ -107,10 +180,12 @@ class _Peer:
     loads: int = 0  # metadata loads since connecting: each leaves its regions in our agent
     inflight: int = 0
     broken: bool = False  # its connection failed: forget it once no read uses it
+    loaded: bytes = b""  # the metadata last loaded: a paged cache's is the same every time
 
 
 class NixlBackend(KVTransferBackend):
     name = "nixl"
+    paged = True
 
     def __init__(self, read_timeout_s: float = READ_TIMEOUT_S, max_staging: int = 8) -> None:
         super().__init__()
@@ -122,6 +197,7 @@ class NixlBackend(KVTransferBackend):
         self._regions: dict[str, tuple] = {}  # transfer id -> (registration, k, v), sender side
         self._peers: dict[str, _Peer] = {}
         self._staging = _RegisteredStaging(self._agent, max_staging)
+        self._cache: _Cache | None = None
 
     def _agent(self):
         with self._lock:
@@ -171,16 +247,50 @@ class NixlBackend(KVTransferBackend):
             self._drain_notifications(self._agent_obj)
         return self._reads_confirmed
 
+    # -- paged: both roles register their cache once ------------------------------
+
+    def attach_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._cache is not None:
+            raise RuntimeError("a paged cache is already attached")
+        if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.dtype == v.dtype):
+            raise ValueError("the paged K and V must be contiguous tensors of one shape and dtype")
+        agent = self._agent()
+        registration = agent.register_memory([k, v])
+        metadata = agent.get_partial_agent_metadata(registration, inc_conn_info=True)
+        self._cache = _Cache(k, v, registration, metadata)
+
+    def prepare_blocks(self, meta: TransferMeta, block_ids: list[int]) -> PagedPayload:
+        cache = self._attached()
+        self._drain_notifications(self._agent())
+        self.stats.sent += 1
+        self.stats.bytes_sent += 2 * len(block_ids) * cache.k.shape[0] * cache.block_bytes
+        return PagedPayload(
+            agent=self._agent().name,
+            metadata=cache.metadata,
+            base=(cache.k.data_ptr(), cache.v.data_ptr()),
+            num_blocks=cache.k.shape[1],
+            device=cache.device,
+            block_ids=tuple(block_ids),
+        )
+
+    def _attached(self) -> _Cache:
+        if self._cache is None:
+            raise RuntimeError("no paged cache attached (attach_cache)")
+        return self._cache
+
     def close(self) -> None:
         """Deregister every region and idle buffer and drop the agent (worker shutdown)."""
         with self._lock:
             agent, self._agent_obj = self._agent_obj, None
             regions, self._regions = list(self._regions.values()), {}
             peers, self._peers = list(self._peers), {}
+            cache, self._cache = self._cache, None
         if agent is None:
             return
         for registration, _, _ in regions:
             agent.deregister_memory(registration)
+        if cache is not None:
+            agent.deregister_memory(cache.registration)
         self._staging.drop_all(agent)
         for name in peers:
             _forget(agent, name)
@@ -204,7 +314,7 @@ class NixlBackend(KVTransferBackend):
         t0 = time.perf_counter()
         staging = self._staging.take(sum(payload.nbytes))
         try:
-            self._read(agent, meta, payload, remote, staging)
+            self._read_packed(agent, meta, payload, remote, staging)
         except BaseException:
             self._staging.give(staging)  # ignored when retired by _release
             raise
@@ -218,6 +328,56 @@ class NixlBackend(KVTransferBackend):
     def recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._staging.give(k)  # K and V share one buffer
 
+    def pull_blocks(self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int]) -> None:
+        self.check_deadline(meta)
+        cache = self._attached()
+        self._check_blocks(meta, payload, block_ids, cache)
+        agent = self._agent()
+        src_runs, dst_runs = contiguous_runs(list(payload.block_ids), block_ids)
+        layers, nbytes = cache.k.shape[0], cache.block_bytes
+        remote = agent.get_xfer_descs(
+            block_descs(payload.base, payload.num_blocks, layers, nbytes, payload.device, src_runs), cache.mem_type
+        )
+        local = agent.get_xfer_descs(
+            block_descs((cache.k.data_ptr(), cache.v.data_ptr()), cache.k.shape[1], layers, nbytes, cache.device,
+                        dst_runs),
+            cache.mem_type,
+        )
+        t0 = time.perf_counter()
+
+        def unfinished():
+            raise TransferError("stuck", f"transfer {meta.transfer_id}: a read into blocks {block_ids} "
+                                         "could not be cancelled; they must not be reused")
+
+        self._read(agent, meta, payload, local, remote, unfinished)
+        with self._lock:
+            self.stats.received += 1
+            self.stats.bytes_received += 2 * len(block_ids) * layers * nbytes
+            self.stats.seconds_receiving += time.perf_counter() - t0
+
+    async def pull_blocks_async(self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int]) -> None:
+        """``pull_blocks`` off the event loop, awaited until it ends (see ``pull_async``):
+        the caller may reuse the blocks only once no read can write into them."""
+        await self._until_ended(meta, self.pull_blocks, meta, payload, block_ids)
+
+    @staticmethod
+    def _check_blocks(meta: TransferMeta, payload, block_ids: list[int], cache: _Cache) -> None:
+        """The offer fits this transfer and this cache; nothing is read before."""
+        if not isinstance(payload, PagedPayload):
+            kind = type(payload).__name__
+            raise TransferError("layout", f"transfer {meta.transfer_id}: not a paged nixl payload ({kind})")
+        counts = {len(payload.block_ids), len(block_ids)}
+        if counts != {meta.num_blocks}:
+            raise TransferError(
+                "layout",
+                f"transfer {meta.transfer_id}: {len(payload.block_ids)} blocks offered and "
+                f"{len(block_ids)} reserved for a transfer of {meta.num_blocks}",
+            )
+        if meta.num_blocks and not 0 <= min(payload.block_ids) <= max(payload.block_ids) < payload.num_blocks:
+            raise TransferError("layout", f"transfer {meta.transfer_id}: block ids outside the sender's cache")
+        if meta.num_blocks and not 0 <= min(block_ids) <= max(block_ids) < cache.k.shape[1]:
+            raise TransferError("layout", f"transfer {meta.transfer_id}: block ids outside this cache")
+
     async def pull_async(self, meta: TransferMeta, payload: NixlPayload) -> tuple[torch.Tensor, torch.Tensor]:
         """``pull`` off the event loop, awaited until it ends.
 
@@ -227,13 +387,16 @@ class NixlBackend(KVTransferBackend):
         wait here stops only STUCK_GRACE_S past the deadline: a net for a nixl call that
         never returns.
         """
-        future = self._submit(self.pull, meta, payload)
+        return await self._until_ended(meta, self.pull, meta, payload)
+
+    async def _until_ended(self, meta: TransferMeta, fn, *args):
+        future = self._submit(fn, *args)
         timeout = max(meta.time_left(), 0.0) + STUCK_GRACE_S if meta.deadline else None
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
         except asyncio.TimeoutError:
             future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise TransferError("timeout", f"transfer {meta.transfer_id} stuck past its deadline") from None
+            raise TransferError("stuck", f"transfer {meta.transfer_id} stuck past its deadline") from None
 
     def _checked_descs(self, agent, meta: TransferMeta, payload) -> object:
         """The sender's descriptors, once they match the layout; nothing is read before."""
@@ -256,12 +419,17 @@ class NixlBackend(KVTransferBackend):
             )
         return descs
 
-    def _read(self, agent, meta: TransferMeta, payload: NixlPayload, remote, staging: torch.Tensor) -> None:
+    def _read_packed(self, agent, meta: TransferMeta, payload: NixlPayload, remote, staging: torch.Tensor) -> None:
+        kn = payload.nbytes[0]
+        local = agent.get_xfer_descs([staging[:kn], staging[kn : 2 * kn]])
+        self._read(agent, meta, payload, local, remote, lambda: self._staging.quarantine(staging))
+
+    def _read(self, agent, meta: TransferMeta, payload, local, remote, unfinished) -> None:
+        """READ ``remote`` into ``local``; ``unfinished()`` when a read that did not end
+        could not be cancelled either (its destination may still be written)."""
         peer = self._enter(agent, meta, payload)
         broken = False
         try:
-            kn = payload.nbytes[0]
-            local = agent.get_xfer_descs([staging[:kn], staging[kn : 2 * kn]])
             handle = agent.initialize_xfer(
                 "READ", local, remote, payload.agent, notif_msg=meta.transfer_id.encode()
             )
@@ -270,7 +438,7 @@ class NixlBackend(KVTransferBackend):
                 self._wait(agent, meta, handle)
                 done = True
             finally:
-                self._release(handle, staging, done)
+                self._release(handle, done, unfinished)
         except TransferError as e:
             broken = e.reason in ("peer_lost", "read_failed")
             raise
@@ -283,13 +451,13 @@ class NixlBackend(KVTransferBackend):
         finally:
             self._leave(agent, peer, broken)
 
-    def _release(self, handle, staging: torch.Tensor, done: bool) -> None:
+    @staticmethod
+    def _release(handle, done: bool, unfinished) -> None:
         try:
             handle.release()  # cancels a read still running
         except Exception:
             if not done:
-                # The read may still write into this buffer: never lend it again.
-                self._staging.quarantine(staging)
+                unfinished()  # the read may still write into its destination
 
     def _wait(self, agent, meta: TransferMeta, handle) -> None:
         limit = time.time() + self.read_timeout_s
@@ -316,6 +484,9 @@ class NixlBackend(KVTransferBackend):
                 _forget(agent, peer.name)
                 peer.loads = 0
             peer.inflight += 1
+            known = peer.loaded == payload.metadata
+        if known:
+            return peer
         try:
             agent.add_remote_agent(payload.metadata)  # merges; connects on first sight
         except Exception as e:
@@ -325,6 +496,7 @@ class NixlBackend(KVTransferBackend):
             raise TransferError("peer_lost", f"transfer {meta.transfer_id}: sender unreachable: {e}") from e
         with self._lock:
             peer.loads += 1
+            peer.loaded = payload.metadata
         return peer
 
     def _leave(self, agent, peer: _Peer, broken: bool) -> None:

@@ -90,6 +90,26 @@ class TransferPeer:
     def stats(self) -> dict:
         return self.backend.stats.as_dict()
 
+    # Paged backends: a paged cache of random KV on each side, blocks read in place.
+    def attach(self, layout: KVLayout, num_blocks: int, seed: int) -> None:
+        self._paged = make_kv(layout, num_blocks, seed)
+        self.backend.attach_cache(*self._paged)
+
+    def prepare_blocks(self, meta: TransferMeta, block_ids: list[int]):
+        """Offer blocks of the attached cache; returns (payload, checksum of those blocks)."""
+        payload = self.backend.prepare_blocks(meta, block_ids)
+        self._held[meta.transfer_id] = (None, None, payload)
+        k, v = self._paged
+        return payload, checksum(k[:, block_ids], v[:, block_ids])
+
+    async def pull_blocks(self, meta: TransferMeta, payload, block_ids: list[int]) -> tuple[str, float]:
+        """Read into ``block_ids`` of the attached cache: (their checksum, seconds)."""
+        t0 = time.perf_counter()
+        await self.backend.pull_blocks_async(meta, payload, block_ids)
+        elapsed = time.perf_counter() - t0
+        k, v = self._paged
+        return checksum(k[:, block_ids], v[:, block_ids]), elapsed
+
     # A bare two-rank gloo group sending into existing buffers: the benchmark's baseline.
     def raw_setup(self, nbytes: int, rank: int, store_addr: str | None = None) -> str:
         """Rank 1 hosts the rendezvous and returns its address; rank 0 joins it (blocking)."""

@@ -48,6 +48,8 @@ class WorkerBase:
         self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
         self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
         self.backend = transfer.make_backend()
+        if self.backend.paged:  # transfers read and write the paged cache itself
+            self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
         self.layout = kv_layout(self.engine)
 
     async def ready(self) -> dict:

@@ -69,25 +69,30 @@ class PrefillWorker(WorkerBase):
         """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``."""
         t0 = time.perf_counter()
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=())
+        paged = self.backend.paged
         final = None
-        async for out in self.runtime.generate(prompt_token_ids, first_params, request_id, hold_kv=True):
+        async for out in self.runtime.generate(
+            prompt_token_ids, first_params, request_id, hold_kv=True, keep_blocks=paged
+        ):
             final = out
         t_done = time.perf_counter()
-        k, v = final.kv
-        meta = TransferMeta(
-            transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
-            request_id=request_id,
-            layout=self.layout,  # the receiver checks it against its own
-            num_blocks=k.shape[1],
-            num_tokens=len(prompt_token_ids),
-            dst_endpoint=reservation.endpoint,
-            deadline=reservation.deadline,
-        )
         self._sending += 1
         try:
-            state, error = await self._send(meta, k, v, decode_worker, final)
+            num_blocks = len(final.kv_blocks) if paged else final.kv[0].shape[1]
+            meta = TransferMeta(
+                transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
+                request_id=request_id,
+                layout=self.layout,  # the receiver checks it against its own
+                num_blocks=num_blocks,
+                num_tokens=len(prompt_token_ids),
+                dst_endpoint=reservation.endpoint,
+                deadline=reservation.deadline,
+            )
+            state, error = await self._send(meta, decode_worker, final)
         finally:
             self._sending -= 1
+            if paged:  # read in place: the blocks stay held until the receiver answered
+                self.runtime.submit(self.engine.release_held, request_id)
         return PrefillResult(
             request_id=request_id,
             first_token=final.token_ids[0],
@@ -96,15 +101,19 @@ class PrefillWorker(WorkerBase):
             queue_s=0.0,
             prefill_s=t_done - t0,
             transfer_s=time.perf_counter() - t_done,
-            kv_bytes=k.nbytes + v.nbytes,
+            kv_bytes=self.layout.nbytes(num_blocks),
             error=error,
         )
 
-    async def _send(self, meta: TransferMeta, k, v, decode_worker, final):
+    async def _send(self, meta: TransferMeta, decode_worker, final):
         lp = final.logprobs[0] if final.logprobs else None
         payload = None
+        k, v = final.kv or (None, None)
         try:
-            payload = self.backend.prepare(meta, k, v)
+            if self.backend.paged:
+                payload = self.backend.prepare_blocks(meta, final.kv_blocks)
+            else:
+                payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp, final.num_cached_tokens)
             )

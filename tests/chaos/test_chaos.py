@@ -31,7 +31,10 @@ import httpx
 import pytest
 import ray
 
+from kv_transfer.nixl import unavailable_reason
 from tests.integration.conftest import running_service
+
+NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
 N = 60  # requests per scenario
 CONCURRENCY = 8
@@ -297,7 +300,7 @@ def test_router_replica_restarted(service, tiny_model, workload):
 # ------------------------------------------------------------------ transfers
 
 
-@pytest.fixture(params=["object_store", "collective"])
+@pytest.fixture(params=["object_store", "collective", pytest.param("nixl", marks=NEEDS_NIXL)])
 def slow_transfer_service(services, request):
     """Each KV receive waits 0.3 s first: there is always a transfer in flight to break.
 

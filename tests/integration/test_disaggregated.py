@@ -95,6 +95,12 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
         stats = cluster.stats()
         sent = sum(s["transfer"]["sent"] for w, s in stats.items() if w.startswith("prefill"))
         assert sent == NUM_REQUESTS, f"expected {NUM_REQUESTS} KV transfers, saw {sent}"
+        # Identical tokens alone would not tell a working receive path from local recomputes.
+        decode = {w: s for w, s in stats.items() if w.startswith("decode")}
+        received = sum(s["transfer"]["received"] for s in decode.values())
+        assert received == NUM_REQUESTS, f"decode workers received {received} of {NUM_REQUESTS} transfers"
+        failures = {w: (s["transfer_failures"], s["transfer"]["failures"]) for w, s in decode.items()}
+        assert all(n == 0 and not f for n, f in failures.values()), f"transfers failed or recomputed: {failures}"
         if prefill == 2:
             busy = [s["prompt_tokens"] > 0 for w, s in stats.items()]
             assert all(busy), f"every worker should have taken requests: {stats.keys()} {busy}"

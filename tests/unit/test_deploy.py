@@ -416,6 +416,13 @@ def test_default_and_gpu_values_match_the_values_schema(chart, gpu_values, value
         chart.validate_schema(values)  # Helm's own validator agrees
 
 
+def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema):
+    from kv_transfer import BACKENDS
+
+    topology = values_schema["properties"]["serve"]["properties"]["topology"]["properties"]
+    assert topology["transfer"]["properties"]["backend"]["enum"] == list(BACKENDS)
+
+
 @pytest.mark.parametrize(
     "override, where",
     [

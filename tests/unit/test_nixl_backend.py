@@ -109,3 +109,104 @@ def test_close_deregisters_everything_and_a_later_transfer_starts_afresh():
     assert checksum(k2, v2) == checksum(k, v)
     receiver.recycle(k2, v2)
     sender.release(meta, payload)
+
+
+# -- paged: blocks read straight out of one paged cache into another ---------------------
+
+SRC_BLOCKS, DST_BLOCKS = 48, 64
+
+
+def _cache(num_blocks: int, seed: int | None):
+    import torch
+
+    shape = (LAYOUT.num_layers, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    if seed is None:
+        return torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g).to(torch.bfloat16), torch.randn(shape, generator=g).to(torch.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def paged():
+    """(sender backend, its cache, receiver backend, its cache), caches attached."""
+    from kv_transfer.nixl import NixlBackend
+
+    sender, receiver = NixlBackend(), NixlBackend()
+    src, dst = _cache(SRC_BLOCKS, seed=3), _cache(DST_BLOCKS, seed=None)
+    sender.attach_cache(*src)
+    receiver.attach_cache(*dst)
+    yield sender, src, receiver, dst
+    sender.close()
+    receiver.close()
+
+
+def _blocks(cache, ids):
+    k, v = cache
+    return k[:, ids], v[:, ids]
+
+
+def test_contiguous_runs_merge_stretches_that_rise_together_on_both_sides():
+    from kv_transfer.nixl import contiguous_runs
+
+    src, dst = contiguous_runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8])
+    assert src.tolist() == [[4, 3], [9, 2], [2, 1]]
+    assert dst.tolist() == [[0, 3], [3, 2], [8, 1]]
+
+
+def test_blocks_land_in_the_reserved_blocks_and_nowhere_else(paged):
+    sender, src, receiver, dst = paged
+    src_ids, dst_ids = [7, 8, 9, 30, 2, 3], [40, 41, 12, 13, 14, 60]
+    before = _blocks(dst, [i for i in range(DST_BLOCKS) if i not in dst_ids])
+    meta = _meta("p0", len(src_ids))
+    payload = sender.prepare_blocks(meta, src_ids)
+    receiver.pull_blocks(meta, payload, dst_ids)
+    assert checksum(*_blocks(dst, dst_ids)) == checksum(*_blocks(src, src_ids)), "the blocks read differ"
+    after = _blocks(dst, [i for i in range(DST_BLOCKS) if i not in dst_ids])
+    assert checksum(*after) == checksum(*before), "a read wrote outside its reserved blocks"
+    sender.release(meta, payload)
+
+
+def test_concurrent_block_reads_each_fill_their_own_blocks(paged):
+    sender, src, receiver, dst = paged
+    rng = __import__("random").Random(11)
+
+    def one(i: int) -> bool:
+        n = 1 + i % 4  # 16 transfers x up to 4 blocks: disjoint destinations below
+        src_ids = rng.sample(range(SRC_BLOCKS), n)
+        dst_ids = [4 * (i % 16) + j for j in range(n)]
+        meta = _meta(f"pc{i}", n)
+        payload = sender.prepare_blocks(meta, src_ids)
+        receiver.pull_blocks(meta, payload, dst_ids)
+        sender.release(meta, payload)
+        return checksum(*_blocks(dst, dst_ids)) == checksum(*_blocks(src, src_ids))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(16)))
+    assert all(results), f"{results.count(False)} of 16 concurrent block reads delivered other bytes"
+
+
+@pytest.mark.parametrize(
+    "offered,reserved,why",
+    [([1, 2, 3], [4, 5], "reserved"), ([1, SRC_BLOCKS], [4, 5], "sender's cache"), ([1, 2], [4, DST_BLOCKS], "this cache")],
+    ids=["counts-differ", "sender-out-of-range", "receiver-out-of-range"],
+)
+def test_offers_that_do_not_fit_are_refused_before_any_read(paged, offered, reserved, why):
+    sender, _, receiver, dst = paged
+    before = checksum(*dst)
+    meta = _meta(f"bad-{why}", len(offered))
+    payload = sender.prepare_blocks(meta, offered)
+    with pytest.raises(TransferError) as info:
+        receiver.pull_blocks(meta, payload, reserved)
+    assert info.value.reason == "layout" and why in str(info.value)
+    assert checksum(*dst) == before, "a refused transfer must not write anything"
+    sender.release(meta, payload)
+
+
+def test_a_packed_payload_is_refused_by_a_paged_read(paged, pair):
+    _, _, receiver, dst = paged
+    meta = _meta("mixed", 2)
+    k, v = make_kv(LAYOUT, 2, seed=5)
+    payload = pair[0].prepare(meta, k, v)
+    with pytest.raises(TransferError, match="not a paged nixl payload"):
+        receiver.pull_blocks(meta, payload, [0, 1])
+    pair[0].release(meta, payload)
