@@ -830,29 +830,37 @@ def build_report(args: argparse.Namespace, outcome: dict, timings: dict, rule: T
     }
 
 
-def markdown(report: dict) -> str:
-    def num(v, fmt=".1f") -> str:
-        return "-" if v is None else format(v, fmt)
+def _num(v, fmt=".1f") -> str:
+    return "-" if v is None else format(v, fmt)
 
-    plan, counts, samples = report["plan"], report["counts"], report["samples"]
-    load = [s for s in samples if s["phase"] in ("baseline", "load")]
-    cap = report["capacity"]
-    rate = f"{plan['rate']:.2f} req/s" + (f" ({report['config']['capacity_fraction']:g} x measured capacity "
+
+def markdown(report: dict) -> str:
+    load = [s for s in report["samples"] if s["phase"] in ("baseline", "load")]
+    lines = [*_md_setup(report), *_md_rss(report, load), *_md_blocks(report, load), *_md_latency(report),
+             *_md_outcome(report)]
+    return "\n".join(lines)
+
+
+def _md_setup(report: dict) -> list[str]:
+    plan, cap, config = report["plan"], report["capacity"], report["config"]
+    rate = f"{plan['rate']:.2f} req/s" + (f" ({config['capacity_fraction']:g} x measured capacity "
                                           f"{cap['requests_per_s']:.2f} req/s)" if cap else "")
-    lines = [
+    return [
         f"### Soak: {report['verdict']['result']}",
         "",
         f"{plan['duration_s']:g} s of Poisson load at {rate}, {plan['input_len']}-token prompts, "
         f"{plan['output_len']}-token outputs (±{plan['range_ratio']:.0%}), {plan['cancel_fraction']:.0%} cancelled "
-        f"mid-request; {report['config']['prefill_workers']} prefill + {report['config']['decode_workers']} decode "
-        f"worker(s), `{report['config']['kv_transfer_backend']}` transfer, {report['machine']['cpus']} CPUs; "
-        f"sampled every {report['config']['sample_s']:g} s. Started {report['started']}.",
-        "",
-        "| process | RSS start (MB) | RSS end of load (MB) | RSS after drain (MB) | slope, 2nd half (MB/min) "
-        "| projected over the load (MB) | |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        f"mid-request; {config['prefill_workers']} prefill + {config['decode_workers']} decode "
+        f"worker(s), `{config['kv_transfer_backend']}` transfer, {report['machine']['cpus']} CPUs; "
+        f"sampled every {config['sample_s']:g} s. Started {report['started']}.",
     ]
-    final = samples[-1]["rss"]
+
+
+def _md_rss(report: dict, load: list[dict]) -> list[str]:
+    lines = ["", "| process | RSS start (MB) | RSS end of load (MB) | RSS after drain (MB) | slope, 2nd half (MB/min) "
+                 "| projected over the load (MB) | |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    final = report["samples"][-1]["rss"]
     for j in report["rss"]:
         name = j["name"]
         first = next((s["rss"][name]["rss"] for s in load if name in s["rss"]), None)
@@ -860,12 +868,16 @@ def markdown(report: dict) -> str:
         slope = j["trend"]["slope"] * 60 / MB if j["trend"] else None
         mark = ("ok" if j["ok"] else "**GROWS**") if j["judged"] else "not judged"
         lines.append(
-            f"| {name} | {num(first and first / MB)} | {num(last and last / MB)} | "
-            f"{num(final[name]['rss'] / MB if name in final else None)} | {num(slope, '+.2f')} | "
-            f"{num(j['projected'] / MB if j['projected'] is not None else None, '+.1f')} | {mark} |"
+            f"| {name} | {_num(first and first / MB)} | {_num(last and last / MB)} | "
+            f"{_num(final[name]['rss'] / MB if name in final else None)} | {_num(slope, '+.2f')} | "
+            f"{_num(j['projected'] / MB if j['projected'] is not None else None, '+.1f')} | {mark} |"
         )
-    lines += ["", "| worker | KV pool (blocks) | blocks in use: mean | max | slope (blocks/min) | after drain | |",
-              "|---|---:|---:|---:|---:|---:|---|"]
+    return lines
+
+
+def _md_blocks(report: dict, load: list[dict]) -> list[str]:
+    lines = ["", "| worker | KV pool (blocks) | blocks in use: mean | max | slope (blocks/min) | after drain | |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for j in report["blocks"]:
         values = [s["blocks"][j["name"]] for s in load if j["name"] in s["blocks"]]
         pool = next((s["workers"][j["name"]]["num_blocks"] for s in reversed(load)
@@ -875,19 +887,27 @@ def markdown(report: dict) -> str:
         mean = sum(values) / len(values) if values else None
         slope = j["trend"]["slope"] * 60 if j["trend"] else None
         lines.append(
-            f"| {j['name']} | {num(pool, 'd')} | {num(mean)} | {max(values, default='-')} | "
-            f"{num(slope, '+.2f')} | {num(after, 'd')} | {'ok' if ok else '**FAIL**'} |"
+            f"| {j['name']} | {_num(pool, 'd')} | {_num(mean)} | {max(values, default='-')} | "
+            f"{_num(slope, '+.2f')} | {_num(after, 'd')} | {'ok' if ok else '**FAIL**'} |"
         )
-    lines += ["", "| requests finished in | requests | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
-                  "| E2E p99 (ms) |",
-              "|---|---:|---:|---:|---:|---:|"]
+    return lines
+
+
+def _md_latency(report: dict) -> list[str]:
+    lines = ["", "| requests finished in | requests | TTFT p50 (ms) | TTFT p99 (ms) | ITL p99 (ms) "
+                 "| E2E p99 (ms) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for part, p in report["latency"].items():
-        lines.append(f"| the {part} third of the load | {p['requests']} | {num(p['ttft_p50_ms'])} | "
-                     f"{num(p['ttft_p99_ms'])} | {num(p['itl_p99_ms'])} | {num(p['e2e_p99_ms'])} |")
-    t = report["timings_s"]
-    failures = {w: v["transfer_failures"] for w, v in samples[-1].get("workers", {}).items()
+        lines.append(f"| the {part} third of the load | {p['requests']} | {_num(p['ttft_p50_ms'])} | "
+                     f"{_num(p['ttft_p99_ms'])} | {_num(p['itl_p99_ms'])} | {_num(p['e2e_p99_ms'])} |")
+    return lines
+
+
+def _md_outcome(report: dict) -> list[str]:
+    counts, t = report["counts"], report["timings_s"]
+    failures = {w: v["transfer_failures"] for w, v in report["samples"][-1].get("workers", {}).items()
                 if v.get("transfer_failures")}
-    lines += [
+    lines = [
         "",
         f"KV transfer failures (incl. reservations expired by their deadline): {failures or 'none'}.",
         f"Requests: {counts['sent']} sent, {counts['completed']} completed, {counts['cancelled']} cancelled "
@@ -905,7 +925,7 @@ def markdown(report: dict) -> str:
     ]
     lines += [f"- FAIL: {f}" for f in report["verdict"]["failures"]]
     lines += [f"- warning: {w}" for w in report["verdict"]["warnings"]]
-    return "\n".join(lines)
+    return lines
 
 
 def write_plot(report: dict, path: Path) -> Path:
