@@ -22,11 +22,9 @@ import threading
 import time
 
 from engine.async_engine import merge_outputs
-from engine.config import EngineConfig
 from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferError, TransferMeta
-from kv_transfer.config import TransferConfig
 from kv_transfer.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -35,15 +33,9 @@ log = logging.getLogger(__name__)
 class DecodeWorker(WorkerBase):
     role = "decode"
 
-    def __init__(
-        self,
-        worker_id: str,
-        engine_config: EngineConfig,
-        transfer: TransferConfig,
-        torch_threads: int = 1,
-        stream_interval_s: float = 0.0,
-    ) -> None:
-        super().__init__(worker_id, engine_config, transfer, torch_threads)
+    def __init__(self, *args, stream_interval_s: float = 0.0, **kwargs) -> None:
+        """``WorkerBase``'s arguments; ``stream_interval_s``: at most one message per stream per interval."""
+        super().__init__(*args, **kwargs)
         self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.scheduler import BATCHING_MODES, POLICIES, PREEMPTION_MODES
+from engine.scheduler import check_modes
 
 GiB = 1 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -52,14 +52,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        check_modes(self.preemption_mode, self.policy, self.batching)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

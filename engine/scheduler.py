@@ -35,6 +35,14 @@ from engine.request import Request, RequestStatus
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 POLICIES = ("fcfs", "priority")
 BATCHING_MODES = ("continuous", "static")
+
+
+def check_modes(preemption_mode: str, policy: str, batching: str) -> None:
+    """A ValueError naming the first of the scheduler's modes that is not one it has."""
+    for name, value, allowed in (("preemption_mode", preemption_mode, PREEMPTION_MODES),
+                                 ("policy", policy, POLICIES), ("batching", batching, BATCHING_MODES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 # "auto" swaps a request once its output is this large a share of its prompt:
 # recomputing it would then cost more than copying its blocks back.
 AUTO_SWAP_OUTPUT_RATIO = 0.2
@@ -54,14 +62,7 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
+        check_modes(self.preemption_mode, self.policy, self.batching)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "without chunked prefill, max_num_batched_tokens "

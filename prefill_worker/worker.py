@@ -19,25 +19,18 @@ import dataclasses
 import itertools
 import time
 
-from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState
 from kv_transfer import TransferMeta
-from kv_transfer.config import TransferConfig
 from kv_transfer.worker_base import WorkerBase
 
 
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
-    def __init__(
-        self,
-        worker_id: str,
-        engine_config: EngineConfig,
-        transfer: TransferConfig,
-        torch_threads: int = 1,
-    ) -> None:
-        super().__init__(worker_id, engine_config, transfer, torch_threads)
+    def __init__(self, *args, **kwargs) -> None:
+        """``WorkerBase``'s arguments."""
+        super().__init__(*args, **kwargs)
         self._transfer_ids = itertools.count()
         self._sending = 0
 
