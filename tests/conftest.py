@@ -1,17 +1,35 @@
-"""Shared fixtures: small random-weight checkpoints built with transformers."""
+"""The fixtures every test package shares; the plain functions behind them are in
+``tests/helpers.py``.
+
+Checkpoints (session): ``tandem_home``, ``default_model``, ``tiny_model``.
+
+A live service, for a module:
+
+- ``ray_cluster``: a local Ray per module (2 CPUs, no dashboard), always shut down when
+  the module ends, so no module sees another's actors, Serve app or leftovers.
+- ``service``: the whole service on ``tiny_model``, started once per module with the
+  keywords of ``running_service`` that the ``service_settings`` fixture returns (none by
+  default: a module or package overrides ``service_settings`` to change them).
+- ``no_blocks_left``: checks after a test that every worker holds no KV blocks; a
+  module asks for it with ``pytestmark = pytest.mark.usefixtures("no_blocks_left")``.
+- ``http`` (an httpx client on the service's HTTP URL), ``channel`` and ``stub`` (gRPC).
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import assert_blocks_freed, build_hf_checkpoint, local_ray, running_service
+
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# -- checkpoints -------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -29,47 +47,84 @@ def default_model(tandem_home) -> Path:
     return ensure_default_model()
 
 
-def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight HF model of the given family, with the default tokenizer.
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, default_model) -> str:
+    """A 2-layer Llama with the default tokenizer: fast enough for many workers on 2 cores."""
+    return str(build_hf_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama", default_model, seed=3))
 
-    Biases and norm weights are random too: transformers starts them at 0 and 1, the
-    values a loader that dropped them would also leave.
+
+# -- a local Ray and a live service ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def metrics_dir(tmp_path_factory) -> Iterator[str]:
+    """Where every Ray process of the session writes its Prometheus metrics.
+
+    The driver points there too, from the first module that starts Ray to the end of
+    the session: clusters started here mark their dead workers' gauges in it, and
+    prometheus-client fixes where a process writes when it is first imported.
     """
-    import json
-
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    common.update(overrides)
-    torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True, **common))
+    path = str(tmp_path_factory.mktemp("prometheus-multiproc"))
+    previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     else:
-        raise ValueError(arch)
-    _randomise_biases_and_norms(model)
-    model.save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, out_dir / name)
-    return out_dir
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
 
 
-def _randomise_biases_and_norms(model) -> None:
-    std = model.config.initializer_range
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, std)
-            elif name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+@pytest.fixture(scope="module")
+def ray_cluster(tandem_home, metrics_dir):
+    """A local Ray for this module (2 CPUs, no dashboard), shut down when it ends."""
+    with local_ray(tandem_home, metrics_dir, num_cpus=2) as ray:
+        yield ray
+
+
+@pytest.fixture(scope="module")
+def service_settings() -> dict:
+    """Keywords for ``running_service`` (router config, workers, KV blocks, topology)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tiny_model, service_settings):
+    """One live service for the module, as ``service_settings`` describes it."""
+    with running_service(tiny_model, **service_settings) as svc:
+        yield svc
+
+
+@pytest.fixture
+def no_blocks_left(service):
+    """After the test: every worker holds no KV blocks (waiting for late frees)."""
+    yield
+    assert_blocks_freed(service)
+
+
+@pytest.fixture(scope="module")
+def http(service):
+    """An httpx client on the service's HTTP URL."""
+    try:  # the HTTP client the installed openai package is built on
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    with httpx.Client(base_url=service.http_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def channel(service):
+    """A gRPC channel to the service, connected."""
+    import grpc
+
+    with grpc.insecure_channel(service.grpc_target) as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)
+        yield ch
+
+
+@pytest.fixture
+def stub(channel):
+    from protos.tandem.v1 import generate_pb2_grpc
+
+    return generate_pb2_grpc.GenerationStub(channel)

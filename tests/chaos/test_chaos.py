@@ -32,7 +32,7 @@ import pytest
 import ray
 
 from kv_transfer.nixl import unavailable_reason
-from tests.integration.conftest import running_service
+from tests.helpers import running_service
 
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
@@ -258,7 +258,7 @@ def test_prefill_worker_killed_mid_chunked_prefill(service, tiny_model, workload
 
 
 def test_decode_worker_killed_mid_stream(service, tiny_model, workload, metrics_dir):
-    from tests.integration.conftest import metric_sum, scrape
+    from tests.helpers import metric_sum, scrape
 
     before = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total")
 

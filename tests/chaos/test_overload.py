@@ -19,7 +19,6 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import psutil
@@ -34,8 +33,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 from protos.tandem.v1 import generate_pb2_grpc
 from router.admission import AdmissionConfig
 from router.server import RouterConfig
-from tests.integration.conftest import running_service
-from tests.integration.test_router_http import assert_blocks_freed
+from tests.helpers import write_report
 
 K = 8  # the admission bound (max outstanding requests)
 BURST = 10 * K
@@ -65,11 +63,12 @@ class Outcome:
     detail: str = ""
 
 
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
+
+
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    router = RouterConfig(admission=AdmissionConfig(max_requests=K))
-    with running_service(tiny_model, router, num_kv_blocks=256) as svc:
-        yield svc
+def service_settings():
+    return {"router": RouterConfig(admission=AdmissionConfig(max_requests=K)), "num_kv_blocks": 256}
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +98,7 @@ def processes(service):
 @pytest.fixture(scope="module", autouse=True)
 def report(tmp_path_factory):
     yield
-    path = Path(tmp_path_factory.getbasetemp()) / "overload.json"
-    path.write_text(json.dumps(FIGURES, indent=1))
+    path = write_report(tmp_path_factory, "overload.json", FIGURES)
     print(f"\noverload figures ({path}):")
     for b in FIGURES["bursts"]:
         print(f"  burst {b['name']}: {b['admitted']} admitted, {b['rejected']} rejected, rejection latency "
@@ -108,12 +106,6 @@ def report(tmp_path_factory):
               f"admitted done in {b['admitted_max_s']:.2f}s")
     for sample in FIGURES["rss_mib"]:
         print(f"  RSS after {sample['after']}: {sample['rss']}")
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=5.0)
 
 
 def _prompt(i: int) -> str:

@@ -19,10 +19,8 @@ code, and an accepted one a well-formed stream (cheap: ``max_tokens`` is set to
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import grpc
 import pytest
@@ -34,7 +32,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.validation import ApiError
 from tests.fuzz.conftest import MAX_BODY
-from tests.integration.test_router_http import assert_blocks_freed
+from tests.helpers import tally, write_report
 
 CAP = 4
 FUZZ = settings(
@@ -52,31 +50,16 @@ UNARY = {
 }
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
-
-@pytest.fixture(scope="module")
-def channel(service):
-    with grpc.insecure_channel(service.grpc_target) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report(tmp_path_factory):
     yield
-    by_test: dict[str, dict[str, int]] = {}
-    for (test, outcome), n in sorted(CASES.items()):
-        by_test.setdefault(test, {})[outcome] = n
-    total = sum(CASES.values())
+    by_test, total = tally(CASES), sum(CASES.values())
     bad = sum(n for (_, outcome), n in CASES.items() if outcome in {c.name for c in NEVER})
-    path = Path(tmp_path_factory.getbasetemp()) / "fuzz-grpc.json"
-    path.write_text(json.dumps({"total": total, "internal_or_unknown": bad, "by_test": by_test}, indent=1))
+    path = write_report(tmp_path_factory, "fuzz-grpc.json", {"total": total, "internal_or_unknown": bad, "by_test": by_test})
     print(f"\ngRPC fuzz: {total} calls, {bad} INTERNAL/UNKNOWN; by test and code: {by_test} ({path})")
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=5.0)
 
 
 def _identity(b: bytes) -> bytes:

@@ -24,7 +24,6 @@ import json
 import math
 import socket
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -37,7 +36,7 @@ except ImportError:
 
 from router.validation import ApiError, parse_json, prepare_chat, prepare_completion
 from tests.fuzz.conftest import MAX_BODY
-from tests.integration.test_router_http import assert_blocks_freed
+from tests.helpers import tally, write_report
 
 CAP = 4  # max_tokens of a body the server will accept
 FUZZ = settings(
@@ -48,30 +47,16 @@ FUZZ = settings(
 CASES: Counter = Counter()  # (test, outcome) -> requests sent
 SERVED = "<the served model's name>"  # strategies draw this; the tests put in the real name
 
-
-@pytest.fixture(scope="module")
-def http(service):
-    with httpx.Client(base_url=service.http_url, timeout=60) as client:
-        yield client
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report(tmp_path_factory):
     yield
-    by_test: dict[str, dict[str, int]] = {}
-    for (test, outcome), n in sorted(CASES.items()):
-        by_test.setdefault(test, {})[outcome] = n
-    total = sum(CASES.values())
+    by_test, total = tally(CASES), sum(CASES.values())
     server_errors = sum(n for (_, outcome), n in CASES.items() if outcome.startswith("5"))
-    path = Path(tmp_path_factory.getbasetemp()) / "fuzz-http.json"
-    path.write_text(json.dumps({"total": total, "5xx": server_errors, "by_test": by_test}, indent=1))
+    path = write_report(tmp_path_factory, "fuzz-http.json", {"total": total, "5xx": server_errors, "by_test": by_test})
     print(f"\nHTTP fuzz: {total} requests, {server_errors} answered 5xx; by test and status: {by_test} ({path})")
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=5.0)
 
 
 # -- strategies ----------------------------------------------------------------
@@ -305,25 +290,27 @@ def post(http, path: str, raw: bytes, content_type: str | None):
     return http.post(path, content=raw, headers=headers)
 
 
+def check_body(http, oracle, body, content_type, chat: bool) -> None:
+    """Send a generated body (made cheap) and judge the answer by the local oracle."""
+    body = cheap(body, chat=chat, oracle=oracle)
+    raw = _dumps(body)
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", raw, content_type)
+    check_response(r, predict(raw, chat, oracle), body.get("stream") is True, "chat" if chat else "completions")
+
+
 # -- the tests -----------------------------------------------------------------
 
 
 @settings(FUZZ, max_examples=500)
 @given(body=bodies(COMPLETION, VALID_COMPLETION, "prompt"), content_type=content_types)
 def test_completions_bodies(http, oracle, body, content_type):
-    body = cheap(body, chat=False, oracle=oracle)
-    raw = _dumps(body)
-    r = post(http, "/v1/completions", raw, content_type)
-    check_response(r, predict(raw, False, oracle), body.get("stream") is True, "completions")
+    check_body(http, oracle, body, content_type, chat=False)
 
 
 @settings(FUZZ, max_examples=500)
 @given(body=bodies(CHAT, VALID_CHAT, "messages"), content_type=content_types)
 def test_chat_completions_bodies(http, oracle, body, content_type):
-    body = cheap(body, chat=True, oracle=oracle)
-    raw = _dumps(body)
-    r = post(http, "/v1/chat/completions", raw, content_type)
-    check_response(r, predict(raw, True, oracle), body.get("stream") is True, "chat")
+    check_body(http, oracle, body, content_type, chat=True)
 
 
 def _nested(depth: int, opener: str) -> bytes:

@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
-from tests.conftest import build_hf_checkpoint
+from tests.helpers import build_hf_checkpoint
 from tests.unit.test_hf_parity import SETTINGS, _assert_same, _workload
 
 # These checkpoints' logits have a std of ~0.3, their top two ~0.08 apart; bf16 rounding

@@ -12,28 +12,22 @@ import pytest
 import ray
 import torch
 
-from kv_transfer import KVLayout, TransferError
+from kv_transfer import KVLayout
 from kv_transfer.config import TransferConfig
 from kv_transfer.peer import TransferPeer
-from tests.integration.test_kv_transfer import _meta, _transfer
+from tests.integration.test_kv_transfer import _meta, _transfer, assert_a_late_transfer_fails_and_the_next_arrives
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none here")
 
 
 @pytest.fixture(scope="module")
-def peers(tandem_home):
-    """Two actors sharing the GPUs."""
-    started = not ray.is_initialized()
-    if started:
-        env = {"TANDEM_HOME": str(tandem_home)}
-        ray.init(include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
+def peers(ray_cluster):
+    """Two actors sharing the GPUs (Ray finds them itself)."""
     actor = ray.remote(TransferPeer).options(num_cpus=0, num_gpus=0.5, max_concurrency=64)
     peers = [actor.remote(TransferConfig(backend="collective")) for _ in range(2)]
     yield peers
     for p in peers:
         ray.kill(p)
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -56,12 +50,4 @@ def test_transfers_in_flight_together_each_deliver_their_own_bytes(peers):
 
 
 def test_transfer_past_its_deadline_fails_and_the_next_one_arrives(peers):
-    meta = _meta("late", peers[1], deadline_s=-1.0)
-    payload, _ = ray.get(peers[0].prepare.remote(meta, 3))
-    with pytest.raises(TransferError, match="deadline|timed out"):
-        ray.get(peers[1].pull.remote(meta, payload), timeout=30)
-    with pytest.raises(TransferError, match="deadline"):
-        ray.get(peers[0].push.remote(meta), timeout=30)
-    ray.get(peers[0].release.remote(meta))
-    sent, got = _transfer(peers[0], peers[1], _meta("after-late", peers[1]), seed=4)
-    assert got == sent, "the transfer after a late one must arrive intact"
+    assert_a_late_transfer_fails_and_the_next_arrives(peers[0], peers[1])

@@ -9,20 +9,14 @@ import json
 import pytest
 
 from bench.serve import main
-from tests.integration.conftest import running_service
-from tests.integration.test_router_http import assert_blocks_freed
+
+
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    with running_service(tiny_model, num_kv_blocks=256) as svc:
-        yield svc
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=5.0)
+def service_settings():
+    return {"num_kv_blocks": 256}
 
 
 def run(tmp_path, tiny_model, *flags: str) -> dict:

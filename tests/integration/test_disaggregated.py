@@ -255,7 +255,7 @@ def test_topology_yaml_with_overrides(tmp_path):
 
 
 def test_injected_transfer_failures_reach_the_metrics(ray_cluster, tiny_model, reference, metrics_dir):
-    from tests.integration.conftest import metric_sum, scrape
+    from tests.helpers import metric_sum, scrape
 
     prompts, lengths, _ = reference
     before = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")

@@ -84,19 +84,24 @@ def test_concurrent_transfers_from_two_senders_do_not_mix(peers):
     ray.get([peers[src].release.remote(meta) for src, meta in metas])
 
 
-def test_transfer_past_its_deadline_fails_and_is_counted(peers):
-    meta = _meta("late", peers[2], deadline_s=-1.0)
-    payload, _ = ray.get(peers[0].prepare.remote(meta, seed=3))
-    before = ray.get(peers[2].stats.remote())["failures"].get("timeout", 0)
+def assert_a_late_transfer_fails_and_the_next_arrives(sender, receiver) -> None:
+    """A transfer past its deadline fails on both sides; the pair's next one arrives intact."""
+    meta = _meta("late", receiver, deadline_s=-1.0)
+    payload, _ = ray.get(sender.prepare.remote(meta, 3))
     with pytest.raises(TransferError, match="deadline|timed out"):
-        ray.get(peers[2].pull.remote(meta, payload), timeout=30)
+        ray.get(receiver.pull.remote(meta, payload), timeout=30)
     # The sender still pushes, as a prefill worker does: a late transfer must not
     # break the pair for the transfers after it.
     with pytest.raises(TransferError, match="deadline"):
-        ray.get(peers[0].push.remote(meta), timeout=30)
-    ray.get(peers[0].release.remote(meta))
-    sent, got = _transfer(peers[0], peers[2], _meta("after-late", peers[2]), seed=4)
+        ray.get(sender.push.remote(meta), timeout=30)
+    ray.get(sender.release.remote(meta))
+    sent, got = _transfer(sender, receiver, _meta("after-late", receiver), seed=4)
     assert got == sent, "the transfer after a late one must arrive intact"
+
+
+def test_transfer_past_its_deadline_fails_and_is_counted(peers):
+    before = ray.get(peers[2].stats.remote())["failures"].get("timeout", 0)
+    assert_a_late_transfer_fails_and_the_next_arrives(peers[0], peers[2])
     after = ray.get(peers[2].stats.remote())["failures"].get("timeout", 0)
     assert after == before + 1, "a timed-out transfer is counted once by the receiver"
 

@@ -11,16 +11,9 @@ import asyncio
 import grpc
 import pytest
 
-from tests.integration.conftest import metric_sum, running_service, scrape
-from tests.integration.test_router_http import assert_blocks_freed
+from tests.helpers import assert_blocks_freed, free_port, metric_sum, scrape
 
 N_HTTP, N_GRPC = 12, 4
-
-
-@pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    with running_service(tiny_model) as svc:
-        yield svc
 
 
 def _delta(before, after, name, **labels):
@@ -116,7 +109,6 @@ def test_scrape_endpoint_keeps_vllm_style_names_whatever_the_scraper_asks_for(se
     import httpx
 
     from cluster.metrics_server import start_metrics_server
-    from tests.integration.conftest import free_port
 
     port = free_port()
     server = start_metrics_server(port)
@@ -138,7 +130,6 @@ def test_controller_serves_every_nodes_metrics_when_given_a_port(ray_cluster, ti
 
     from cluster.config import ClusterConfig
     from cluster.controller import ClusterController
-    from tests.integration.conftest import free_port
 
     port = free_port()
     config = ClusterConfig.from_dict(

@@ -22,6 +22,7 @@ from kv_transfer import KVLayout, TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.nixl import unavailable_reason
 from kv_transfer.peer import TransferPeer
+from tests.helpers import PATIENCE_S, wait_for
 
 NIXL_MISSING = unavailable_reason()
 pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl unavailable: {NIXL_MISSING}")
@@ -93,15 +94,19 @@ def _assert_receiver_goes_on(receiver, tid: str) -> None:
     assert ray.get(receiver.held.remote())[1] == 0, "every staging buffer must be back in the pool"
 
 
-def _wait_dead(pid: int, timeout: float = 30) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"actor process {pid} still alive {timeout}s after ray.kill")
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _known_to_the_receiver(peer, receiver, connected: bool, tid: str, seed: int) -> None:
+    """With ``connected``, one transfer first, so that the receiver has met the sender."""
+    if connected:
+        sent, got = _transfer(peer, receiver, _meta(tid), seed=seed)
+        assert got == sent
 
 
 def test_sizes_that_disagree_with_the_layout_are_refused_before_any_read(sender, receiver):
@@ -125,12 +130,10 @@ def test_sizes_that_disagree_with_the_layout_are_refused_before_any_read(sender,
 @pytest.mark.parametrize("connected", [False, True], ids=["unknown-sender", "connected-sender"])
 def test_a_sender_killed_before_the_read_fails_it_within_seconds(sender, receiver, connected):
     peer, pid = sender
-    if connected:
-        sent, got = _transfer(peer, receiver, _meta(f"before-kill-{connected}"), seed=2)
-        assert got == sent
+    _known_to_the_receiver(peer, receiver, connected, f"before-kill-{connected}", seed=2)
     payload, _ = ray.get(peer.prepare.remote(_meta(f"killed-{connected}"), seed=3))
     ray.kill(peer)
-    _wait_dead(pid)
+    wait_for(lambda: _gone(pid), PATIENCE_S, f"actor process {pid} to exit after ray.kill")
     error, elapsed = _failure(receiver.pull.remote(_meta(f"killed-{connected}"), payload))
     assert error.reason == "peer_lost", f"expected reason 'peer_lost', got {error.reason!r}: {error}"
     assert elapsed < 5.0, f"a dead sender must fail the read at once, not after {elapsed:.1f}s"
@@ -140,9 +143,7 @@ def test_a_sender_killed_before_the_read_fails_it_within_seconds(sender, receive
 @pytest.mark.parametrize("connected", [False, True], ids=["unknown-sender", "connected-sender"])
 def test_a_frozen_sender_fails_the_read_at_its_deadline(sender, receiver, connected):
     peer, pid = sender
-    if connected:
-        sent, got = _transfer(peer, receiver, _meta(f"before-freeze-{connected}"), seed=4)
-        assert got == sent
+    _known_to_the_receiver(peer, receiver, connected, f"before-freeze-{connected}", seed=4)
     meta = _meta(f"frozen-{connected}", deadline_s=2.0)
     payload, _ = ray.get(peer.prepare.remote(meta, seed=5))
     os.kill(pid, signal.SIGSTOP)
@@ -153,7 +154,9 @@ def test_a_frozen_sender_fails_the_read_at_its_deadline(sender, receiver, connec
     assert error.reason == "timeout", f"expected reason 'timeout', got {error.reason!r}: {error}"
     assert elapsed < 4.0, f"the read must end at its deadline (2 s), not after {elapsed:.1f}s"
     ray.get(peer.release.remote(meta))
-    time.sleep(0.2)  # the abandoned read's thread releases its handle and staging just after
+    # The abandoned read's thread releases its handle and staging just after.
+    wait_for(lambda: ray.get(receiver.held.remote())[1] == 0, PATIENCE_S,
+             "the abandoned read to give its staging buffer back")
     sent, got = _transfer(peer, receiver, _meta(f"thawed-{connected}"), seed=6)
     assert got == sent, "a thawed sender must serve the next transfer intact"
     _assert_receiver_goes_on(receiver, f"after-freeze-{connected}")
@@ -165,9 +168,8 @@ def test_the_sender_hears_of_each_finished_read_and_release_frees_its_regions(se
     for i in range(3):
         sent, got = _transfer(peer, receiver, _meta(f"heard-{i}", num_blocks=1 + i), seed=10 + i)
         assert got == sent
-    end = time.monotonic() + 5
-    while ray.get(peer.reads_confirmed.remote()) < before + 3 and time.monotonic() < end:
-        time.sleep(0.05)
+    wait_for(lambda: ray.get(peer.reads_confirmed.remote()) >= before + 3, PATIENCE_S,
+             "the sender to hear of the 3 finished reads")
     assert ray.get(peer.reads_confirmed.remote()) == before + 3, "one notification per finished read"
     assert ray.get(peer.held.remote()) == (0, 0), "released transfers leave no registered region"
     assert ray.get(receiver.held.remote())[1] == 0, "recycled staging buffers are back in the pool"

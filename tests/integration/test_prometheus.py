@@ -20,8 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.conftest import free_port, running_service
-from tests.integration.test_router_http import assert_blocks_freed
+from tests.helpers import assert_blocks_freed, free_port, running_service
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "tandem-dashboard.json"

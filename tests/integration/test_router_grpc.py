@@ -16,40 +16,22 @@ import pytest
 
 from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
 from protos.tandem.v1 import generate_pb2 as pb
-from protos.tandem.v1 import generate_pb2_grpc
 from router.admission import AdmissionConfig
 from router.server import RouterConfig
-from tests.integration.conftest import running_service
-from tests.integration.test_router_http import assert_blocks_freed
+from tests.helpers import assert_blocks_freed
 
 API_KEY = "test-key-123"
 AUTH = [("authorization", f"Bearer {API_KEY}")]
 MAX_REQUESTS = 4
 
 
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
+
+
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
+def service_settings():
     router = RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), api_key=API_KEY)
-    with running_service(tiny_model, router, prefill_workers=2, num_kv_blocks=256) as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
-def channel(service):
-    with grpc.insecure_channel(service.grpc_target) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
-
-
-@pytest.fixture
-def stub(channel):
-    return generate_pb2_grpc.GenerationStub(channel)
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=2.0)
+    return {"router": router, "prefill_workers": 2, "num_kv_blocks": 256}
 
 
 def _request(prompt="hello world", n=8, **sampling) -> pb.GenerateRequest:

@@ -19,17 +19,17 @@ except ImportError:
 
 from router.admission import AdmissionConfig
 from router.server import RouterConfig
-from tests.integration.conftest import running_service
+from tests.helpers import assert_blocks_freed
 
 MAX_REQUESTS = 64
 MAX_BODY = 64 * 1024
 
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
+
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    router = RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), max_body_bytes=MAX_BODY)
-    with running_service(tiny_model, router) as svc:
-        yield svc
+def service_settings():
+    return {"router": RouterConfig(admission=AdmissionConfig(max_requests=MAX_REQUESTS), max_body_bytes=MAX_BODY)}
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +44,6 @@ def client(service):
     import openai
 
     return openai.OpenAI(base_url=f"{service.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=2.0)
-
-
-def assert_blocks_freed(service, within_s: float) -> float:
-    """Wait up to ``within_s`` for every worker to hold no blocks; returns the wait."""
-    t0 = time.monotonic()
-    while True:
-        in_use = service.blocks_in_use()
-        if all(v == 0 for v in in_use.values()):
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < within_s, f"blocks still in use after {within_s}s: {in_use}"
-        time.sleep(0.05)
 
 
 def test_models_list_names_the_served_model_and_health_is_ok(service, client, model_name):

@@ -22,50 +22,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:  # the HTTP client the installed openai package is built on
-    import httpx2 as httpx
-except ImportError:
-    import httpx
-
 from protos.tandem.v1 import generate_pb2 as pb
-from protos.tandem.v1 import generate_pb2_grpc
 from router.server import RouterConfig
-from tests.integration.conftest import running_service
-from tests.integration.test_router_http import assert_blocks_freed
 
 API_KEY = "sec-" + uuid.uuid4().hex
 MAX_BODY = 16 * 1024
 WRONG_KEYS = ["wrong", API_KEY + "x", API_KEY[:-1], API_KEY.upper(), " " + API_KEY[1:], API_KEY[::-1]]
 
 
-@pytest.fixture(scope="module")
-def service(ray_cluster, tiny_model):
-    with running_service(tiny_model, RouterConfig(api_key=API_KEY, max_body_bytes=MAX_BODY)) as svc:
-        yield svc
+pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 
 @pytest.fixture(scope="module")
-def http(service):
-    with httpx.Client(base_url=service.http_url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def channel(service):
-    with grpc.insecure_channel(service.grpc_target) as ch:
-        grpc.channel_ready_future(ch).result(timeout=30)
-        yield ch
-
-
-@pytest.fixture
-def stub(channel):
-    return generate_pb2_grpc.GenerationStub(channel)
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(service):
-    yield
-    assert_blocks_freed(service, within_s=5.0)
+def service_settings():
+    return {"router": RouterConfig(api_key=API_KEY, max_body_bytes=MAX_BODY)}
 
 
 def bearer(key: str) -> dict:

@@ -345,6 +345,14 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"{self.content.get(block.block_id)}, expected {want}"
             )
 
+    def _swap(self, swap, req):
+        """``swap(req)``'s block pairs; a swap that fails (None) must change nothing."""
+        before = self._snapshot()
+        pairs = swap(req)
+        if pairs is None:
+            assert self._snapshot() == before, f"a failed {swap.__name__} must change nothing"
+        return pairs
+
     # -- rules
 
     @rule(prompt=st.lists(tokens, min_size=1, max_size=14))
@@ -406,10 +414,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         req = self.live[rid]
         device = self.kv.block_ids(rid)
-        before = self._snapshot()
-        pairs = self.kv.swap_out(req)
+        pairs = self._swap(self.kv.swap_out, req)
         if pairs is None:
-            assert self._snapshot() == before, "a failed swap_out must change nothing"
             return
         assert [d for d, _ in pairs] == device, "swap_out must copy every device block in order"
         del self.live[rid]
@@ -420,10 +426,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         rid = data.draw(st.sampled_from(sorted(self.swapped)))
         req, cpu = self.swapped[rid]
-        before = self._snapshot()
-        pairs = self.kv.swap_in(req)
+        pairs = self._swap(self.kv.swap_in, req)
         if pairs is None:
-            assert self._snapshot() == before, "a failed swap_in must change nothing"
             return
         assert [c for c, _ in pairs] == cpu, "swap_in must read the cpu blocks swap_out wrote"
         assert [d for _, d in pairs] == self.kv.block_ids(rid)

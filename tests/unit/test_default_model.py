@@ -108,19 +108,12 @@ def test_seed_changes_the_weights_but_not_the_tokenizer(model_dir: Path, tmp_pat
 def test_config_describes_the_tiny_llama_architecture(model_dir: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     expected = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 384,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "max_position_embeddings": 2048,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6,
+        # grouped-query attention: 6 query heads share 2 KV heads
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
+        "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "float32",
     }
     wrong = {k: config.get(k) for k, v in expected.items() if config.get(k) != v}
     assert not wrong, f"config.json fields differ from {expected}: {wrong}"

@@ -247,9 +247,7 @@ def test_cpu_default_asks_for_no_gpus(rendered):
 def test_pods_run_as_non_root(rendered):
     for docs in rendered.values():
         (rs,) = _by_kind(docs, "RayService")
-        cluster = rs["spec"]["rayClusterConfig"]
-        pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-        for pod in pods:
+        for pod in _pods(rs):
             assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
             assert pod["spec"]["securityContext"]["runAsUser"] != 0
 
@@ -258,9 +256,7 @@ def test_every_ray_pod_has_a_metrics_folder_and_the_app_serves_it(rendered):
     """Each pod's processes write into one folder, which the node's exporter serves."""
     for docs in rendered.values():
         (rs,) = _by_kind(docs, "RayService")
-        cluster = rs["spec"]["rayClusterConfig"]
-        pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-        for pod in pods:
+        for pod in _pods(rs):
             (container,) = pod["spec"]["containers"]
             env = {e["name"]: e.get("value") for e in container["env"]}
             mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -293,10 +289,14 @@ def test_serve_config_is_a_valid_ray_serve_config_for_the_tandem_app(rendered):
         assert cluster.decode_resources.bundle()["tandem_decode"] == 1, case
 
 
-def _containers(rs: dict) -> list[dict]:
+def _pods(rs: dict) -> list[dict]:
+    """The RayService's pod templates: the head's, then each worker group's."""
     cluster = rs["spec"]["rayClusterConfig"]
-    return [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
-        g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+    return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+
+
+def _containers(rs: dict) -> list[dict]:
+    return [pod["spec"]["containers"][0] for pod in _pods(rs)]
 
 
 def test_every_ray_container_runs_the_ingress_the_app_asks_for(chart, rendered):
@@ -330,10 +330,7 @@ def test_api_key_comes_from_a_secret_never_from_the_config(rendered, gpu_values)
     config = yaml.safe_load(rs["spec"]["serveConfigV2"])
     env_var = config["applications"][0]["args"]["router"]["api_key_env"]
     assert env_var == "TANDEM_API_KEY"
-    cluster = rs["spec"]["rayClusterConfig"]
-    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
-        g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
-    for c in containers:
+    for c in _containers(rs):
         (entry,) = [e for e in c["env"] if e["name"] == env_var]
         assert entry["valueFrom"]["secretKeyRef"]["name"] == gpu_values["apiKey"]["existingSecret"]
     (default_rs,) = _by_kind(rendered["default"], "RayService")
@@ -343,9 +340,8 @@ def test_api_key_comes_from_a_secret_never_from_the_config(rendered, gpu_values)
 def test_services_expose_http_grpc_and_metrics_and_select_the_ray_pods(rendered):
     docs = rendered["default"]
     (rs,) = _by_kind(docs, "RayService")
-    cluster = rs["spec"]["rayClusterConfig"]
-    head_labels = cluster["headGroupSpec"]["template"]["metadata"]["labels"]
-    pod_labels = [head_labels] + [g["template"]["metadata"]["labels"] for g in cluster["workerGroupSpecs"]]
+    pod_labels = [pod["metadata"]["labels"] for pod in _pods(rs)]
+    head_labels = pod_labels[0]
     for suffix, port in (("-http", 8000), ("-grpc", 9000)):
         svc = _service(docs, suffix)
         assert [p["port"] for p in svc["spec"]["ports"]] == [port]

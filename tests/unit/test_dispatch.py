@@ -7,6 +7,7 @@ import asyncio
 from engine.messages import DecodeLoad, PrefillLoad
 from engine.sampling_params import SamplingParams
 from router.dispatch import DispatchConfig, Dispatcher, WorkerRef
+from tests.helpers import PATIENCE_S, async_wait_for
 
 
 class _Method:
@@ -75,8 +76,8 @@ def test_a_request_cancelled_while_its_blocks_are_being_reserved_is_aborted_on_e
         task.cancel()  # the client left while the decode worker was reserving
         decode.release_reserve.set()  # the reservation still lands on the worker
         await asyncio.gather(task, return_exceptions=True)
-        for _ in range(50):  # the aborts are fire-and-forget
-            await asyncio.sleep(0.01)
+        # the aborts are fire-and-forget
+        await _until(lambda: decode.aborted and prefill.aborted, "the aborts to reach both workers")
         dispatcher.close()
         return decode, prefill
 
@@ -120,8 +121,9 @@ class _StreamingMethod:
 class _FakeColocated:
     """A colocated worker whose step messages the test writes by hand."""
 
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, alive: bool = True) -> None:
         self.worker_id = worker_id
+        self.alive = alive  # whether the cluster lists it
         self.messages: asyncio.Queue = asyncio.Queue()
         self.subscribers: list[str] = []
         self.submitted: list[str] = []
@@ -160,25 +162,35 @@ def _colocated_dispatcher(*workers: _FakeColocated, **config) -> Dispatcher:
 
 
 async def _collect(dispatcher: Dispatcher, rid: str, out: dict) -> None:
-    out[rid] = [d async for d in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), rid)]
+    """Read request ``rid``'s stream into ``out[rid]``, delta by delta as they arrive."""
+    deltas = out.setdefault(rid, [])
+    async for d in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), rid):
+        deltas.append(d)
 
 
-async def _until(cond, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
+def _tokens_received(out: dict, rid: str) -> int:
+    return sum(len(d.token_ids) for d in out.get(rid, ()))
+
+
+async def _until(cond, what: str) -> None:
+    await async_wait_for(cond, PATIENCE_S, what)
+
+
+async def _started(dispatcher: Dispatcher, worker: _FakeColocated, rid: str = "r0") -> tuple[asyncio.Task, dict]:
+    """Request ``rid`` read in a task, once ``worker`` has it; its deltas gather in the dict."""
+    out: dict = {}
+    task = asyncio.create_task(_collect(dispatcher, rid, out))
+    await _until(lambda: worker.submitted == [rid], f"{rid} to reach {worker.worker_id}")
+    return task, out
 
 
 def test_one_step_message_reaches_every_request_it_carries_over_one_stream():
     async def main():
         worker = _FakeColocated("decode-0")
-        worker.alive = True
         dispatcher = _colocated_dispatcher(worker)
         out: dict = {}
         tasks = [asyncio.create_task(_collect(dispatcher, f"r{i}", out)) for i in range(3)]
-        await _until(lambda: len(worker.submitted) == 3)
+        await _until(lambda: len(worker.submitted) == 3, "the 3 requests to reach the worker")
         worker.step(("r0", [5], "a", False), ("r1", [6], "b", False), ("r2", [7], "c", True))
         worker.step(("r0", [8, 9], "de", True), ("r1", [10], "f", True))
         await asyncio.gather(*tasks)
@@ -192,20 +204,23 @@ def test_one_step_message_reaches_every_request_it_carries_over_one_stream():
     assert [d.finished for d in out["r2"]] == [True], "r2 finished in the first step"
 
 
-def test_a_worker_dying_before_any_token_reruns_the_request_elsewhere():
+async def _dies_and_the_request_moves(dispatcher: Dispatcher, doomed: _FakeColocated, spare: _FakeColocated) -> None:
+    """``doomed`` dies as ``spare`` joins; request r0 moves to the spare."""
     from ray.exceptions import RayActorError
 
+    doomed.alive, spare.alive = False, True
+    await dispatcher.refresh_loads()
+    doomed.messages.put_nowait(RayActorError())
+    await _until(lambda: spare.submitted == ["r0"], "the request to move to the spare")
+
+
+def test_a_worker_dying_before_any_token_reruns_the_request_elsewhere():
     async def main():
-        doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1")
-        doomed.alive, spare.alive = True, False  # the spare joins after the death
+        # the spare joins after the death
+        doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1", alive=False)
         dispatcher = _colocated_dispatcher(doomed, spare)
-        out: dict = {}
-        task = asyncio.create_task(_collect(dispatcher, "r0", out))
-        await _until(lambda: doomed.submitted == ["r0"])
-        doomed.alive, spare.alive = False, True
-        await dispatcher.refresh_loads()
-        doomed.messages.put_nowait(RayActorError())
-        await _until(lambda: spare.submitted == ["r0"])
+        task, out = await _started(dispatcher, doomed)
+        await _dies_and_the_request_moves(dispatcher, doomed, spare)
         spare.step(("r0", [4, 5], "ok", True))
         await task
         dispatcher.close()
@@ -216,23 +231,14 @@ def test_a_worker_dying_before_any_token_reruns_the_request_elsewhere():
 
 
 def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
-    from ray.exceptions import RayActorError
-
     async def main():
-        doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1")
-        doomed.alive, spare.alive = True, False
+        doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1", alive=False)
         dispatcher = _colocated_dispatcher(doomed, spare)
-        out: dict = {}
-        task = asyncio.create_task(_collect(dispatcher, "r0", out))
-        await _until(lambda: doomed.submitted == ["r0"])
+        task, out = await _started(dispatcher, doomed)
         doomed.step(("r0", [4], "x", False))
         doomed.step(("r0", [5, 6], "yz", False))
-        await _until(doomed.messages.empty)
-        await asyncio.sleep(0.05)
-        doomed.alive, spare.alive = False, True
-        await dispatcher.refresh_loads()
-        doomed.messages.put_nowait(RayActorError())
-        await _until(lambda: spare.submitted == ["r0"])
+        await _until(lambda: _tokens_received(out, "r0") == 3, "the 3 tokens to reach the request")
+        await _dies_and_the_request_moves(dispatcher, doomed, spare)
         spare.step(("r0", [7], "!", True))
         await task
         dispatcher.close()
@@ -251,11 +257,8 @@ def test_a_stream_that_outlives_max_migrations_ends_with_an_error():
 
     async def main():
         worker = _FakeColocated("decode-0")
-        worker.alive = True
         dispatcher = _colocated_dispatcher(worker, max_migrations=0)
-        out: dict = {}
-        task = asyncio.create_task(_collect(dispatcher, "r0", out))
-        await _until(lambda: worker.submitted == ["r0"])
+        task, out = await _started(dispatcher, worker)
         worker.step(("r0", [4], "x", False))
         worker.messages.put_nowait(RayActorError())
         await task
@@ -271,17 +274,13 @@ def test_a_stream_that_outlives_max_migrations_ends_with_an_error():
 def test_abort_ends_the_stream_with_abort_and_frees_the_request_on_the_worker():
     async def main():
         worker = _FakeColocated("decode-0")
-        worker.alive = True
         dispatcher = _colocated_dispatcher(worker)
-        out: dict = {}
-        task = asyncio.create_task(_collect(dispatcher, "r0", out))
-        await _until(lambda: worker.submitted == ["r0"])
+        task, out = await _started(dispatcher, worker)
         worker.step(("r0", [4], "x", False))
-        await _until(worker.messages.empty)
-        await asyncio.sleep(0.05)  # the token reaches the request before the abort
+        await _until(lambda: _tokens_received(out, "r0") == 1, "the token to reach the request before the abort")
         assert dispatcher.abort("r0")
         await task
-        await _until(lambda: worker.aborted == ["r0"])
+        await _until(lambda: worker.aborted == ["r0"], "the abort to reach the worker")
         dispatcher.close()
         return out
 

@@ -256,7 +256,7 @@ def test_half_precision_engine_runs_in_that_dtype_and_matches_hf_first_tokens(tm
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.conftest import build_hf_checkpoint
+    from tests.helpers import build_hf_checkpoint
 
     ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, seed=11)
     llm = LLM(model=str(ckpt), dtype=dtype, num_kv_blocks=32)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import build_hf_checkpoint
+from tests.helpers import build_hf_checkpoint
 
 NUM_REQUESTS = 32
 # Large enough that attention, not the last token's embedding, decides the outputs.

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.loader import load_model
-from tests.conftest import build_hf_checkpoint
+from tests.helpers import build_hf_checkpoint
 
 SMALL = dict(num_hidden_layers=1)
 

@@ -35,7 +35,7 @@ from engine.attention import (  # noqa: E402
 )
 from engine.config import EngineConfig  # noqa: E402
 from engine.triton_attention import TritonAttention  # noqa: E402
-from tests.conftest import build_hf_checkpoint  # noqa: E402
+from tests.helpers import build_hf_checkpoint  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # fp32 is exact up to summation order; fp16/bf16 round the output (and on a GPU the

@@ -1,0 +1,245 @@
+"""What the test packages share, as plain functions; the fixtures built on them are in
+``tests/conftest.py``.
+
+Waiting: a test never sleeps a fixed time and then looks. It polls for the condition
+with ``wait_for`` (or ``async_wait_for``), whose default deadline is generous, since a
+loaded 2-CPU machine is slow, not broken, and whose failure names what it waited for.
+A leak or a hang never comes, so a long deadline costs only the time a failure takes to
+show. Bounds on behaviour (how many, how fast when fast is the point) stay as the tests
+state them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+PATIENCE_S = 60.0  # the default deadline of every wait
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+# -- waiting ---------------------------------------------------------------------------
+
+
+def _describe(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str | Callable[[], str],
+             every_s: float = 0.05) -> float:
+    """Poll ``predicate()`` until it is true; the seconds that took.
+
+    Fails after ``timeout_s`` saying it waited for ``what`` (a string, or a function
+    giving one, called at the failure so that it can show the last state seen).
+    """
+    t0 = time.monotonic()
+    while not predicate():
+        waited = time.monotonic() - t0
+        assert waited < timeout_s, f"waited {waited:.1f}s for {_describe(what)}"
+        time.sleep(every_s)
+    return time.monotonic() - t0
+
+
+async def async_wait_for(predicate: Callable[[], object], timeout_s: float, what: str | Callable[[], str],
+                         every_s: float = 0.01) -> float:
+    """``wait_for`` inside an event loop: ``predicate()`` may return an awaitable."""
+    t0 = time.monotonic()
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return time.monotonic() - t0
+        waited = time.monotonic() - t0
+        assert waited < timeout_s, f"waited {waited:.1f}s for {_describe(what)}"
+        await asyncio.sleep(every_s)
+
+
+def assert_blocks_freed(service, within_s: float = PATIENCE_S) -> float:
+    """Wait until every worker of ``service`` holds no KV blocks; returns the wait."""
+    in_use: dict[str, int] = {}
+
+    def freed() -> bool:
+        in_use.update(service.blocks_in_use())
+        return all(v == 0 for v in in_use.values())
+
+    return wait_for(freed, within_s, lambda: f"every worker to hold no KV blocks (last seen: {in_use})")
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight HF model of the given family, with the default tokenizer.
+
+    Biases and norm weights are random too: transformers starts them at 0 and 1, the
+    values a loader that dropped them would also leave.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True, **common))
+    else:
+        raise ValueError(arch)
+    _randomise_biases_and_norms(model)
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def _randomise_biases_and_norms(model) -> None:
+    import torch
+
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+            elif name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+
+
+# -- a local Ray and a live service ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_ray(tandem_home: Path, metrics_dir: str, num_cpus: int = 2) -> Iterator:
+    """A local Ray with ``num_cpus`` CPUs and no dashboard, shut down on exit whatever happens.
+
+    Its processes find the test's ``TANDEM_HOME`` and write their Prometheus metrics
+    into ``metrics_dir`` (the driver's own environment points there already: see the
+    ``metrics_dir`` fixture).
+    """
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    env = {"TANDEM_HOME": str(tandem_home), "OMP_NUM_THREADS": "1", "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def free_port() -> int:
+    """A port free now, outside the ephemeral range (see ``cluster.service.SPARE_PORTS``):
+    the service binds it tens of seconds later, after its workers opened connections."""
+    from cluster.service import free_ports
+
+    return free_ports("127.0.0.1", 1)[0]
+
+
+@contextlib.contextmanager
+def running_service(
+    model: str,
+    router=None,
+    prefill_workers: int = 1,
+    num_kv_blocks: int = 512,
+    decode_workers: int = 1,
+    ingress: str | None = None,
+    **cluster,
+):
+    """The whole service (workers, controller, Serve app) on free ports; shut down on exit.
+
+    ``cluster`` overrides topology settings (``transfer``, ``restart_workers``, ...).
+    ``ingress``: Serve's ingress (cluster/ingress.py); by default ``$TANDEM_TEST_INGRESS``,
+    else the service's default, so the same tests run on either.
+    """
+    from cluster.config import ClusterConfig
+    from cluster.service import ServiceConfig, TandemService, free_ports
+    from router.server import RouterConfig
+
+    settings = {
+        "model": model,
+        "prefill_workers": prefill_workers,
+        "decode_workers": decode_workers,
+        "transfer": {"backend": "object_store"},
+        "engine": {"num_kv_blocks": num_kv_blocks},
+        "restart_workers": False,
+        **cluster,
+    }
+    ingress = ingress or os.environ.get("TANDEM_TEST_INGRESS") or ServiceConfig.ingress
+    http_port, grpc_port = free_ports("127.0.0.1", 2)
+    cfg = ServiceConfig(
+        cluster=ClusterConfig.from_dict(settings),
+        router=router or RouterConfig(),
+        http_port=http_port,
+        grpc_port=grpc_port,
+        ingress=ingress,
+    )
+    svc = TandemService(cfg).start()
+    try:
+        yield svc
+    finally:
+        svc.shutdown()
+
+
+def model_name(model_dir: str) -> str:
+    """The name the service answers to: the model folder's name."""
+    return Path(model_dir).name
+
+
+# -- metrics -----------------------------------------------------------------------------
+
+
+def scrape(metrics_dir: str) -> dict[tuple, float]:
+    """The node's merged metrics, as the scrape endpoint serves them: (name, labels) -> value."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=metrics_dir)
+    out: dict[tuple, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "pid"))
+            out[(sample.name, labels)] = out.get((sample.name, labels), 0.0) + sample.value
+    return out
+
+
+def metric_sum(samples: dict[tuple, float], name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+# -- reports -----------------------------------------------------------------------------
+
+
+def tally(cases: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """(test, outcome) -> count, grouped by test."""
+    by_test: dict[str, dict[str, int]] = {}
+    for (test, outcome), n in sorted(cases.items()):
+        by_test.setdefault(test, {})[outcome] = n
+    return by_test
+
+
+def write_report(tmp_path_factory, filename: str, figures: dict) -> Path:
+    """Write a module's figures as JSON into the session's temp folder; the file's path."""
+    path = Path(tmp_path_factory.getbasetemp()) / filename
+    path.write_text(json.dumps(figures, indent=1))
+    return path
