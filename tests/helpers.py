@@ -62,6 +62,20 @@ async def async_wait_for(predicate: Callable[[], object], timeout_s: float, what
         await asyncio.sleep(every_s)
 
 
+def tokens_generated(service) -> int:
+    """Output tokens the decode workers of ``service`` have sampled so far."""
+    return sum(s["generation_tokens"] for wid, s in service.stats().items() if wid.startswith("decode"))
+
+
+def assert_stopped_early(service, generated_before: int, max_tokens: int) -> None:
+    """The one request since ``generated_before`` was stopped, not run to ``max_tokens``:
+    what a deadline on freeing its blocks would otherwise have to tell apart."""
+    generated = tokens_generated(service) - generated_before
+    assert generated < max_tokens, (
+        f"{generated} tokens were generated: the request ran to its max_tokens={max_tokens} instead of being stopped"
+    )
+
+
 def assert_blocks_freed(service, within_s: float = PATIENCE_S) -> float:
     """Wait until every worker of ``service`` holds no KV blocks; returns the wait."""
     in_use: dict[str, int] = {}

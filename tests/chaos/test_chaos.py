@@ -32,7 +32,7 @@ import pytest
 import ray
 
 from kv_transfer.nixl import unavailable_reason
-from tests.helpers import running_service
+from tests.helpers import PATIENCE_S, async_wait_for, running_service
 
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
@@ -191,11 +191,9 @@ def _workers(svc) -> tuple[list, list]:
     return ray.get(svc.controller.workers.remote())
 
 
-async def _until(predicate, timeout_s: float = 60.0, every_s: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "the condition for the fault never came"
-        await asyncio.sleep(every_s)
+async def _until(predicate, what: str) -> None:
+    """Poll the async ``predicate`` (every 20 ms) until it holds."""
+    await async_wait_for(predicate, PATIENCE_S, what, every_s=0.02)
 
 
 async def _kill(handle) -> None:
@@ -250,7 +248,7 @@ def test_prefill_worker_killed_mid_chunked_prefill(service, tiny_model, workload
             load = await victim.handle.load.remote()
             return progress["finished"] >= 5 and load.running_chunks > 0 and load.queued_prefill_tokens > CHUNK_BUDGET
 
-        await _until(prefilling)
+        await _until(prefilling, "a prefill worker mid chunked prefill, after 5 requests")
         await _kill(victim.handle)
 
     outcomes = asyncio.run(_load(service.http_url, _model_name(tiny_model), workload, chaos))
@@ -269,7 +267,7 @@ def test_decode_worker_killed_mid_stream(service, tiny_model, workload, metrics_
             load = await victim.handle.load.remote()
             return progress["finished"] >= 5 and load.running >= 2
 
-        await _until(streaming)
+        await _until(streaming, "a decode worker streaming 2 requests, after 5 requests")
         await _kill(victim.handle)
 
     outcomes = asyncio.run(_load(service.http_url, _model_name(tiny_model), workload, chaos))
@@ -286,7 +284,7 @@ def test_router_replica_restarted(service, tiny_model, workload):
         async def under_way():
             return progress["finished"] >= 10
 
-        await _until(under_way)
+        await _until(under_way, "10 requests finished")
         replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Router" in a["name"]]
         assert replicas, "no router replica found"
         for a in replicas:
@@ -328,7 +326,7 @@ async def _kill_mid_transfer(svc, progress, role: str) -> str:
             victim = next((w for w, load in zip(decode, loads) if load.waiting_for_kv > 0), None)
         return victim is not None
 
-    await _until(transferring)
+    await _until(transferring, f"a {role} with a transfer in flight, after 5 requests")
     await _kill(victim.handle)
     return victim.worker_id
 
@@ -353,7 +351,7 @@ def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload,
         after = {w.worker_id: w.key for w in _workers(svc)[side == "receiver"]}
         return after.get(killed[0], before[killed[0]]) != before[killed[0]]
 
-    asyncio.run(_until(replaced))
+    asyncio.run(_until(replaced, f"the killed {side} to be replaced"))
     if side == "sender":  # its cut transfer ended on the decode side: recomputed there
         assert _transfer_failures(svc) > failures_before, "the cut transfer should have been counted"
     # A dead sender loses nothing; a dead receiver's streams move to the other decode worker.

@@ -15,6 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.pools import TandemCluster
 from engine import LLM, SamplingParams
 from kv_transfer.nixl import unavailable_reason
+from tests.helpers import assert_blocks_freed
 
 NUM_REQUESTS = 32
 
@@ -71,11 +72,6 @@ def _run_all(cluster, prompts, lengths, timeout=120):
     return asyncio.run(main())
 
 
-def _assert_no_blocks_in_use(cluster):
-    in_use = cluster.blocks_in_use()
-    assert all(v == 0 for v in in_use.values()), f"blocks still in use: {in_use}"
-
-
 @pytest.mark.parametrize(
     "backend,prefill,decode",
     [
@@ -104,7 +100,7 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
         if prefill == 2:
             busy = [s["prompt_tokens"] > 0 for w, s in stats.items()]
             assert all(busy), f"every worker should have taken requests: {stats.keys()} {busy}"
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -126,7 +122,7 @@ def test_prefill_prefix_cache_hits_are_counted(ray_cluster, tiny_model):
         assert all(c >= 96 for c in cached), f"each request's usage should report the shared prefix: {cached}"
         load = asyncio.run(_load(cluster.prefill_refs()[0]))
         assert load.prefix_cache_hits >= 11 * 96, f"expected >= {11 * 96} hit tokens, got {load}"
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -143,7 +139,7 @@ def test_injected_transfer_failure_recomputes_same_tokens(ray_cluster, tiny_mode
         assert [r[0] for r in results] == want[:8], "recompute after a failed transfer must give the same tokens"
         decode_stats = cluster.stats()["decode-0"]
         assert decode_stats["transfer"]["failures"].get("injected", 0) == 8, decode_stats["transfer"]
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -157,7 +153,7 @@ def test_injected_transfer_failure_under_fail_policy_is_a_clear_error(ray_cluste
             assert finish == "error" and errors, f"expected a clear error, got {finish} {errors}"
             assert "transfer failed" in errors[0], errors
             assert tokens == [], "a failed request must not stream tokens"
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -170,7 +166,7 @@ def test_transfer_slower_than_deadline_falls_back_to_recompute(ray_cluster, tiny
         assert [r[0] for r in results] == want[:4]
         failures = cluster.stats()["decode-0"]["transfer"]["failures"]
         assert failures.get("timeout", 0) >= 4, failures
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -213,7 +209,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
         assert cluster.dispatcher.num_migrations >= 3, "the streams on the dead worker should have moved"
         replaced = cluster.check_health()
         assert replaced == ["decode-0"], replaced
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -225,7 +221,7 @@ def test_colocated_workers_match_single_engine(ray_cluster, tiny_model, referenc
         results = _run_all(cluster, prompts, lengths)
         assert [r[0] for r in results] == want, "colocated workers must give the single engine's tokens"
         assert set(cluster.stats()) == {"colocated-0", "colocated-1"}
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -264,7 +260,7 @@ def test_injected_transfer_failures_reach_the_metrics(ray_cluster, tiny_model, r
         _run_all(cluster, prompts[:3], lengths[:3])
         after = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")
         assert after - before == 3, f"3 dropped transfers, counter moved by {after - before}"
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
 
@@ -285,6 +281,6 @@ def test_stream_interval_sends_fewer_messages_with_the_same_tokens(ray_cluster, 
         got = asyncio.run(deltas(prompts[i], lengths[i]))
         assert [t for d in got for t in d.token_ids] == want[i]
         assert len(got) < lengths[i] / 2, f"{len(got)} messages for {lengths[i]} tokens"
-        _assert_no_blocks_in_use(cluster)
+        assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()

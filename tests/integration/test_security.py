@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from protos.tandem.v1 import generate_pb2 as pb
 from router.server import RouterConfig
+from tests.helpers import PATIENCE_S, wait_for
 
 API_KEY = "sec-" + uuid.uuid4().hex
 MAX_BODY = 16 * 1024
@@ -224,12 +225,16 @@ def _files_holding(needles: list[bytes]) -> dict[str, list[str]]:
     return found
 
 
-def test_prompts_and_outputs_are_not_logged(http, stub, caplog, capfd):
-    import time
+def _router_access_lines() -> int:
+    """How many times the router replicas' logs name /v1/completions."""
+    return sum(p.read_bytes().count(b"/v1/completions") for p in _log_files() if "Router" in p.name)
 
+
+def test_prompts_and_outputs_are_not_logged(http, stub, caplog, capfd):
     import ray
 
     caplog.set_level(logging.DEBUG)
+    access_lines_before = _router_access_lines()
     marker = f"PROMPT-MARKER-{uuid.uuid4().hex}"
     auth = bearer(API_KEY)
     outputs = []
@@ -272,16 +277,14 @@ def test_prompts_and_outputs_are_not_logged(http, stub, caplog, capfd):
 
     ray.get(log_it.remote(control))
     needles = [marker.encode()] + [o.encode() for o in outputs if len(o) >= 24]
-    deadline = time.monotonic() + 15
-    while not _files_holding([control.encode()]):
-        assert time.monotonic() < deadline, "the control line never reached the Ray logs: wrong folder?"
-        time.sleep(0.5)
-    time.sleep(1.0)  # the router's and workers' lines of the requests above are older still
+    # Scan once the logs have caught up: they hold the control line, written last, and
+    # the router's own access lines for the two completions above (its log is scanned too).
+    wait_for(
+        lambda: _files_holding([control.encode()]) and _router_access_lines() >= access_lines_before + 2,
+        PATIENCE_S, "the control line and the router's access lines in the Ray logs (none: wrong folder?)", every_s=0.5,
+    )
     found = _files_holding(needles)
     assert not found, f"prompt or output text found in logs: {found}"
-    # the router's own log is among those scanned, with its access lines
-    router_logs = [p for p in _log_files() if "Router" in p.name]
-    assert any(b"/v1/completions" in p.read_bytes() for p in router_logs), [p.name for p in router_logs]
     assert marker not in caplog.text
     out, err = capfd.readouterr()
     assert marker not in out and marker not in err

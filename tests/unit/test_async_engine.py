@@ -8,6 +8,8 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.request import RequestStatus
+from tests.helpers import PATIENCE_S, async_wait_for
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +47,21 @@ def test_leaving_a_stream_early_aborts_the_request(engine):
     runtime = AsyncEngine(engine)
 
     async def main():
-        async for out in runtime.generate([7] * 20, _params(200), "early"):
+        # Far more tokens than the abort takes to arrive: a request that ended by length
+        # would have run on after its reader left.
+        async for _ in runtime.generate([7] * 20, _params(1000), "early"):
+            request = await runtime.call(engine.scheduler.requests.get, "early")
             break  # the consumer goes away after the first delta
-        await asyncio.sleep(0.05)
+        await async_wait_for(lambda: runtime.call(lambda: request.is_finished), PATIENCE_S,
+                             "the abandoned request to end")
+        return request, await runtime.call(lambda: "early" in engine.scheduler.requests)
 
-    asyncio.run(main())
+    request, still_there = asyncio.run(main())
     runtime.shutdown()
-    assert "early" not in engine.scheduler.requests, "an abandoned stream must abort its request"
+    assert request.status == RequestStatus.FINISHED_ABORTED, (
+        f"an abandoned stream must abort its request; it ended {request.status.name}"
+    )
+    assert not still_there, "an aborted request must leave the scheduler"
     assert engine.stats().num_blocks_in_use == 0
 
 
@@ -68,7 +78,7 @@ def test_a_failing_step_ends_every_stream_with_the_error(engine, monkeypatch):
             pass
 
     with pytest.raises(RuntimeError, match="injected step failure"):
-        asyncio.run(asyncio.wait_for(main(), 10))
+        asyncio.run(asyncio.wait_for(main(), PATIENCE_S))  # a guard against a hang, not a bound
     runtime.shutdown()
     monkeypatch.undo()
     assert not engine.scheduler.requests and engine.stats().num_blocks_in_use == 0
