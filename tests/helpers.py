@@ -21,8 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
+
 PATIENCE_S = 60.0  # the default deadline of every wait
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+ON_CI = os.environ.get("CI", "").lower() == "true"
+PROMETHEUS_SOURCE = "Debian's prometheus package, which ships promtool too; scripts/test installs it"
 
 
 # -- waiting ---------------------------------------------------------------------------
@@ -85,6 +89,23 @@ def assert_blocks_freed(service, within_s: float = PATIENCE_S) -> float:
         return all(v == 0 for v in in_use.values())
 
     return wait_for(freed, within_s, lambda: f"every worker to hold no KV blocks (last seen: {in_use})")
+
+
+# -- programs the tests run --------------------------------------------------------------
+
+
+def require_tool(name: str, source: str, *, allow_module_level: bool = False) -> None:
+    """Skip unless the program ``name`` (from ``source``) is on PATH; under ``CI=true`` fail.
+
+    CI installs every program the tests use (scripts/test), so there a missing one is a
+    broken setup that a quiet skip would let pass.
+    """
+    if shutil.which(name) is not None:
+        return
+    message = f"{name} is not installed ({source})"
+    if ON_CI:
+        pytest.fail(f"CI=true: {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=allow_module_level)
 
 
 # -- checkpoints -------------------------------------------------------------------------

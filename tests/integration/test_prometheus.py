@@ -11,7 +11,6 @@ import asyncio
 import json
 import math
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -20,17 +19,24 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import PATIENCE_S, assert_blocks_freed, free_port, running_service, wait_for
+from tests.helpers import (
+    ON_CI,
+    PATIENCE_S,
+    PROMETHEUS_SOURCE,
+    assert_blocks_freed,
+    free_port,
+    require_tool,
+    running_service,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "tandem-dashboard.json"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
 THRESHOLD = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*[0-9.eE+-]+\s*$")
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None,
-    reason="Debian's prometheus is not installed (scripts/test installs it with apt-get where it can)",
-)
+if not ON_CI:  # skip before the fixtures start Ray; under CI=true the fixture fails instead
+    require_tool("prometheus", PROMETHEUS_SOURCE, allow_module_level=True)
 
 
 def dashboard_queries() -> list[str]:
@@ -58,6 +64,7 @@ def alert_rules() -> list[dict]:
 @pytest.fixture(scope="module")
 def prometheus(ray_cluster, tmp_path_factory):
     """The node's scrape endpoint, and a Prometheus scraping it every second."""
+    require_tool("prometheus", PROMETHEUS_SOURCE)
     from cluster.metrics_server import start_metrics_server
 
     metrics_port, web_port = free_port(), free_port()

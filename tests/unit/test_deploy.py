@@ -24,6 +24,8 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.helpers import PROMETHEUS_SOURCE, require_tool
+
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk (the test extra)")
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="the test extra")
 
@@ -531,11 +533,9 @@ def test_alert_rules_use_only_specified_metrics_and_end_in_a_threshold():
 
 
 def test_alert_rules_pass_promtool():
-    import shutil
     import subprocess
 
-    if shutil.which("promtool") is None:
-        pytest.skip("promtool (Debian's prometheus package) is not installed")
+    require_tool("promtool", PROMETHEUS_SOURCE)
     out = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
