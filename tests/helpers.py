@@ -228,14 +228,33 @@ def running_service(
     )
     svc = TandemService(cfg).start()
     try:
+        wait_for(lambda: answers_health_checks(svc), PATIENCE_S,
+                 "the service to answer /health and the gRPC health check on new connections", every_s=0.5)
         yield svc
     finally:
         svc.shutdown()
 
 
-def model_name(model_dir: str) -> str:
-    """The name the service answers to: the model folder's name."""
-    return Path(model_dir).name
+def answers_health_checks(svc) -> bool:
+    """Whether ``svc`` answers GET /health and grpc.health.v1 Check, each on a new connection.
+
+    The service is started once Serve calls the app ready, but the ingress may still be
+    taking the router replica in (HAProxy reloads its configuration then): a connection
+    made in that moment can wait on a server without the backend.
+    """
+    import grpc
+    import httpx
+
+    from protos.grpc.health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        if httpx.get(f"{svc.http_url}/health", timeout=5).status_code != 200:
+            return False
+        with grpc.insecure_channel(svc.grpc_target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except (httpx.HTTPError, grpc.RpcError):
+        return False
 
 
 # -- metrics -----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _request(prompt="hello world", n=8, **sampling) -> pb.GenerateRequest:
 
 def test_standard_health_check_says_serving(channel):
     health = health_pb2_grpc.HealthStub(channel)
-    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=60)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
