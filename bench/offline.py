@@ -73,6 +73,9 @@ def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
             gen = model.generate(
                 ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, pad_token_id=0,
+                # min_new_tokens only masks EOS; with no EOS at all every row runs to
+                # ``new`` tokens the way the engine's ignore_eos does.
+                eos_token_id=None,
             )
             for row, n in zip(gen[:, width:].tolist(), lens):
                 token_ids.append(row[:n])

@@ -18,6 +18,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+# What transformers' Auto classes read when config.json lists no architectures.
+MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,10 +57,12 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            arch = MODEL_TYPES.get(cfg.get("model_type"))
         if arch is None:
             raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)} (or model_type {sorted(MODEL_TYPES)})"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
