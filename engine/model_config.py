@@ -1,4 +1,5 @@
-"""What the engine needs to know about a checkpoint, read from its ``config.json``.
+"""What the engine needs to know about a checkpoint, read from its ``config.json``
+(or a GGUF file's metadata, through ``engine.gguf_checkpoint``).
 
 Supports the Llama / Qwen2 / Mistral family of Hugging Face checkpoints. Anything
 else is refused with an error that names the architecture.
@@ -48,6 +49,11 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read ``model_dir/config.json``, or the metadata of a ``.gguf`` file."""
+        from engine.gguf_checkpoint import is_gguf, open_gguf
+
+        if is_gguf(model_dir):
+            return cls.from_dict(open_gguf(model_dir).config_dict())
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
