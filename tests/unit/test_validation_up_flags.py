@@ -21,7 +21,7 @@ def test_flags_set_the_topology():
 
 def test_no_flags_give_the_default_topology():
     cfg = config_of()
-    assert (cfg.model, cfg.prefill_workers, cfg.decode_workers) == (None, 1, 1)
+    assert (cfg.model, cfg.prefill_workers, cfg.decode_workers) == ("smollm2-135m-instruct", 1, 1)
 
 
 def test_flags_refine_a_topology_file(tmp_path):
@@ -41,3 +41,12 @@ def test_bad_topology_is_an_error_naming_the_setting():
         config_of("--decode-workers", "0")
     with pytest.raises(SystemExit):
         config_of("--kv-transfer-backend", "carrier-pigeon")
+
+
+def test_a_topology_file_without_a_model_serves_the_default_and_one_with_a_model_keeps_it(tmp_path):
+    path = tmp_path / "topology.yaml"
+    path.write_text("decode_workers: 2\n")
+    assert config_of("--config", str(path)).model == "smollm2-135m-instruct"
+    path.write_text("model: tandem-tiny-llama\n")
+    assert config_of("--config", str(path)).model == "tandem-tiny-llama"
+    assert config_of("--config", str(path), "--model", "/m/x.gguf").model == "/m/x.gguf"
