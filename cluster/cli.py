@@ -90,9 +90,13 @@ def _cluster_config(args: argparse.Namespace):
             if key in overrides and isinstance(data.get(key), dict):
                 overrides[key] = {**data[key], **overrides[key]}
     data.update({k: v for k, v in overrides.items() if v is not None})
-    if data.get("model") is None:
-        data["model"] = DEFAULT_SERVE_MODEL
     return ClusterConfig.from_dict(data)
+
+
+def _serving_default(cluster):
+    """``tandem up`` serves a real chat model when neither flag nor file names one (the
+    library's and the benchmarks' default stays tandem-tiny-llama)."""
+    return cluster if cluster.model is not None else cluster.replace(model=DEFAULT_SERVE_MODEL)
 
 
 def _ingress(args: argparse.Namespace) -> str:
@@ -139,7 +143,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from router.dispatch import DispatchConfig
     from router.server import RouterConfig
 
-    cluster = _cluster_config(args)
+    cluster = _serving_default(_cluster_config(args))
     # Here, before any worker starts: a first pull shows its progress on this terminal,
     # and a failing one ends the command with its message instead of failing workers.
     resolve_model(cluster.model)

@@ -21,7 +21,7 @@ def test_flags_set_the_topology():
 
 def test_no_flags_give_the_default_topology():
     cfg = config_of()
-    assert (cfg.model, cfg.prefill_workers, cfg.decode_workers) == ("smollm2-135m-instruct", 1, 1)
+    assert (cfg.model, cfg.prefill_workers, cfg.decode_workers) == (None, 1, 1)
 
 
 def test_flags_refine_a_topology_file(tmp_path):
@@ -43,10 +43,13 @@ def test_bad_topology_is_an_error_naming_the_setting():
         config_of("--kv-transfer-backend", "carrier-pigeon")
 
 
-def test_a_topology_file_without_a_model_serves_the_default_and_one_with_a_model_keeps_it(tmp_path):
+def test_up_serves_smollm2_unless_a_flag_or_the_topology_file_names_a_model(tmp_path):
+    from cluster.cli import _serving_default
+
     path = tmp_path / "topology.yaml"
     path.write_text("decode_workers: 2\n")
-    assert config_of("--config", str(path)).model == "smollm2-135m-instruct"
+    assert _serving_default(config_of("--config", str(path))).model == "smollm2-135m-instruct"
+    assert _serving_default(config_of()).model == "smollm2-135m-instruct"
     path.write_text("model: tandem-tiny-llama\n")
-    assert config_of("--config", str(path)).model == "tandem-tiny-llama"
-    assert config_of("--config", str(path), "--model", "/m/x.gguf").model == "/m/x.gguf"
+    assert _serving_default(config_of("--config", str(path))).model == "tandem-tiny-llama"
+    assert _serving_default(config_of("--config", str(path), "--model", "/m/x.gguf")).model == "/m/x.gguf"
