@@ -98,3 +98,8 @@ def test_the_smollm2_pin_names_the_wheel_of_its_package_and_version():
     spec = registry.NAMED_MODELS["smollm2-135m-instruct"]
     assert spec.wheel == f"{spec.package.replace('-', '_')}-{spec.version}-py3-none-any.whl"
     assert len(spec.sha256) == 64 and spec.member.endswith(".gguf")
+
+
+def test_no_model_means_the_built_in_tiny_model_so_tests_and_benchmarks_never_fetch(default_model):
+    assert resolve_model(None) == registry.ResolvedModel(str(default_model), "tandem-tiny-llama")
+    assert resolve_model("tandem-tiny-llama") == resolve_model(None)
