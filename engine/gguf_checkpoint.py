@@ -149,11 +149,10 @@ class GGUFFile:
                 f"GGUF file {self.path.name}: rope frequency factors (tensor rope_freqs.weight, "
                 "llama3-style rope scaling) are not supported"
             )
-        tokens = self._reader.fields["tokenizer.ggml.tokens"].data
         cfg = {
             "architectures": [GGUF_ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
-            "vocab_size": self._arch("vocab_size") or len(tokens),
+            "vocab_size": self._arch("vocab_size") or self._embedding_rows(),
             "hidden_size": hidden,
             "intermediate_size": self._arch("feed_forward_length"),
             "num_hidden_layers": self._arch("block_count"),
@@ -169,6 +168,13 @@ class GGUFFile:
         }
         cfg.update(self._rope_scaling())
         return cfg
+
+    def _embedding_rows(self) -> int:
+        # Older files have no <arch>.vocab_size; GGUF shapes list the fastest dimension first.
+        embedding = next((t for t in self._reader.tensors if t.name == "token_embd.weight"), None)
+        if embedding is None:
+            raise ValueError(f"GGUF file {self.path.name}: no vocab_size and no token_embd.weight")
+        return int(embedding.shape[-1])
 
     def _rope_scaling(self) -> dict[str, Any]:
         kind = self._arch("rope.scaling.type", "none")
@@ -204,6 +210,8 @@ class GGUFFile:
     def tokenizer_parts(self) -> dict[str, Any]:
         """The tokenizer and what ``engine.tokenizer.Tokenizer`` needs besides it."""
         tokens = self._get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError(f"GGUF file {self.path.name} carries no tokenizer (tokenizer.ggml.tokens)")
         types = self._get("tokenizer.ggml.token_type") or [1] * len(tokens)
 
         def token(key: str) -> str | None:
