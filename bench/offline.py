@@ -8,11 +8,18 @@ same number of useful tokens. Measured in one run:
 * ``hf_static``: transformers ``generate`` in static batches (left padding); a batch
   runs until its longest request is done, and only requested tokens count;
 * ``hf_continuous``: transformers' own continuous batching (``init_continuous_batching``), when installed and asked for;
-* ``schedule_us``: the mean cost of one ``Scheduler.schedule()`` with N requests running.
+* ``schedule_us``: the mean cost of one ``Scheduler.schedule()`` with N requests running;
+* ``decode`` (``--decode-batches 1,8,32,64``): the engine's decode step time at each batch
+  size against this machine's roofline for that step -- the larger of the bytes it must
+  read (weights, plus the KV of the batch) over the memory bandwidth and its FLOPs over
+  the fp32 GEMM rate, both measured in the same run -- and against transformers' static
+  ``generate`` step at the same batch.
 
-Writes JSON with the throughputs and their ratios.
+Writes JSON with the throughputs and their ratios. ``--model`` takes a named model
+(``smollm2-135m-instruct``), a checkpoint directory or a ``.gguf`` file.
 
     tandem bench offline [--num-requests 256] [--out bench-results/offline.json]
+    tandem bench offline --model smollm2-135m-instruct --decode-batches 1,8,32,64 --skip-throughput
 """
 
 from __future__ import annotations
@@ -56,10 +63,20 @@ def run_tandem(model_dir: str, prompts, outputs, **engine_kwargs) -> dict:
     }
 
 
-def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
+def hf_model(model_dir: str):
+    """transformers' model for a checkpoint directory or a .gguf file, in float32."""
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    path = Path(model_dir)
+    if path.suffix.lower() == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
+    model = hf_model(model_dir)
     useful = 0
     token_ids = []
     t0 = time.perf_counter()
@@ -73,6 +90,9 @@ def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
             gen = model.generate(
                 ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                 do_sample=False, pad_token_id=0,
+                # min_new_tokens only masks EOS; with no EOS at all every row runs to
+                # ``new`` tokens the way the engine's ignore_eos does.
+                eos_token_id=None,
             )
             for row, n in zip(gen[:, width:].tolist(), lens):
                 token_ids.append(row[:n])
@@ -89,9 +109,9 @@ def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
 
 def run_hf_continuous(model_dir: str, prompts, outputs) -> dict:
     """transformers' own continuous batching: one manager, per-request output lengths."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_model(model_dir)
     cfg = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=cfg)
     manager.start()
@@ -142,10 +162,11 @@ def time_schedule(num_running: int, iters: int = 200) -> dict:
     return {"num_running": num_running, "iters": iters, "mean_us": total / iters * 1e6}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tandem bench offline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
+    ap.add_argument("--model", default=None,
+                    help="a named model, checkpoint directory or .gguf file (default: tandem-tiny-llama)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
@@ -153,26 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-continuous", action="store_true", help="also time transformers' continuous batching")
+    ap.add_argument("--skip-throughput", action="store_true", help="only the decode step table")
+    ap.add_argument("--decode-batches", default="", help="e.g. 1,8,32,64: decode step time vs roofline and HF")
+    ap.add_argument("--decode-context", type=int, default=128, help="prompt tokens per request in the table")
+    ap.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="bench-results/offline.json")
-    args = ap.parse_args(argv)
+    return ap
 
-    from engine.default_model import ensure_default_model
-    from engine.model_config import ModelConfig
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_dir = args.model or str(ensure_default_model())
-    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+def _throughput(args: argparse.Namespace, model_dir: str, vocab: int, result: dict) -> None:
     prompts, outputs = make_workload(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed)
-    result: dict = {
-        "workload": {
-            "num_requests": args.num_requests, "prompt_len": args.prompt_len,
-            "output_len": args.output_len, "seed": args.seed, "model": model_dir,
-        },
-        "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads()},
-    }
     print(f"tandem: {args.num_requests} requests ...", flush=True)
     tandem = run_tandem(model_dir, prompts, outputs)
     print(f"  {tandem['output_tokens_per_s']:.0f} output tok/s in {tandem['seconds']:.1f} s", flush=True)
@@ -193,8 +205,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {hfc['output_tokens_per_s']:.0f} output tok/s; ratio {result['ratio_vs_hf_continuous']:.2f}x")
     tandem.pop("token_ids")
     result["tandem"] = tandem
-    result["schedule"] = time_schedule(256)
-    print(f"schedule() with 256 running: {result['schedule']['mean_us']:.0f} us")
+
+
+def _decode(args: argparse.Namespace, model_dir: str, result: dict) -> None:
+    from bench.roofline import decode_table
+
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    print(f"decode steps at batch {batches}, context {args.decode_context} ...", flush=True)
+    table = decode_table(model_dir, batches, args.decode_context, args.decode_steps,
+                         None if args.skip_hf else hf_model(model_dir))  # fmt: skip
+    print(f"  memory bandwidth {table['memory_bandwidth_gb_s']} GB/s, fp32 GEMM {table['gemm_gflop_s']} GFLOP/s, "
+          f"weights {table['weight_bytes'] / 1e6:.0f} MB")
+    for r in table["rows"]:
+        hf = f", HF {r['hf_step_ms']} ms ({r['speedup_vs_hf']}x)" if "hf_step_ms" in r else ""
+        print(f"  batch {r['batch']:3d}: {r['step_ms']} ms, roofline {r['roofline_ms']} ms ({r['bound']}), "
+              f"{r['step_over_roofline']}x the roofline{hf}")
+    result["decode"] = table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    from engine.model_config import ModelConfig
+    from engine.model_registry import resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model).path
+    result: dict = {
+        "workload": {
+            "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, "seed": args.seed, "model": model_dir,
+        },
+        "machine": {"platform": platform.platform(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads()},
+    }
+    if not args.skip_throughput:
+        _throughput(args, model_dir, ModelConfig.from_pretrained(model_dir).vocab_size, result)
+        result["schedule"] = time_schedule(256)
+        print(f"schedule() with 256 running: {result['schedule']['mean_us']:.0f} us")
+    if args.decode_batches:
+        _decode(args, model_dir, result)
     write_result(args.out, result)
     return 0
 

@@ -1,5 +1,5 @@
-"""The ``tandem`` command: serve (``up``), query a server (``request``), make the default
-model, generate offline, run benchmarks."""
+"""The ``tandem`` command: serve (``up``), query a server (``request``), fetch a named
+model (``pull``), make the built-in test model, generate offline, run benchmarks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 
 from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress, describe
+from engine.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
 from kv_transfer import BACKENDS
+
+MODEL_HELP = (
+    f"a named model ({', '.join(model_names())}), a Hugging Face checkpoint directory or a "
+    f".gguf file (default: {DEFAULT_SERVE_MODEL}, fetched on first use)"
+)
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -16,6 +22,13 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
     path = make_model(args.dir, seed=args.seed)
     print(f"wrote {path}")
+    return 0
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from engine.model_registry import pull
+
+    print(pull(args.name))
     return 0
 
 
@@ -80,6 +93,12 @@ def _cluster_config(args: argparse.Namespace):
     return ClusterConfig.from_dict(data)
 
 
+def _serving_default(cluster):
+    """``tandem up`` serves a real chat model when neither flag nor file names one (the
+    library's and the benchmarks' default stays tandem-tiny-llama)."""
+    return cluster if cluster.model is not None else cluster.replace(model=DEFAULT_SERVE_MODEL)
+
+
 def _ingress(args: argparse.Namespace) -> str:
     """``--ingress``, else the topology file's ``ingress``, else the default (HAProxy)."""
     if args.ingress:
@@ -111,6 +130,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import threading
 
     from cluster.metrics_server import ENV, start_metrics_server, use_multiprocess_dir
+    from engine.model_registry import resolve_model
 
     # Before anything imports prometheus-client: every process on this node writes there.
     home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
@@ -123,7 +143,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from router.dispatch import DispatchConfig
     from router.server import RouterConfig
 
-    cluster = _cluster_config(args)
+    cluster = _serving_default(_cluster_config(args))
+    # Here, before any worker starts: a first pull shows its progress on this terminal,
+    # and a failing one ends the command with its message instead of failing workers.
+    resolve_model(cluster.model)
     config = ServiceConfig(
         cluster=cluster,
         router=RouterConfig(
@@ -227,14 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    mm = sub.add_parser("make-model", help="write the deterministic default checkpoint to DIR")
+    mm = sub.add_parser("make-model", help="write the built-in test model (tandem-tiny-llama) to DIR")
     mm.add_argument("dir")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
+    pull = sub.add_parser("pull", help="fetch a named model into $TANDEM_HOME and print its path")
+    pull.add_argument("name", choices=sorted(NAMED_MODELS))
+    pull.set_defaults(func=_cmd_pull)
+
     gen = sub.add_parser("generate", help="generate a completion offline")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
+    gen.add_argument("--model", default=DEFAULT_SERVE_MODEL, help=MODEL_HELP)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -246,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
     up.add_argument("--config", help="topology YAML (see cluster/config.py); flags override it")
-    up.add_argument("--model", default=None, help="HF checkpoint dir (default: built-in model)")
+    up.add_argument("--model", default=None, help=MODEL_HELP)
     up.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
     up.add_argument("--decode-workers", type=int, default=None)
     up.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS,
@@ -291,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, ModelFetchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -2,7 +2,8 @@
 
 Example YAML::
 
-    model: /models/llama-3-8b        # omit for the built-in default model
+    model: /models/llama-3-8b        # or a .gguf file, or a name (engine/model_registry.py);
+                                     # omitted: tandem-tiny-llama (`tandem up`: smollm2-135m-instruct)
     prefill_workers: 2
     decode_workers: 2                # prefill_workers: 0 runs colocated workers
     prefill_resources: {num_cpus: 1, num_gpus: 1}

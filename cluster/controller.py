@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 from cluster.config import ClusterConfig
 from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
 
 logger = logging.getLogger(__name__)
-
-def served_model_name(model: str | None) -> str:
-    """The name clients use: the model directory's name, or the default model's."""
-    from engine.default_model import DEFAULT_MODEL_NAME
-
-    return Path(model).resolve().name if model else DEFAULT_MODEL_NAME
 
 
 class ClusterController:
@@ -65,16 +58,16 @@ class ClusterController:
         return self._exporters.addresses() if self._exporters is not None else []
 
     def _read_model_info(self) -> dict:
-        from engine.default_model import ensure_default_model
         from engine.model_config import ModelConfig
+        from engine.model_registry import resolve_model
 
         engine = self.config.engine_config("decode")
-        model_dir = self.config.model or str(ensure_default_model())
-        mc = ModelConfig.from_pretrained(model_dir)
+        model = resolve_model(self.config.model)
+        mc = ModelConfig.from_pretrained(model.path)
         stats = self.cluster.stats().values()
         return {
-            "name": served_model_name(self.config.model),
-            "model_dir": str(model_dir),
+            "name": model.name,
+            "model_dir": model.path,
             "max_model_len": min(engine.max_model_len or mc.max_model_len, mc.max_model_len),
             "vocab_size": mc.vocab_size,
             "block_size": engine.block_size,

@@ -38,7 +38,7 @@ __all__ = [
     "train_tokenizer",
 ]
 
-DEFAULT_MODEL_NAME = "tandem-tiny-llama"
+DEFAULT_MODEL_NAME = "tandem-tiny-llama"  # engine.model_registry spells it too
 
 # Bump whenever make_model's output changes, so an old cached build under
 # $TANDEM_HOME is never mistaken for the current one.

@@ -24,10 +24,11 @@ import torch
 from engine.attention import create_attention_backend
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.gguf_checkpoint import is_gguf, open_gguf
 from engine.kv_cache import KVCache, bytes_per_block
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import ModelConfig
+from engine.model_registry import resolve_model
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
@@ -124,15 +125,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
-        self.model_dir = config.model or str(ensure_default_model())
-        # The name the API serves it under: the checkpoint folder's name.
-        self.model_name = Path(self.model_dir).resolve().name if config.model else DEFAULT_MODEL_NAME
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        resolved = resolve_model(config.model)
+        self.model_dir = resolved.path  # a checkpoint directory or a .gguf file
+        self.model_name = resolved.name  # the name the API serves it under
+        # A GGUF file is opened once: reading its metadata takes seconds.
+        source = open_gguf(self.model_dir) if is_gguf(self.model_dir) else self.model_dir
+        self.model_config = ModelConfig.from_pretrained(source)
+        self.tokenizer = Tokenizer.from_pretrained(source)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
         dtype = resolve_dtype(config.dtype)
         device = torch.device(config.device)
-        self.model = load_model(self.model_dir, dtype, device)
+        self.model = load_model(source, dtype, device)
         per_block = bytes_per_block(self.model_config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         num_cpu_blocks = config.swap_space // per_block

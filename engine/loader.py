@@ -1,7 +1,9 @@
 """Loads a Hugging Face checkpoint directory into a ``DecoderModel``.
 
 One loader for every model, the built-in default one included: ``config.json``, then
-``model.safetensors`` or the shards named by ``model.safetensors.index.json``.
+``model.safetensors`` or the shards named by ``model.safetensors.index.json``; or a
+single ``.gguf`` file, whose tensors ``engine.gguf_checkpoint`` dequantizes and names
+as Hugging Face does.
 Separate q/k/v and gate/up weights are fused into the model's single projections.
 A checkpoint tensor the model does not use is an error, not something to skip: a
 weight silently left out (a bias, a norm) still gives a model that runs, only wrongly.
@@ -16,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.gguf_checkpoint import GGUFFile, is_gguf, open_gguf
 from engine.model import DecoderModel
 from engine.model_config import DTYPES, ModelConfig
 
@@ -61,15 +64,24 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    model_dir: str | Path | GGUFFile,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
 ) -> DecoderModel:
-    """Build the model from ``model_dir`` with weights in ``dtype`` on ``device``."""
-    model_dir = Path(model_dir)
+    """Build the model from ``model_dir`` (or a ``.gguf`` file, by path or already open)
+    with weights in ``dtype`` on ``device``."""
+    if is_gguf(model_dir):
+        model_dir = open_gguf(model_dir)
+    else:
+        model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = DecoderModel(config)
-    raw = _read_tensors(model_dir)
+    if is_gguf(model_dir):
+        raw = open_gguf(model_dir).tensors(dtype, config.num_heads, config.num_kv_heads)
+    else:
+        raw = _read_tensors(model_dir)
 
     used: set[str] = set()
 

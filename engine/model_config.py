@@ -1,4 +1,5 @@
-"""What the engine needs to know about a checkpoint, read from its ``config.json``.
+"""What the engine needs to know about a checkpoint, read from its ``config.json``
+(or a GGUF file's metadata, through ``engine.gguf_checkpoint``).
 
 Supports the Llama / Qwen2 / Mistral family of Hugging Face checkpoints. Anything
 else is refused with an error that names the architecture.
@@ -18,6 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+# What transformers' Auto classes read when config.json lists no architectures.
+MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,6 +49,11 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        """Read ``model_dir/config.json``, or the metadata of a ``.gguf`` file."""
+        from engine.gguf_checkpoint import is_gguf, open_gguf
+
+        if is_gguf(model_dir):
+            return cls.from_dict(open_gguf(model_dir).config_dict())
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
@@ -55,10 +63,12 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs:
+            arch = MODEL_TYPES.get(cfg.get("model_type"))
         if arch is None:
             raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: "
+                f"{sorted(SUPPORTED_ARCHITECTURES)} (or model_type {sorted(MODEL_TYPES)})"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]

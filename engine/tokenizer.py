@@ -5,7 +5,7 @@ This module owns everything the engine needs to know about tokenization:
 * :class:`Tokenizer` -- a thin wrapper over the Rust ``tokenizers`` library that
   loads a Hugging Face style model directory (``tokenizer.json`` plus the
   optional ``tokenizer_config.json``, ``generation_config.json`` and
-  ``config.json``), and renders chat templates with a sandboxed Jinja
+  ``config.json``) or a GGUF file's tokenizer metadata, and renders chat templates with a sandboxed Jinja
   environment configured the way ``transformers`` configures it.
 * :class:`IncrementalDetokenizer` -- turns a growing stream of generated token
   ids into text deltas suitable for streaming, handling multi-byte characters
@@ -176,10 +176,15 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load the tokenizer of the Hugging Face style model in ``model_dir``.
+        """Load the tokenizer of the Hugging Face style model in ``model_dir``, or the
+        one a ``.gguf`` file describes in its metadata.
 
         Raises FileNotFoundError if ``model_dir/tokenizer.json`` is missing.
         """
+        from engine.gguf_checkpoint import is_gguf, open_gguf
+
+        if is_gguf(model_dir):
+            return cls(**open_gguf(model_dir).tokenizer_parts())
         model_dir = Path(model_dir)
         tokenizer_path = model_dir / "tokenizer.json"
         if not tokenizer_path.is_file():

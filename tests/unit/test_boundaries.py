@@ -31,3 +31,10 @@ def test_pure_parts_import_no_torch_ray_or_network_library(module):
     loaded = _loaded_after([module])
     heavy = sorted(m for m in ("torch", "ray", "grpc", "fastapi", "httpx") if m in loaded)
     assert not heavy, f"{module} must stay pure, but importing it loaded {heavy}"
+
+
+def test_reading_gguf_metadata_and_resolving_model_names_load_no_torch():
+    # The router builds its tokenizer from a GGUF file's metadata and may resolve names.
+    loaded = _loaded_after(["engine.tokenizer", "engine.gguf_checkpoint", "engine.model_registry"])
+    heavy = sorted(m for m in ("torch", "transformers") if m in loaded)
+    assert not heavy, f"GGUF metadata and model names must not need {heavy}"

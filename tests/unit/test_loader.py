@@ -92,3 +92,26 @@ def test_biases_and_norm_weights_are_loaded_as_saved(tmp_path, default_model, ar
     for what, (got, want) in expected.items():
         assert want.unique().numel() > 1, f"the checkpoint's {what} should be random, not constant"
         assert torch.equal(got, want), f"{what}: the model should hold the checkpoint's values"
+
+
+def test_a_config_without_architectures_falls_back_on_model_type_as_transformers_does(tmp_path, default_model):
+    import json
+
+    from engine.model_config import ModelConfig
+
+    ckpt = build_hf_checkpoint(tmp_path, "qwen2", default_model, **SMALL)
+    path = ckpt / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["architectures"]
+    path.write_text(json.dumps(cfg))
+    assert ModelConfig.from_pretrained(ckpt).architecture == "Qwen2ForCausalLM"
+    assert load_model(ckpt).config.qkv_bias, "model_type qwen2 should give the Qwen2 layout (q/k/v bias)"
+
+
+def test_an_unsupported_architecture_is_refused_naming_it():
+    from engine.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match="'gpt2'"):
+        ModelConfig.from_dict({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "llama"})

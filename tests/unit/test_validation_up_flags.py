@@ -41,3 +41,15 @@ def test_bad_topology_is_an_error_naming_the_setting():
         config_of("--decode-workers", "0")
     with pytest.raises(SystemExit):
         config_of("--kv-transfer-backend", "carrier-pigeon")
+
+
+def test_up_serves_smollm2_unless_a_flag_or_the_topology_file_names_a_model(tmp_path):
+    from cluster.cli import _serving_default
+
+    path = tmp_path / "topology.yaml"
+    path.write_text("decode_workers: 2\n")
+    assert _serving_default(config_of("--config", str(path))).model == "smollm2-135m-instruct"
+    assert _serving_default(config_of()).model == "smollm2-135m-instruct"
+    path.write_text("model: tandem-tiny-llama\n")
+    assert _serving_default(config_of("--config", str(path))).model == "tandem-tiny-llama"
+    assert _serving_default(config_of("--config", str(path), "--model", "/m/x.gguf")).model == "/m/x.gguf"

@@ -1,0 +1,66 @@
+"""``tandem bench offline``'s decode step table: roofline arithmetic and one small run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.roofline import roofline_s, step_cost
+from engine.model_config import ModelConfig
+
+CFG = ModelConfig.from_dict({
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+})  # fmt: skip
+
+
+def test_a_step_reads_the_weights_once_and_each_requests_kv_and_does_two_flops_per_weight():
+    one, four = step_cost(CFG, 1, 10, weight_bytes=1_000_000), step_cost(CFG, 4, 10, weight_bytes=1_000_000)
+    kv_per_request = 10 * 2 * (2 * 16) * 2 * 4  # context x (K, V) x kv dim x layers x fp32
+    assert one["bytes"] == 1_000_000 + kv_per_request
+    assert four["bytes"] == 1_000_000 + 4 * kv_per_request
+    matmul = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    assert one["flops"] == 2 * matmul + 2 * 2 * 10 * 64 * 2
+    assert four["flops"] == 4 * one["flops"]
+
+
+def test_the_roofline_is_the_slower_of_memory_and_compute():
+    assert roofline_s({"bytes": 100, "flops": 10}, bandwidth=10, flops=10) == (10.0, "memory")
+    assert roofline_s({"bytes": 10, "flops": 100}, bandwidth=10, flops=10) == (10.0, "compute")
+
+
+def test_the_decode_table_runs_against_transformers_on_a_small_model(tmp_path, default_model):
+    from bench.offline import main
+
+    out = tmp_path / "offline.json"
+    argv = ["--model", str(default_model), "--skip-throughput", "--decode-batches", "1,2", "--decode-steps", "2",
+            "--decode-context", "16", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    table = json.loads(out.read_text())["decode"]
+    assert [r["batch"] for r in table["rows"]] == [1, 2]
+    assert table["memory_bandwidth_gb_s"] > 0 and table["gemm_gflop_s"] > 0
+    for row in table["rows"]:
+        assert row["step_ms"] > 0 and row["hf_step_ms"] > 0 and row["roofline_ms"] > 0, row
+        assert row["bound"] in ("memory", "compute")
+        # The table's ms are rounded to 0.01; the ratios are of the unrounded times.
+        assert row["step_over_roofline"] == pytest.approx(row["step_ms"] / row["roofline_ms"], rel=0.02), row
+        assert row["speedup_vs_hf"] == pytest.approx(row["hf_step_ms"] / row["step_ms"], rel=0.02), row
+
+
+def test_the_hf_reference_emits_the_eos_token_as_the_engine_does_under_ignore_eos(tmp_path, default_model):
+    # generate(min_new_tokens=n) would mask EOS, so a reference that picks EOS mid-output
+    # would differ from the engine's ignore_eos output from there on.
+    from bench.offline import run_hf_static, run_tandem
+    from tests.helpers import build_hf_checkpoint
+
+    ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, seed=4, initializer_range=0.2)
+    prompts, outputs = [[5, 6, 7, 8, 9]], [10]
+    engine_ids = run_tandem(str(ckpt), prompts, outputs, num_kv_blocks=64)["token_ids"]
+    eos = engine_ids[0][3]
+    for name in ("config.json", "generation_config.json"):
+        path = ckpt / name
+        cfg = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**cfg, "eos_token_id": eos}))
+    assert run_tandem(str(ckpt), prompts, outputs, num_kv_blocks=64)["token_ids"] == engine_ids
+    assert run_hf_static(str(ckpt), prompts, outputs, batch_size=1)["token_ids"] == engine_ids
