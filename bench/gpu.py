@@ -9,7 +9,9 @@
   backend (gather + SDPA) gives the speedup.
 * ``engine``: output tokens/s of ``LLM.generate`` on a random-weight Llama of about
   0.35B parameters (hidden 1024, 24 layers, 16 heads over 8 KV heads, intermediate
-  2816, vocab 32000) in bf16, on the triton and on the torch backend.
+  2816, vocab 32000) in bf16, on the triton and on the torch backend. The warm-up
+  (Triton's first compiles) runs on other prompts, and prefix caching is off, so the
+  timed run computes every prompt token.
 
     python -m bench.gpu [--out gpu-check.json] [--skip-engine]
 """
@@ -175,22 +177,35 @@ def build_llama_05b(out_dir: Path, dtype: torch.dtype) -> Path:
     return out_dir
 
 
+def engine_settings(backend: str, num_requests: int) -> dict:
+    """The benchmarked engine: prefix caching off, so the warm-up cannot shorten the run."""
+    return dict(
+        device="cuda", dtype="bfloat16", attention_backend=backend, kv_cache_memory=16 << 30,
+        max_num_seqs=num_requests, enable_prefix_caching=False,
+    )  # fmt: skip
+
+
+def bench_prompts(
+    num_requests: int, prompt_len: int, vocab: int, warmup_requests: int = 16
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(warm-up prompts, timed prompts), drawn apart: the timed run computes every token."""
+    rng = random.Random(0)
+    timed = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
+    warmup = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(warmup_requests)]
+    return warmup, timed
+
+
 def bench_engine(
     model_dir: Path, backend: str, num_requests: int, prompt_len: int, output_len: int
 ) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(
-        model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,
-        kv_cache_memory=16 << 30, max_num_seqs=num_requests,
-    )  # fmt: skip
-    rng = random.Random(0)
-    vocab = LLAMA_05B["vocab_size"]
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_requests)]
+    llm = LLM(model=str(model_dir), **engine_settings(backend, num_requests))
+    warmup, prompts = bench_prompts(num_requests, prompt_len, LLAMA_05B["vocab_size"])
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     # Warm-up: Triton compiles a kernel per specialization (split or not, strides divisible
     # by 16 or not), which a few steps over growing contexts all meet.
-    llm.generate(prompts[:16], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    llm.generate(warmup, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)

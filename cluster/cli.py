@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 elsewhere")
     gen.add_argument("--num-kv-blocks", type=int, default=None)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)

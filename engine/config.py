@@ -21,7 +21,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere (engine.loader.resolve_dtype)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None

@@ -133,9 +133,13 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(source)
         self.tokenizer = Tokenizer.from_pretrained(source)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
-        dtype = resolve_dtype(config.dtype)
         device = torch.device(config.device)
+<<<<<<< HEAD
         self.model = load_model(source, dtype, device)
+=======
+        dtype = resolve_dtype(config.dtype, device)
+        self.model = load_model(self.model_dir, dtype, device)
+>>>>>>> gpu
         per_block = bytes_per_block(self.model_config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         num_cpu_blocks = config.swap_space // per_block

@@ -35,11 +35,19 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _TIED_HEAD = "lm_head.weight"
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """The weights' and KV cache's dtype for the ``dtype`` setting on ``device``.
+
+    ``auto`` is bfloat16 on CUDA (fp32 spills the Triton prefill kernel's registers at
+    head_dim 128 and its ieee dot products forgo tensor cores) and float32 elsewhere
+    (CPU matmuls in bf16 are slow, and float32 is what the parity tests compare).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
 
 

@@ -33,7 +33,10 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin tables indexed by position (rotate-half layout, as in HF)."""
+    """Precomputed cos/sin tables indexed by position (rotate-half layout, as in HF).
+
+    ``at`` looks a step's rows up once; every layer then applies the same pair.
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -44,10 +47,14 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ([T, 1, D], in ``dtype``) of the step's positions."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,13 +74,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, attn: StepAttention):
+    def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
+        q, k = apply_rotary(q, k, rope)
         out = attn(q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -101,8 +108,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, attn: StepAttention):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, attn)
+    def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,8 +140,9 @@ class DecoderModel(nn.Module):
         ``attn`` is the step's attention, bound to its metadata by the model runner.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, k_caches[i], v_caches[i], attn)
+            x = layer(x, rope, k_caches[i], v_caches[i], attn)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

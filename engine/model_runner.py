@@ -58,11 +58,14 @@ class ModelRunner:
         )
         input_ids, positions, layout, sample_rows = self._prepare(items)
         attn = StepAttention(self.attention, self.attention.build_metadata(layout))
+        # The sampled rows' index is copied before the forward is queued: a pageable copy
+        # made after it would hold the host until the whole forward had run.
+        rows_idx = self._to_device([row for row, _ in sample_rows])
         hidden = self.model(input_ids, positions, self.kv.k, self.kv.v, attn)
         if not sample_rows:
             return RunnerOutput()
-        rows_idx, reqs = zip(*sample_rows)
-        logits = self.model.logits(hidden[torch.tensor(rows_idx, device=self.device)])
+        reqs = [req for _, req in sample_rows]
+        logits = self.model.logits(hidden[rows_idx])
         ids, logprobs = sample(
             logits,
             [
@@ -84,7 +87,6 @@ class ModelRunner:
 
     def _prepare(self, items: list[ScheduledRequest]):
         bs = self.block_size
-        dev = self.device
         token_ids: list[int] = []
         positions: list[int] = []
         layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
@@ -107,9 +109,11 @@ class ModelRunner:
                 layout.chunks.append(ChunkLayout(row0, n, start, table))
             if item.sample:
                 sample_rows.append((row0 + n - 1, item.request))
-        return (
-            torch.tensor(token_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            layout,
-            sample_rows,
-        )
+        return self._to_device(token_ids), self._to_device(positions), layout, sample_rows
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 on the runner's device; on CUDA through pinned memory, without blocking."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

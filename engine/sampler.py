@@ -47,12 +47,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
         if not p.needs_penalties:
             continue
         x = logits[i]
+        # Ids and counts are built on the logits' device: CUDA refuses a CPU operand.
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long)
+            seen = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
+            seen = torch.tensor(seen, dtype=torch.long, device=x.device)
             vals = x[seen]
             x[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=x.numel())
+            out = torch.tensor(row.output_token_ids, dtype=torch.long, device=x.device)
+            counts = torch.zeros_like(x).index_add_(0, out, torch.ones_like(out, dtype=x.dtype))
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 

@@ -290,6 +290,28 @@ class TritonMetadata:
     prefill_query_start: torch.Tensor  # [num_prefills + 1] int32: the chunks' rows
     prefill_context_start: torch.Tensor  # [num_prefills] int32: tokens cached before each chunk
     max_chunk_len: int
+    # Split-K partials, made by the first layer's decode and reused by the rest (one
+    # stream runs the layers in order, so a layer's reduce has read them before the
+    # next layer's decode writes).
+    split_buffers: "SplitBuffers | None" = None
+
+
+@dataclass(frozen=True)
+class SplitBuffers:
+    """Partial outputs, max logits and exp sums of the decode partitions ([B, Hq, P(, D)])."""
+
+    out: torch.Tensor
+    max: torch.Tensor
+    sum: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, partitions: int, head_dim: int, device) -> "SplitBuffers":
+        shape = (batch, heads, partitions)
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(*shape, head_dim, **f32), torch.empty(shape, **f32), torch.empty(shape, **f32))
+
+    def fits(self, batch: int, heads: int, partitions: int, head_dim: int, device) -> bool:
+        return self.out.shape == (batch, heads, partitions, head_dim) and self.out.device == torch.device(device)
 
 
 def _pow2(n: int) -> int:
@@ -344,19 +366,22 @@ def decode_attention(
     max_context_len: int,
     scale: float,
     partition_size: int,
-) -> None:
-    """One query row per request (q, out: [B, Hq, D]); split-K once a context passes a partition."""
+    buffers: SplitBuffers | None = None,
+) -> SplitBuffers | None:
+    """One query row per request (q, out: [B, Hq, D]); split-K once a context passes a partition.
+
+    Returns the split buffers it used (``buffers`` when they fit), for the next layer.
+    """
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     partitions = -(-max_context_len // partition_size)
     split = partitions > 1
     if split:
-        part_out = torch.empty(
-            batch, num_heads, partitions, head_dim, dtype=torch.float32, device=q.device
-        )
-        part_max = torch.empty(batch, num_heads, partitions, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
+        shape = (batch, num_heads, partitions, head_dim, q.device)
+        if buffers is None or not buffers.fits(*shape):
+            buffers = SplitBuffers.empty(*shape)
+        part_out, part_max, part_sum = buffers.out, buffers.max, buffers.sum
     else:
         part_out = part_max = part_sum = out  # unused without a split
     _decode_kernel[(batch, num_kv_heads, partitions)](
@@ -374,6 +399,7 @@ def decode_attention(
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, PARTITION_SIZE=partition_size, PARTITIONS_PAD=_pow2(partitions),
         )  # fmt: skip
+    return buffers if split else None
 
 
 def prefill_attention(
@@ -476,9 +502,10 @@ class TritonAttention:
         out = torch.empty_like(q)
         if meta.num_decodes:
             n = meta.num_decodes
-            decode_attention(
+            meta.split_buffers = decode_attention(
                 q[:n], k_cache, v_cache, out[:n], meta.decode_block_tables,
                 meta.decode_context_lens, meta.max_decode_len, scale, self.partition_size,
+                meta.split_buffers,
             )  # fmt: skip
         if meta.num_prefills:
             prefill_attention(

@@ -1,9 +1,13 @@
-"""Tests that need a CUDA device: every test in this folder is marked ``gpu`` and is
-skipped, with the reason, on a machine without one.
+"""The GPU tests: every test in this folder is marked ``gpu``.
 
-Nothing here imports triton or ``engine.triton_attention`` at module level: on a CPU
-machine the unit tests run those kernels in Triton's interpreter, which must be chosen
-before the module is first imported.
+They run on CUDA at serving sizes, or, without CUDA (or with
+``TANDEM_TEST_DEVICE=cpu``), on CPU at small sizes with Triton's interpreter: see
+``tests/gpu/device.py``, imported first so that TRITON_INTERPRET is set before any test
+module imports triton. Tests that need CUDA itself (NCCL-free GPU transfers between Ray
+actors) skip on CPU, saying why.
+
+Nothing here imports ray, triton or ``engine.triton_attention`` at module level: the GPU
+image has no ray, and the kernels must be decorated after TRITON_INTERPRET is chosen.
 """
 
 from __future__ import annotations
@@ -11,18 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.gpu import device  # noqa: F401  (sets TRITON_INTERPRET on CPU)
 
 _HERE = Path(__file__).parent
-# A skipif on the test itself is evaluated before any module's own skipif, so a machine
-# without CUDA reports this reason everywhere.
-_NO_CUDA = pytest.mark.skipif(True, reason="needs CUDA (torch.cuda.is_available() is False)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    cuda = torch.cuda.is_available()
     for item in items:
         if _HERE in item.path.parents:
             item.add_marker(pytest.mark.gpu)
-            if not cuda:
-                item.add_marker(_NO_CUDA)

@@ -5,6 +5,10 @@ CPU parity suite (``tests/unit/test_hf_parity.py``, whose workloads this reuses)
 bfloat16: two correct implementations round differently, so greedy paths may part at
 a near-tie; the check is on the first token, which must be HF's argmax or a token HF
 itself scores within bf16 noise of it.
+
+On CPU (``tests/gpu/device.py``) the same tests run the kernels in Triton's interpreter
+on a smaller workload: the first requests of the CPU suite's, with short prompts and
+outputs, against HF on CPU.
 """
 
 from __future__ import annotations
@@ -14,19 +18,33 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.model_config import ModelConfig
+from tests.gpu.device import DEVICE, ON_GPU
 from tests.helpers import build_hf_checkpoint
 from tests.unit.test_hf_parity import SETTINGS, _assert_same, _workload
+
+pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
 
 # These checkpoints' logits have a std of ~0.3, their top two ~0.08 apart; bf16 rounding
 # through the layers moves a logit by a few 1e-3. A broken kernel picks tokens ~1 below.
 BF16_NEAR_TIE = 2e-2
 ARCH = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)  # head_dim 64
+# On CPU: this many requests, prompts and outputs cut to these lengths (interpreted
+# kernels run a program at a time).
+CPU_WORKLOAD = dict(requests=3, prompt_len=24, output_len=4)
+
+
+def _small(prompts: list[list[int]], lengths: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The whole workload on a GPU; its first requests, shortened, on CPU."""
+    if ON_GPU:
+        return prompts, lengths
+    n, p, o = CPU_WORKLOAD["requests"], CPU_WORKLOAD["prompt_len"], CPU_WORKLOAD["output_len"]
+    return [x[:p] for x in prompts[:n]], [min(x, o) for x in lengths[:n]]
 
 
 def _hf_model(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
 
 
 def _hf_greedy(model_dir: str, prompts, lengths) -> list[list[int]]:
@@ -34,7 +52,7 @@ def _hf_greedy(model_dir: str, prompts, lengths) -> list[list[int]]:
     outs = []
     with torch.inference_mode():
         for prompt, n in zip(prompts, lengths):
-            ids = torch.tensor([prompt], device="cuda")
+            ids = torch.tensor([prompt], device=DEVICE)
             gen = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                 do_sample=False, pad_token_id=0,
@@ -44,7 +62,11 @@ def _hf_greedy(model_dir: str, prompts, lengths) -> list[list[int]]:
 
 
 def _engine(model_dir: str, dtype: str, **settings) -> LLM:
-    llm = LLM(model=model_dir, device="cuda", dtype=dtype, attention_backend="triton", **settings)
+    if not ON_GPU:
+        # Not 1.5 GiB of CPU memory per engine for KV and swap.
+        settings.setdefault("kv_cache_memory", 16 << 20)
+        settings.setdefault("swap_space", 16 << 20)
+    llm = LLM(model=model_dir, device=DEVICE, dtype=dtype, attention_backend="triton", **settings)
     assert llm.engine.attention.name == "triton"
     return llm
 
@@ -55,7 +77,7 @@ def reference(request, tmp_path_factory, default_model):
         tmp_path_factory.mktemp(request.param), request.param, default_model, **ARCH
     )
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
-    prompts, lengths = _workload(vocab, seed=1)
+    prompts, lengths = _small(*_workload(vocab, seed=1))
     return {
         "dir": str(model_dir),
         "workload": (prompts, lengths, _hf_greedy(model_dir, prompts, lengths)),
@@ -82,7 +104,7 @@ def test_bfloat16_first_tokens_are_hf_argmax_up_to_rounding(reference):
     far = []
     with torch.inference_mode():
         for i, (prompt, token) in enumerate(zip(prompts, got)):
-            logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+            logits = model(torch.tensor([prompt], device=DEVICE)).logits[0, -1].float()
             gap = (logits.max() - logits[token]).item()
             if gap > BF16_NEAR_TIE:
                 far.append((i, token, int(logits.argmax()), round(gap, 4)))

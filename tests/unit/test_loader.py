@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import load_model
+from engine.config import EngineConfig
+from engine.loader import load_model, resolve_dtype
 from tests.helpers import build_hf_checkpoint
 
 SMALL = dict(num_hidden_layers=1)
@@ -115,3 +116,27 @@ def test_an_unsupported_architecture_is_refused_naming_it():
         ModelConfig.from_dict({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "llama"})
+
+
+@pytest.mark.parametrize(
+    "setting, device, want",
+    [
+        ("auto", "cuda", torch.bfloat16),
+        ("auto", "cuda:1", torch.bfloat16),
+        ("auto", "cpu", torch.float32),
+        ("float32", "cuda", torch.float32),
+        ("float16", "cpu", torch.float16),
+        (torch.bfloat16, "cpu", torch.bfloat16),
+    ],
+)
+def test_auto_dtype_is_bfloat16_on_cuda_and_float32_elsewhere(setting, device, want):
+    assert resolve_dtype(setting, device) == want, f"{setting!r} on {device} should be {want}"
+
+
+def test_engine_default_dtype_is_auto():
+    assert EngineConfig().dtype == "auto", "the engine should pick its dtype from the device"
+
+
+def test_unknown_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        resolve_dtype("fp8", "cpu")

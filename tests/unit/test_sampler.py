@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from engine.sampler import SampleRow, apply_penalties, apply_top_k_top_p_min_p, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -104,6 +106,32 @@ def test_presence_and_frequency_penalties_count_output_tokens_only():
     assert logits[0].tolist() == [0.0, 0.0, -2.0, -1.5, 0.0], (
         "token 2 (twice): -(1 + 2*0.5); token 3 (once): -(1 + 0.5); prompt token 4: untouched"
     )
+
+
+class _OneDevicePerOp(TorchFunctionMode):
+    """Fails an op that mixes tensors of two devices, as CUDA does (0-dim CPU scalars aside).
+
+    Mixing a ``meta`` tensor with a CPU one is allowed by torch, so without this a CPU
+    machine cannot see the mismatch a GPU raises on.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device for t in tensors if t.dim() > 0 or t.device.type != "cpu"}
+        if len(devices) > 1:
+            raise RuntimeError(f"{func.__name__} mixes devices {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+def test_penalties_are_built_on_the_logits_device():
+    logits = torch.zeros(2, 8, device="meta")
+    rows = [
+        SampleRow(SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), 0, (4,), (2, 2, 3)),
+        SampleRow(SamplingParams(repetition_penalty=1.5), 0, (1, 5), (6,)),
+    ]
+    with _OneDevicePerOp():
+        apply_penalties(logits, rows)  # raises if a count or index stays on the CPU
 
 
 def test_penalties_only_touch_rows_that_ask_for_them():

@@ -135,6 +135,27 @@ def test_decode_within_one_partition_skips_the_reduce_and_matches_torch(dtype):
     _compare(dtype, 16, 8, 2, 64, decode_lens=[3, 17, 64], chunks=[], partition_size=64)
 
 
+def test_split_k_buffers_are_made_once_per_step_and_every_layer_stays_right():
+    block_size, heads, kv_heads, head_dim = 16, 8, 2, 32
+    layout = _layout(block_size, [20, 70, 100], [], random.Random(0))
+    backend = TritonAttention(block_size, DEVICE, head_dim, partition_size=32)
+    meta = backend.build_metadata(layout)
+    ref = TorchAttention(block_size, DEVICE)
+    ref_meta = ref.build_metadata(layout)
+    gen = torch.Generator().manual_seed(0)
+    made = []
+    for layer in range(3):  # the layers of one step share the metadata
+        cache = [torch.randn(NUM_BLOCKS, block_size, kv_heads, head_dim, generator=gen) for _ in "kv"]
+        q = torch.randn(3, heads, head_dim, generator=gen)
+        k, v = (torch.randn(3, kv_heads, head_dim, generator=gen) for _ in "kv")
+        want = ref.forward(q, k, v, *(c.clone() for c in cache), ref_meta, head_dim**-0.5)
+        got = backend.forward(q, k, v, *cache, meta, head_dim**-0.5)
+        torch.testing.assert_close(got, want, **TOLERANCE[torch.float32], msg=lambda m: f"layer {layer}: {m}")
+        made.append(meta.split_buffers)
+    assert made[0] is not None, "contexts of 70 and 100 over partitions of 32 must split"
+    assert made[1] is made[0] and made[2] is made[0], "each layer made its own split-K buffers"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"block{s[0]}-gqa{s[1] // s[2]}")
 def test_prefill_chunks_fresh_mid_block_and_block_aligned_match_torch(dtype, shape):
