@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kv_transfer import BACKENDS
+from cluster.flags import add_service_flags
 from bench import workloads
 from bench.workloads import BenchRequest
 
@@ -321,19 +321,9 @@ def run_offline(engine_config, requests: Sequence[BenchRequest], concurrency: in
 
 
 def service_config(args: argparse.Namespace):
-    from bench.serve import _free_port
-    from cluster.config import ClusterConfig
     from cluster.service import ServiceConfig
 
-    topology = {"model": args.model, "prefill_workers": args.prefill_workers, "decode_workers": args.decode_workers}
-    if args.kv_transfer_backend:
-        topology["transfer"] = {"backend": args.kv_transfer_backend}
-    return ServiceConfig(
-        cluster=ClusterConfig.from_dict({k: v for k, v in topology.items() if v is not None}),
-        http_port=_free_port(),
-        grpc_port=_free_port(),
-        ingress=args.ingress,
-    )
+    return ServiceConfig.from_flags(args, free=True)
 
 
 @contextlib.contextmanager
@@ -470,19 +460,11 @@ def report_text(result: dict, offline: dict | None, label: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.ingress import DEFAULT_INGRESS, INGRESSES
-
     ap = argparse.ArgumentParser(prog="tandem bench overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running service's HTTP base URL (default: start one)")
     ap.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="with --url; default: $TANDEM_API_KEY")
-    ap.add_argument("--ingress", choices=INGRESSES, default=DEFAULT_INGRESS,
-                    help="Serve's ingress of the service it starts")
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
-    ap.add_argument("--prefill-workers", type=int, default=1, help="0: one colocated worker")
-    ap.add_argument("--decode-workers", type=int, default=1)
-    ap.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS)
-    ap.add_argument("--num-cpus", type=int, default=2, help="CPUs for the local Ray")
+    add_service_flags(ap, config_file=False, admission=False, prefill_workers=1, decode_workers=1, num_cpus=2)
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
@@ -512,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         target = _target(args, config, stack)
         result = measure(target, requests, args.concurrency, vocab)
-    label = f"ingress {args.ingress}" if not args.url else args.url
+    label = f"ingress {config.ingress}" if config else args.url
     print(report_text(result, offline, label), flush=True)
     print(f"machine load average (1 min) before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs", flush=True)

@@ -55,7 +55,7 @@ from typing import Protocol
 
 from bench import workloads
 from bench.workloads import BenchRequest
-from kv_transfer import BACKENDS
+from cluster.flags import add_service_flags
 
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -472,28 +472,10 @@ def _free_port() -> int:
 
 
 def service_config(args: argparse.Namespace):
-    """The ``ServiceConfig`` that ``tandem up`` would build from the same topology and
-    admission flags, with the ``--engine`` settings over both roles, on free ports."""
-    from cluster.cli import _cluster_config
+    """The ``ServiceConfig`` that ``tandem up`` would build from the same flags, on free ports."""
     from cluster.service import ServiceConfig
-    from router.admission import AdmissionConfig
-    from router.dispatch import DispatchConfig
-    from router.server import RouterConfig
 
-    cluster = _cluster_config(args)
-    if args.engine:
-        cluster = cluster.replace(engine={**cluster.engine, **dict(args.engine)})
-    return ServiceConfig(
-        cluster=cluster,
-        router=RouterConfig(
-            admission=AdmissionConfig(
-                max_requests=args.max_outstanding_requests, max_prompt_tokens=args.max_outstanding_prompt_tokens
-            ),
-            dispatch=DispatchConfig(placement=args.placement),
-        ),
-        http_port=_free_port(),
-        grpc_port=_free_port(),
-    )
+    return ServiceConfig.from_flags(args, free=True)
 
 
 @contextlib.contextmanager
@@ -588,16 +570,6 @@ def _slo_item(text: str) -> tuple[str, float]:
     return key, ms
 
 
-def _engine_item(text: str) -> tuple[str, object]:
-    """``key=value``, the value read as YAML: ``false`` is a bool, ``4096`` an int."""
-    import yaml
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
-
-
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -655,18 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = ap.add_argument_group("launch (start the service for the run; flags as in tandem up)")
     launch.add_argument("--launch", action="store_true", help="start Tandem in-process on free ports")
-    launch.add_argument("--config", default=None, help="topology YAML; the flags below override it")
-    launch.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
-    launch.add_argument("--decode-workers", type=int, default=None)
-    launch.add_argument("--num-kv-blocks", type=int, default=None)
-    launch.add_argument("--stream-interval-s", type=float, default=None, help="see tandem up --help")
-    launch.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS)
-    launch.add_argument("--engine", type=_engine_item, action="append", default=[], metavar="KEY=VALUE",
-                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")
-    launch.add_argument("--max-outstanding-requests", type=int, default=None, help="admission bound")
-    launch.add_argument("--max-outstanding-prompt-tokens", type=int, default=None, help="admission bound")
-    launch.add_argument("--placement", default=None, choices=["load", "round_robin"])
-    launch.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray (default: all)")
+    add_service_flags(launch, model=False)
     return ap
 
 

@@ -54,14 +54,13 @@ from bench.serve import (
     HttpClient,
     RequestResult,
     RunPlan,
-    _free_port,
     open_client,
     percentile,
     run_load,
     warm_up,
 )
 from bench.workloads import BenchRequest
-from kv_transfer import BACKENDS
+from cluster.flags import add_service_flags
 
 MB = 1 << 20
 # Ray's own processes: recorded (a leak of Ray objects shows there) but not judged.
@@ -725,22 +724,9 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
 
     import ray
 
-    from cluster.config import ClusterConfig
     from cluster.service import ServiceConfig, TandemService
 
-    settings = {
-        "model": args.model,
-        "prefill_workers": args.prefill_workers,
-        "decode_workers": args.decode_workers,
-        "transfer": {"backend": args.kv_transfer_backend},
-    }
-    if args.num_kv_blocks is not None:
-        settings["engine"] = {"num_kv_blocks": args.num_kv_blocks}
-    config = ServiceConfig(
-        cluster=ClusterConfig.from_dict({k: v for k, v in settings.items() if v is not None}),
-        http_port=_free_port(),
-        grpc_port=_free_port(),
-    )
+    config = ServiceConfig.from_flags(args, free=True)
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING",
              log_to_driver=args.worker_logs, runtime_env={"env_vars": {ENV: metrics_dir}})
     try:
@@ -1003,12 +989,8 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--out-dir", default="docs/soak", help="soak.json, soak.png, soak.md (docs/soak)")
 
     svc = ap.add_argument_group("service")
-    svc.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in model)")
-    svc.add_argument("--prefill-workers", type=int, default=1)
-    svc.add_argument("--decode-workers", type=int, default=1)
-    svc.add_argument("--kv-transfer-backend", default="collective", choices=BACKENDS)
-    svc.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
-    svc.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (2)")
+    add_service_flags(svc, config_file=False, admission=False, prefill_workers=1, decode_workers=1,
+                      kv_transfer_backend="collective", num_cpus=2)  # fmt: skip
     svc.add_argument("--worker-logs", action="store_true",
                      help="stream the Ray processes' logs here (default: only in the logs folder printed at startup)")
     return ap

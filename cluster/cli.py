@@ -7,9 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress, describe
+from cluster.flags import add_service_flags
+from cluster.ingress import describe
 from engine.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
-from kv_transfer import BACKENDS
 
 MODEL_HELP = (
     f"a named model ({', '.join(model_names())}), a Hugging Face checkpoint directory or a "
@@ -56,56 +56,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Keys of a topology file that configure the service around the pools, not the pools.
-SERVICE_KEYS = ("ingress",)
-
-
-def _topology_file(path: str) -> dict:
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a topology file must be a mapping")
-    return data
-
-
-def _cluster_config(args: argparse.Namespace):
-    from cluster.config import ClusterConfig
-
-    overrides = {
-        "model": args.model,
-        "prefill_workers": args.prefill_workers,
-        "decode_workers": args.decode_workers,
-    }
-    if args.kv_transfer_backend is not None:
-        overrides["transfer"] = {"backend": args.kv_transfer_backend}
-    if args.num_kv_blocks is not None:
-        overrides["engine"] = {"num_kv_blocks": args.num_kv_blocks}
-    if args.stream_interval_s is not None:
-        overrides["stream_interval_s"] = args.stream_interval_s
-    data = {}
-    if args.config:
-        data = {k: v for k, v in _topology_file(args.config).items() if k not in SERVICE_KEYS}
-        for key in ("transfer", "engine"):  # flags refine these sections, not replace them
-            if key in overrides and isinstance(data.get(key), dict):
-                overrides[key] = {**data[key], **overrides[key]}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return ClusterConfig.from_dict(data)
-
-
 def _serving_default(cluster):
     """``tandem up`` serves a real chat model when neither flag nor file names one (the
     library's and the benchmarks' default stays tandem-tiny-llama)."""
     return cluster if cluster.model is not None else cluster.replace(model=DEFAULT_SERVE_MODEL)
-
-
-def _ingress(args: argparse.Namespace) -> str:
-    """``--ingress``, else the topology file's ``ingress``, else the default (HAProxy)."""
-    if args.ingress:
-        return args.ingress
-    if args.config:
-        return check_ingress(_topology_file(args.config).get("ingress", DEFAULT_INGRESS))
-    return DEFAULT_INGRESS
 
 
 def _banner(service, args: argparse.Namespace) -> str:
@@ -125,6 +79,7 @@ def _banner(service, args: argparse.Namespace) -> str:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    import dataclasses
     import os
     import signal
     import threading
@@ -139,28 +94,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import ray
 
     from cluster.service import ServiceConfig, TandemService
-    from router.admission import AdmissionConfig
-    from router.dispatch import DispatchConfig
-    from router.server import RouterConfig
 
-    cluster = _serving_default(_cluster_config(args))
+    config = ServiceConfig.from_flags(args, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None)
+    config = dataclasses.replace(config, cluster=_serving_default(config.cluster))
     # Here, before any worker starts: a first pull shows its progress on this terminal,
     # and a failing one ends the command with its message instead of failing workers.
-    resolve_model(cluster.model)
-    config = ServiceConfig(
-        cluster=cluster,
-        router=RouterConfig(
-            admission=AdmissionConfig(
-                max_requests=args.max_outstanding_requests, max_prompt_tokens=args.max_outstanding_prompt_tokens
-            ),
-            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
-            dispatch=DispatchConfig(placement=args.placement),
-        ),
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        ingress=_ingress(args),
-    )
+    resolve_model(config.cluster.model)
     runtime_env = {"env_vars": {ENV: metrics_dir}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="WARNING", runtime_env=runtime_env)
@@ -272,29 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
-    up.add_argument("--config", help="topology YAML (see cluster/config.py); flags override it")
-    up.add_argument("--model", default=None, help=MODEL_HELP)
-    up.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
-    up.add_argument("--decode-workers", type=int, default=None)
-    up.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS,
-                    help="default: nixl where installed, else collective")
-    up.add_argument("--num-kv-blocks", type=int, default=None)
-    up.add_argument(
-        "--stream-interval-s", type=float, default=None,
-        help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
-    )
+    add_service_flags(up, model_help=MODEL_HELP)
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)
     up.add_argument("--metrics-port", type=int, default=8081, help="Prometheus scrape endpoint of this node")
-    up.add_argument("--ingress", default=None, choices=INGRESSES,
-                    help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")
     up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
-    up.add_argument("--max-outstanding-requests", type=int, default=256)
-    up.add_argument("--max-outstanding-prompt-tokens", type=int, default=262_144)
-    up.add_argument("--placement", default="load", choices=["load", "round_robin"],
-                    help="worker choice: load-aware with prefix affinity, or the round-robin baseline")
-    up.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray (default: all)")
     up.set_defaults(func=_cmd_up)
 
     req = sub.add_parser("request", help="send one completion to a running server and print it")

@@ -9,6 +9,7 @@ tests use it; the caller owns ``ray.init`` / ``ray.shutdown``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import random
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from cluster import flags
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterController
 from cluster.ingress import (
@@ -47,6 +49,31 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         check_ingress(self.ingress)
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, *, free: bool = False, api_key: str | None = None) -> ServiceConfig:
+        """The service that ``cluster/flags.py``'s flags describe. ``free``: on ports
+        free now (benchmarks), instead of ``--host``, ``--http-port`` and ``--grpc-port``."""
+        admission = {
+            "max_requests": getattr(args, "max_outstanding_requests", None),
+            "max_prompt_tokens": getattr(args, "max_outstanding_prompt_tokens", None),
+        }
+        placement = getattr(args, "placement", None)
+        router = RouterConfig(
+            admission=AdmissionConfig(**{k: v for k, v in admission.items() if v is not None}),
+            dispatch=DispatchConfig(placement=placement) if placement else DispatchConfig(),
+            api_key=api_key,
+        )
+        host = cls.host if free else args.host
+        ports = free_ports(host, 2) if free else (args.http_port, args.grpc_port)
+        return cls(
+            cluster=flags.cluster_config(args),
+            router=router,
+            host=host,
+            http_port=ports[0],
+            grpc_port=ports[1],
+            ingress=flags.ingress(args),
+        )
 
 
 # Ports chosen now and bound later come from below the kernel's ephemeral range

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import _cluster_config, _ingress, build_parser
+from cluster import flags
+from cluster.cli import build_parser
 from cluster.ingress import (
     ENABLE_HAPROXY,
     FALLBACK_GRPC_PORT,
@@ -65,16 +66,16 @@ def _up(*argv):
 
 
 def test_the_flag_or_the_topology_file_chooses_the_ingress(tmp_path):
-    assert _ingress(_up()) == "haproxy"
-    assert _ingress(_up("--ingress", "proxy")) == "proxy"
+    assert flags.ingress(_up()) == "haproxy"
+    assert flags.ingress(_up("--ingress", "proxy")) == "proxy"
     path = tmp_path / "topology.yaml"
     path.write_text("ingress: proxy\nprefill_workers: 2\n")
-    assert _ingress(_up("--config", str(path))) == "proxy"
-    assert _ingress(_up("--config", str(path), "--ingress", "haproxy")) == "haproxy", "the flag overrides the file"
-    assert _cluster_config(_up("--config", str(path))).prefill_workers == 2, "ingress is no pool setting"
+    assert flags.ingress(_up("--config", str(path))) == "proxy"
+    assert flags.ingress(_up("--config", str(path), "--ingress", "haproxy")) == "haproxy", "the flag overrides the file"
+    assert flags.cluster_config(_up("--config", str(path))).prefill_workers == 2, "ingress is no pool setting"
     path.write_text("ingress: nginx\n")
     with pytest.raises(ValueError, match="ingress must be one of"):
-        _ingress(_up("--config", str(path)))
+        flags.ingress(_up("--config", str(path)))
     with pytest.raises(SystemExit):
         _up("--ingress", "nginx")
 

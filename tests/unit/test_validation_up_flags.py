@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import _cluster_config, build_parser
+from cluster import flags
+from cluster.cli import build_parser
 
 
 def config_of(*argv):
-    return _cluster_config(build_parser().parse_args(["up", *argv]))
+    return flags.cluster_config(build_parser().parse_args(["up", *argv]))
 
 
 def test_flags_set_the_topology():
@@ -53,3 +54,41 @@ def test_up_serves_smollm2_unless_a_flag_or_the_topology_file_names_a_model(tmp_
     path.write_text("model: tandem-tiny-llama\n")
     assert _serving_default(config_of("--config", str(path))).model == "tandem-tiny-llama"
     assert _serving_default(config_of("--config", str(path), "--model", "/m/x.gguf")).model == "/m/x.gguf"
+
+
+TOPOLOGY = ["--prefill-workers", "0", "--decode-workers", "2", "--kv-transfer-backend", "object_store",
+            "--num-kv-blocks", "96", "--engine", "max_num_seqs=8", "--engine", "enable_prefix_caching=false",
+            "--ingress", "proxy"]  # fmt: skip
+
+
+def test_every_program_that_starts_the_service_reads_the_same_flags_the_same_way():
+    from bench import overhead, serve, soak
+    from cluster.service import ServiceConfig
+
+    parsed = {
+        "tandem up": build_parser().parse_args(["up", *TOPOLOGY]),
+        "bench serve --launch": serve.parse_args(["--launch", *TOPOLOGY]),
+        "bench overhead": overhead.build_parser().parse_args(TOPOLOGY),
+        "bench soak": soak.parse_args(["--prefill-workers", "1", *TOPOLOGY[2:]]),
+    }
+    configs = {name: ServiceConfig.from_flags(args, free=True) for name, args in parsed.items()}
+    for name, cfg in configs.items():
+        assert cfg.ingress == "proxy", name
+        assert cfg.cluster.transfer.backend == "object_store", name
+        assert cfg.cluster.decode_workers == 2, name
+        engine = cfg.cluster.engine_config("decode")
+        assert (engine.num_kv_blocks, engine.max_num_seqs, engine.enable_prefix_caching) == (96, 8, False), name
+        assert cfg.http_port != cfg.grpc_port, name
+    assert configs["tandem up"].cluster == configs["bench serve --launch"].cluster == configs["bench overhead"].cluster
+
+
+def test_admission_flags_reach_the_router_and_unset_ones_keep_its_defaults():
+    from cluster.service import ServiceConfig
+    from router.server import RouterConfig
+
+    args = build_parser().parse_args(["up", "--max-outstanding-requests", "7", "--placement", "round_robin"])
+    router = ServiceConfig.from_flags(args, api_key="k").router
+    assert (router.admission.max_requests, router.dispatch.placement, router.api_key) == (7, "round_robin", "k")
+    default = RouterConfig()
+    assert router.admission.max_prompt_tokens == default.admission.max_prompt_tokens
+    assert ServiceConfig.from_flags(build_parser().parse_args(["up"])).router == default

@@ -1,0 +1,120 @@
+"""The service's command-line flags, defined once.
+
+``tandem up``, ``bench serve --launch``, ``bench overhead`` and ``bench soak`` all start
+the same service from flags: topology (``--config`` file, pools, KV transfer, engine
+settings), admission and placement, ingress. ``add_service_flags`` puts them on a
+parser (or an argument group) with per-program defaults, ``cluster_config`` reads the
+pools' settings back (file first, flags over it), and ``ServiceConfig.from_flags``
+(cluster/service.py) builds the whole service's configuration from them.
+
+Torch-free and Ray-free: parsing flags must not start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress
+from kv_transfer import BACKENDS
+
+# Keys of a topology file that configure the service around the pools, not the pools.
+SERVICE_KEYS = ("ingress",)
+PLACEMENTS = ("load", "round_robin")
+
+
+def engine_item(text: str) -> tuple[str, object]:
+    """``key=value``, the value read as YAML: ``false`` is a bool, ``4096`` an int."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
+def add_service_flags(
+    parser,
+    *,
+    model_help: str = "a named model, a Hugging Face checkpoint directory or a .gguf file",
+    config_file: bool = True,
+    model: bool = True,
+    admission: bool = True,
+    **defaults,
+) -> None:
+    """The topology flags, and with ``admission`` the router's admission and placement
+    flags, on ``parser`` (a parser or an argument group). ``defaults`` overrides a flag's
+    default by its destination name (``prefill_workers=1``, ``num_cpus=2``, ...); None
+    everywhere else means "the topology file's value, else the configuration's default".
+    """
+    if config_file:
+        parser.add_argument("--config", default=None, help="topology YAML (see cluster/config.py); flags override it")
+    if model:
+        parser.add_argument("--model", default=None, help=model_help)
+    parser.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
+    parser.add_argument("--decode-workers", type=int, default=None)
+    backend = defaults.get("kv_transfer_backend") or "nixl where installed, else collective"
+    parser.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS, help=f"default: {backend}")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
+    parser.add_argument("--engine", type=engine_item, action="append", default=[], metavar="KEY=VALUE",
+                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")  # fmt: skip
+    parser.add_argument(
+        "--stream-interval-s", type=float, default=None,
+        help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
+    )  # fmt: skip
+    parser.add_argument("--ingress", default=None, choices=INGRESSES,
+                        help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")  # fmt: skip
+    cpus = defaults.get("num_cpus") or "all"
+    parser.add_argument("--num-cpus", type=int, default=None, help=f"CPUs for the local Ray (default: {cpus})")
+    if admission:
+        parser.add_argument("--max-outstanding-requests", type=int, default=None, help="admission bound (256)")
+        parser.add_argument("--max-outstanding-prompt-tokens", type=int, default=None,
+                            help="admission bound (262144)")  # fmt: skip
+        parser.add_argument("--placement", default=None, choices=PLACEMENTS,
+                            help="worker choice: load-aware with prefix affinity (default), or round-robin")  # fmt: skip
+    parser.set_defaults(**defaults)
+
+
+def topology_file(path: str) -> dict:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a topology file must be a mapping")
+    return data
+
+
+def cluster_config(args: argparse.Namespace):
+    """The pools' ``ClusterConfig``: the topology file's settings, the flags over them
+    (``--kv-transfer-backend``, ``--num-kv-blocks`` and ``--engine`` refine the file's
+    ``transfer`` and ``engine`` sections rather than replace them)."""
+    from cluster.config import ClusterConfig
+
+    engine = dict(getattr(args, "engine", None) or [])
+    if args.num_kv_blocks is not None:
+        engine["num_kv_blocks"] = args.num_kv_blocks
+    overrides = {
+        "model": args.model,
+        "prefill_workers": args.prefill_workers,
+        "decode_workers": args.decode_workers,
+        "stream_interval_s": getattr(args, "stream_interval_s", None),
+        "transfer": {"backend": args.kv_transfer_backend} if args.kv_transfer_backend is not None else None,
+        "engine": engine or None,
+    }
+    data = {}
+    if getattr(args, "config", None):
+        data = {k: v for k, v in topology_file(args.config).items() if k not in SERVICE_KEYS}
+    for key in ("transfer", "engine"):
+        if overrides[key] is not None and isinstance(data.get(key), dict):
+            overrides[key] = {**data[key], **overrides[key]}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return ClusterConfig.from_dict(data)
+
+
+def ingress(args: argparse.Namespace) -> str:
+    """``--ingress``, else the topology file's ``ingress``, else the default (HAProxy)."""
+    if args.ingress:
+        return args.ingress
+    if getattr(args, "config", None):
+        return check_ingress(topology_file(args.config).get("ingress", DEFAULT_INGRESS))
+    return DEFAULT_INGRESS
