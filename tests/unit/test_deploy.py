@@ -264,7 +264,7 @@ def test_every_ray_pod_has_a_metrics_folder_and_the_app_serves_it(rendered):
             mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
             volume = mounts[env["PROMETHEUS_MULTIPROC_DIR"]]
             assert "emptyDir" in {v["name"]: v for v in pod["spec"]["volumes"]}[volume]
-            assert any(p["name"] == "metrics" for p in container["ports"])
+            assert any(p["name"] == "tandem-metrics" for p in container["ports"])
         (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
         assert app["args"]["metrics_port"] == int(env["TANDEM_METRICS_PORT"])
 
@@ -352,9 +352,28 @@ def test_services_expose_http_grpc_and_metrics_and_select_the_ray_pods(rendered)
         assert selector.items() <= head_labels.items(), f"{suffix} selects no head pod"
     metrics = _service(docs, "-metrics")
     assert metrics["spec"]["clusterIP"] == "None"  # one scrape target per pod
-    assert [(p["name"], p["port"]) for p in metrics["spec"]["ports"]] == [("metrics", 8081)]
+    assert [(p["name"], p["port"]) for p in metrics["spec"]["ports"]] == [("tandem-metrics", 8081)]
     for labels in pod_labels:
         assert metrics["spec"]["selector"].items() <= labels.items()
+
+
+def test_no_port_is_named_metrics_so_kuberay_adds_rays_own(rendered):
+    """KubeRay adds Ray's metrics port (8080, named `metrics`) to a Ray container only
+    when no port has that name yet: Tandem's port must be named otherwise, and every
+    reference to it (Service, ServiceMonitor, Prometheus config) must use its name."""
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        for c in _containers(rs):
+            names = [p["name"] for p in c["ports"]]
+            assert "metrics" not in names, (case, c["name"], names)
+            assert {"name": "tandem-metrics", "containerPort": 8081} in c["ports"], (case, c["name"])
+        metrics = _service(docs, "-metrics")
+        (port,) = metrics["spec"]["ports"]
+        assert port["name"] == "tandem-metrics" and port["targetPort"] in ("tandem-metrics", 8081)
+        for sm in _by_kind(docs, "ServiceMonitor"):
+            assert [e["port"] for e in sm["spec"]["endpoints"]] == ["tandem-metrics"]
+    prometheus = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    assert not re.search(r";metrics\b", prometheus), "the endpoints example keeps the port named `metrics`"
 
 
 # The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
