@@ -376,6 +376,29 @@ def test_no_port_is_named_metrics_so_kuberay_adds_rays_own(rendered):
     assert not re.search(r";metrics\b", prometheus), "the endpoints example keeps the port named `metrics`"
 
 
+def test_workers_are_ready_when_their_raylet_is_and_stay_scrape_targets_when_not(chart, rendered):
+    """KubeRay's default readiness probe for a RayService worker also checks Serve's proxy
+    on the `serve` port (8000); with proxyLocation HeadOnly no worker runs one, so the
+    workers set their own probe: the raylet's health on the dashboard agent's port."""
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        for role, group in _groups(rs).items():
+            (c,) = group["template"]["spec"]["containers"]
+            probe = c.get("readinessProbe")
+            assert probe, f"{case}/{role}: KubeRay would inject its probe, which waits for a proxy on 8000"
+            assert probe["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}, (case, role)
+        # the headless metrics Service keeps every pod in DNS, Ready or not
+        assert _service(docs, "-metrics")["spec"]["publishNotReadyAddresses"] is True
+    # a group that moves its dashboard agent is probed there
+    moved = _split(chart.render({"decode": {"rayStartParams": {"dashboard-agent-listen-port": 52400}}}, name=RELEASE))
+    decode = _groups(_by_kind(moved, "RayService")[0])["decode"]
+    assert decode["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] == 52400
+    # with a proxy on every node, KubeRay's own probe (which checks it) is the right one
+    every = _split(chart.render({"serve": {"proxyLocation": "EveryNode"}}, name=RELEASE))
+    for group in _groups(_by_kind(every, "RayService")[0]).values():
+        assert "readinessProbe" not in group["template"]["spec"]["containers"][0]
+
+
 # The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
 SERVICE_MONITOR_SCHEMA = {
     "type": "object",

@@ -127,3 +127,8 @@ ingress the pods run, and the name of the env var holding the API key (never the
 {{- $cfg := dict "proxy_location" $s.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.service.httpPort) "grpc_options" $grpc "applications" (list $app) -}}
 {{- toPrettyJson $cfg }}
 {{- end }}
+
+{{/* The port of a group's dashboard agent, which answers the raylet's health check. */}}
+{{- define "tandem.agentPort" -}}
+{{- index (default dict .rayStartParams) "dashboard-agent-listen-port" | default 52365 | int }}
+{{- end }}
