@@ -399,6 +399,32 @@ def test_workers_are_ready_when_their_raylet_is_and_stay_scrape_targets_when_not
         assert "readinessProbe" not in group["template"]["spec"]["containers"][0]
 
 
+def test_every_container_start_empties_the_pods_metrics_folder(rendered, tmp_path):
+    """The metrics folder is an emptyDir: it survives a container restart, and the files
+    the old processes left would be merged into the new ones' metrics. KubeRay runs the
+    Ray container's args before `ray start` (`bash -lc -- '<args> && ...; ray start'`),
+    at every container start; init containers run only when the pod starts."""
+    import subprocess
+
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        for c in _containers(rs):
+            assert "command" not in c, "KubeRay would wrap a command as well"
+            (args,) = c["args"]
+            assert "ray start" not in args  # else KubeRay leaves the command alone
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            folder = tmp_path / case / c["name"]
+            (folder / "sub").mkdir(parents=True)
+            for name in ("counter_12.db", "gauge_all_12.db", "sub/x.db"):
+                (folder / name).write_bytes(b"old")
+            # the same shell KubeRay starts, with the pod's PROMETHEUS_MULTIPROC_DIR
+            out = subprocess.run(["bash", "-c", f"{args} && echo started"], capture_output=True, text=True,
+                                 env={"PATH": "/usr/bin:/bin", "PROMETHEUS_MULTIPROC_DIR": str(folder)})
+            assert out.returncode == 0 and out.stdout.strip() == "started", out
+            assert folder.is_dir() and list(folder.iterdir()) == [], (case, c["name"])
+            assert env["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/tandem-metrics"
+
+
 # The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
 SERVICE_MONITOR_SCHEMA = {
     "type": "object",

@@ -71,6 +71,15 @@ runAsGroup: 1000
 fsGroup: 1000
 {{- end }}
 
+{{/* The Ray container's args: KubeRay runs them before its own `ray start`
+(`bash -lc -- '<args> && ulimit ...; ray start ...'`), so at every start of the container,
+a restart included (which init containers never see). The pod's metrics folder outlives
+the container: the files of the previous container's processes would be summed into the
+new ones' counters and gauges. */}}
+{{- define "tandem.metricsCleanup" -}}
+find "${PROMETHEUS_MULTIPROC_DIR:?}" -mindepth 1 -delete
+{{- end }}
+
 {{- define "tandem.volumes" -}}
 - name: dshm   # Ray's object store lives in /dev/shm; the container default is 64 MiB
   emptyDir:
