@@ -178,10 +178,12 @@ def test_chart_lints_clean(example):
     assert problems == [], f"helm lint warnings/errors: {problems}"
 
 
-def test_chart_renders_a_rayservice_and_three_services(rendered):
+def test_chart_renders_a_rayservice_and_two_services(rendered):
+    """The HTTP Service is KubeRay's (the RayService's serveService); the chart renders
+    the gRPC alias and the metrics Service."""
     for case, docs in rendered.items():
         kinds = sorted(d["kind"] for d in docs)
-        expected = ["RayService", "Service", "Service", "Service"]
+        expected = ["RayService", "Service", "Service"]
         if case == "gpu":  # the example turns the ServiceMonitor on
             expected = sorted([*expected, "ServiceMonitor"])
         assert kinds == expected, f"{case}: rendered {kinds}"
@@ -339,22 +341,53 @@ def test_api_key_comes_from_a_secret_never_from_the_config(rendered, gpu_values)
     assert "api_key_env" not in yaml.safe_load(default_rs["spec"]["serveConfigV2"])["applications"][0]["args"]["router"]
 
 
-def test_services_expose_http_grpc_and_metrics_and_select_the_ray_pods(rendered):
-    docs = rendered["default"]
-    (rs,) = _by_kind(docs, "RayService")
-    pod_labels = [pod["metadata"]["labels"] for pod in _pods(rs)]
-    head_labels = pod_labels[0]
-    for suffix, port in (("-http", 8000), ("-grpc", 9000)):
-        svc = _service(docs, suffix)
-        assert [p["port"] for p in svc["spec"]["ports"]] == [port]
-        selector = dict(svc["spec"]["selector"])
-        assert selector.pop("ray.io/serve") == "true"  # set by KubeRay on pods whose proxy is up
-        assert selector.items() <= head_labels.items(), f"{suffix} selects no head pod"
-    metrics = _service(docs, "-metrics")
+def test_http_and_grpc_follow_kuberays_active_cluster(rendered, ray_service_schema):
+    """During an upgrade the pending cluster's head is labelled ray.io/serve=true before
+    KubeRay switches traffic: no chart Service may select on that label without the
+    cluster. HTTP is KubeRay's serve Service (spec.serveService: KubeRay sets its selector
+    to ray.io/cluster=<active>, ray.io/serve=true and keeps only the `serve` port); gRPC
+    is an alias of KubeRay's head Service for the RayService, which KubeRay repoints to
+    the active cluster together with the serve Service and which carries every port of
+    the head container."""
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        name = rs["metadata"]["name"]
+        for svc in _by_kind(docs, "Service"):
+            selector = svc["spec"].get("selector") or {}
+            assert "ray.io/serve" not in selector, f"{case}: {svc['metadata']['name']} selects ray.io/serve"
+        assert not [s for s in _by_kind(docs, "Service") if s["metadata"]["name"].endswith("-http")]
+        serve = rs["spec"]["serveService"]
+        assert serve["metadata"]["name"] == f"{name}-http"
+        assert "selector" not in serve["spec"]  # KubeRay's to set (it ignores ours)
+        assert serve["spec"]["type"] == "ClusterIP"
+        assert [(p["name"], p["port"]) for p in serve["spec"]["ports"]] == [("serve", 8000)]
+        head = _containers(rs)[0]
+        head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+        assert head_ports["serve"] == 8000  # the port KubeRay puts in the serve Service
+        grpc = _service(docs, "-grpc")
+        assert grpc["spec"]["type"] == "ExternalName"
+        assert grpc["spec"]["externalName"] == f"{name}-head-svc.{NAMESPACE}.svc.cluster.local"
+        assert [p["port"] for p in grpc["spec"]["ports"]] == [head_ports["grpc"]] == [9000]
+    metrics = _service(rendered["default"], "-metrics")
     assert metrics["spec"]["clusterIP"] == "None"  # one scrape target per pod
     assert [(p["name"], p["port"]) for p in metrics["spec"]["ports"]] == [("tandem-metrics", 8081)]
-    for labels in pod_labels:
+    for labels in [pod["metadata"]["labels"] for pod in _pods(_by_kind(rendered["default"], "RayService")[0])]:
         assert metrics["spec"]["selector"].items() <= labels.items()
+
+
+def test_grpc_alias_names_the_head_service_as_kuberay_does(chart):
+    """KubeRay names it CheckName(<rayservice>-head-svc): at most 50 characters (cut from
+    the front), never starting with a digit."""
+    def alias(**values):
+        docs = _split(chart.render(values, name="9" + "x" * 52, namespace="ns"))
+        (rs,) = _by_kind(docs, "RayService")
+        return rs["metadata"]["name"], _service(docs, "-grpc")["spec"]["externalName"]
+
+    name, target = alias()
+    host = f"{name}-head-svc"[-50:]
+    host = "r" + host[1:] if host[0].isdigit() or not host[0].isalnum() else host
+    assert target == f"{host}.ns.svc.cluster.local"
+    assert alias(clusterDomain="k8s.example")[1].endswith(".svc.k8s.example")
 
 
 def test_no_port_is_named_metrics_so_kuberay_adds_rays_own(rendered):

@@ -18,6 +18,15 @@
 {{- end }}
 {{- end }}
 
+{{/* The head Service KubeRay keeps for a RayService, on its active cluster:
+<name>-head-svc, shortened and prefixed as KubeRay's utils.CheckName does. */}}
+{{- define "tandem.kuberayHeadService" -}}
+{{- $n := printf "%s-head-svc" (include "tandem.fullname" .) -}}
+{{- if gt (len $n) 50 }}{{ $n = substr (int (sub (len $n) 50)) (len $n) $n }}{{ end -}}
+{{- if regexMatch "^[0-9[:punct:]]" $n }}{{ $n = printf "r%s" (substr 1 (len $n) $n) }}{{ end -}}
+{{- $n }}
+{{- end }}
+
 {{- define "tandem.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "tandem.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
