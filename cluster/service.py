@@ -46,6 +46,9 @@ class ServiceConfig:
     grpc_port: int = 9000
     app_name: str = "tandem"
     ingress: str = DEFAULT_INGRESS  # "haproxy" or "proxy": Serve's Python proxy (cluster/ingress.py)
+    # A Ray custom resource only the head node advertises: the controller and the router
+    # ask for a unit of it, so they run on the head (see ``head_pinned``). None: no pin.
+    head_resource: str | None = None
 
     def __post_init__(self) -> None:
         check_ingress(self.ingress)
@@ -101,6 +104,29 @@ def free_ports(host: str, n: int, avoid: Iterable[int] = ()) -> list[int]:
     raise RuntimeError(f"fewer than {n} free ports in {SPARE_PORTS} on {host}")
 
 
+# Units of the head's custom resource each pinned actor asks for (the chart's head
+# advertises 1000: room for the controller and many router replicas).
+HEAD_RESOURCE_UNITS = 1
+
+
+def head_pinned(head_resource: str | None) -> dict:
+    """Ray actor options that keep an actor on the head node: a unit of ``head_resource``,
+    a custom resource only the head advertises (the Helm chart's ``head.pinResource``).
+    None or "" (``tandem up``, a cluster without it): no resource asked for, so the actor
+    schedules anywhere, as before."""
+    return {"resources": {head_resource: HEAD_RESOURCE_UNITS}} if head_resource else {}
+
+
+def router_deployment(head_resource: str | None = None):
+    """The router's Serve deployment, pinned to the head when ``head_resource`` is set
+    (its other actor options, ``num_cpus`` and ``runtime_env``, kept)."""
+    if not head_resource:
+        return Router
+    options = dict(Router.ray_actor_options or {})
+    options["resources"] = {**(options.get("resources") or {}), **head_pinned(head_resource)["resources"]}
+    return Router.options(ray_actor_options=options)
+
+
 def _on_head_node() -> bool:
     """Whether this driver runs on the Ray head node (where Serve's proxies start)."""
     me = ray.get_runtime_context().get_node_id()
@@ -154,7 +180,10 @@ class TandemService:
         cfg = self.config
         self.controller = (
             ray.remote(ClusterController)
-            .options(name=f"{cfg.cluster.name}-controller", num_cpus=0, max_concurrency=16)
+            .options(
+                name=f"{cfg.cluster.name}-controller", num_cpus=0, max_concurrency=16,
+                **head_pinned(cfg.head_resource),
+            )
             .remote(cfg.cluster)
         )
         try:
@@ -165,7 +194,10 @@ class TandemService:
                 grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
                 controller_options={"runtime_env": {"env_vars": self.serve_env}},
             )
-            serve.run(Router.bind(self.controller, cfg.router), name=cfg.app_name, route_prefix="/")
+            serve.run(
+                router_deployment(cfg.head_resource).bind(self.controller, cfg.router),
+                name=cfg.app_name, route_prefix="/",
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -232,17 +264,21 @@ def app(args: dict):
     The controller is a named detached actor, so a redeploy finds the pools it
     started still running. With ``metrics_port`` in ``args`` it serves every node's
     metrics on that port (each pod sets ``PROMETHEUS_MULTIPROC_DIR``). ``ingress`` in
-    ``args`` must be the one the pods' environment runs (cluster/ingress.py).
+    ``args`` must be the one the pods' environment runs (cluster/ingress.py). With
+    ``head_resource`` (a custom resource only the head advertises) the controller and the
+    router replicas ask for a unit of it, so they run on the head, not on a worker pod
+    that the autoscaler may remove.
     """
     check_environment(args.get("ingress"), os.environ)
     cluster, router = configs_from_args(args)
+    head_resource = args.get("head_resource")
     controller = (
         ray.remote(ClusterController)
         .options(
             name=f"{cluster.name}-controller", lifetime="detached", get_if_exists=True,
-            num_cpus=0, max_concurrency=16,
+            num_cpus=0, max_concurrency=16, **head_pinned(head_resource),
         )
         .remote(cluster, metrics_port=args.get("metrics_port"))
     )
     ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
-    return Router.bind(controller, router)
+    return router_deployment(head_resource).bind(controller, router)

@@ -458,6 +458,25 @@ def test_every_container_start_empties_the_pods_metrics_folder(rendered, tmp_pat
             assert env["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/tandem-metrics"
 
 
+def test_only_the_head_offers_the_resource_that_pins_controller_and_router(chart, rendered):
+    """The controller and router ask for no CPU; a custom resource only the head
+    advertises keeps them there (cluster.service.head_pinned)."""
+    from cluster.service import HEAD_RESOURCE_UNITS
+
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+        assert _ray_resources_param(head) == {"tandem_head": 1000}, case
+        (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+        assert app["args"]["head_resource"] == "tandem_head"
+        assert 1000 >= 100 * HEAD_RESOURCE_UNITS  # room for the controller and many routers
+        for group in _groups(rs).values():
+            assert "tandem_head" not in _ray_resources_param(group)
+    off = _by_kind(_split(chart.render({"head": {"pinResource": ""}}, name=RELEASE)), "RayService")[0]
+    assert "resources" not in off["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert "head_resource" not in yaml.safe_load(off["spec"]["serveConfigV2"])["applications"][0]["args"]
+
+
 # The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
 SERVICE_MONITOR_SCHEMA = {
     "type": "object",

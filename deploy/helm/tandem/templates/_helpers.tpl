@@ -131,7 +131,8 @@ The Serve config (serveConfigV2). Rendered as JSON, which is YAML too: toYaml wo
 numbers of a million and more in exponent form (8.589934592e+09), toJson keeps them whole.
 `args` go to cluster.service:app: the topology (cluster/config.py keys), the custom
 resources that pin each role's workers, the router's settings, the metrics port, the
-ingress the pods run, and the name of the env var holding the API key (never the key).
+ingress the pods run, the name of the env var holding the API key (never the key), and
+the custom resource that pins the controller and the router to the head.
 */}}
 {{- define "tandem.serveConfig" -}}
 {{- $s := .Values.serve -}}
@@ -140,6 +141,9 @@ ingress the pods run, and the name of the env var holding the API key (never the
 {{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
 {{- end }}
 {{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port "ingress" $s.ingress -}}
+{{- with .Values.head.pinResource }}
+{{- $_ := set $args "head_resource" . -}}
+{{- end }}
 {{- $app := dict "name" $s.appName "import_path" $s.importPath "route_prefix" $s.routePrefix "args" $args -}}
 {{- $grpc := dict "port" .Values.service.grpcPort "grpc_servicer_functions" (list "router.grpc_api.add_generation_servicer" "router.grpc_api.add_health_servicer") -}}
 {{- $cfg := dict "proxy_location" $s.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.service.httpPort) "grpc_options" $grpc "applications" (list $app) -}}
