@@ -477,6 +477,30 @@ def test_only_the_head_offers_the_resource_that_pins_controller_and_router(chart
     assert "head_resource" not in yaml.safe_load(off["spec"]["serveConfigV2"])["applications"][0]["args"]
 
 
+@pytest.mark.parametrize("access_mode", ["", "ReadWriteOnce", "ReadWriteOncePod"])
+def test_a_model_volume_every_pod_mounts_must_be_readable_from_every_node(chart, access_mode):
+    """The head and the worker pods run on different nodes: a ReadWriteOnce claim attaches
+    to one of them, and the pods on the others stay in ContainerCreating."""
+    values = {"modelVolume": {"claimName": "models", "accessMode": access_mode}}
+    with pytest.raises(helm.HelmRenderError, match="ReadOnlyMany or ReadWriteMany"):
+        chart.render(values, name=RELEASE)
+
+
+@pytest.mark.parametrize("access_mode", ["ReadOnlyMany", "ReadWriteMany"])
+def test_a_shared_model_volume_is_mounted_read_only_on_every_pod(chart, access_mode):
+    docs = _split(chart.render({"modelVolume": {"claimName": "models", "accessMode": access_mode}}, name=RELEASE))
+    (rs,) = _by_kind(docs, "RayService")
+    for pod in _pods(rs):
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in pod["spec"]["containers"][0]["volumeMounts"]
+
+
+def test_the_gpu_example_declares_a_shared_model_volume(gpu_values):
+    assert gpu_values["modelVolume"]["accessMode"] in ("ReadOnlyMany", "ReadWriteMany")
+    assert not [v for v in gpu_values.get("extraVolumes", []) if "persistentVolumeClaim" in v]
+
+
 # The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
 SERVICE_MONITOR_SCHEMA = {
     "type": "object",

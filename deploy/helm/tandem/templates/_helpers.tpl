@@ -95,6 +95,12 @@ find "${PROMETHEUS_MULTIPROC_DIR:?}" -mindepth 1 -delete
     medium: Memory
 - name: metrics   # the pod's metrics folder, served on metrics.port by the node's exporter
   emptyDir: {}
+{{- with .Values.modelVolume.claimName }}
+- name: models    # shared by every Ray pod, read-only (modelVolume)
+  persistentVolumeClaim:
+    claimName: {{ . }}
+    readOnly: true
+{{- end }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -105,6 +111,11 @@ find "${PROMETHEUS_MULTIPROC_DIR:?}" -mindepth 1 -delete
   mountPath: /dev/shm
 - name: metrics
   mountPath: /tmp/tandem-metrics
+{{- if .Values.modelVolume.claimName }}
+- name: models
+  mountPath: {{ .Values.modelVolume.mountPath }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -153,4 +164,32 @@ the custom resource that pins the controller and the router to the head.
 {{/* The port of a group's dashboard agent, which answers the raylet's health check. */}}
 {{- define "tandem.agentPort" -}}
 {{- index (default dict .rayStartParams) "dashboard-agent-listen-port" | default 52365 | int }}
+{{- end }}
+
+{{/*
+A volume every Ray pod mounts must be readable from every node: the head and the worker
+pods land on different nodes, and a ReadWriteOnce claim attaches to one node only (pods
+elsewhere stay in ContainerCreating). The model claim must declare ReadOnlyMany or
+ReadWriteMany; on a live install (not `helm template`) every claim the pods mount is also
+looked up and its access modes checked.
+*/}}
+{{- define "tandem.checkSharedVolumes" -}}
+{{- $shared := list "ReadOnlyMany" "ReadWriteMany" -}}
+{{- $mv := .Values.modelVolume -}}
+{{- $claims := list -}}
+{{- if $mv.claimName }}
+{{- if not (has $mv.accessMode $shared) }}
+{{- fail (printf "modelVolume: every Ray pod mounts claim %s, on different nodes: set modelVolume.accessMode to the claim's access mode, ReadOnlyMany or ReadWriteMany (got %q; a ReadWriteOnce volume attaches to one node, and pods on the others never start)" $mv.claimName (toString $mv.accessMode)) }}
+{{- end }}
+{{- $claims = append $claims $mv.claimName -}}
+{{- end }}
+{{- range .Values.extraVolumes }}
+{{- with .persistentVolumeClaim }}{{ $claims = append $claims .claimName }}{{ end }}
+{{- end }}
+{{- range $claims }}
+{{- $pvc := lookup "v1" "PersistentVolumeClaim" $.Release.Namespace . }}
+{{- if and $pvc (not (or (has "ReadOnlyMany" $pvc.spec.accessModes) (has "ReadWriteMany" $pvc.spec.accessModes))) }}
+{{- fail (printf "claim %s is %v: every Ray pod mounts it, on different nodes; it needs ReadOnlyMany or ReadWriteMany" . $pvc.spec.accessModes) }}
+{{- end }}
+{{- end }}
 {{- end }}
