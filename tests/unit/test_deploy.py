@@ -548,6 +548,15 @@ def test_replicas_outside_min_max_fail_to_render(chart):
         chart.render({"decode": {"replicas": 9, "maxReplicas": 4}}, name=RELEASE)
 
 
+@pytest.mark.parametrize("flavour", ["cpu", "gpu"])
+def test_dockerfiles_pin_ray_to_the_charts_ray_version(chart, flavour):
+    text = (DEPLOY / "docker" / f"Dockerfile.{flavour}").read_text()
+    (version,) = re.findall(r"^ARG RAY_VERSION=(\S+)$", text, re.M)
+    assert version == chart.values["rayVersion"]
+    pin = text.index('RUN pip install "ray[serve]==${RAY_VERSION}"')
+    assert pin < text.index("RUN pip install .") if flavour == "cpu" else pin < text.index('RUN pip install ".[gpu]"')
+
+
 # ---------------------------------------------------------------------- values schema
 
 
