@@ -548,6 +548,19 @@ def test_replicas_outside_min_max_fail_to_render(chart):
         chart.render({"decode": {"replicas": 9, "maxReplicas": 4}}, name=RELEASE)
 
 
+def test_upgrade_strategy_is_a_value_and_reaches_the_rayservice(chart, rendered, ray_service_schema, values_schema):
+    for docs in rendered.values():
+        (rs,) = _by_kind(docs, "RayService")
+        assert rs["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+    (rs,) = _by_kind(_split(chart.render({"upgradeStrategy": "None"}, name=RELEASE)), "RayService")
+    assert rs["spec"]["upgradeStrategy"] == {"type": "None"}
+    assert jsonschema.Draft4Validator(ray_service_schema).is_valid(rs)
+    assert values_schema["properties"]["upgradeStrategy"]["enum"] == ["NewCluster", "None"]
+    # the GPU cost is spelled out where the value is set
+    values_text = (CHART / "values.yaml").read_text()
+    assert "twice the GPUs" in values_text[: values_text.index("upgradeStrategy:")]
+
+
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
 def test_dockerfiles_pin_ray_to_the_charts_ray_version(chart, flavour):
     text = (DEPLOY / "docker" / f"Dockerfile.{flavour}").read_text()
