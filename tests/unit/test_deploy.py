@@ -548,6 +548,64 @@ def test_replicas_outside_min_max_fail_to_render(chart):
         chart.render({"decode": {"replicas": 9, "maxReplicas": 4}}, name=RELEASE)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"head": {"rayStartParams": {"num-cpus": 4}}}, "head.rayStartParams.num-cpus: the chart sets"),
+        ({"head": {"rayStartParams": {"resources": '"{}"'}}}, "head.rayStartParams.resources: the chart sets"),
+        ({"prefill": {"rayStartParams": {"resources": '"{}"'}}}, "prefill.rayStartParams.resources: the chart sets"),
+    ],
+)
+def test_a_ray_start_param_the_chart_sets_fails_to_render(chart, override, message):
+    """A key in both would be written twice; YAML keeps one of the two without a word."""
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render(override, name=RELEASE)
+
+
+def test_ray_start_params_of_the_users_own_are_rendered(chart):
+    docs = _split(chart.render({"head": {"rayStartParams": {"object-store-memory": 10**9}},
+                                "decode": {"rayStartParams": {"num-cpus": 3}}}, name=RELEASE))
+    (rs,) = _by_kind(docs, "RayService")
+    assert rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["object-store-memory"] == "1000000000"
+    decode = _groups(rs)["decode"]["rayStartParams"]
+    assert decode["num-cpus"] == "3" and _ray_resources_param(_groups(rs)["decode"]) == {"tandem_decode": 1}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        # 3 GPU workers, 2 pods of 1 GPU
+        ({"prefill": {"gpus": 1, "replicas": 2, "maxReplicas": 2},
+          "serve": {"topology": {"prefill_workers": 3, "prefill_resources": {"num_cpus": 1, "num_gpus": 1}}}},
+         "prefill: 3 workers asking 1 GPU each do not fit 2 pods"),
+        # GPU workers on a group without GPUs
+        ({"serve": {"topology": {"decode_resources": {"num_cpus": 1, "num_gpus": 1}}}},
+         "decode: 1 workers asking 1 GPU each do not fit 1 pods offering 0 each"),
+        # 2 decode workers, one tandem_decode unit on the single decode pod
+        ({"serve": {"topology": {"decode_workers": 2}}}, "decode: 2 workers asking 1 tandem_decode each"),
+        # 2 GPUs per worker, 3 GPUs per pod: one worker per pod, whatever the total says
+        ({"prefill": {"gpus": 3, "replicas": 2, "maxReplicas": 2, "rayResources": {"tandem_prefill": 2}},
+          "serve": {"topology": {"prefill_workers": 3, "prefill_resources": {"num_cpus": 1, "num_gpus": 2}}}},
+         "prefill: 3 workers asking 2 GPU each do not fit 2 pods offering 3 each"),
+    ],
+)
+def test_pools_that_do_not_fit_their_worker_groups_fail_to_render(chart, override, message):
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render(override, name=RELEASE)
+
+
+def test_pools_that_fit_render_and_autoscaling_counts_max_replicas(chart):
+    two_per_pod = {"prefill": {"gpus": 2, "replicas": 1, "rayResources": {"tandem_prefill": 2}},
+                   "serve": {"topology": {"prefill_workers": 2,
+                                          "prefill_resources": {"num_cpus": 1, "num_gpus": 1}}}}
+    chart.render(two_per_pod, name=RELEASE)
+    grows = {"autoscaling": {"enabled": True}, "decode": {"replicas": 1, "maxReplicas": 3},
+             "serve": {"topology": {"decode_workers": 3}}}
+    chart.render(grows, name=RELEASE)
+    with pytest.raises(helm.HelmRenderError, match="do not fit"):
+        chart.render({**grows, "autoscaling": {"enabled": False}}, name=RELEASE)
+
+
 def test_upgrade_strategy_is_a_value_and_reaches_the_rayservice(chart, rendered, ray_service_schema, values_schema):
     for docs in rendered.values():
         (rs,) = _by_kind(docs, "RayService")

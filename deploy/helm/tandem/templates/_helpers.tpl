@@ -193,3 +193,52 @@ looked up and its access modes checked.
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+A group's rayStartParams: those the chart sets (`set`: rendered YAML scalars, with `from`
+naming the value each comes from) and the user's (`extra`, each a string). A key in both
+would render twice, and one of the two would be dropped without a word: refuse it.
+*/}}
+{{- define "tandem.rayStartParams" -}}
+{{- range $k, $v := .extra }}
+{{- if hasKey $.set $k }}
+{{- fail (printf "%s.rayStartParams.%s: the chart sets `%s` already (from %s); set it there, not in rayStartParams" $.where $k $k (index $.from $k)) }}
+{{- end }}
+{{- end }}
+{{- range $k, $v := .set }}
+{{ $k }}: {{ $v }}
+{{- end }}
+{{- range $k, $v := .extra }}
+{{- /* a number of a million or more: toJson keeps it whole, where quote writes 1e+09 */}}
+{{ $k }}: {{ ternary (toJson $v) (toString $v) (kindIs "float64" $v) | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pools must fit their worker groups: each role's workers (serve.topology) ask for
+num_gpus and the role's custom resources (serve.workerResources); the group's pods
+(replicas, or maxReplicas with autoscaling) offer `gpus` and `rayResources` each. A pool
+that does not fit never starts (the app waits for actors Ray cannot place).
+*/}}
+{{- define "tandem.checkPoolsFit" -}}
+{{- $topo := .Values.serve.topology -}}
+{{- range $role := list "prefill" "decode" }}
+{{- $g := index $.Values $role -}}
+{{- $pods := int (ternary $g.maxReplicas $g.replicas $.Values.autoscaling.enabled) -}}
+{{- $workers := int (default 1 (index $topo (printf "%s_workers" $role))) -}}
+{{- if hasKey $topo (printf "%s_workers" $role) }}{{ $workers = int (index $topo (printf "%s_workers" $role)) }}{{ end -}}
+{{- $res := default dict (index $topo (printf "%s_resources" $role)) -}}
+{{- $asks := dict -}}
+{{- $gpusEach := float64 (default 0 $res.num_gpus) -}}
+{{- if gt $gpusEach 0.0 }}{{ $_ := set $asks "GPU" (list $gpusEach (float64 $g.gpus) (printf "%s.gpus" $role)) }}{{ end -}}
+{{- range $name, $units := (index (default dict $.Values.serve.workerResources) $role) }}
+{{- $_ := set $asks $name (list (float64 $units) (float64 (default 0 (index (default dict $g.rayResources) $name))) (printf "%s.rayResources.%s" $role $name)) -}}
+{{- end }}
+{{- range $name, $a := $asks }}
+{{- $perPod := floor (divf (index $a 1) (index $a 0)) -}}
+{{- if lt (mulf $perPod $pods) (float64 $workers) }}
+{{- fail (printf "%s: %d workers asking %v %s each do not fit %d pods offering %v each (%s): %v per pod, %v in all" $role $workers (index $a 0) $name $pods (index $a 1) (index $a 2) $perPod (mulf $perPod $pods)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
