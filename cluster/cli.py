@@ -124,6 +124,31 @@ def _banner(service, args: argparse.Namespace) -> str:
     )
 
 
+def _service_config(args: argparse.Namespace, cluster):
+    """What ``tandem up`` serves: the pools of ``cluster``, and the router the flags set up."""
+    import os
+
+    from cluster.service import ServiceConfig
+    from router.admission import AdmissionConfig
+    from router.dispatch import DispatchConfig
+    from router.server import RouterConfig
+
+    return ServiceConfig(
+        cluster=cluster,
+        router=RouterConfig(
+            admission=AdmissionConfig(
+                max_requests=args.max_outstanding_requests, max_prompt_tokens=args.max_outstanding_prompt_tokens
+            ),
+            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+            dispatch=DispatchConfig(placement=args.placement),
+        ),
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        ingress=_ingress(args),
+    )
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -138,29 +163,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     import ray
 
-    from cluster.service import ServiceConfig, TandemService
-    from router.admission import AdmissionConfig
-    from router.dispatch import DispatchConfig
-    from router.server import RouterConfig
+    from cluster.service import TandemService
 
     cluster = _serving_default(_cluster_config(args))
     # Here, before any worker starts: a first pull shows its progress on this terminal,
     # and a failing one ends the command with its message instead of failing workers.
     resolve_model(cluster.model)
-    config = ServiceConfig(
-        cluster=cluster,
-        router=RouterConfig(
-            admission=AdmissionConfig(
-                max_requests=args.max_outstanding_requests, max_prompt_tokens=args.max_outstanding_prompt_tokens
-            ),
-            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
-            dispatch=DispatchConfig(placement=args.placement),
-        ),
-        host=args.host,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        ingress=_ingress(args),
-    )
+    config = _service_config(args, cluster)
     runtime_env = {"env_vars": {ENV: metrics_dir}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="WARNING", runtime_env=runtime_env)
@@ -246,19 +255,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_make_model(sub) -> None:
     mm = sub.add_parser("make-model", help="write the built-in test model (tandem-tiny-llama) to DIR")
     mm.add_argument("dir")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
+
+def _add_pull(sub) -> None:
     pull = sub.add_parser("pull", help="fetch a named model into $TANDEM_HOME and print its path")
     pull.add_argument("name", choices=sorted(NAMED_MODELS))
     pull.set_defaults(func=_cmd_pull)
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion offline")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=DEFAULT_SERVE_MODEL, help=MODEL_HELP)
@@ -271,7 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_up(sub) -> None:
     up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
+    _add_up_cluster_flags(up)
+    _add_up_endpoint_flags(up)
+    _add_up_router_flags(up)
+    up.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray (default: all)")
+    up.set_defaults(func=_cmd_up)
+
+
+def _add_up_cluster_flags(up: argparse.ArgumentParser) -> None:
+    """The model and the worker pools: a topology file, and flags that override it."""
     up.add_argument("--config", help="topology YAML (see cluster/config.py); flags override it")
     up.add_argument("--model", default=None, help=MODEL_HELP)
     up.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
@@ -283,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream-interval-s", type=float, default=None,
         help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
     )
+
+
+def _add_up_endpoint_flags(up: argparse.ArgumentParser) -> None:
+    """Where the service listens, through which ingress, and who may call it."""
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
     up.add_argument("--http-port", type=int, default=8000)
     up.add_argument("--grpc-port", type=int, default=9000)
@@ -290,13 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ingress", default=None, choices=INGRESSES,
                     help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")
     up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
+
+
+def _add_up_router_flags(up: argparse.ArgumentParser) -> None:
+    """Admission bounds and the placement policy of the router."""
     up.add_argument("--max-outstanding-requests", type=int, default=256)
     up.add_argument("--max-outstanding-prompt-tokens", type=int, default=262_144)
     up.add_argument("--placement", default="load", choices=["load", "round_robin"],
                     help="worker choice: load-aware with prefix affinity, or the round-robin baseline")
-    up.add_argument("--num-cpus", type=int, default=None, help="CPUs for the local Ray (default: all)")
-    up.set_defaults(func=_cmd_up)
 
+
+def _add_request(sub) -> None:
     req = sub.add_parser("request", help="send one completion to a running server and print it")
     req.add_argument("prompt")
     req.add_argument("--url", default="http://127.0.0.1:8000")
@@ -307,10 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--timeout", type=float, default=120.0)
     req.set_defaults(func=_cmd_request)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead)")
     bench.add_argument("bench", choices=["offline", "serve", "report", "overhead"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_make_model, _add_pull, _add_generate, _add_up, _add_request, _add_bench):
+        add(sub)
     return p
 
 
