@@ -13,3 +13,11 @@ def write_result(path: str | Path, result: dict) -> Path:
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return out
+
+
+def init_local_ray(num_cpus: int = 2) -> None:
+    """Start a small local Ray for a benchmark program, unless this process has one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING")

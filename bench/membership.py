@@ -27,7 +27,7 @@ import time
 
 import ray
 
-from bench.common import write_result
+from bench.common import init_local_ray, write_result
 from engine import SamplingParams
 
 PROMPT_TOKENS = 256
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="bench-results/membership.json")
     args = ap.parse_args(argv)
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    init_local_ray()
     result = run(args.model, args.seconds, args.kill_every_s)
     q, c = result["quiet"], result["churn"]
     print(f"steady pair, quiet: p50 {q['p50_ms']:.1f} ms, p99 {q['p99_ms']:.1f} ms ({q['n']} transfers)")

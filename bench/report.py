@@ -504,22 +504,31 @@ def _failed_row(first: Sequence[str], width: int) -> list[str]:
     return [*first, "failed", *["-"] * (width - len(first) - 1)]
 
 
-def batching_table(runs: Results) -> str:
-    headers = ["config", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-               "TPOT p99 ms", "tokens/chunk", "completed", "duration s"]
+def _label_table(
+    runs: Results, headers: Sequence[str], row: Callable[[str, Mapping], list[str]]
+) -> str:
+    """A table of one row per config: ``row(label, its first run's summary)``, or a
+    failed row where the config has none."""
     rows = []
     for label in runs:
         s = _first(runs, label)
-        if s is None:
-            rows.append(_failed_row([label], len(headers)))
-            continue
-        rows.append([
+        rows.append(_failed_row([label], len(headers)) if s is None else row(label, s))
+    return markdown_table(headers, rows)
+
+
+def batching_table(runs: Results) -> str:
+    headers = ["config", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+               "TPOT p99 ms", "tokens/chunk", "completed", "duration s"]
+
+    def row(label: str, s: Mapping) -> list[str]:
+        return [
             label, fmt(s["output_throughput"]),
             fmt(s["ttft_ms"]["median"], ".0f"), fmt(s["ttft_ms"]["p99"], ".0f"),
             fmt(s["itl_ms"]["median"]), fmt(s["itl_ms"]["p99"]), fmt(s["tpot_ms"]["p99"]),
             fmt(_per_chunk(runs, label), ".2f"), _done(s), fmt(s["duration_s"]),
-        ])
-    return markdown_table(headers, rows)
+        ]
+
+    return _label_table(runs, headers, row)
 
 
 def topology_table(runs: Results) -> str:
@@ -549,19 +558,16 @@ def topology_table(runs: Results) -> str:
 def prefix_table(runs: Results) -> str:
     headers = ["config", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "cached prompt tokens",
                "tokens/chunk", "output tok/s", "completed"]
-    rows = []
-    for label in runs:
-        s = _first(runs, label)
-        if s is None:
-            rows.append(_failed_row([label], len(headers)))
-            continue
+
+    def row(label: str, s: Mapping) -> list[str]:
         cached = ratio(s["cached_prompt_tokens"], s["total_input_tokens"])
-        rows.append([
+        return [
             label, fmt(s["ttft_ms"]["mean"], ".0f"), fmt(s["ttft_ms"]["median"], ".0f"),
             fmt(s["ttft_ms"]["p99"], ".0f"), "-" if cached is None else f"{cached:.0%}",
             fmt(_per_chunk(runs, label), ".2f"), fmt(s["output_throughput"]), _done(s),
-        ])
-    return markdown_table(headers, rows)
+        ]
+
+    return _label_table(runs, headers, row)
 
 
 TABLES: dict[str, Callable[[Results], str]] = {

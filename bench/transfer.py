@@ -33,7 +33,7 @@ import time
 import ray
 import torch
 
-from bench.common import write_result
+from bench.common import init_local_ray, write_result
 
 from kv_transfer import KVLayout, TransferMeta
 from kv_transfer.config import TransferConfig
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="bench-results/transfer.json")
     args = ap.parse_args(argv)
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    init_local_ray()
     torch.set_num_threads(1)
     gloo_a, gloo_b = _pair("collective")
     store_a, store_b = _pair("object_store")

@@ -185,19 +185,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_make_model(sub) -> None:
     mm = sub.add_parser("make-model", help="write the built-in test model (tandem-tiny-llama) to DIR")
     mm.add_argument("dir")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
+
+def _add_pull(sub) -> None:
     pull = sub.add_parser("pull", help="fetch a named model into $TANDEM_HOME and print its path")
     pull.add_argument("name", choices=sorted(NAMED_MODELS))
     pull.set_defaults(func=_cmd_pull)
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate a completion offline")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=DEFAULT_SERVE_MODEL, help=MODEL_HELP)
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_up(sub) -> None:
     up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
     add_service_flags(up, model_help=MODEL_HELP)
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
@@ -219,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
     up.set_defaults(func=_cmd_up)
 
+
+def _add_request(sub) -> None:
     req = sub.add_parser("request", help="send one completion to a running server and print it")
     req.add_argument("prompt")
     req.add_argument("--url", default="http://127.0.0.1:8000")
@@ -229,10 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     req.add_argument("--timeout", type=float, default=120.0)
     req.set_defaults(func=_cmd_request)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead)")
     bench.add_argument("bench", choices=["offline", "serve", "report", "overhead"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_make_model, _add_pull, _add_generate, _add_up, _add_request, _add_bench):
+        add(sub)
     return p
 
 

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_at_least
 from kv_transfer.config import TransferConfig
 from kv_transfer.faults import FaultConfig
 
@@ -69,13 +69,7 @@ class ClusterConfig:
     name: str = "tandem"
 
     def __post_init__(self) -> None:
-        if self.prefill_workers < 0:
-            raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
-        if self.decode_workers < 1:
-            raise ValueError(f"decode_workers must be >= 1, got {self.decode_workers}")
-        for name in ("max_retries", "max_migrations"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_at_least(self, prefill_workers=0, decode_workers=1, max_retries=0, max_migrations=0)
         if not 0 <= self.stream_interval_s <= 10:
             raise ValueError(f"stream_interval_s must be in [0, 10] seconds, got {self.stream_interval_s}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

@@ -31,9 +31,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
+
+_T = TypeVar("_T")
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -182,18 +184,20 @@ class AsyncEngine:
     # -- streams ---------------------------------------------------------------
 
     def open_stream(self, request_id: str) -> RequestStream:
-        self.start()
-        stream = self._streams.get(request_id)
-        if stream is None:
-            stream = self._streams[request_id] = RequestStream(self._loop)
-        return stream
+        return self._open(self._streams, request_id, RequestStream)
 
     def open_outbox(self, subscriber: str) -> Outbox:
+        return self._open(self._outboxes, subscriber, Outbox)
+
+    def _open(
+        self, table: dict[str, _T], key: str, make: Callable[[asyncio.AbstractEventLoop], _T]
+    ) -> _T:
+        """``table[key]``, made on this loop first if it is not there yet."""
         self.start()
-        outbox = self._outboxes.get(subscriber)
-        if outbox is None:
-            outbox = self._outboxes[subscriber] = Outbox(self._loop)
-        return outbox
+        item = table.get(key)
+        if item is None:
+            item = table[key] = make(self._loop)
+        return item
 
     def route(self, request_id: str, subscriber: str) -> None:
         """Send the request's outputs to ``subscriber``'s outbox (before it can produce any)."""

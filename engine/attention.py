@@ -67,7 +67,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: Any,
         scale: float,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Writes k/v into
+        the caches at the step's slots, then returns the attention output [T, Hq, D]."""
 
 
 @dataclass(frozen=True)
@@ -159,46 +161,6 @@ def _gather(
     return g.transpose(-3, -2)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Returns [T, Hq, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    for g in meta.decodes:
-        b = g.q_end - g.q_start
-        # One query per row: fold each KV head's query group into the query axis,
-        # so K and V are never repeated per query head.
-        qd = q[g.q_start : g.q_end].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kd = _gather(k_cache, g.block_tables, meta.workspace, 0)
-        vd = _gather(v_cache, g.block_tables, meta.workspace, 1)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
-        out[g.q_start : g.q_end] = od.reshape(b, num_heads, head_dim)
-    for c in meta.prefills:
-        qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if c.mask is None:
-            kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
-            vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
-            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            ctx = c.mask.shape[1]
-            kc = _gather(k_cache, c.block_table, meta.workspace, 0)[:, :ctx].unsqueeze(0)
-            vc = _gather(v_cache, c.block_table, meta.workspace, 1)[:, :ctx].unsqueeze(0)
-            oc = F.scaled_dot_product_attention(
-                qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=True
-            )
-        out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
-    return out
-
-
 class TorchAttention:
     """The reference backend: gathers K/V per decode group or chunk and calls SDPA."""
 
@@ -227,7 +189,36 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k.shape[1]
+        for g in meta.decodes:
+            b = g.q_end - g.q_start
+            # One query per row: fold each KV head's query group into the query axis,
+            # so K and V are never repeated per query head.
+            qd = q[g.q_start : g.q_end].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            kd = _gather(k_cache, g.block_tables, meta.workspace, 0)
+            vd = _gather(v_cache, g.block_tables, meta.workspace, 1)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+            out[g.q_start : g.q_end] = od.reshape(b, num_heads, head_dim)
+        for c in meta.prefills:
+            qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            if c.mask is None:
+                kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
+                vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
+                oc = F.scaled_dot_product_attention(
+                    qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                ctx = c.mask.shape[1]
+                kc = _gather(k_cache, c.block_table, meta.workspace, 0)[:, :ctx].unsqueeze(0)
+                vc = _gather(v_cache, c.block_table, meta.workspace, 1)[:, :ctx].unsqueeze(0)
+                oc = F.scaled_dot_product_attention(
+                    qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=True
+                )
+            out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
+        return out
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decode rows (sorted by length) where padding would pass ~1.5x the data."""

@@ -318,12 +318,10 @@ class KVCacheManager:
     def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
         """Bring a swapped request back; returns (cpu, device) pairs to copy."""
         rid = request.request_id
-        cpu = self._cpu_blocks.get(rid, [])
-        new = self.pool.allocate(len(cpu))
+        new = self.pool.allocate(self.num_swapped_blocks(rid))
         if new is None:
             return None
-        del self._cpu_blocks[rid]
+        cpu = self._cpu_blocks.pop(rid)
         self._blocks[rid] = new
-        mapping = list(zip(cpu, (b.block_id for b in new)))
         self.cpu_pool.free(cpu)
-        return mapping
+        return list(zip(cpu, (b.block_id for b in new)))

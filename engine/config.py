@@ -10,6 +10,14 @@ GiB = 1 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
+def check_at_least(config: object, **minimums: int) -> None:
+    """Raise ValueError naming the first of ``config``'s fields below its minimum."""
+    for name, lo in minimums.items():
+        value = getattr(config, name)
+        if value < lo:
+            raise ValueError(f"{name} must be >= {lo}, got {value}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs. ``model=None`` means the built-in default model.
@@ -47,9 +55,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_at_least(self, max_num_batched_tokens=1, max_num_seqs=1)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_modes(self.preemption_mode, self.policy, self.batching)

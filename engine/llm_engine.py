@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from pathlib import Path
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 

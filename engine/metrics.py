@@ -16,8 +16,6 @@ request, in bulk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from prometheus_client import Counter, Gauge, Histogram
 
 LABELS = ("model", "role", "worker")
@@ -80,16 +78,6 @@ REQUEST_MIGRATIONS = _counter(
 )
 
 
-@dataclass
-class _Totals:
-    """The engine counters as last exported, so each export adds only the difference."""
-
-    preempt_recompute: int = 0
-    preempt_swap: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-
-
 class EngineMetrics:
     """Exports one engine's state and finished requests (a worker's view)."""
 
@@ -99,31 +87,30 @@ class EngineMetrics:
         self._running = NUM_RUNNING.labels(*labels)
         self._waiting = NUM_WAITING.labels(*labels)
         self._usage = KV_CACHE_USAGE.labels(*labels)
-        self._recompute = NUM_PREEMPTIONS.labels(*labels, "recompute")
-        self._swap = NUM_PREEMPTIONS.labels(*labels, "swap")
-        self._queries = PREFIX_CACHE_QUERIES.labels(*labels)
-        self._hits = PREFIX_CACHE_HITS.labels(*labels)
+        # The engine's running totals (``EngineStats`` fields), each with its counter.
+        self._totals = {
+            "num_preemptions_recompute": NUM_PREEMPTIONS.labels(*labels, "recompute"),
+            "num_preemptions_swap": NUM_PREEMPTIONS.labels(*labels, "swap"),
+            "prefix_cache_queries": PREFIX_CACHE_QUERIES.labels(*labels),
+            "prefix_cache_hits": PREFIX_CACHE_HITS.labels(*labels),
+        }
+        # The totals as last exported, so each export adds only the difference.
+        self._exported = dict.fromkeys(self._totals, 0)
         self._queue = QUEUE_TIME.labels(*labels)
         self._prefill = PREFILL_TIME.labels(*labels)
         self._decode = DECODE_TIME.labels(*labels)
-        self._done = _Totals()
 
     def on_step(self, stats) -> None:
         """Once per engine step (``stats``: an ``EngineStats``)."""
         self._running.set(stats.num_running)
         self._waiting.set(stats.num_waiting + stats.num_swapped)
         self._usage.set(stats.kv_cache_usage)
-        d = self._done
-        for child, now, attr in (
-            (self._recompute, stats.num_preemptions_recompute, "preempt_recompute"),
-            (self._swap, stats.num_preemptions_swap, "preempt_swap"),
-            (self._queries, stats.prefix_cache_queries, "prefix_queries"),
-            (self._hits, stats.prefix_cache_hits, "prefix_hits"),
-        ):
-            delta = now - getattr(d, attr)
+        for name, counter in self._totals.items():
+            now = getattr(stats, name)
+            delta = now - self._exported[name]
             if delta:
-                child.inc(delta)
-                setattr(d, attr, now)
+                counter.inc(delta)
+                self._exported[name] = now
 
     def on_finished(self, times) -> None:
         """A request finished here (``times``: its ``RequestTimes``)."""

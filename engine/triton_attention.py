@@ -46,6 +46,48 @@ _MIN_DOT = 16  # tl.dot needs at least 16 along each dimension on NVIDIA tensor 
 
 if triton is not None:
 
+    # K and V ([TILE, HEAD_DIM]) of one KV head at a request's positions ``pos``, found
+    # through its block table; rows not ``valid`` load as zeros.
+    @triton.jit
+    def _load_kv_tile(
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        pos,
+        valid,
+        kv_head,
+        d,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        BLOCK_SIZE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+    ):
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv = (
+            block[:, None] * stride_cb
+            + (pos % BLOCK_SIZE)[:, None] * stride_ct
+            + kv_head * stride_ch
+            + d[None, :]
+        )
+        k = tl.load(k_cache_ptr + kv, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_cache_ptr + kv, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
+        return k, v
+
+    # One K/V tile folded into the query rows' running max logits (m_i, base 2), exp sums
+    # (l_i) and unnormalised output (acc); ``keep`` ([rows, TILE]) masks the keys each
+    # row may attend to.
+    @triton.jit
+    def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr):
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        return m_new, l_i, acc
+
     @triton.jit
     def _write_kv_kernel(
         k_ptr,
@@ -132,23 +174,13 @@ if triton is not None:
         for tile in range(start, end, TILE):
             pos = tile + tl.arange(0, TILE)
             valid = pos < end
-            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            kv = (
-                block[:, None] * stride_cb
-                + (pos % BLOCK_SIZE)[:, None] * stride_ct
-                + kv_head * stride_ch
-                + d[None, :]
+            k, v = _load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, d,
+                stride_cb, stride_ct, stride_ch, BLOCK_SIZE, DOT_DTYPE,
+            )  # fmt: skip
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, DOT_DTYPE
             )
-            k = tl.load(k_cache_ptr + kv, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_cache_ptr + kv, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-            m_i = m_new
         if SPLIT:
             row = (seq * num_heads + heads) * max_partitions + part
             tl.store(part_max_ptr + row, m_i, mask=head_mask)
@@ -253,24 +285,15 @@ if triton is not None:
         for tile in range(0, kv_end, TILE):
             pos = tile + tl.arange(0, TILE)
             valid = pos < kv_end
-            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            kv = (
-                block[:, None] * stride_cb
-                + (pos % BLOCK_SIZE)[:, None] * stride_ct
-                + kv_head * stride_ch
-                + d[None, :]
-            )
-            k = tl.load(k_cache_ptr + kv, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_cache_ptr + kv, mask=valid[:, None], other=0.0).to(DOT_DTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            k, v = _load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, d,
+                stride_cb, stride_ct, stride_ch, BLOCK_SIZE, DOT_DTYPE,
+            )  # fmt: skip
             # Causal; keys past kv_end are past every row's position too.
-            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-            m_i = m_new
+            causal = pos[None, :] <= q_pos[:, None]
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, causal, m_i, l_i, acc, scale_log2, DOT_DTYPE
+            )
         out = acc / l_i[:, None]
         dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -497,7 +520,6 @@ class TritonAttention:
         meta: TritonMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Returns [T, Hq, D]."""
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:

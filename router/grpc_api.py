@@ -77,14 +77,9 @@ def response(delta) -> pb.GenerateResponse:
 
 
 def model_info(model: ServedModel) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        name=model.name,
-        max_model_len=model.max_model_len,
-        vocab_size=model.vocab_size,
-        block_size=model.block_size,
-        prefill_workers=model.prefill_workers,
-        decode_workers=model.decode_workers,
-    )
+    """``ModelInfo``: each of its fields is the served model's attribute of that name."""
+    fields = pb.ModelInfo.DESCRIPTOR.fields
+    return pb.ModelInfo(**{f.name: getattr(model, f.name) for f in fields})
 
 
 # -- servicer registration -----------------------------------------------------------

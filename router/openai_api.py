@@ -99,14 +99,18 @@ class Envelope:
     model: str
     created: int
 
-    def completion_sse(self, text: str, reason: str | None) -> str:
-        """``sse(completion_chunk(text, None, 0, reason))``, built from a per-request prefix:
-        the hot path of a stream without logprobs encodes only the new text."""
+    def completion_sse(self, text: str, reason: str | None, lps=None, text_offset: int = 0) -> str:
+        """``sse(completion_chunk(text, lps, text_offset, reason))``; without logprobs (the hot
+        path of a stream) built from a per-request prefix, encoding only the new text."""
+        if lps is not None:
+            return sse(self.completion_chunk(text, lps, text_offset, reason))
         return f"{self._prefix('text_completion')}\"text\":{_json(text)},\"logprobs\":null," \
             f"\"finish_reason\":{_json(reason)}}}],\"usage\":null}}\n\n"
 
-    def chat_sse(self, text: str | None, reason: str | None) -> str:
-        """``sse(chat_chunk({"content": text} if text else {}, None, reason))``, the same way."""
+    def chat_sse(self, text: str | None, reason: str | None, lps=None) -> str:
+        """``sse(chat_chunk({"content": text} if text else {}, lps, reason))``, the same way."""
+        if lps is not None:
+            return sse(self.chat_chunk({"content": text} if text else {}, lps, reason))
         delta = f"{{\"content\":{_json(text)}}}" if text else "{}"
         return f"{self._prefix('chat.completion.chunk')}\"delta\":{delta},\"logprobs\":null," \
             f"\"finish_reason\":{_json(reason)}}}],\"usage\":null}}\n\n"
@@ -120,78 +124,46 @@ class Envelope:
             prefix = cache[obj] = f"data: {head[:-1]},\"choices\":[{{\"index\":0,"
         return prefix
 
-    def completion(self, acc: Accumulator) -> dict:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": acc.text,
-                    "logprobs": completion_logprobs(acc.logprobs, 0),
-                    "finish_reason": acc.finish_reason,
-                }
-            ],
-            "usage": acc.usage(),
-        }
-
-    def completion_chunk(self, text: str, lps, text_offset: int, reason: str | None) -> dict:
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": completion_logprobs(lps, text_offset),
-                    "finish_reason": reason,
-                }
-            ],
-            "usage": None,
-        }
-
-    def chat(self, acc: Accumulator) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": acc.text},
-                    "logprobs": chat_logprobs(acc.logprobs),
-                    "finish_reason": acc.finish_reason,
-                }
-            ],
-            "usage": acc.usage(),
-        }
-
-    def chat_chunk(self, delta: dict, lps, reason: str | None) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": reason}
-            ],
-            "usage": None,
-        }
-
-    def usage_chunk(self, obj: str, acc: Accumulator) -> dict:
+    def _response(self, obj: str, choice: dict | None, usage: dict | None) -> dict:
+        """The shape every response and chunk shares: one choice (index 0), or none."""
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "choices": [],
-            "usage": acc.usage(),
+            "choices": [] if choice is None else [{"index": 0, **choice}],
+            "usage": usage,
         }
+
+    def completion(self, acc: Accumulator) -> dict:
+        choice = _text_choice(acc.text, acc.logprobs, 0, acc.finish_reason)
+        return self._response("text_completion", choice, acc.usage())
+
+    def completion_chunk(self, text: str, lps, text_offset: int, reason: str | None) -> dict:
+        return self._response("text_completion", _text_choice(text, lps, text_offset, reason), None)
+
+    def chat(self, acc: Accumulator) -> dict:
+        choice = {
+            "message": {"role": "assistant", "content": acc.text},
+            "logprobs": chat_logprobs(acc.logprobs),
+            "finish_reason": acc.finish_reason,
+        }
+        return self._response("chat.completion", choice, acc.usage())
+
+    def chat_chunk(self, delta: dict, lps, reason: str | None) -> dict:
+        choice = {"delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": reason}
+        return self._response("chat.completion.chunk", choice, None)
+
+    def usage_chunk(self, obj: str, acc: Accumulator) -> dict:
+        return self._response(obj, None, acc.usage())
+
+
+def _text_choice(text: str, lps, text_offset: int, reason: str | None) -> dict:
+    return {
+        "text": text,
+        "logprobs": completion_logprobs(lps, text_offset),
+        "finish_reason": reason,
+    }
 
 
 def sse(obj: dict | str) -> str:

@@ -295,8 +295,7 @@ class Router:
             raise _server_error(first)
         if not prepared.stream:
             return await self._whole(first, deltas, acc, env, chat)
-        sse_body = self._sse_chat if chat else self._sse_completion
-        body = sse_body(first, deltas, acc, env, prepared)
+        body = self._sse(first, deltas, acc, env, prepared, chat)
         return StreamingResponse(body, media_type="text/event-stream")
 
     async def _whole(self, first, deltas, acc: Accumulator, env: Envelope, chat: bool) -> dict:
@@ -308,36 +307,22 @@ class Router:
                 acc.add(delta)
         return env.chat(acc) if chat else env.completion(acc)
 
-    async def _sse_completion(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest):
+    async def _sse(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest, chat: bool):
+        """The event stream of a completion, or of a chat completion (opened by the role)."""
+        if chat:
+            yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
         async for chunk in self._chunks(first, deltas, acc):
             if isinstance(chunk, ApiError):
                 yield sse(chunk.body())
                 break
             delta, lps, offset = chunk
             reason = delta.finish_reason if delta.finished else None
-            if lps is None:
-                yield env.completion_sse(delta.text, reason)
+            if chat:
+                yield env.chat_sse(delta.text, reason, lps)
             else:
-                yield sse(env.completion_chunk(delta.text, lps, offset, reason))
+                yield env.completion_sse(delta.text, reason, lps, offset)
         if prepared.include_usage:
-            yield sse(env.usage_chunk("text_completion", acc))
-        yield sse("[DONE]")
-
-    async def _sse_chat(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest):
-        yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
-        async for chunk in self._chunks(first, deltas, acc):
-            if isinstance(chunk, ApiError):
-                yield sse(chunk.body())
-                break
-            delta, lps, _ = chunk
-            reason = delta.finish_reason if delta.finished else None
-            if lps is None:
-                yield env.chat_sse(delta.text, reason)
-            else:
-                content = {"content": delta.text} if delta.text else {}
-                yield sse(env.chat_chunk(content, lps, reason))
-        if prepared.include_usage:
-            yield sse(env.usage_chunk("chat.completion.chunk", acc))
+            yield sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
         yield sse("[DONE]")
 
     async def _chunks(self, first, deltas, acc: Accumulator):

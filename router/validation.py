@@ -289,14 +289,30 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
     return b.stream, bool(b.stream_options and b.stream_options.include_usage)
 
 
+def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
+    """Parse a body and check what every endpoint checks: the model's name, and no
+    option this server does not support."""
+    b = _parse(model_cls, body)
+    model.check_name(b.model)
+    _reject_unsupported(b)
+    return b
+
+
+def _prepared(
+    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None
+) -> PreparedRequest:
+    """The prompt's ids with the body's sampling params and stream flags."""
+    params = _sampling_params(b, max_tokens, len(ids), model, logprobs)
+    stream, usage = _stream_flags(b)
+    return PreparedRequest(ids, params, stream, usage)
+
+
 # -- the two endpoints ---------------------------------------------------------
 
 
 def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     """Validate a ``/v1/completions`` body; raises ``ApiError``."""
-    b: CompletionBody = _parse(CompletionBody, body)
-    model.check_name(b.model)
-    _reject_unsupported(b)
+    b: CompletionBody = _parse_body(CompletionBody, body, model)
     if b.echo:
         raise ApiError(400, "echo is not supported", param="echo")
     if b.suffix:
@@ -311,16 +327,12 @@ def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedReq
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
-    params = _sampling_params(b, max_tokens, len(ids), model, b.logprobs)
-    stream, usage = _stream_flags(b)
-    return PreparedRequest(ids, params, stream, usage)
+    return _prepared(b, ids, max_tokens, model, b.logprobs)
 
 
 def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     """Validate a ``/v1/chat/completions`` body; raises ``ApiError``."""
-    b: ChatBody = _parse(ChatBody, body)
-    model.check_name(b.model)
-    _reject_unsupported(b)
+    b: ChatBody = _parse_body(ChatBody, body, model)
     if b.tools:
         raise ApiError(400, "tools are not supported", param="tools")
     if b.response_format and b.response_format.get("type") != "text":
@@ -340,6 +352,4 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     if top is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    params = _sampling_params(b, max_tokens, len(ids), model, (top or 0) if b.logprobs else None)
-    stream, usage = _stream_flags(b)
-    return PreparedRequest(ids, params, stream, usage)
+    return _prepared(b, ids, max_tokens, model, (top or 0) if b.logprobs else None)
