@@ -230,8 +230,7 @@ class LLMEngine:
         self._track(request)
         if resume_output:
             tracked = self._tracked[request.request_id]
-            tracked.detok.update(list(resume_output))
-            tracked.detok.take_delta()  # already streamed by the worker it resumes from
+            tracked.detok.skip(resume_output)  # already streamed by the worker it resumes from
             tracked.tokens_sent = len(resume_output)
         return request.request_id
 

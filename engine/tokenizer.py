@@ -366,6 +366,17 @@ class IncrementalDetokenizer:
         self._ids.extend(int(i) for i in new_token_ids)
         return self._advance(force=False)
 
+    def skip(self, streamed_token_ids: Sequence[int]) -> None:
+        """Take in tokens whose text another worker already streamed (a migrated
+        request), leaving the state that worker had: their text counts as sent.
+
+        They go in one at a time, as that worker's steps fed them: fed at once, tokens
+        ending mid-character would all stay pending and be sent a second time.
+        """
+        for token_id in streamed_token_ids:
+            self.update((token_id,))
+        self.take_delta()
+
     def output_text(self) -> str:
         """The full output text so far, cut at the stop string if one matched.
 

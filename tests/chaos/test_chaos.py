@@ -142,6 +142,14 @@ async def _load(url: str, model: str, workload, chaos) -> list[Outcome]:
     return sorted(progress["outcomes"], key=lambda o: o.index)
 
 
+def _difference(o: Outcome, want: str) -> str:
+    """Where a request's text left the reference, for the failure message."""
+    at = next((i for i, (a, b) in enumerate(zip(o.text, want)) if a != b), min(len(o.text), len(want)))
+    return (f"request {o.index} ({o.chunks} chunks, finish {o.finish_reason}, {o.retries} retries) differs at "
+            f"char {at}: got {o.text[max(0, at - 20):at + 40]!r}, want {want[max(0, at - 20):at + 40]!r} "
+            f"({len(o.text)} vs {len(want)} chars)")
+
+
 def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool) -> None:
     _, _, want = workload
     hung = [o.index for o in outcomes if o.hung]
@@ -154,7 +162,9 @@ def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool) ->
           f"hung {len(hung)}, blocks leaked {leaked}, retried by the client {retried}")
     assert len(outcomes) == N
     assert not hung, f"requests hung: {hung}"
-    assert not truncated, f"ended without error but not the reference text: {truncated}"
+    assert not truncated, "ended without error but not the reference text: " + "; ".join(
+        _difference(o, want[o.index]) for o in outcomes if o.index in truncated
+    )
     for o in errored:
         assert o.error.strip(), f"request {o.index}: an error without a message"
         assert may_fail, f"request {o.index} failed where it could have been re-run: {o.error}"

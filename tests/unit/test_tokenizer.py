@@ -435,3 +435,28 @@ def test_a_single_stop_string_is_not_split_into_characters(tok: Tokenizer) -> No
     deltas, _, stop = _stream(tok, ids, stop="three")
     assert stop == "three", "a bare string should act as one stop string"
     assert "".join(deltas) == "one two ", "text should be cut before 'three', not at the letter 'e'"
+
+
+@pytest.mark.parametrize("text", ["ok 😀 你好 done", "a\u00e2 stray lead byte then text"])
+def test_a_migrated_stream_resumes_with_the_text_its_first_worker_had_sent(tok: Tokenizer, text: str) -> None:
+    """``skip(ids[:k])`` leaves the state streaming ``ids[:k]`` one step at a time left:
+    what is streamed after it is what the first worker would have streamed, at every
+    split, also right after a token that ends mid-character (or holds a byte that never
+    becomes a character)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    if "\u00e2" in text:  # a lone UTF-8 lead byte (0xE2, 'â' in the byte-level alphabet) in mid-output
+        stray = tok.token_to_id("\u00e2")
+        assert stray is not None
+        ids = tok.encode("a", add_special_tokens=False) + [stray] + tok.encode(" then text", add_special_tokens=False)
+    splits = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    assert splits, "the text should have a split right after a token that ends mid-character"
+    whole, _, _ = _stream(tok, ids)
+    for k in range(1, len(ids)):
+        resumed = IncrementalDetokenizer(tok, tok.encode(PROMPT))
+        resumed.skip(ids[:k])
+        deltas = []
+        for token_id in ids[k:]:
+            resumed.update([token_id])
+            deltas.append(resumed.take_delta())
+        deltas.append(resumed.take_delta(finished=True))
+        assert "".join(whole[:k]) + "".join(deltas) == "".join(whole), f"resumed after {k} tokens"
