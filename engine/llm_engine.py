@@ -134,12 +134,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(source)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
         device = torch.device(config.device)
-<<<<<<< HEAD
-        self.model = load_model(source, dtype, device)
-=======
         dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(self.model_dir, dtype, device)
->>>>>>> gpu
+        self.model = load_model(source, dtype, device)
         per_block = bytes_per_block(self.model_config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         num_cpu_blocks = config.swap_space // per_block
