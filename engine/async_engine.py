@@ -140,6 +140,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.step_error: BaseException | None = None
+        # A grammar compiled off the step thread wakes it, if it sleeps.
+        engine.structured.on_ready = self.wake
 
     def start(self) -> None:
         if self._thread is None:
@@ -298,7 +300,7 @@ class AsyncEngine:
     def _fail_all(self, error: Exception) -> None:
         """Every request in the engine ends with ``error``; their blocks are freed."""
         self.step_error = error
-        self.engine.abort(list(self.engine.scheduler.requests))
+        self.engine.abort(self.engine.request_ids())
         for rid in [*self._streams, *self._routes]:
             self.fail(rid, error)
 
@@ -308,7 +310,7 @@ class AsyncEngine:
             now = time.time()
             for fn in self._periodic:
                 fn(now)
-            busy = self.engine.scheduler.has_schedulable_work()
+            busy = self.engine.has_schedulable_work()
             if busy:
                 try:
                     outputs = self.engine.step()

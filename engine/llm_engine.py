@@ -8,6 +8,12 @@ A request's way through: ``add_request`` validates and tokenizes it and hands it
 the scheduler; each ``step`` that samples a token for it yields a ``RequestOutput``
 with the new ids and text; the last one has ``finished=True`` and a finish reason
 (``stop``, ``length`` or ``abort``). Finished requests free their blocks at once.
+
+A request with a structured-output constraint waits outside the scheduler until its
+grammar is compiled (``engine.structured_output``; a cached grammar is ready at
+once), then enters it like any other. Each step the sampler masks its logits row with
+the grammar's token bitmask, and a request whose matcher terminates finishes with
+``stop``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from engine.attention import create_attention_backend
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.gguf_checkpoint import is_gguf, open_gguf
+from engine.grammar import check as check_structured_output
 from engine.kv_cache import KVCache, bytes_per_block
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import ModelConfig
@@ -33,6 +40,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.structured_output import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -163,7 +171,17 @@ class LLMEngine:
         self.attention = create_attention_backend(
             config.attention_backend, device, config.block_size, self.model_config.head_dim
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self._seeds, self.attention)
+        # The logits' width, not the tokenizer's size: ids past the tokenizer are masked too.
+        self.structured = StructuredOutputs(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self._seeds, self.attention, self.structured)
+        # Constrained requests whose grammar is still compiling, and decode-role arrivals
+        # (first token, logprobs, cached tokens) held back for the same reason.
+        self._compiling: dict[str, Request] = {}
+        self._arrivals: dict[str, tuple] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -226,8 +244,12 @@ class LLMEngine:
         request.hold_kv = hold_kv
         request.keep_blocks = hold_kv and keep_blocks
         request.output_token_ids = list(resume_output)
-        self.scheduler.add_request(request)
         self._track(request)
+        rid = request.request_id
+        if rid in self.structured and (not self.structured.is_ready(rid) or self.structured.error(rid)):
+            self._compiling[rid] = request
+        else:
+            self.scheduler.add_request(request)
         if resume_output:
             tracked = self._tracked[request.request_id]
             tracked.detok.skip(resume_output)  # already streamed by the worker it resumes from
@@ -250,7 +272,7 @@ class LLMEngine:
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
         blocks = self.scheduler.add_remote(request)
         if blocks is not None:
-            self._track(request)
+            self._track(request)  # a constraint starts compiling while the KV is on its way
         return blocks
 
     def remote_kv_arrived(
@@ -274,6 +296,10 @@ class LLMEngine:
             return None
         if k is not None:
             self._write_blocks(request_id, k, v)
+        if request_id in self.structured and not self.structured.is_ready(request_id):
+            # The grammar must see the first token: join the batch once it is compiled.
+            self._arrivals[request_id] = (first_token, first_logprobs, num_cached_tokens)
+            return None
         request = self.scheduler.remote_arrived(request_id, first_token)
         request.first_scheduled_time = time.monotonic()
         request.num_cached_tokens = num_cached_tokens
@@ -317,6 +343,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if params.structured_output is not None:
+            check_structured_output(params.structured_output)  # cached: cheap after the first time
         return Request(
             request_id=rid,
             prompt_token_ids=ids,
@@ -341,6 +369,8 @@ class LLMEngine:
             logprobs=[] if params.logprobs is not None else None,
         )
         self._prompt_tokens += request.num_prompt_tokens
+        if params.structured_output is not None:
+            self.structured.add(rid, params.structured_output)
 
     def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Finish requests now and free their blocks; unknown ids are ignored.
@@ -350,19 +380,64 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            request = self._compiling.pop(rid, None)
+            if request is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
+                finished.append(request)
         return [self._finish_output(r) for r in finished]
 
     def _forget(self, rid: str) -> None:
         self._tracked.pop(rid, None)
         self._seeds.pop(rid, None)
+        self._arrivals.pop(rid, None)
+        self.structured.remove(rid)
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds (scheduled or waiting for its grammar)."""
+        return [*self.scheduler.requests, *self._compiling]
 
     # -- stepping --------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
+
+    def has_schedulable_work(self) -> bool:
+        """A step can do something now (requests waiting for remote KV or for their
+        grammar cannot be stepped until it has arrived)."""
+        if self.scheduler.has_schedulable_work():
+            return True
+        ready = self.structured.is_ready
+        return any(ready(rid) for rid in self._compiling) or any(ready(rid) for rid in self._arrivals)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar is now ready to the scheduler; a grammar that
+        failed to compile ends its request with an error."""
+        outputs = []
+        for rid in [r for r in self._compiling if self.structured.is_ready(r)]:
+            request = self._compiling.pop(rid)
+            error = self.structured.error(rid)
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, f"grammar: {error}"
+                outputs.append(self._finish_output(request))
+        for rid in [r for r in self._arrivals if self.structured.is_ready(r)]:
+            first_token, first_logprobs, num_cached = self._arrivals.pop(rid)
+            if self.structured.error(rid) is not None:
+                failed = self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+                outputs += [self._finish_output(r) for r in failed]
+                continue
+            out = self.remote_kv_arrived(rid, first_token, None, None, first_logprobs, num_cached)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of the requests that produced tokens."""
+        admitted = self._admit_compiled() if self._compiling or self._arrivals else []
+        if not self.scheduler.has_schedulable_work() and self._compiling and not admitted:
+            self.structured.wait_any(0.05)  # offline loops: nothing else to do meanwhile
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for item in sched.scheduled:
@@ -376,7 +451,7 @@ class LLMEngine:
         sampled = [r for r, token in progressed if token is not None]
         self._generation_tokens += len(sampled)
         # Requests the scheduler ended while planning get their final output too.
-        return self._emit(sampled, result.sampled, result.logprobs) + [
+        return admitted + self._emit(sampled, result.sampled, result.logprobs) + [
             self._finish_output(r) for r in sched.finished
         ]
 
@@ -397,6 +472,9 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 stopped.append(rid)
+            elif rid in self.structured and not request.is_finished:
+                if self.structured.sync(rid, request.output_token_ids):
+                    stopped.append(rid)  # the grammar is complete and took a stop token
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = []
@@ -454,7 +532,7 @@ class LLMEngine:
         pool = self.kv_manager.pool
         return EngineStats(
             num_running=len(s.running),
-            num_waiting=s.num_waiting,
+            num_waiting=s.num_waiting + len(self._compiling),
             num_swapped=len(s.swapped),
             num_blocks=pool.num_usable_blocks,
             num_blocks_in_use=pool.num_used_blocks,

@@ -9,6 +9,8 @@ The step is one flattened batch: swaps are copied first, then decode tokens (one
 request) and prefill chunks go through a single forward, and only the rows that
 sample are projected to logits. The runner lays the batch out as plain integers; the
 attention backend it was given turns that layout into its own metadata tensors.
+Rows of requests with a structured-output constraint get their grammar's token
+bitmask, which the sampler applies before anything else.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import SampleRow, TokenLogprobs, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.structured_output import StructuredOutputs
 
 
 @dataclass
@@ -37,6 +40,7 @@ class ModelRunner:
         kv_cache: KVCache,
         seeds: dict[str, int],
         attention: AttentionBackend,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
         self.kv = kv_cache
@@ -45,6 +49,7 @@ class ModelRunner:
         self.attention = attention
         # Per-request sampling seeds, owned by the engine (they outlive preemption).
         self._seeds = seeds
+        self.structured = structured  # the engine's grammar matchers
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -66,6 +71,9 @@ class ModelRunner:
             return RunnerOutput()
         reqs = [req for _, req in sample_rows]
         logits = self.model.logits(hidden[rows_idx])
+        mask = None
+        if self.structured is not None:
+            mask = self.structured.bitmask([r.request_id for r in reqs], [r.output_token_ids for r in reqs])
         ids, logprobs = sample(
             logits,
             [
@@ -77,6 +85,7 @@ class ModelRunner:
                 )
                 for r in reqs
             ],
+            mask,
         )
         out = RunnerOutput()
         for r, tok, lp in zip(reqs, ids, logprobs):

@@ -1,8 +1,9 @@
 """Turns the logits of the rows that sample into next tokens (and logprobs).
 
-Order of processing, as in vLLM: penalties (repetition over prompt and output,
-presence and frequency over output), then temperature, then the top-k / top-p /
-min-p masks, then a draw. Temperature 0 is greedy (argmax after penalties).
+Order of processing, as in vLLM: the structured-output token bitmask (its rows only;
+logprobs are taken after it), penalties (repetition over prompt and output, presence
+and frequency over output), then temperature, then the top-k / top-p / min-p masks,
+then a draw. Temperature 0 is greedy (argmax after penalties).
 
 Random draws are a function of (request seed, output index) only: each row gets its
 own generator seeded from both, so a request's tokens do not depend on its batch
@@ -89,10 +90,28 @@ def _generator_for(seed: int, index: int, device: torch.device) -> torch.Generat
     return g
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """In place: -inf for the tokens ``bitmask`` (int32, 32 tokens a word, [B, ceil(V/32)])
+    forbids, on the listed rows only; the batch is masked in one call."""
+    import xgrammar as xgr  # loaded by the first constrained request's compile already
+
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
+
+
 def sample(
-    logits: torch.Tensor, rows: Sequence[SampleRow]
+    logits: torch.Tensor,
+    rows: Sequence[SampleRow],
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [B, V] float32, one row per request that samples. Returns ids and logprobs."""
+    """logits: [B, V] float32, one row per request that samples. Returns ids and logprobs.
+
+    ``token_bitmask``: (bitmask, the rows it constrains), from the structured-output
+    matchers; those rows can only draw the tokens it allows.
+    """
+    if token_bitmask is not None:
+        apply_token_bitmask(logits, *token_bitmask)
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     if any(r.params.needs_penalties for r in rows):

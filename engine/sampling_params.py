@@ -2,13 +2,48 @@
 
 Every out-of-range value raises ``ValueError`` naming the field and the limit, so the
 router can turn it into a 400 without knowing the rules itself.
+
+A structured-output constraint travels as ``StructuredOutput``: its kind and its spec as
+text, so it pickles across processes and imports nothing. Whether the spec compiles is
+checked by ``engine.grammar`` (the router does it before a request is queued).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+
+# json: a JSON schema; json_object: any JSON object (spec unused); regex; choice: a JSON
+# list of the allowed strings; grammar: EBNF (GBNF dialect, start symbol ``root``).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The output must match this: ``kind`` (one of ``STRUCTURED_KINDS``) and ``spec``."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured_output spec must be a string, got {type(self.spec).__name__}")
+        if self.kind == "choice":
+            choices = json.loads(self.spec)
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("guided_choice must be a non-empty list of non-empty strings")
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "StructuredOutput":
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> "StructuredOutput":
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 @dataclass(frozen=True)
@@ -35,6 +70,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    structured_output: StructuredOutput | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

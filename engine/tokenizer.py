@@ -248,6 +248,10 @@ class Tokenizer:
         # int() accepts numpy / torch scalars, which the Rust binding rejects.
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def backend(self) -> tokenizers.Tokenizer:
+        """The ``tokenizers`` object itself (grammar engines read its vocabulary)."""
+        return self._tok
+
     def id_to_token(self, token_id: int) -> str | None:
         """Return the vocabulary string of ``token_id`` (None if out of range)."""
         return self._tok.id_to_token(int(token_id))

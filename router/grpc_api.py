@@ -13,6 +13,8 @@ service registers ``Check`` only, so ``Watch`` is UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from protos.grpc.health.v1 import health_pb2
@@ -28,6 +30,7 @@ _CODES = {
     503: grpc.StatusCode.UNAVAILABLE,
 }
 
+_GUIDED = ("guided_json", "guided_regex", "guided_grammar")
 _OPTIONAL = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "logprobs",
@@ -53,6 +56,16 @@ def prepare(request: pb.GenerateRequest, model: ServedModel, tokenizer) -> Prepa
         "min_tokens": s.min_tokens,
     }
     body.update({name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)})
+    body.update({name: getattr(s, name) for name in _GUIDED if s.HasField(name)})
+    if s.guided_choice:
+        body["guided_choice"] = list(s.guided_choice)
+    if s.HasField("response_format"):
+        try:
+            body["response_format"] = json.loads(s.response_format)
+        except ValueError as e:
+            raise ApiError(400, f"response_format is not valid JSON: {e}", param="response_format") from None
+        if not isinstance(body["response_format"], dict):
+            raise ApiError(400, "response_format must be a JSON object", param="response_format")
     return prepare_completion(body, model, tokenizer)
 
 

@@ -7,7 +7,8 @@ gRPC proxy, servicers from ``protos``): ``tandem.v1.Generation`` and
 
 A request's way through a replica::
 
-    auth ─▶ parse + validate + tokenize (4xx) ─▶ admission (429 / RESOURCE_EXHAUSTED)
+    auth ─▶ parse + validate + tokenize (4xx) ─▶ output constraint parsed (400; helper
+      process) ─▶ admission (429 / RESOURCE_EXHAUSTED)
       ─▶ Dispatcher.generate ─▶ deltas out as JSON, SSE chunks or gRPC messages
       ─▶ admission ticket released (finished, failed, aborted or client gone)
 
@@ -47,6 +48,7 @@ from router import grpc_api
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from engine.messages import ErrorKind, StreamDelta
 from router.dispatch import Dispatcher, DispatchConfig
+from router.grammar_check import GrammarChecker
 from router.openai_api import Accumulator, Envelope, model_list, sse
 from router.validation import (
     ApiError,
@@ -134,6 +136,7 @@ class RouterCore:
         # Block size and running cap must match the workers' engines: the controller knows them.
         dispatch = dataclasses.replace(config.dispatch, **ray.get(controller.dispatch_settings.remote()))
         self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch, self.metrics)
+        self.grammars = GrammarChecker()
 
     # -- workers ---------------------------------------------------------------
 
@@ -157,6 +160,15 @@ class RouterCore:
 
     def check_key(self, presented: str | None) -> None:
         check_api_key(self.config.api_key, presented)
+
+    async def check_structured_output(self, prepared: PreparedRequest) -> None:
+        """400 naming the field when xgrammar cannot parse the request's output constraint."""
+        so = prepared.params.structured_output
+        if so is None:
+            return
+        error = await self.grammars.check(so, prepared.structured_field)
+        if error is not None:
+            raise ApiError(400, error, param=prepared.structured_field)
 
     def admit(self, prepared: PreparedRequest) -> Ticket:
         decision = self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic())
@@ -278,6 +290,7 @@ class Router:
         try:
             body = parse_json(await _read_body(request, limit), limit)
             prepared = prepare(body, core.model, core.tokenizer)
+            await core.check_structured_output(prepared)
         except ApiError:
             core.metrics.on_rejected("invalid_request")
             raise
@@ -356,6 +369,7 @@ class Router:
                 if size > limit:  # Serve's proxy takes messages up to 2 GiB; don't tokenize them
                     raise ApiError(413, f"the request is {size} bytes, over the limit of {limit} bytes")
                 prepared = grpc_api.prepare(request, core.model, core.tokenizer)
+                await core.check_structured_output(prepared)
             except ApiError:
                 core.metrics.on_rejected("invalid_request")
                 raise

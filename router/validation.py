@@ -5,6 +5,13 @@ HTTP status (400, 404, 413), the offending field in ``param`` and a message that
 names the field and the limit. The transports map it: HTTP sends the OpenAI error
 JSON, gRPC a status code (see ``router.grpc_api``). Pure: no Ray, no network; the
 tokenizer and the served model's limits are passed in.
+
+Structured output (``response_format`` json_object / json_schema, and vLLM's
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; at most one
+per request) becomes ``SamplingParams.structured_output``. The checks that need no
+grammar engine run here; parsing the spec with xgrammar (which imports torch) runs in
+the router's helper process (``router.grammar_check``), before admission. Either way
+a bad spec is a 400 naming the field (``PreparedRequest.structured_field``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any, Literal
 import jinja2
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.sampling_params import SamplingParams
+from engine.grammar import precheck as precheck_grammar
+from engine.sampling_params import SamplingParams, StructuredOutput
 
 
 class ApiError(Exception):
@@ -88,6 +96,7 @@ class PreparedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    structured_field: str | None = None  # the field the output constraint came from
 
 
 # -- request bodies ------------------------------------------------------------
@@ -119,6 +128,11 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -156,7 +170,6 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict | None = None
 
 
 _Body.model_rebuild()
@@ -208,7 +221,71 @@ def _reject_unsupported(b: _Body) -> None:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 
-def _sampling_params(b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None):
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _response_format(rf: dict) -> tuple[str, StructuredOutput] | None:
+    """(field, constraint) for a ``response_format``; None for ``{"type": "text"}``."""
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise ApiError(
+            400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            param="response_format.type",
+        )
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object with a schema",
+                       param="response_format.json_schema")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                       param="response_format.json_schema.schema")
+    return "response_format.json_schema.schema", StructuredOutput.json_schema(schema)
+
+
+def _guided(name: str, value) -> StructuredOutput:
+    try:
+        if name == "guided_json":
+            return StructuredOutput.json_schema(value)
+        if name == "guided_choice":
+            return StructuredOutput.choice(value)
+        return StructuredOutput("regex" if name == "guided_regex" else "grammar", value)
+    except ValueError as e:
+        text = str(e)
+        raise ApiError(400, text if text.startswith(name) else f"{name}: {text}", param=name) from None
+
+
+def structured_output(b: _Body) -> tuple[str, StructuredOutput] | None:
+    """(field, constraint): the request's output constraint, at most one kind; 400 naming
+    the field. The spec is not parsed here (see ``router.grammar_check``)."""
+    given = []
+    if b.response_format is not None:
+        rf = _response_format(b.response_format)
+        if rf is not None:
+            given.append(rf)
+    given += [(name, _guided(name, getattr(b, name))) for name in _GUIDED if getattr(b, name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = [name.split(".")[0] for name, _ in given]
+        raise ApiError(400, f"at most one structured output kind per request; got {', '.join(names)}",
+                       param=names[1])
+    field, so = given[0]
+    try:
+        precheck_grammar(so, field)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=field) from None
+    return field, so
+
+
+def _sampling_params(
+    b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None,
+    constraint: StructuredOutput | None,
+):
     room = model.max_model_len - prompt_len
     if max_tokens is None:
         max_tokens = room
@@ -238,6 +315,7 @@ def _sampling_params(b: _Body, max_tokens: int | None, prompt_len: int, model: S
             skip_special_tokens=b.skip_special_tokens,
             include_stop_str_in_output=b.include_stop_str_in_output,
             logprobs=logprobs,
+            structured_output=constraint,
             **given,
         )
     except ValueError as e:
@@ -301,10 +379,11 @@ def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
 def _prepared(
     b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None
 ) -> PreparedRequest:
-    """The prompt's ids with the body's sampling params and stream flags."""
-    params = _sampling_params(b, max_tokens, len(ids), model, logprobs)
+    """The prompt's ids with the body's sampling params (and output constraint) and stream flags."""
+    field, constraint = structured_output(b) or (None, None)
+    params = _sampling_params(b, max_tokens, len(ids), model, logprobs, constraint)
     stream, usage = _stream_flags(b)
-    return PreparedRequest(ids, params, stream, usage)
+    return PreparedRequest(ids, params, stream, usage, field)
 
 
 # -- the two endpoints ---------------------------------------------------------
@@ -335,8 +414,6 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     b: ChatBody = _parse_body(ChatBody, body, model)
     if b.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    if b.response_format and b.response_format.get("type") != "text":
-        raise ApiError(400, "response_format must be {'type': 'text'}", param="response_format")
     messages = [
         {"role": m.role, "content": _check_text(m.text(), f"messages.{i}.content")}
         for i, m in enumerate(b.messages)

@@ -160,3 +160,110 @@ def test_admission_config_rejects_nonsense():
     for kwargs in ({"max_requests": 0}, {"max_prompt_tokens": 0}, {"min_retry_after_s": 5, "max_retry_after_s": 1}):
         with pytest.raises(ValueError):
             AdmissionConfig(**kwargs)
+
+
+# -- structured output -----------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "extra,kind,field",
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+         "json", "response_format.json_schema.schema"),
+        ({"guided_json": SCHEMA}, "json", "guided_json"),
+        ({"guided_json": '{"type": "string"}'}, "json", "guided_json"),
+        ({"guided_regex": "[a-z]+"}, "regex", "guided_regex"),
+        ({"guided_choice": ["yes", "no"]}, "choice", "guided_choice"),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", "guided_grammar"),
+    ],
+)
+def test_output_constraints_reach_the_sampling_params_on_both_endpoints(extra, kind, field):
+    chat = prepare_chat({"messages": [{"role": "user", "content": "x"}], **extra}, MODEL, FakeTokenizer())
+    for req in (completion(**extra), chat):
+        so = req.params.structured_output
+        assert so is not None and so.kind == kind, f"{extra} should constrain the output as {kind}, got {so}"
+        assert req.structured_field == field
+    if kind == "json" and isinstance(extra.get("guided_json", SCHEMA), dict):
+        import json
+
+        assert json.loads(so.spec) == SCHEMA
+
+
+def test_response_format_text_leaves_the_output_free():
+    assert completion(response_format={"type": "text"}).params.structured_output is None
+    assert completion().params.structured_output is None
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": "[1, 2]"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ],
+)
+def test_bad_or_conflicting_output_constraints_are_rejected_naming_the_field(extra, param):
+    e = error_of(completion, **extra)
+    assert (e.status, e.param) == (400, param), e.message
+    assert param.split(".")[0] in e.message
+
+
+def test_specs_xgrammar_cannot_parse_are_found_in_a_helper_process_without_torch_here():
+    import asyncio
+    import sys
+
+    from engine.sampling_params import StructuredOutput
+    from router.grammar_check import GrammarChecker
+
+    torch_before = "torch" in sys.modules
+
+    async def main():
+        checker = GrammarChecker()
+        try:
+            bad = await checker.check(StructuredOutput("regex", "(unclosed"), "guided_regex")
+            good = await checker.check(StructuredOutput("regex", "[0-9]+"), "guided_regex")
+            schema = await checker.check(StructuredOutput("json", '{"type": "frog"}'), "guided_json")
+            again = await checker.check(StructuredOutput("regex", "(unclosed"), "guided_regex")
+        finally:
+            checker.close()
+        return bad, good, schema, again
+
+    bad, good, schema, again = asyncio.run(main())
+    assert good is None
+    assert bad is not None and bad.startswith("guided_regex is not a valid regular expression"), bad
+    assert schema is not None and schema.startswith("guided_json is not a valid JSON schema"), schema
+    assert again == bad
+    assert ("torch" in sys.modules) == torch_before, "the check must not load torch in this process"
+
+
+def test_grpc_requests_carry_the_same_output_constraints():
+    import json
+
+    from protos.tandem.v1 import generate_pb2 as pb
+    from router import grpc_api
+
+    def prepared(**sampling):
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))
+        return grpc_api.prepare(request, MODEL, FakeTokenizer())
+
+    assert prepared(guided_regex="[a-z]+").params.structured_output.kind == "regex"
+    assert json.loads(prepared(guided_choice=["a", "b"]).params.structured_output.spec) == ["a", "b"]
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    req = prepared(response_format=json.dumps(rf))
+    assert req.params.structured_output.kind == "json" and req.structured_field == "response_format.json_schema.schema"
+    assert prepared().params.structured_output is None
+    for sampling, param in (({"response_format": "{oops"}, "response_format"),
+                            ({"guided_json": "[]"}, "guided_json"),
+                            ({"guided_regex": "a", "guided_grammar": 'root ::= "a"'}, "guided_grammar")):
+        e = error_of(prepared, **sampling)
+        assert (e.status, e.param) == (400, param), e.message
