@@ -91,7 +91,7 @@ def copy_bandwidth_tbps(nbytes: int = 2 << 30) -> float:
 
 def decode_case(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     """Caches, layout and this step's q/k/v for the decode shape, on shuffled blocks."""
-    from engine.attention import StepLayout
+    from engine.step_layout import StepLayout
 
     c = DECODE
     per_seq = c["context"] // c["block_size"]

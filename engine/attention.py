@@ -9,7 +9,8 @@ New K/V are written into the cache through the slot mapping before attention rea
 it, so a chunk sees the blocks that other requests in the same step just wrote.
 This path runs anywhere torch runs (CPU, or a GPU through torch ops).
 
-Backends: the model runner describes each step as a ``StepLayout`` (plain integers)
+Backends: the model runner describes each step as a ``StepLayout`` (plain integers,
+``engine/step_layout.py``, which every backend imports without importing another)
 and its ``AttentionBackend`` turns that into the metadata its kernels need; the
 layers call the backend through a ``StepAttention``. ``TorchAttention`` here is the
 reference; ``engine.triton_attention.TritonAttention`` is the GPU one.
@@ -25,30 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ATTENTION_BACKENDS
-
-
-@dataclass
-class ChunkLayout:
-    """A prefill chunk: ``num_tokens`` rows from ``row0``, its request's tokens from ``start``."""
-
-    row0: int
-    num_tokens: int
-    start: int
-    block_ids: list[int]
-
-
-@dataclass
-class StepLayout:
-    """One step's flattened batch as plain integers, whatever the backend.
-
-    Decode rows come first, one per request, sorted by context length; the prefill
-    chunks follow. ``decode_context_lens`` count the new token.
-    """
-
-    slots: list[int]
-    decode_block_ids: list[list[int]]
-    decode_context_lens: list[int]
-    chunks: list[ChunkLayout]
+from engine.step_layout import ChunkLayout, StepLayout
 
 
 class AttentionBackend(Protocol):

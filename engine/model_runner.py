@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionBackend, ChunkLayout, StepAttention, StepLayout
+from engine.attention import AttentionBackend, StepAttention
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import SampleRow, TokenLogprobs, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_layout import ChunkLayout, StepLayout
 from engine.structured_output import StructuredOutputs
 
 

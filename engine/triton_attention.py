@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import StepLayout
+from engine.step_layout import StepLayout
 
 try:
     import triton

@@ -17,7 +17,8 @@ import random
 import pytest
 import torch
 
-from engine.attention import ChunkLayout, StepLayout, TorchAttention
+from engine.attention import TorchAttention
+from engine.step_layout import ChunkLayout, StepLayout
 from tests.gpu.device import DEVICE, ON_GPU, sync
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")

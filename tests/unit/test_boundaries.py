@@ -38,3 +38,11 @@ def test_reading_gguf_metadata_and_resolving_model_names_load_no_torch():
     loaded = _loaded_after(["engine.tokenizer", "engine.gguf_checkpoint", "engine.model_registry"])
     heavy = sorted(m for m in ("torch", "transformers") if m in loaded)
     assert not heavy, f"GGUF metadata and model names must not need {heavy}"
+
+
+def test_attention_backends_share_the_step_layout_without_importing_each_other():
+    # The reference backend picks the Triton one in its factory; the Triton backend must
+    # not need the reference module back (the step's layout lives on its own).
+    loaded = _loaded_after(["engine.triton_attention"])
+    assert "engine.step_layout" in loaded
+    assert "engine.attention" not in loaded, "engine.triton_attention must not import engine.attention"

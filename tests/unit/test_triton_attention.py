@@ -26,13 +26,8 @@ pytest.importorskip(
 )
 
 from engine import LLM, SamplingParams, triton_attention  # noqa: E402
-from engine.attention import (  # noqa: E402
-    ChunkLayout,
-    StepLayout,
-    TorchAttention,
-    resolve_attention_backend,
-    write_kv,
-)
+from engine.attention import TorchAttention, resolve_attention_backend, write_kv  # noqa: E402
+from engine.step_layout import ChunkLayout, StepLayout  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.triton_attention import TritonAttention  # noqa: E402
 from tests.helpers import build_hf_checkpoint  # noqa: E402
