@@ -22,6 +22,7 @@ from kv_transfer import KVLayout, TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.nixl import unavailable_reason
 from kv_transfer.peer import TransferPeer, checksum, make_kv
+from tests.helpers import wait_for
 
 LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="float32")
 
@@ -163,6 +164,20 @@ def test_a_receiver_that_gives_up_breaks_neither_the_pair_nor_the_process(channe
     with pytest.raises(TransferError):
         ray.get(sender.push.remote(meta), timeout=30)
     ray.get(sender.release.remote(meta))
+    # Its send still runs to its end on the sender's transfer thread (so the pair's
+    # message order holds), and closes the channel when it fails: a transfer prepared
+    # meanwhile fails with "channel_closed". Once that send has ended, the pair is whole.
+    attempts = iter(range(1000))
+
+    def recovered() -> bool:
+        try:
+            sent, got = _transfer(sender, receiver, _meta(f"recovery-{next(attempts)}", receiver), seed=7)
+        except TransferError as e:
+            assert "closed" in str(e), f"only the abandoned send's channel may fail a transfer now: {e}"
+            return False
+        return got == sent
+
+    wait_for(recovered, 60, "a transfer after the abandoned send ended", every_s=0.5)
     for i in range(3):  # the next transfers build a fresh channel and arrive intact
         sent, got = _transfer(sender, receiver, _meta(f"after-give-up-{i}", receiver), seed=8 + i)
         assert got == sent, f"transfer {i} after a receiver gave up must arrive intact"
