@@ -120,23 +120,32 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class RouterCore:
     """The transport-independent part: validation, admission, dispatch, auth."""
 
-    def __init__(self, controller, config: RouterConfig) -> None:
-        self.controller = controller
-        self.config = config
-        info = dict(ray.get(controller.model_info.remote()))
+    def __init__(self, controller, config: RouterConfig, info: dict, workers: tuple, dispatch_settings: dict) -> None:
+        """``info``, ``workers`` and ``dispatch_settings``: the cluster controller's
+        ``model_info()``, ``workers()`` and ``dispatch_settings()`` (see ``connect``)."""
         from engine.tokenizer import Tokenizer
 
+        self.controller = controller
+        self.config = config
+        info = dict(info)
         self.tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
         self.model = ServedModel(**info)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
         self.metrics = RouterMetrics(self.model.name, f"router-{os.getpid()}")
-        self._prefill, self._decode = ray.get(controller.workers.remote())
+        self._prefill, self._decode = workers
         self._refresher: asyncio.Task | None = None
         # Block size and running cap must match the workers' engines: the controller knows them.
-        dispatch = dataclasses.replace(config.dispatch, **ray.get(controller.dispatch_settings.remote()))
+        dispatch = dataclasses.replace(config.dispatch, **dispatch_settings)
         self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch, self.metrics)
         self.grammars = GrammarChecker()
+
+    @classmethod
+    def connect(cls, controller, config: RouterConfig) -> "RouterCore":
+        """A core for the cluster behind ``controller`` (a cluster controller actor handle)."""
+        calls = (controller.model_info, controller.workers, controller.dispatch_settings)
+        info, workers, settings = ray.get([call.remote() for call in calls])
+        return cls(controller, config, info, workers, settings)
 
     # -- workers ---------------------------------------------------------------
 
@@ -260,7 +269,7 @@ SAME_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 @serve.ingress(app)
 class Router:
     def __init__(self, controller, config: RouterConfig) -> None:
-        self.core = RouterCore(controller, config)
+        self.core = RouterCore.connect(controller, config)
 
     # -- HTTP ------------------------------------------------------------------
 
