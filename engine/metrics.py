@@ -146,7 +146,9 @@ class RouterMetrics:
 
     def on_tokens(self, num_tokens: int, seconds: float) -> None:
         """``num_tokens`` arrived together ``seconds`` after the previous ones."""
-        if num_tokens > 0:
+        if num_tokens == 1:  # one token per step: the common case
+            self._itl.observe(seconds)
+        elif num_tokens > 1:
             per_token = seconds / num_tokens
             for _ in range(num_tokens):
                 self._itl.observe(per_token)

@@ -8,6 +8,7 @@ OpenAI API returns. Pure: no Ray, no network.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii
 from dataclasses import dataclass, field
 
 
@@ -87,8 +88,13 @@ def chat_logprobs(lps) -> dict | None:
     }
 
 
-def _json(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+# json.dumps(obj, separators=...) builds an encoder per call; one will do.
+_json = json.JSONEncoder(separators=(",", ":")).encode
+_json_str = encode_basestring_ascii  # a str as JSON, exactly as json.dumps writes it (in C)
+
+
+def _json_reason(reason: str | None) -> str:
+    return "null" if reason is None else _json_str(reason)
 
 
 @dataclass(frozen=True)
@@ -104,16 +110,16 @@ class Envelope:
         path of a stream) built from a per-request prefix, encoding only the new text."""
         if lps is not None:
             return sse(self.completion_chunk(text, lps, text_offset, reason))
-        return f"{self._prefix('text_completion')}\"text\":{_json(text)},\"logprobs\":null," \
-            f"\"finish_reason\":{_json(reason)}}}],\"usage\":null}}\n\n"
+        return f"{self._prefix('text_completion')}\"text\":{_json_str(text)},\"logprobs\":null," \
+            f"\"finish_reason\":{_json_reason(reason)}}}],\"usage\":null}}\n\n"
 
     def chat_sse(self, text: str | None, reason: str | None, lps=None) -> str:
         """``sse(chat_chunk({"content": text} if text else {}, lps, reason))``, the same way."""
         if lps is not None:
             return sse(self.chat_chunk({"content": text} if text else {}, lps, reason))
-        delta = f"{{\"content\":{_json(text)}}}" if text else "{}"
+        delta = f"{{\"content\":{_json_str(text)}}}" if text else "{}"
         return f"{self._prefix('chat.completion.chunk')}\"delta\":{delta},\"logprobs\":null," \
-            f"\"finish_reason\":{_json(reason)}}}],\"usage\":null}}\n\n"
+            f"\"finish_reason\":{_json_reason(reason)}}}],\"usage\":null}}\n\n"
 
     def _prefix(self, obj: str) -> str:
         # Cached per envelope: the same for every chunk of the request.

@@ -228,6 +228,16 @@ def _server_error(delta: StreamDelta) -> ApiError:
     return ApiError(500, delta.error, type="server_error")
 
 
+def _sse_event(env: Envelope, acc: Accumulator, delta: StreamDelta, chat: bool) -> str:
+    """One delta as a chunk event, folded into ``acc`` on the way."""
+    offset = acc.text_len
+    lps = acc.add(delta)
+    reason = delta.finish_reason if delta.finished else None
+    if chat:
+        return env.chat_sse(delta.text, reason, lps)
+    return env.completion_sse(delta.text, reason, lps, offset)
+
+
 def _bearer(header: str | None) -> str | None:
     if header and header.lower().startswith("bearer "):
         return header[7:].strip()
@@ -330,41 +340,25 @@ class Router:
         return env.chat(acc) if chat else env.completion(acc)
 
     async def _sse(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest, chat: bool):
-        """The event stream of a completion, or of a chat completion (opened by the role)."""
-        if chat:
-            yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
-        async for chunk in self._chunks(first, deltas, acc):
-            if isinstance(chunk, ApiError):
-                yield sse(chunk.body())
-                break
-            delta, lps, offset = chunk
-            reason = delta.finish_reason if delta.finished else None
-            if chat:
-                yield env.chat_sse(delta.text, reason, lps)
-            else:
-                yield env.completion_sse(delta.text, reason, lps, offset)
-        if prepared.include_usage:
-            yield sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
-        yield sse("[DONE]")
-
-    async def _chunks(self, first, deltas, acc: Accumulator):
-        """(delta, its logprobs, text offset) per delta, or an ApiError that ends the stream.
+        """The event stream of a completion, or of a chat completion (opened by the role).
 
         Leaving early (the client went away) closes ``deltas``, which aborts the request.
         """
-        try:
+        async with aclosing(deltas):
+            if chat:
+                yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
             delta = first
             while True:
                 if delta.error:
-                    yield _server_error(delta)
-                    return
-                offset = acc.text_len
-                yield delta, acc.add(delta), offset
+                    yield sse(_server_error(delta).body())
+                    break
+                yield _sse_event(env, acc, delta, chat)
                 if delta.finished:
-                    return
+                    break
                 delta = await anext(deltas)
-        finally:
-            await deltas.aclose()
+        if prepared.include_usage:
+            yield sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
+        yield sse("[DONE]")
 
     # -- gRPC ------------------------------------------------------------------
 
