@@ -74,18 +74,22 @@ class DecodeWorker(WorkerBase):
     # -- disaggregated requests ------------------------------------------------
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
+        resume_output: list[int] = (),
     ) -> Reservation | None:
         """Reserve blocks for the prompt's KV; None when this worker has no room now.
 
         The request's deltas will go to ``subscriber``'s stream (``subscribe``).
+        ``resume_output``: a migrated stream's tokens so far, whose KV comes with the prompt's.
         """
-        return await self.runtime.call(self._reserve, request_id, prompt_token_ids, params, subscriber)
+        return await self.runtime.call(self._reserve, request_id, prompt_token_ids, params, subscriber, resume_output)
 
     def _reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str, resume_output=()
     ) -> Reservation | None:
-        blocks = self.engine.add_remote_request(prompt_token_ids, params, request_id=request_id)
+        blocks = self.engine.add_remote_request(
+            prompt_token_ids, params, request_id=request_id, resume_output=resume_output
+        )
         if blocks is None:
             self.runtime.abort_now(request_id)
             return None

@@ -244,16 +244,12 @@ class LLMEngine:
         request.hold_kv = hold_kv
         request.keep_blocks = hold_kv and keep_blocks
         request.output_token_ids = list(resume_output)
-        self._track(request)
+        self._track(request, resume_output)
         rid = request.request_id
         if rid in self.structured and (not self.structured.is_ready(rid) or self.structured.error(rid)):
             self._compiling[rid] = request
         else:
             self.scheduler.add_request(request)
-        if resume_output:
-            tracked = self._tracked[request.request_id]
-            tracked.detok.skip(resume_output)  # already streamed by the worker it resumes from
-            tracked.tokens_sent = len(resume_output)
         return request.request_id
 
     def add_remote_request(
@@ -263,16 +259,20 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume_output: Sequence[int] = (),
     ) -> list[int] | None:
         """Decode role: reserve blocks for a prompt whose KV another worker sends.
 
-        Returns the reserved block ids (in prompt order), or None when the pool has no
-        room now (nothing is kept; try again later or elsewhere).
+        ``resume_output``: a migrated stream's tokens so far (see ``add_request``); the
+        prefill worker computes their KV with the prompt's, and the stream goes on after
+        them. Returns the reserved block ids (in token order), or None when the pool has
+        no room now (nothing is kept; try again later or elsewhere).
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
+        request.output_token_ids = list(resume_output)
         blocks = self.scheduler.add_remote(request)
         if blocks is not None:
-            self._track(request)  # a constraint starts compiling while the KV is on its way
+            self._track(request, resume_output)  # a constraint starts compiling while the KV is on its way
         return blocks
 
     def remote_kv_arrived(
@@ -354,7 +354,9 @@ class LLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
 
-    def _track(self, request: Request) -> None:
+    def _track(self, request: Request, resume_output: Sequence[int] = ()) -> None:
+        """Start following a request's output; ``resume_output``: tokens a worker it
+        migrated from had already streamed (their text is not sent again)."""
         params = request.sampling_params
         rid = request.request_id
         self._seeds[rid] = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -367,7 +369,9 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             ),
             logprobs=[] if params.logprobs is not None else None,
+            tokens_sent=len(resume_output),
         )
+        self._tracked[rid].detok.skip(resume_output)
         self._prompt_tokens += request.num_prompt_tokens
         if params.structured_output is not None:
             self.structured.add(rid, params.structured_output)
@@ -488,7 +492,9 @@ class LLMEngine:
         out.times = RequestTimes.of(request, time.monotonic())
         rid = request.request_id
         if rid in self.scheduler.held:
-            ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_prompt_tokens)]
+            # The blocks of every token but the one just sampled (a migrated stream's
+            # earlier output included): what the decode side reserved.
+            ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_tokens - 1)]
             if request.keep_blocks:
                 out.kv_blocks = ids
             else:

@@ -238,7 +238,7 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+        if self.kv.allocate_slots(request, request.num_tokens) is None:  # prompt (+ a migrated stream's output)
             self.kv.free(request)
             return None
         request.seq_no = next(self._seq)
@@ -252,7 +252,7 @@ class Scheduler:
         request = self.remote.pop(request_id, None)
         if request is None:
             return None
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         request.output_token_ids.append(first_token)
         status = self._check_stop(request, first_token)
         if status is not None:

@@ -58,14 +58,20 @@ class PrefillWorker(WorkerBase):
         params: SamplingParams,
         decode_worker,
         reservation,
+        resume_output: list[int] = (),
     ) -> PrefillResult:
-        """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``."""
+        """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``.
+
+        ``resume_output``: a migrated stream's tokens so far. They are prefilled with the
+        prompt (the prompt's blocks usually come from the prefix cache), and the token
+        sampled is the one after them, at its place in the seeded random stream.
+        """
         t0 = time.perf_counter()
-        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=0, stop=())
+        first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
         paged = self.backend.paged
         final = None
         async for out in self.runtime.generate(
-            prompt_token_ids, first_params, request_id, hold_kv=True, keep_blocks=paged
+            prompt_token_ids, first_params, request_id, hold_kv=True, keep_blocks=paged, resume_output=resume_output
         ):
             final = out
         t_done = time.perf_counter()
@@ -77,7 +83,7 @@ class PrefillWorker(WorkerBase):
                 request_id=request_id,
                 layout=self.layout,  # the receiver checks it against its own
                 num_blocks=num_blocks,
-                num_tokens=len(prompt_token_ids),
+                num_tokens=len(prompt_token_ids) + len(resume_output),
                 dst_endpoint=reservation.endpoint,
                 deadline=reservation.deadline,
             )
@@ -88,7 +94,7 @@ class PrefillWorker(WorkerBase):
                 self.runtime.submit(self.engine.release_held, request_id)
         return PrefillResult(
             request_id=request_id,
-            first_token=final.token_ids[0],
+            first_token=final.token_ids[-1],
             num_cached_tokens=final.num_cached_tokens,
             state=int(state),
             queue_s=0.0,
@@ -99,7 +105,7 @@ class PrefillWorker(WorkerBase):
         )
 
     async def _send(self, meta: TransferMeta, decode_worker, final):
-        lp = final.logprobs[0] if final.logprobs else None
+        lp = final.logprobs[-1] if final.logprobs else None
         payload = None
         k, v = final.kv or (None, None)
         try:
@@ -108,7 +114,7 @@ class PrefillWorker(WorkerBase):
             else:
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
-                decode_worker.receive_kv.remote(meta, payload, final.token_ids[0], lp, final.num_cached_tokens)
+                decode_worker.receive_kv.remote(meta, payload, final.token_ids[-1], lp, final.num_cached_tokens)
             )
             await self._push_until_answered(meta, k, v, payload, ack)
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))

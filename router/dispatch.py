@@ -14,10 +14,12 @@ the request's inbox.
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
 apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
 reached the client is retried on another worker (up to ``max_retries``). One that dies
-after tokens were delivered has its stream moved (up to ``max_migrations``): another
-decode worker recomputes the prompt plus the tokens already sent and goes on from
-there, so the client sees one unbroken stream (greedy output is unchanged, and a
-seeded request keeps its random stream, which is indexed by output position). Past
+after tokens were delivered has its stream moved (up to ``max_migrations``): a
+prefill worker computes the KV of the prompt plus the tokens already sent (the
+prompt's usually from its prefix cache), another decode worker takes it and goes on
+from there (colocated, that decode worker recomputes them itself). The client sees one
+unbroken stream: greedy output is unchanged, and a seeded request keeps its random
+stream, which is indexed by output position. Past
 the bound the client gets an error delta, never a silently cut stream.
 Cancellation (the consumer stops iterating) aborts the request on both workers, and so
 does ``abort(request_id)`` from another task (a gRPC Abort), which also ends the stream
@@ -363,8 +365,10 @@ class Dispatcher:
     async def _start(self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int]) -> WorkerRef:
         """Place the request on a decode worker, its deltas routed to ``inbox``.
 
-        ``resume``: tokens already streamed (a migrated request), which the decode worker
-        recomputes with the prompt before it goes on. Waits (bounded) for KV room.
+        ``resume``: tokens already streamed (a migrated request). A prefill worker computes
+        their KV with the prompt's (its prefix cache usually holds the prompt) and the
+        decode worker goes on after them; with no prefill workers, the decode worker
+        recomputes them itself. Waits (bounded) for KV room.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.capacity_wait_s
@@ -374,10 +378,10 @@ class Dispatcher:
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
-                    if resume or not self._prefill():
+                    if not self._prefill():
                         await decode.handle.submit.remote(rid, prompt, params, subscriber, list(resume))
                         return decode
-                    reservation = await decode.handle.reserve.remote(rid, prompt, params, subscriber)
+                    reservation = await decode.handle.reserve.remote(rid, prompt, params, subscriber, list(resume))
                 except RayActorError:
                     # Died before taking the request: place it elsewhere.
                     self.subscriptions.close(decode, rid)
@@ -391,7 +395,7 @@ class Dispatcher:
                     # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
-                    self._start_prefill(rid, prompt, params, decode, reservation)
+                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume))
                     return decode
                 self.subscriptions.close(decode, rid)
             if loop.time() > deadline:
@@ -400,12 +404,12 @@ class Dispatcher:
                 )
             await asyncio.sleep(self.config.load_poll_s)
 
-    def _start_prefill(self, rid, prompt, params, decode: WorkerRef, reservation) -> None:
-        prefill = self._choose_prefill(prompt)
+    def _start_prefill(self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int]) -> None:
+        prefill = self._choose_prefill(prompt + resume)
         if prefill is None:
             decode.handle.transfer_failed.remote(rid)  # no prefill worker: policy decides
             return
-        ref = prefill.handle.prefill.remote(rid, prompt, params, decode.handle, reservation)
+        ref = prefill.handle.prefill.remote(rid, prompt, params, decode.handle, reservation, resume)
 
         async def watch() -> None:
             try:
@@ -416,7 +420,7 @@ class Dispatcher:
                 self._prefixes.forget(prefill.worker_id)
                 decode.handle.transfer_failed.remote(rid)
             finally:
-                self._pending_tokens[prefill.worker_id] -= len(prompt)
+                self._pending_tokens[prefill.worker_id] -= len(prompt) + len(resume)
 
         asyncio.get_running_loop().create_task(watch())
 

@@ -209,6 +209,12 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
         assert cluster.dispatcher.num_migrations >= 3, "the streams on the dead worker should have moved"
         replaced = cluster.check_health()
         assert replaced == ["decode-0"], replaced
+        # Moved through the prefill worker: it sent each moved stream's KV once more (and
+        # that of any stream re-run before its first token), and the surviving decode
+        # worker recomputed nothing.
+        stats = cluster.stats()
+        assert stats["prefill-0"]["transfer"]["sent"] >= len(prompts) + cluster.dispatcher.num_migrations
+        assert stats["decode-1"]["transfer_failures"] == 0
         assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()

@@ -36,7 +36,7 @@ class _FakeDecode:
     async def _load(self):
         return DecodeLoad("decode-0", free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _reserve(self, rid, prompt, params, subscriber):
+    async def _reserve(self, rid, prompt, params, subscriber, resume=()):
         self.reserve_started.set()
         await self.release_reserve.wait()
         self.reserved.add(rid)

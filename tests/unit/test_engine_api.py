@@ -301,3 +301,38 @@ def test_a_resumed_request_continues_exactly_where_its_tokens_stop(llm, sampling
         assert text_after[k] + text == full_text, "the resumed text must continue the streamed text exactly"
         assert final.num_output_tokens == 20 and final.finish_reason == "length"
     _assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=50, seed=11, presence_penalty=0.5)]
+)
+def test_a_stream_migrated_through_a_prefill_engine_continues_on_a_new_decode_engine(llm, default_model, sampling):
+    """The disaggregated migration: a prefill engine computes the KV of the prompt plus the
+    tokens already streamed and samples the next one; a decode engine takes that KV and
+    goes on. Every token after the split equals the undisturbed run's."""
+    from engine import LLMEngine
+
+    prompt = llm.engine.encode_prompt(PROMPTS[2] * 3)  # several blocks: the prefix cache serves them
+    params = SamplingParams(max_tokens=20, ignore_eos=True, **sampling)
+    full_ids, full_text, _, text_after = _run_to_end(llm, prompt, params)
+    decode = LLMEngine(model=str(default_model), num_kv_blocks=64)
+    for k in (1, 7, 19):
+        rid = f"migrated-{k}"
+        first_params = SamplingParams(**{**vars(params), "max_tokens": k + 1})
+        llm.engine.add_request(prompt, first_params, request_id=rid, hold_kv=True, resume_output=full_ids[:k])
+        first = None
+        while first is None:
+            first = next((o for o in llm.engine.step() if o.finished), None)
+        assert first.token_ids == full_ids[: k + 1], f"after {k} tokens the prefill engine sampled {first.token_ids}"
+        assert first.num_cached_tokens >= 16, "the prompt's blocks came from the prefix cache"
+        assert first.kv[0].shape[1] == -(-(len(prompt) + k) // 16), "the KV of the prompt and the resumed tokens"
+        assert decode.add_remote_request(prompt, params, request_id=rid, resume_output=full_ids[:k]) is not None
+        outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], *first.kv)]
+        while decode.has_unfinished_requests():
+            outs += decode.step()
+        ids = [t for o in outs if o is not None for t in o.new_token_ids]
+        text = "".join(o.new_text for o in outs if o is not None)
+        assert ids == full_ids[k:], f"migrated after {k} tokens: expected {full_ids[k:]}, got {ids}"
+        assert text_after[k] + text == full_text
+        assert decode.stats().num_blocks_in_use == 0
+    _assert_idle(llm)
