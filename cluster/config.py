@@ -12,6 +12,7 @@ Example YAML::
     engine: {dtype: bfloat16, max_num_batched_tokens: 4096}   # both roles
     decode_engine: {kv_cache_memory: 40000000000}            # one role only
     stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)
+    start_timeout_s: 600      # placing the pools and loading the model, at most; then it fails
 """
 
 from __future__ import annotations
@@ -67,11 +68,17 @@ class ClusterConfig:
     max_retries: int = 2  # re-runs of a request whose decode worker died before any token
     max_migrations: int = 3  # moves of a stream whose decode worker died mid-stream
     name: str = "tandem"
+    # How long a start may take: placing the pools (their resources may still be coming,
+    # e.g. GPU pods being scheduled) and loading the model. Past it the start removes
+    # what it placed and fails; the next start tries again from nothing.
+    start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_at_least(self, prefill_workers=0, decode_workers=1, max_retries=0, max_migrations=0)
         if not 0 <= self.stream_interval_s <= 10:
             raise ValueError(f"stream_interval_s must be in [0, 10] seconds, got {self.stream_interval_s}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be > 0 seconds, got {self.start_timeout_s}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be a Ray strategy, got {self.placement_strategy!r}")
         # Build both engine configs now so that bad settings fail here, not in an actor.

@@ -7,19 +7,67 @@ The router replicas poll ``workers()``, so a worker the health thread replaced i
 picked up without restarting the Serve application.
 
 Lifecycle: created -> ``start()`` (pools up) -> serving -> ``shutdown()`` (actors
-killed, placement groups removed) -> the actor is killed by its owner.
+killed, placement groups removed) -> the actor is killed by its owner. ``start()`` may
+be called any number of times, also at once (a RayService's app builder calls it on
+each build): one start runs at a time, callers meanwhile share its outcome, and after
+a success every call returns its result. A failed start removed what it placed; the
+next call starts afresh.
+
+Its name (``controller_name``) carries a hash of the settings it runs with, so a
+deployment whose topology changed gets a new controller; ``retire_other_controllers``
+stops the ones a deployment of the same name started with other settings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import re
 import threading
+from concurrent.futures import Future
+
+import ray
 
 from cluster.config import ClusterConfig
 from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def controller_name(config: ClusterConfig, metrics_port: int | None = None) -> str:
+    """``<name>-controller-<hash>``: the hash covers every setting the controller and its
+    pools run with (``start_timeout_s`` aside: it only bounds how long a start may take)."""
+    settings = dataclasses.asdict(config)
+    del settings["start_timeout_s"]
+    settings["metrics_port"] = metrics_port
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return f"{config.name}-controller-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def retire_other_controllers(keep: str) -> list[str]:
+    """Stop the named controllers of ``keep``'s deployment (in this Ray namespace) that
+    run other settings, and with them their pools and placement groups, which would
+    otherwise hold the resources the new settings need. Returns their names."""
+    prefix = keep[: keep.rindex("-") + 1]
+    pattern = re.compile(re.escape(prefix) + r"[0-9a-f]{12}")
+    retired = [n for n in ray.util.list_named_actors() if pattern.fullmatch(n) and n != keep]
+    for name in retired:
+        logger.warning("stopping controller %s: its settings differ from %s's", name, keep)
+        try:
+            handle = ray.get_actor(name)
+        except ValueError:  # gone meanwhile
+            continue
+        try:
+            ray.get(handle.shutdown.remote(), timeout=SHUTDOWN_TIMEOUT_S)
+        except Exception:  # killed anyway: its placement groups go with it
+            logger.exception("controller %s did not shut down cleanly", name)
+        ray.kill(handle, no_restart=True)
+    return retired
 
 
 class ClusterController:
@@ -34,17 +82,37 @@ class ClusterController:
         self._model_info: dict | None = None
         self._exporters = NodeExporters(metrics_port, metrics_host, config.name) if metrics_port else None
         self._stop = threading.Event()
+        self._start_lock = threading.Lock()
+        self._started: Future | None = None  # the last start's outcome, or the one running
 
     def start(self) -> dict:
-        """Start the pools (once: a redeployed application finds them running)."""
-        if self._model_info is not None:
-            return self._model_info
-        self.cluster.start()
-        self._model_info = self._read_model_info()
+        """Start the pools and return the model's description. Idempotent (see the
+        module's docstring): a redeployed application finds the pools running."""
+        with self._start_lock:
+            attempt = self._started
+            mine = attempt is None or (attempt.done() and attempt.exception() is not None)
+            if mine:
+                attempt = self._started = Future()
+        if mine:
+            try:
+                attempt.set_result(self._start())
+            except BaseException as e:  # every caller waiting on this start gets it
+                attempt.set_exception(e)
+        return attempt.result()
+
+    def _start(self) -> dict:
+        cluster = TandemCluster(self.config).start()  # a failed start removed its pools itself
+        try:
+            model_info = self._read_model_info(cluster)
+            if self._exporters is not None:
+                self._exporters.sync()
+        except BaseException:
+            cluster.shutdown()
+            raise
+        self.cluster, self._model_info = cluster, model_info
         if self._exporters is not None:
-            self._exporters.sync()
             threading.Thread(target=self._sync_exporters, name="tandem-metrics-nodes", daemon=True).start()
-        return self._model_info
+        return model_info
 
     def _sync_exporters(self) -> None:
         while not self._stop.wait(self.NODE_SYNC_S):
@@ -57,14 +125,14 @@ class ClusterController:
         """Where each node's metrics are served (empty without ``metrics_port``)."""
         return self._exporters.addresses() if self._exporters is not None else []
 
-    def _read_model_info(self) -> dict:
+    def _read_model_info(self, cluster: TandemCluster) -> dict:
         from engine.model_config import ModelConfig
         from engine.model_registry import resolve_model
 
         engine = self.config.engine_config("decode")
         model = resolve_model(self.config.model)
         mc = ModelConfig.from_pretrained(model.path)
-        stats = self.cluster.stats().values()
+        stats = cluster.stats().values()
         return {
             "name": model.name,
             "model_dir": model.path,

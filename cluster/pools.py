@@ -2,10 +2,11 @@
 
 ``TandemCluster.start()`` places each pool in a placement group (one bundle per
 worker), starts the actors, and builds the ``Dispatcher`` that runs requests over the
-pools. A health thread pings every worker; a dead one is replaced in its bundle, and
-the dispatcher re-runs or fails the requests that were on it. KV transfer channels
-are per prefill-decode pair and made on first use, so a replacement needs nothing
-from the other workers.
+pools, all within ``start_timeout_s``; a start that fails removes what it placed. A
+health thread pings every worker; a dead one is replaced in its bundle, and the
+dispatcher re-runs or fails the requests that were on it. KV transfer channels are
+per prefill-decode pair and made on first use, so a replacement needs nothing from
+the other workers.
 
 Works on a local Ray (``ray.init(num_cpus=...)`` by the caller) or an existing
 cluster (``RAY_ADDRESS``).
@@ -17,6 +18,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
@@ -32,8 +34,13 @@ from router.dispatch import Dispatcher, DispatchConfig, WorkerRef
 
 log = logging.getLogger(__name__)
 
+# How long a replacement worker may take to load its model (its bundle is held already).
 READY_TIMEOUT_S = 300.0
 PING_TIMEOUT_S = 10.0
+
+
+class StartTimeout(TimeoutError):
+    """The pools did not start within ``ClusterConfig.start_timeout_s``."""
 
 
 @dataclass
@@ -79,21 +86,18 @@ class TandemCluster:
     # -- lifecycle -------------------------------------------------------------
 
     def start(self) -> "TandemCluster":
+        """Place the pools, start their workers and wait until each is ready, all within
+        ``config.start_timeout_s`` (a ``StartTimeout`` past it). A start that fails, on
+        its deadline or otherwise, kills the workers it started and removes its placement
+        groups before it raises: nothing it reserved holds resources a later start needs."""
         cfg = self.config
-        roles = [("decode" if not cfg.colocated else "colocated", cfg.decode_workers, cfg.decode_resources)]
-        if not cfg.colocated:
-            roles.insert(0, ("prefill", cfg.prefill_workers, cfg.prefill_resources))
-        for role, count, resources in roles:
-            pg = placement_group([resources.bundle()] * count, strategy=cfg.placement_strategy)
-            ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
-            self._pgs[role] = pg
-            for i in range(count):
-                self._slots.append(_Slot(role, i))
-        for slot in self._slots:
-            slot.ref = self._spawn(slot)
-        infos = ray.get([s.ref.handle.ready.remote() for s in self._slots], timeout=READY_TIMEOUT_S)
-        for slot, info in zip(self._slots, infos):
-            slot.pid = info["pid"]
+        deadline = time.monotonic() + cfg.start_timeout_s
+        try:
+            self._place_pools(deadline)
+            self._start_workers(deadline)
+        except BaseException:
+            self._release()
+            raise
         engine = cfg.engine_config("decode")
         self.dispatcher = Dispatcher(
             self.prefill_refs,
@@ -110,10 +114,51 @@ class TandemCluster:
             self._health.start()
         return self
 
+    def _place_pools(self, deadline: float) -> None:
+        """One placement group per pool, one bundle per worker, each kept in ``_pgs`` as
+        soon as it exists, so that a failure while waiting for it removes it."""
+        cfg = self.config
+        roles = [("decode" if not cfg.colocated else "colocated", cfg.decode_workers, cfg.decode_resources)]
+        if not cfg.colocated:
+            roles.insert(0, ("prefill", cfg.prefill_workers, cfg.prefill_resources))
+        for role, count, resources in roles:
+            bundle = resources.bundle()
+            pg = self._pgs[role] = placement_group([bundle] * count, strategy=cfg.placement_strategy)
+            if not pg.wait(max(0.0, deadline - time.monotonic())):
+                total = ray.cluster_resources()
+                offered = {k: total.get(k, 0) for k in bundle}
+                raise StartTimeout(
+                    f"{role} pool: {count} worker(s) asking {bundle} each were not placed within "
+                    f"start_timeout_s={cfg.start_timeout_s:g} s; the Ray cluster's nodes offer {offered} "
+                    f"in all (are the worker pods scheduled and joined?). The start's placement "
+                    f"groups are removed; the next start tries again"
+                )
+            self._slots.extend(_Slot(role, i) for i in range(count))
+
+    def _start_workers(self, deadline: float) -> None:
+        for slot in self._slots:
+            slot.ref = self._spawn(slot)
+        try:
+            infos = ray.get(
+                [s.ref.handle.ready.remote() for s in self._slots], timeout=max(0.0, deadline - time.monotonic())
+            )
+        except GetTimeoutError:
+            raise StartTimeout(
+                f"{len(self._slots)} worker(s) placed but not ready (loading the model) within "
+                f"start_timeout_s={self.config.start_timeout_s:g} s; they are killed and their placement "
+                f"groups removed; the next start tries again"
+            ) from None
+        for slot, info in zip(self._slots, infos):
+            slot.pid = info["pid"]
+
     def shutdown(self) -> None:
         self._stop.set()
         if self.dispatcher is not None:
             self.dispatcher.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Kill the workers and remove the placement groups, so they hold nothing."""
         for slot in self._slots:
             if slot.ref is not None:
                 ray.kill(slot.ref.handle, no_restart=True)

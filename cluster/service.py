@@ -18,10 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from cluster import flags
 from cluster.config import ClusterConfig
-from cluster.controller import ClusterController
+from cluster.controller import ClusterController, controller_name, retire_other_controllers
 from cluster.ingress import (
     DEFAULT_INGRESS,
     ENABLE_HAPROXY,
@@ -31,7 +32,6 @@ from cluster.ingress import (
     check_ingress,
     serve_env,
 )
-from cluster.pools import READY_TIMEOUT_S
 from router.admission import AdmissionConfig
 from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
@@ -181,13 +181,13 @@ class TandemService:
         self.controller = (
             ray.remote(ClusterController)
             .options(
-                name=f"{cfg.cluster.name}-controller", num_cpus=0, max_concurrency=16,
+                name=controller_name(cfg.cluster), num_cpus=0, max_concurrency=16,
                 **head_pinned(cfg.head_resource),
             )
             .remote(cfg.cluster)
         )
         try:
-            self.model_info = ray.get(self.controller.start.remote(), timeout=READY_TIMEOUT_S)
+            self.model_info = wait_started(self.controller, cfg.cluster)
             self.serve_env = controller_env(cfg, _on_head_node(), os.environ)
             serve.start(
                 http_options={"host": cfg.host, "port": cfg.http_port},
@@ -236,10 +236,14 @@ def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
 
     ``args``: ``topology`` (the keys of a ``tandem up --config`` file),
     ``worker_resources`` (custom Ray resources per role, pinning each pool to its
-    worker group) and ``router`` (admission bounds, placement, and ``api_key_env``:
-    the environment variable holding the API key, so the key never sits in the config).
+    worker group), ``start_timeout_s`` (how long the pools may take to start; apart
+    from ``topology``, which the chart hashes into the pods' annotations) and ``router``
+    (admission bounds, placement, and ``api_key_env``: the environment variable
+    holding the API key, so the key never sits in the config).
     """
     topology = dict(args.get("topology") or {})
+    if args.get("start_timeout_s") is not None:
+        topology["start_timeout_s"] = args["start_timeout_s"]
     for role, custom in (args.get("worker_resources") or {}).items():
         key = f"{role}_resources"
         resources = dict(topology.get(key) or {})
@@ -261,24 +265,44 @@ def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
 def app(args: dict):
     """Serve application builder for a RayService (``serveConfigV2`` in ``deploy/helm``).
 
-    The controller is a named detached actor, so a redeploy finds the pools it
-    started still running. With ``metrics_port`` in ``args`` it serves every node's
-    metrics on that port (each pod sets ``PROMETHEUS_MULTIPROC_DIR``). ``ingress`` in
-    ``args`` must be the one the pods' environment runs (cluster/ingress.py). With
-    ``head_resource`` (a custom resource only the head advertises) the controller and the
-    router replicas ask for a unit of it, so they run on the head, not on a worker pod
-    that the autoscaler may remove.
+    The controller is a named detached actor, so a redeploy with the same settings finds
+    the pools it started still running; Serve may build the application again while a
+    start is still waiting for resources, and that build waits for the same start. Its
+    name carries a hash of the settings (``controller_name``): changed settings get a new
+    controller, and the old ones are stopped first, so their pools free what the new
+    ones need. ``start_timeout_s`` in ``args`` bounds the start (``ClusterConfig``).
+    With ``metrics_port`` in ``args`` it serves every node's metrics on that port (each pod
+    sets ``PROMETHEUS_MULTIPROC_DIR``). ``ingress`` in ``args`` must be the one the pods'
+    environment runs (cluster/ingress.py). With ``head_resource`` (a custom resource only
+    the head advertises) the controller and the router replicas ask for a unit of it, so
+    they run on the head, not on a worker pod that the autoscaler may remove.
     """
     check_environment(args.get("ingress"), os.environ)
     cluster, router = configs_from_args(args)
-    head_resource = args.get("head_resource")
+    head_resource, metrics_port = args.get("head_resource"), args.get("metrics_port")
+    name = controller_name(cluster, metrics_port)
+    retire_other_controllers(keep=name)
     controller = (
         ray.remote(ClusterController)
         .options(
-            name=f"{cluster.name}-controller", lifetime="detached", get_if_exists=True,
+            name=name, lifetime="detached", get_if_exists=True,
             num_cpus=0, max_concurrency=16, **head_pinned(head_resource),
         )
-        .remote(cluster, metrics_port=args.get("metrics_port"))
+        .remote(cluster, metrics_port=metrics_port)
     )
-    ray.get(controller.start.remote(), timeout=READY_TIMEOUT_S)
+    wait_started(controller, cluster)
     return router_deployment(head_resource).bind(controller, router)
+
+
+# The controller enforces start_timeout_s itself; this margin only keeps a caller from
+# waiting forever on a controller that stopped answering.
+START_WAIT_MARGIN_S = 60.0
+
+
+def wait_started(controller, cluster: ClusterConfig) -> dict:
+    """What the controller's ``start()`` returns (its error, if the start failed)."""
+    limit = cluster.start_timeout_s + START_WAIT_MARGIN_S
+    try:
+        return ray.get(controller.start.remote(), timeout=limit)
+    except GetTimeoutError:
+        raise TimeoutError(f"the cluster controller's start did not return within {limit:g} s") from None

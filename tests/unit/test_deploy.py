@@ -619,6 +619,62 @@ def test_upgrade_strategy_is_a_value_and_reaches_the_rayservice(chart, rendered,
     assert "twice the GPUs" in values_text[: values_text.index("upgradeStrategy:")]
 
 
+POOL_SETTINGS = "tandem.dev/pool-settings"
+
+
+def _pool_settings_hashes(chart, values: dict) -> set[str]:
+    """The pool-settings annotation of every pod template of the RayService ``values`` render."""
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "RayService")
+    return {pod["metadata"]["annotations"][POOL_SETTINGS] for pod in _pods(rs)}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"serve": {"topology": {"model": "/models/my-llama"}}},
+        {"serve": {"topology": {"decode_workers": 2}}, "decode": {"replicas": 2}},
+        {"serve": {"topology": {"engine": {"max_num_seqs": 8}}}},
+        {"serve": {"topology": {"transfer": {"backend": "collective"}}}},
+        {"serve": {"workerResources": {"decode": {"tandem_decode": 2}}}, "decode": {"rayResources": {"tandem_decode": 2}}},
+        {"metrics": {"port": 8090}},
+    ],
+)
+def test_a_pool_settings_change_changes_every_pod_template(chart, change):
+    """So that KubeRay starts a new cluster for it (upgradeStrategy NewCluster), rather
+    than apply it in place to pools that hold the GPUs the new ones need."""
+    (before,) = _pool_settings_hashes(chart, {})  # one hash, on the head's and each group's pod
+    (after,) = _pool_settings_hashes(chart, change)
+    assert after != before, f"{change} left the pods' {POOL_SETTINGS} at {before}"
+
+
+def test_router_settings_and_the_start_deadline_apply_in_place(chart):
+    """They change only serveConfigV2, which KubeRay applies to the running cluster."""
+    (default,) = _pool_settings_hashes(chart, {})
+    for change in ({"serve": {"maxOutstandingRequests": 8, "placement": "round_robin"}},
+                   {"serve": {"startTimeoutSeconds": 60}}, {"podAnnotations": {"team": "llm"}}):
+        assert _pool_settings_hashes(chart, change) == {default}, change
+
+
+def test_pod_annotations_are_kept_beside_the_pool_settings_hash(chart):
+    (rs,) = _by_kind(_split(chart.render({"podAnnotations": {"team": "llm"}}, name=RELEASE)), "RayService")
+    for pod in _pods(rs):
+        assert pod["metadata"]["annotations"].keys() == {"team", POOL_SETTINGS}
+    with pytest.raises(helm.HelmRenderError, match=POOL_SETTINGS):
+        chart.render({"podAnnotations": {POOL_SETTINGS: "mine"}}, name=RELEASE)
+
+
+def test_the_start_deadline_is_a_value_and_reaches_the_app(chart, rendered):
+    from cluster.service import configs_from_args
+
+    for docs in rendered.values():
+        (rs,) = _by_kind(docs, "RayService")
+        (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+        assert configs_from_args(app["args"])[0].start_timeout_s == chart.values["serve"]["startTimeoutSeconds"]
+    (rs,) = _by_kind(_split(chart.render({"serve": {"startTimeoutSeconds": 60}}, name=RELEASE)), "RayService")
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    assert configs_from_args(app["args"])[0].start_timeout_s == 60
+
+
 @pytest.mark.parametrize("flavour", ["cpu", "gpu"])
 def test_dockerfiles_pin_ray_to_the_charts_ray_version(chart, flavour):
     text = (DEPLOY / "docker" / f"Dockerfile.{flavour}").read_text()
@@ -657,6 +713,7 @@ def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema
         ({"serve": {"ingress": "nginx"}}, "ingress"),
         ({"metrics": {"port": 70000}}, "port"),
         ({"prefill": {"rayResources": {"tandem_prefill": -1}}}, "tandem_prefill"),
+        ({"serve": {"startTimeoutSeconds": 0}}, "startTimeoutSeconds"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(chart, values_schema, override, where):

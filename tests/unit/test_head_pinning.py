@@ -59,6 +59,7 @@ def test_the_app_builder_pins_controller_and_router_only_when_args_name_a_resour
     fake = _FakeRay()
     monkeypatch.setattr(service, "ray", fake)
     monkeypatch.setattr(service, "check_environment", lambda ingress, environ: None)
+    monkeypatch.setattr(service, "retire_other_controllers", lambda keep: [])
     args = {"topology": {"prefill_workers": 1, "decode_workers": 1}, "ingress": "haproxy"}
     if head_resource:
         args["head_resource"] = head_resource

@@ -44,6 +44,16 @@ def test_bad_topology_is_an_error_naming_the_setting():
         config_of("--kv-transfer-backend", "carrier-pigeon")
 
 
+@pytest.mark.parametrize("seconds", [0, -5])
+def test_a_start_deadline_that_is_not_positive_is_an_error_naming_it(tmp_path, seconds):
+    path = tmp_path / "topology.yaml"
+    path.write_text(f"start_timeout_s: {seconds}\n")
+    with pytest.raises(ValueError, match=rf"start_timeout_s must be > 0 seconds, got {seconds}"):
+        config_of("--config", str(path))
+    path.write_text("start_timeout_s: 90\n")
+    assert config_of("--config", str(path)).start_timeout_s == 90
+
+
 def test_up_serves_smollm2_unless_a_flag_or_the_topology_file_names_a_model(tmp_path):
     from cluster.cli import _serving_default
 

@@ -142,8 +142,9 @@ The Serve config (serveConfigV2). Rendered as JSON, which is YAML too: toYaml wo
 numbers of a million and more in exponent form (8.589934592e+09), toJson keeps them whole.
 `args` go to cluster.service:app: the topology (cluster/config.py keys), the custom
 resources that pin each role's workers, the router's settings, the metrics port, the
-ingress the pods run, the name of the env var holding the API key (never the key), and
-the custom resource that pins the controller and the router to the head.
+ingress the pods run, how long the pools may take to start, the name of the env var
+holding the API key (never the key), and the custom resource that pins the controller
+and the router to the head.
 */}}
 {{- define "tandem.serveConfig" -}}
 {{- $s := .Values.serve -}}
@@ -151,7 +152,7 @@ the custom resource that pins the controller and the router to the head.
 {{- if .Values.apiKey.existingSecret }}
 {{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
 {{- end }}
-{{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port "ingress" $s.ingress -}}
+{{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port "ingress" $s.ingress "start_timeout_s" $s.startTimeoutSeconds -}}
 {{- with .Values.head.pinResource }}
 {{- $_ := set $args "head_resource" . -}}
 {{- end }}
@@ -159,6 +160,29 @@ the custom resource that pins the controller and the router to the head.
 {{- $grpc := dict "port" .Values.service.grpcPort "grpc_servicer_functions" (list "router.grpc_api.add_generation_servicer" "router.grpc_api.add_health_servicer") -}}
 {{- $cfg := dict "proxy_location" $s.proxyLocation "http_options" (dict "host" "0.0.0.0" "port" .Values.service.httpPort) "grpc_options" $grpc "applications" (list $app) -}}
 {{- toPrettyJson $cfg }}
+{{- end }}
+
+{{/*
+A hash of the app's args that the worker pools run with (the app names their controller
+after its own hash of the same settings). Every pod template carries it, so a change to
+them changes rayClusterConfig, and KubeRay starts a new cluster (upgradeStrategy
+NewCluster) instead of applying it to pools that hold the GPUs the new ones need.
+The router's settings and startTimeoutSeconds are left out: they apply in place.
+*/}}
+{{- define "tandem.poolSettingsHash" -}}
+{{- $s := .Values.serve -}}
+{{- dict "topology" $s.topology "worker_resources" $s.workerResources "metrics_port" .Values.metrics.port | toJson | sha256sum | trunc 16 }}
+{{- end }}
+
+{{/* Every Ray pod's annotations: the pool settings' hash, then podAnnotations. */}}
+{{- define "tandem.podAnnotations" -}}
+{{- $own := dict "tandem.dev/pool-settings" (include "tandem.poolSettingsHash" .) -}}
+{{- with .Values.podAnnotations }}
+{{- if hasKey . "tandem.dev/pool-settings" }}
+{{- fail "podAnnotations: tandem.dev/pool-settings is the chart's own (a hash of the pool settings)" }}
+{{- end }}
+{{- end }}
+{{- toYaml (merge $own (default dict .Values.podAnnotations)) }}
 {{- end }}
 
 {{/* The port of a group's dashboard agent, which answers the raylet's health check. */}}
