@@ -18,9 +18,13 @@ in a decode worker's cache (raw gloo receives straight into its buffer);
 * ``inprocess_copy``: one ``torch`` copy of the same bytes in this process.
 
 It also times one request at low load through a 1 prefill + 1 decode cluster and
-splits its TTFT into reserve, prefill (queue included), transfer and first delivery.
+splits its TTFT into reserve, prefill (queue included), transfer and first delivery;
+then, with NIXL, a long prompt prefilled in chunks (``--long-prompt`` tokens, budget
+``--chunk``), its blocks read chunk by chunk during the prefill (``pipeline``) and
+all after it, where ``transfer_s`` is what the transfer adds after the prefill.
 
-    python -m bench.transfer [--sizes 16 256] [--repeats 5] [--out bench-results/transfer.json]
+    python -m bench.transfer [--sizes 16 256] [--repeats 5] [--long-prompt 2000 --chunk 256]
+        [--out bench-results/transfer.json]
 """
 
 from __future__ import annotations
@@ -135,22 +139,28 @@ def time_inprocess(size_mib: int, repeats: int) -> list[float]:
     return times
 
 
-def ttft_breakdown(model: str | None) -> dict:
-    """One request at low load through 1 prefill + 1 decode (collective backend)."""
+def ttft_breakdown(model: str | None, prompt_len: int = 512, chunk_tokens: int | None = None,
+                   transfer: TransferConfig | None = None) -> dict:
+    """One request at a time through 1 prefill + 1 decode worker (the default backend
+    unless ``transfer`` says otherwise); ``chunk_tokens``: the prefill step budget.
+    ``transfer_s`` is what the transfer adds after the prefill: with a pipelined paged
+    backend, only the last chunk's blocks."""
     import asyncio
 
     from cluster.config import ClusterConfig
     from cluster.pools import TandemCluster
     from engine import SamplingParams
 
-    cluster = TandemCluster(
-        ClusterConfig(model=model, prefill_workers=1, decode_workers=1, restart_workers=False)
-    ).start()
+    engine = {"max_num_batched_tokens": chunk_tokens} if chunk_tokens else {}
+    cluster = TandemCluster(ClusterConfig(
+        model=model, prefill_workers=1, decode_workers=1, restart_workers=False, engine=engine,
+        transfer=transfer or TransferConfig(),
+    )).start()
     try:
         decode, prefill = cluster.decode_refs()[0].handle, cluster.prefill_refs()[0].handle
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         async def one(rid: str, i: int) -> dict:
-            prompt = [(i * 7919 + j) % 4000 for j in range(512)]  # distinct: no prefix hits
+            prompt = [(i * 7919 + j) % 4000 for j in range(prompt_len)]  # distinct: no prefix hits
             stream = decode.subscribe.options(num_returns="streaming").remote(f"bench-{rid}")
             t0 = time.perf_counter()
             res = await decode.reserve.remote(rid, prompt, params, f"bench-{rid}")
@@ -178,11 +188,23 @@ def ttft_breakdown(model: str | None) -> dict:
         cluster.shutdown()
 
 
+def chunked_ttft(model: str | None, prompt_len: int, chunk_tokens: int) -> dict:
+    """A long prompt prefilled in chunks, read with NIXL: pipelined, and whole after the prefill."""
+    result = {}
+    for pipeline in (True, False):
+        key = f"ttft_{prompt_len}_tokens_chunk_{chunk_tokens}_nixl_{'pipelined' if pipeline else 'whole'}"
+        result[key] = ttft_breakdown(model, prompt_len, chunk_tokens, TransferConfig(backend="nixl", pipeline=pipeline))
+        print(f"{key} (s):", json.dumps(result[key]), flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 256], help="MiB of K+V per request")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--long-prompt", type=int, default=2000, help="tokens of the chunked TTFT runs' prompt")
+    ap.add_argument("--chunk", type=int, default=256, help="prefill step budget of the chunked TTFT runs")
     ap.add_argument("--out", default="bench-results/transfer.json")
     args = ap.parse_args(argv)
     init_local_ray()
@@ -229,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             ray.kill(a)
     result["ttft_breakdown_512_tokens"] = ttft_breakdown(args.model)
     print("TTFT breakdown (s):", json.dumps(result["ttft_breakdown_512_tokens"], indent=1))
+    if nixl_missing is None:
+        result.update(chunked_ttft(args.model, args.long_prompt, args.chunk))
     write_result(args.out, result)
     return 0
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,6 +37,8 @@ from cluster.ingress import (
 from router.admission import AdmissionConfig
 from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,7 @@ class TandemService:
 
         try:
             serve.shutdown()
+            _wait_for_serve_actors_gone()
         finally:
             if self.controller is not None:
                 try:
@@ -229,6 +234,18 @@ class TandemService:
                 finally:
                     ray.kill(self.controller)
                     self.controller = None
+
+
+def _wait_for_serve_actors_gone(timeout_s: float = 60.0) -> None:
+    """``serve.shutdown`` may return (its own wait timed out on a busy machine) while the
+    old controller still winds down; finishing later, it kills Serve's proxy actors by
+    name, those of a Serve started meanwhile included. Wait until none is left."""
+    deadline = time.monotonic() + timeout_s
+    while any(a["namespace"] == "serve" for a in ray.util.list_named_actors(all_namespaces=True)):
+        if time.monotonic() > deadline:
+            log.warning("Serve's actors were still there %.0f s after serve.shutdown()", timeout_s)
+            return
+        time.sleep(0.2)
 
 
 def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:

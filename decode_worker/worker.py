@@ -45,6 +45,7 @@ class DecodeWorker(WorkerBase):
         # the request ends meanwhile, until no read can write into them any more.
         self._pins: dict[str, list] = {}
         self._reading: set[str] = set()
+        self._landed: dict[str, int] = {}  # pipelined prefill: blocks already read, in order
         self._pin_lock = threading.Lock()
         self.num_transfer_failures = 0
 
@@ -131,8 +132,42 @@ class DecodeWorker(WorkerBase):
         self.backend.recycle(k, v)
         return int(TransferState.DONE)
 
+    async def receive_kv_part(self, meta: TransferMeta, payload, first_block: int) -> int:
+        """Pipelined prefill (paged backends): read blocks whose KV a prefill still running
+        has finished, from the ``first_block``-th of the reservation on, while its next
+        chunks compute. Parts come in order; ``receive_kv`` brings the rest and the first
+        token. Returns the TransferState; a failure applies the policy at once."""
+        rid = meta.request_id
+        with self._pin_lock:
+            landed = self._landed.get(rid, 0)
+        if first_block != landed:
+            e = TransferError("layout", f"transfer {meta.transfer_id}: part at block {first_block}, "
+                                        f"{landed} blocks landed so far")
+            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
+            return int(TransferState.FAILED)
+        if not await self._read_in_place(meta, payload, first_block):
+            return int(TransferState.FAILED)
+        with self._pin_lock:
+            self._reading.discard(rid)  # until the next part: the deadline may expire it meanwhile
+            self._landed[rid] = first_block + meta.num_blocks
+        return int(TransferState.DONE)
+
     async def _receive_in_place(self, meta: TransferMeta, payload, first_token, first_logprobs, num_cached_tokens):
-        """Paged backends: read the sender's blocks straight into the reserved ones."""
+        """Paged backends: read the sender's blocks straight into the reserved ones (those
+        a pipelined prefill's parts did not bring already)."""
+        with self._pin_lock:
+            landed = self._landed.pop(meta.request_id, 0)
+        if not await self._read_in_place(meta, payload, landed):
+            return int(TransferState.FAILED)
+        await self.runtime.call(
+            self._kv_arrived, meta.request_id, first_token, None, None, first_logprobs, num_cached_tokens
+        )
+        return int(TransferState.DONE)
+
+    async def _read_in_place(self, meta: TransferMeta, payload, first_block: int) -> bool:
+        """Read ``meta.num_blocks`` blocks into the reservation's from ``first_block`` on.
+        False when it failed (the failure policy has run). On success the request stays
+        marked as reading, so that no deadline ends it before the caller hands it on."""
         rid = meta.request_id
         with self._pin_lock:
             blocks = self._pins.get(rid)
@@ -140,28 +175,32 @@ class DecodeWorker(WorkerBase):
                 self._reading.add(rid)
         if blocks is None:  # the reservation ended (aborted, expired) before the KV came
             await self.runtime.call(self._transfer_failed, rid, "expired")
-            return int(TransferState.FAILED)
-        unpin = True
+            return False
+        targets = [b.block_id for b in blocks[first_block : first_block + meta.num_blocks]]
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
-            t0 = time.perf_counter()
-            await self.backend.pull_blocks_async(meta, payload, [b.block_id for b in blocks])
-            self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
+            if len(targets) != meta.num_blocks:
+                raise TransferError("layout", f"transfer {meta.transfer_id}: {meta.num_blocks} blocks from block "
+                                              f"{first_block} do not fit a reservation of {len(blocks)}")
+            if targets:
+                t0 = time.perf_counter()
+                await self.backend.pull_blocks_async(meta, payload, targets)
+                self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
         except Exception as e:
             # A read that could not be stopped may still write into the blocks: keep them.
             unpin = getattr(e, "reason", None) != "stuck"
             if not unpin:
                 log.error("transfer %s: %s; its %d blocks stay out of use", meta.transfer_id, e, len(blocks))
             await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e), unpin)
-            return int(TransferState.FAILED)
-        await self.runtime.call(self._kv_arrived, rid, first_token, None, None, first_logprobs, num_cached_tokens)
-        return int(TransferState.DONE)
+            return False
+        return True
 
     def _unpin(self, rid: str) -> None:
         """On the step thread: the reservation's blocks may go back to the pool."""
         with self._pin_lock:
             self._reading.discard(rid)
+            self._landed.pop(rid, None)
             blocks = self._pins.pop(rid, None)
         if blocks is not None:
             self.engine.unpin_blocks(blocks)

@@ -321,6 +321,16 @@ class LLMEngine:
         """Free the blocks a finished ``keep_blocks`` request still holds (its KV was read)."""
         self.scheduler.release_held(request_id)
 
+    def computed_blocks(self, request_id: str) -> list[int]:
+        """Ids of a running request's blocks whose every token's KV is computed, in token
+        order (a chunked prefill offers them before its last chunk). Empty for a request
+        that is not running here (waiting, swapped, finished or unknown)."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return []
+        full = request.num_computed_tokens // self.config.block_size
+        return self.kv_manager.block_ids(request_id)[:full]
+
     def pin_blocks(self, request_id: str) -> list:
         """One more reference to each block of the request: they stay out of the free
         pool, whatever happens to the request, until ``unpin_blocks`` (a transfer may

@@ -23,6 +23,9 @@ class TransferConfig:
     lease_s: float = 60.0  # the sender frees its copy (or its blocks) after this without an ack
     failure_policy: str = "recompute"  # what the decode side does when KV does not come
     op_timeout_s: float = 60.0  # a channel operation gives up after this, deadline or not
+    # Paged backends: the blocks of each finished prefill chunk are read while the next
+    # chunks compute; the last chunk's blocks come with the first token.
+    pipeline: bool = True
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:

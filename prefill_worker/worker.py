@@ -3,13 +3,15 @@
 A request's lifecycle here::
 
     prefill() ─▶ queued ─▶ chunks under the step budget ─▶ first token sampled
-      ─▶ KV packed out of the blocks (blocks freed; the prefix cache keeps them)
-      ─▶ payload to the decode worker ─▶ bytes pushed ─▶ ack, or lease expiry ─▶ copy dropped
+      ─▶ offer to the decode worker ─▶ it reads the KV ─▶ its answer, or lease expiry
+      ─▶ blocks (or the packed copy) released; the prefix cache keeps full blocks
 
-The engine runs with ``hold_kv``: a finished prompt keeps its blocks only until its
-KV has been copied into one contiguous K and one V tensor. That copy is what the
-transfer sends and what the lease protects; the decode worker acknowledges by
-answering ``receive_kv``.
+Paged backends (NIXL) read straight out of this worker's blocks, which the engine holds
+(``hold_kv`` + ``keep_blocks``) until the decode worker has answered. With ``pipeline``
+on, the blocks of every finished chunk are offered at once (``receive_kv_part``, pinned
+until read), so that the decode worker reads them while later chunks compute and only
+the last chunk's blocks wait for the first token. Other backends get the prompt's KV
+packed into one K and one V tensor, which the transfer pushes.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class PrefillWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self._transfer_ids = itertools.count()
         self._sending = 0
+        self._watched: dict[str, _Parts] = {}  # pipelined prefills (touched on the step thread only)
+        self.runtime.add_periodic(self._offer_finished_blocks)
 
     async def load(self) -> PrefillLoad:
         return await self.runtime.call(self._load)
@@ -62,35 +66,35 @@ class PrefillWorker(WorkerBase):
     ) -> PrefillResult:
         """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``.
 
-        ``resume_output``: a migrated stream's tokens so far. They are prefilled with the
-        prompt (the prompt's blocks usually come from the prefix cache), and the token
-        sampled is the one after them, at its place in the seeded random stream.
+        With a paged backend and ``pipeline`` on, the blocks of each finished chunk are
+        offered while the next chunks compute (``receive_kv_part``); the rest go with the
+        first token. ``resume_output``: a migrated stream's tokens so far. They are
+        prefilled with the prompt (the prompt's blocks usually come from the prefix
+        cache), and the token sampled is the one after them, at its place in the seeded
+        random stream.
         """
         t0 = time.perf_counter()
-        first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
-        paged = self.backend.paged
-        final = None
-        async for out in self.runtime.generate(
-            prompt_token_ids, first_params, request_id, hold_kv=True, keep_blocks=paged, resume_output=resume_output
-        ):
-            final = out
-        t_done = time.perf_counter()
+        meta = TransferMeta(
+            transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
+            request_id=request_id,
+            layout=self.layout,  # the receiver checks it against its own
+            num_blocks=0,  # each send says how many it carries
+            num_tokens=len(prompt_token_ids) + len(resume_output),
+            dst_endpoint=reservation.endpoint,
+            deadline=reservation.deadline,
+        )
+        parts = _Parts(asyncio.get_running_loop()) if self.backend.paged and self.transfer.pipeline else None
+        final, landed, t_done = await self._compute(meta, prompt_token_ids, params, resume_output, decode_worker, parts)
         self._sending += 1
         try:
-            num_blocks = len(final.kv_blocks) if paged else final.kv[0].shape[1]
-            meta = TransferMeta(
-                transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
-                request_id=request_id,
-                layout=self.layout,  # the receiver checks it against its own
-                num_blocks=num_blocks,
-                num_tokens=len(prompt_token_ids) + len(resume_output),
-                dst_endpoint=reservation.endpoint,
-                deadline=reservation.deadline,
-            )
-            state, error = await self._send(meta, decode_worker, final)
+            num_blocks = len(final.kv_blocks) if self.backend.paged else final.kv[0].shape[1]
+            if landed is None:  # a part failed: the decode side has applied its failure policy
+                state, error = TransferState.FAILED, "a pipelined part of the transfer failed"
+            else:
+                state, error = await self._send(meta, decode_worker, final, landed)
         finally:
             self._sending -= 1
-            if paged:  # read in place: the blocks stay held until the receiver answered
+            if self.backend.paged:  # read in place: the blocks stay held until the receiver answered
                 self.runtime.submit(self.engine.release_held, request_id)
         return PrefillResult(
             request_id=request_id,
@@ -104,14 +108,84 @@ class PrefillWorker(WorkerBase):
             error=error,
         )
 
-    async def _send(self, meta: TransferMeta, decode_worker, final):
+    async def _compute(self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts):
+        """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
+        final output, how many blocks the parts landed (None: a part failed) and when the
+        prefill itself ended."""
+        first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
+        paged, rid = self.backend.paged, meta.request_id
+        if parts is not None:
+            await self.runtime.call(self._watched.__setitem__, rid, parts)
+            sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts))
+        final = None
+        try:
+            async for out in self.runtime.generate(
+                prompt, first_params, rid, hold_kv=True, keep_blocks=paged, resume_output=resume_output
+            ):
+                final = out
+        except BaseException:
+            if parts is not None:
+                parts.abandoned = True  # what is still queued is unpinned, not sent
+            raise
+        finally:
+            t_done = time.perf_counter()
+            if parts is not None:
+                await self.runtime.call(self._watched.pop, rid, None)  # nothing is offered after this
+                parts.queue.put_nowait(None)
+        return final, (await sender if parts is not None else 0), t_done
+
+    def _offer_finished_blocks(self, now: float) -> None:
+        """On the step thread: hand each pipelined prefill's newly computed blocks, pinned
+        until their read is answered, to its sender."""
+        for rid, parts in self._watched.items():
+            blocks = self.engine.computed_blocks(rid)
+            if len(blocks) > parts.offered:
+                item = (parts.offered, blocks[parts.offered :], self.engine.pin_blocks(rid))
+                parts.offered = len(blocks)
+                parts.loop.call_soon_threadsafe(parts.queue.put_nowait, item)
+
+    async def _send_parts(self, meta: TransferMeta, decode_worker, parts: "_Parts") -> int | None:
+        """Send each stretch of finished blocks as it is offered, in order; returns the
+        blocks landed, or None once a part failed (the rest are only unpinned)."""
+        landed: int | None = 0
+        while (item := await parts.queue.get()) is not None:
+            first, block_ids, pins = item
+            try:
+                if landed is not None and not parts.abandoned:
+                    part = dataclasses.replace(
+                        meta, transfer_id=f"{meta.transfer_id}.{first}", num_blocks=len(block_ids),
+                        num_tokens=len(block_ids) * self.layout.block_size,
+                    )
+                    ok = await self._send_part(part, decode_worker, block_ids, first)
+                    landed = first + len(block_ids) if ok else None
+            finally:
+                self.runtime.submit(self.engine.unpin_blocks, pins)
+        return landed
+
+    async def _send_part(self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int) -> bool:
+        payload = self.backend.prepare_blocks(meta, block_ids)
+        try:
+            answer = decode_worker.receive_kv_part.remote(meta, payload, first)
+            return TransferState(await asyncio.wait_for(answer, timeout=self.transfer.lease_s)) == TransferState.DONE
+        except Exception as e:  # the decode worker died or never answered
+            self._count_failure(e)
+            decode_worker.transfer_failed.remote(meta.request_id)
+            return False
+        finally:
+            self.backend.release(meta, payload)
+
+    async def _send(self, meta: TransferMeta, decode_worker, final, landed: int):
+        """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
         k, v = final.kv or (None, None)
         try:
             if self.backend.paged:
-                payload = self.backend.prepare_blocks(meta, final.kv_blocks)
+                blocks = final.kv_blocks[landed:]
+                meta = dataclasses.replace(meta, num_blocks=len(blocks))
+                payload = self.backend.prepare_blocks(meta, blocks)
             else:
+                meta = dataclasses.replace(meta, num_blocks=final.kv[0].shape[1])
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(meta, payload, final.token_ids[-1], lp, final.num_cached_tokens)
@@ -120,15 +194,19 @@ class PrefillWorker(WorkerBase):
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
             return state, None if state == TransferState.DONE else "receiver reported failure"
         except Exception as e:  # any failure ends this transfer; the decode side recovers
-            reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
-            self.backend.stats.failures[reason] += 1
-            self.metrics.on_transfer_failure(reason)
+            reason = self._count_failure(e)
             # Tell the decode side at once instead of letting it wait for the deadline.
             decode_worker.transfer_failed.remote(meta.request_id)
             return TransferState.FAILED, f"{reason}: {e}"
         finally:
             if payload is not None:
                 self.backend.release(meta, payload)
+
+    def _count_failure(self, e: BaseException) -> str:
+        reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
+        self.backend.stats.failures[reason] += 1
+        self.metrics.on_transfer_failure(reason)
+        return reason
 
     async def _push_until_answered(self, meta: TransferMeta, k, v, payload, ack: asyncio.Future) -> None:
         """Push the bytes; stop early if the receiver answers that it will not take them."""
@@ -144,3 +222,13 @@ class PrefillWorker(WorkerBase):
                 raise
             # The receiver's answer says what happened; the push's own error adds nothing.
 
+
+class _Parts:
+    """A pipelined prefill's finished blocks on their way to its sender: (first block,
+    block ids, pins) in order, then None."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.offered = 0  # blocks queued so far
+        self.abandoned = False  # the prefill failed: unpin what comes, send nothing

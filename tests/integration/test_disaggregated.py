@@ -18,6 +18,7 @@ from kv_transfer.nixl import unavailable_reason
 from tests.helpers import assert_blocks_freed
 
 NUM_REQUESTS = 32
+NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
 
 def _workload(seed=0, n=NUM_REQUESTS, shared_prefix=0):
@@ -76,8 +77,7 @@ def _run_all(cluster, prompts, lengths, timeout=120):
     "backend,prefill,decode",
     [
         ("collective", 1, 1), ("collective", 2, 2), ("object_store", 1, 1), ("object_store", 2, 2),
-        pytest.param("nixl", 2, 2, marks=pytest.mark.skipif(
-            unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")),
+        pytest.param("nixl", 2, 2, marks=NEEDS_NIXL),
     ],
 )
 def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, reference, backend, prefill, decode):
@@ -100,6 +100,39 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
         if prefill == 2:
             busy = [s["prompt_tokens"] > 0 for w, s in stats.items()]
             assert all(busy), f"every worker should have taken requests: {stats.keys()} {busy}"
+        assert_blocks_freed(cluster)
+    finally:
+        cluster.shutdown()
+
+
+@NEEDS_NIXL
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_model, pipeline):
+    """With a 32-token chunk budget a 100-300 token prompt takes 4-10 steps; pipelined, the
+    decode worker reads the blocks of each finished chunk while the next computes, and the
+    tokens are the single engine's either way."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4000) for _ in range(rng.randint(100, 300))] for _ in range(6)]
+    lengths = [8] * len(prompts)
+    want = [o.token_ids for o in LLM(model=tiny_model, num_kv_blocks=256).generate(prompts, _params(8))]
+    cfg = ClusterConfig.from_dict({
+        "model": tiny_model, "prefill_workers": 1, "decode_workers": 1, "restart_workers": False,
+        "transfer": {"backend": "nixl", "pipeline": pipeline},
+        "engine": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
+    })
+    cluster = TandemCluster(cfg).start()
+    try:
+        results = _run_all(cluster, prompts, lengths)
+        assert [r[1] for r in results] == [[]] * len(prompts), "no request may fail"
+        assert [r[0] for r in results] == want
+        stats = cluster.stats()
+        sent, received = stats["prefill-0"]["transfer"]["sent"], stats["decode-0"]["transfer"]["received"]
+        assert sent == received, f"every offer read: {sent} sent, {received} received"
+        assert stats["decode-0"]["transfer_failures"] == 0 and not stats["decode-0"]["transfer"]["failures"]
+        if pipeline:  # at least one part per request beyond its final read
+            assert received >= 2 * len(prompts), f"{received} reads for {len(prompts)} chunked prompts"
+        else:
+            assert received == len(prompts)
         assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
