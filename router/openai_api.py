@@ -172,8 +172,9 @@ def sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def model_list(name: str, created: int) -> dict:
+def model_list(name: str, created: int, max_model_len: int) -> dict:
     return {
         "object": "list",
-        "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem"}],
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
+                  "max_model_len": max_model_len}],
     }

@@ -1,7 +1,8 @@
 """The router: one Ray Serve deployment serving the OpenAI HTTP API and the gRPC API.
 
 HTTP (FastAPI ingress): ``POST /v1/completions``, ``POST /v1/chat/completions`` (with
-``stream`` as server-sent events), ``GET /v1/models``, ``GET /health``. gRPC (Serve's
+``stream`` as server-sent events), ``GET /v1/models``, ``GET /health``, and vLLM's
+``POST /tokenize``, ``POST /detokenize`` and ``GET /version``. gRPC (Serve's
 gRPC proxy, servicers from ``protos``): ``tandem.v1.Generation`` and
 ``grpc.health.v1.Health/Check``.
 
@@ -20,6 +21,7 @@ actor handle passed in at bind time), refreshed every ``workers_refresh_s``.
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -50,6 +52,7 @@ from engine.messages import ErrorKind, StreamDelta
 from router.dispatch import Dispatcher, DispatchConfig
 from router.grammar_check import GrammarChecker
 from router.openai_api import Accumulator, Envelope, model_list, sse
+from router.tokenization import detokenize, tokenize
 from router.validation import (
     ApiError,
     PreparedRequest,
@@ -61,6 +64,8 @@ from router.validation import (
 )
 
 log = logging.getLogger(__name__)
+
+VERSION = importlib.metadata.version("tandem-serve")
 
 GRPC_SERVICERS = [
     "router.grpc_api.add_generation_servicer",
@@ -272,7 +277,30 @@ class Router:
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self.core.check_key(_bearer(request.headers.get("authorization")))
-        return model_list(self.core.model.name, self.core.created)
+        return model_list(self.core.model.name, self.core.created, self.core.model.max_model_len)
+
+    @app.get("/version")
+    async def version(self, request: Request) -> dict:
+        self.core.check_key(_bearer(request.headers.get("authorization")))
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> dict:
+        return await self._tokenizer_call(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> dict:
+        return await self._tokenizer_call(request, detokenize)
+
+    async def _tokenizer_call(self, request: Request, handle) -> dict:
+        core = self.core
+        core.check_key(_bearer(request.headers.get("authorization")))
+        limit = core.config.max_body_bytes
+        try:
+            return handle(parse_json(await _read_body(request, limit), limit), core.model, core.tokenizer)
+        except ApiError:
+            core.metrics.on_rejected("invalid_request")
+            raise
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):

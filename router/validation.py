@@ -200,7 +200,7 @@ def parse_json(raw: bytes, max_bytes: int) -> dict:
     return body
 
 
-def _parse(model_cls: type[BaseModel], body: dict) -> Any:
+def parse_as(model_cls: type[BaseModel], body: dict) -> Any:
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
@@ -323,7 +323,7 @@ def _sampling_params(
         raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
 
-def _check_text(text: str, param: str) -> str:
+def check_text(text: str, param: str) -> str:
     """400 for text that is not Unicode: JSON's \\ud800 escapes can give lone surrogates."""
     try:
         text.encode("utf-8")
@@ -334,14 +334,19 @@ def _check_text(text: str, param: str) -> str:
     return text
 
 
-def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
-    if not ids:
-        raise ApiError(400, f"{param} must not be empty", param=param)
+def check_token_ids(ids, model: ServedModel, param: str) -> None:
+    """400 naming ``param`` for an id outside the model's vocabulary."""
     for t in ids:
         if not 0 <= t < model.vocab_size:
             raise ApiError(
                 400, f"{param} has token id {t}, outside the vocabulary [0, {model.vocab_size})", param=param
             )
+
+
+def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
+    if not ids:
+        raise ApiError(400, f"{param} must not be empty", param=param)
+    check_token_ids(ids, model, param)
     if len(ids) >= model.max_model_len:
         raise ApiError(
             400,
@@ -370,7 +375,7 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
 def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
     """Parse a body and check what every endpoint checks: the model's name, and no
     option this server does not support."""
-    b = _parse(model_cls, body)
+    b = parse_as(model_cls, body)
     model.check_name(b.model)
     _reject_unsupported(b)
     return b
@@ -389,6 +394,18 @@ def _prepared(
 # -- the two endpoints ---------------------------------------------------------
 
 
+def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> str:
+    """The conversation through the model's chat template, as text; 400 naming ``messages``."""
+    plain = [
+        {"role": m.role, "content": check_text(m.text(), f"messages.{i}.content")}
+        for i, m in enumerate(messages)
+    ]
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+
+
 def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     """Validate a ``/v1/completions`` body; raises ``ApiError``."""
     b: CompletionBody = _parse_body(CompletionBody, body, model)
@@ -401,7 +418,7 @@ def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedReq
         if len(prompt) != 1:
             raise ApiError(400, f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
         prompt = prompt[0]
-    ids = tokenizer.encode(_check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode(check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
     _check_prompt(ids, model, "prompt")
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
@@ -414,16 +431,8 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     b: ChatBody = _parse_body(ChatBody, body, model)
     if b.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    messages = [
-        {"role": m.role, "content": _check_text(m.text(), f"messages.{i}.content")}
-        for i, m in enumerate(b.messages)
-    ]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except (ValueError, jinja2.TemplateError) as e:
-        raise ApiError(400, f"messages: {e}", param="messages") from None
     # The template writes the special tokens itself (as HF's tokenize=True does).
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(render_chat(b.messages, tokenizer), add_special_tokens=False)
     _check_prompt(ids, model, "messages")
     top = b.top_logprobs
     if top is not None and not b.logprobs:

@@ -34,6 +34,7 @@ try:  # the HTTP client the installed openai package is built on
 except ImportError:
     import httpx
 
+from router.tokenization import detokenize, tokenize
 from router.validation import ApiError, parse_json, prepare_chat, prepare_completion
 from tests.fuzz.conftest import MAX_BODY
 from tests.helpers import tally, write_report
@@ -313,6 +314,51 @@ def test_chat_completions_bodies(http, oracle, body, content_type):
     check_body(http, oracle, body, content_type, chat=True)
 
 
+TOKENIZE = {
+    "model": st.sampled_from([SERVED, "no-such-model"]),
+    "prompt": st.one_of(any_text, token_ids),
+    "add_special_tokens": st.booleans(),
+    "return_token_strs": st.booleans(),
+}
+TOKENIZE_CHAT = {
+    **TOKENIZE,
+    "messages": st.lists(message, max_size=3),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+}
+DETOKENIZE = {"model": TOKENIZE["model"], "tokens": token_ids}
+VALID_TOKENIZE = {"model": st.just(SERVED), "prompt": st.text(max_size=80), "add_special_tokens": st.booleans()}
+VALID_TOKENIZE_CHAT = {**VALID_TOKENIZE, "messages": VALID_CHAT["messages"], "add_generation_prompt": st.booleans()}
+VALID_DETOKENIZE = {"model": st.just(SERVED), "tokens": st.lists(st.integers(0, 4095), max_size=30)}
+tokenizer_calls = st.one_of(
+    st.tuples(st.just("/tokenize"), bodies(TOKENIZE, VALID_TOKENIZE, "prompt")),
+    st.tuples(st.just("/tokenize"), bodies(TOKENIZE_CHAT, VALID_TOKENIZE_CHAT, "messages")),
+    st.tuples(st.just("/detokenize"), bodies(DETOKENIZE, VALID_DETOKENIZE, "tokens")),
+)
+
+
+@settings(FUZZ, max_examples=300)
+@given(call=tokenizer_calls, content_type=content_types)
+def test_tokenizer_bodies(http, oracle, call, content_type):
+    """A tokenizer call gets exactly what the router's own code answers locally."""
+    path, body = call
+    if body.get("model") == SERVED:
+        body = {**body, "model": oracle[0].name}
+    raw = _dumps(body)
+    handle = tokenize if path == "/tokenize" else detokenize
+    try:
+        expected, error = handle(parse_json(raw, MAX_BODY), *oracle), None
+    except ApiError as e:
+        expected, error = None, e
+    r = post(http, path, raw, content_type)
+    CASES[(path, str(r.status_code))] += 1
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if error is not None:
+        assert (r.status_code, r.json()["error"]["param"]) == (error.status, error.param), (r.text[:300], error.message)
+    else:
+        assert r.status_code == 200 and r.json() == expected, (r.text[:300], expected)
+
+
 def _nested(depth: int, opener: str) -> bytes:
     if opener == "[":
         return b"[" * depth + b"]" * depth
@@ -369,8 +415,9 @@ def test_raw_garbage_bodies(http, oracle, case, content_type):
     check_response(r, expected, stream, "raw bodies", raw)
 
 
-ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/openapi.json"),
-          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
+ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/version"),
+          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+          ("POST", "/detokenize")}
 paths = st.one_of(
     st.sampled_from(sorted({p for _, p in ROUTES} | {"/", "/v1", "/v1/", "/v1/models/x", "/docs", "/redoc",
                                                     "/v1/completions/../models", "/%2e%2e/%2e%2e/etc/passwd",
