@@ -12,6 +12,10 @@ per request) becomes ``SamplingParams.structured_output``. The checks that need 
 grammar engine run here; parsing the spec with xgrammar (which imports torch) runs in
 the router's helper process (``router.grammar_check``), before admission. Either way
 a bad spec is a 400 naming the field (``PreparedRequest.structured_field``).
+
+vLLM's token controls become SamplingParams fields: ``logit_bias`` (OpenAI's map of
+token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
+``bad_words`` (strings, tokenized here into the sequences the sampler bans).
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ class _Body(BaseModel):
     n: int = 1
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
@@ -217,8 +223,6 @@ def _reject_unsupported(b: _Body) -> None:
         raise ApiError(400, f"n must be 1 (got {b.n}); send separate requests for more choices", param="n")
     if b.best_of not in (None, 1):
         raise ApiError(400, f"best_of must be 1 (got {b.best_of})", param="best_of")
-    if b.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -282,9 +286,49 @@ def structured_output(b: _Body) -> tuple[str, StructuredOutput] | None:
     return field, so
 
 
+def _logit_bias(raw: dict[str, float], model: ServedModel) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as decimal strings) with integer keys."""
+    bias = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal integers as strings), got {key!r}",
+                           param="logit_bias")
+        if len(key) > 18 or int(key) >= model.vocab_size:
+            raise ApiError(400, f"logit_bias has token id {key}, outside the vocabulary [0, {model.vocab_size})",
+                           param="logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def _bad_words(words: list[str], tokenizer) -> list[list[int]]:
+    """Each word's token ids, as vLLM finds them: the word as written (leading spaces
+    dropped) and, when it tokenizes differently, with one leading space (mid-text)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        word = check_text(word, "bad_words").lstrip()
+        if not word:
+            raise ApiError(400, "bad_words must hold words that are not empty or blank", param="bad_words")
+        bare = tokenizer.encode(word, add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        if bare:
+            sequences.append(bare)
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            sequences.append(spaced)
+    return sequences
+
+
+def _token_controls(b: _Body, model: ServedModel, tokenizer) -> dict:
+    """The body's ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` as SamplingParams fields."""
+    controls: dict = {"allowed_token_ids": b.allowed_token_ids}
+    if b.logit_bias:
+        controls["logit_bias"] = _logit_bias(b.logit_bias, model)
+    if b.bad_words:
+        controls["bad_words_token_ids"] = _bad_words(b.bad_words, tokenizer)
+    return controls
+
+
 def _sampling_params(
-    b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None,
-    constraint: StructuredOutput | None,
+    b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None, **fields
 ):
     room = model.max_model_len - prompt_len
     if max_tokens is None:
@@ -307,7 +351,7 @@ def _sampling_params(
     if given.get("top_k", 0) >= model.vocab_size:
         given["top_k"] = 0  # the whole vocabulary, as 0 says (and small enough for the sampler's tensors)
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             stop=b.stop or (),
             ignore_eos=b.ignore_eos,
@@ -315,9 +359,11 @@ def _sampling_params(
             skip_special_tokens=b.skip_special_tokens,
             include_stop_str_in_output=b.include_stop_str_in_output,
             logprobs=logprobs,
-            structured_output=constraint,
+            **fields,
             **given,
         )
+        params.check_vocab(model.vocab_size)
+        return params
     except ValueError as e:
         # SamplingParams messages start with the field's name.
         raise ApiError(400, str(e), param=str(e).split()[0]) from None
@@ -382,11 +428,13 @@ def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
 
 
 def _prepared(
-    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None
+    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None, tokenizer
 ) -> PreparedRequest:
-    """The prompt's ids with the body's sampling params (and output constraint) and stream flags."""
+    """The prompt's ids with the body's sampling params (output constraint and token
+    controls included) and stream flags."""
     field, constraint = structured_output(b) or (None, None)
-    params = _sampling_params(b, max_tokens, len(ids), model, logprobs, constraint)
+    controls = _token_controls(b, model, tokenizer)
+    params = _sampling_params(b, max_tokens, len(ids), model, logprobs, structured_output=constraint, **controls)
     stream, usage = _stream_flags(b)
     return PreparedRequest(ids, params, stream, usage, field)
 
@@ -423,7 +471,7 @@ def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedReq
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
-    return _prepared(b, ids, max_tokens, model, b.logprobs)
+    return _prepared(b, ids, max_tokens, model, b.logprobs, tokenizer)
 
 
 def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
@@ -438,4 +486,4 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     if top is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    return _prepared(b, ids, max_tokens, model, (top or 0) if b.logprobs else None)
+    return _prepared(b, ids, max_tokens, model, (top or 0) if b.logprobs else None, tokenizer)

@@ -64,3 +64,88 @@ def test_bad_tokenizer_calls_are_400_naming_the_field(http):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     r = http.post("/tokenize", content=b"{oops", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+
+
+# -- the sampling controls ---------------------------------------------------------------
+
+
+def _single_token_words(tokenizer, words) -> dict[str, int]:
+    """The words of ``words`` that are one token each, by id."""
+    ids = {w: tokenizer.encode(w, add_special_tokens=False) for w in words}
+    return {w: i[0] for w, i in ids.items() if len(i) == 1}
+
+
+WORDS = [" the", " and", " of", " a", " to", " in", " is", " it", " was", " he"]
+
+
+def test_logit_bias_and_allowed_token_ids_hold_on_every_token(client, model_name, tokenizer):
+    words = _single_token_words(tokenizer, WORDS)
+    assert len(words) >= 3, f"the tiny tokenizer should spell a few of {WORDS} as one token: {words}"
+    (w0, t0), *rest = words.items()
+    pushed = client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0.0,
+        logit_bias={str(t0): 100}, extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert pushed.text == w0 * 6, pushed.text
+    allowed = dict(rest)
+    for seed in range(4):
+        stream = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": f"say something {seed}"}], max_tokens=8,
+            temperature=1.0, seed=seed, stream=True,
+            extra_body={"allowed_token_ids": list(allowed.values()), "ignore_eos": True},
+        )
+        pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+        text = "".join(pieces)
+        assert tokenizer.encode(text, add_special_tokens=False) and all(
+            t in allowed.values() for t in tokenizer.encode(text, add_special_tokens=False)), (text, allowed)
+
+
+def test_bad_words_are_never_completed(client, model_name):
+    def greedy(**extra):
+        return client.completions.create(
+            model=model_name, prompt="The cat sat on the", max_tokens=12, temperature=0.0, logprobs=0,
+            extra_body={"ignore_eos": True, **extra},
+        ).choices[0]
+
+    plain = greedy()
+    tokens = plain.logprobs.tokens
+    word = "".join(tokens[2:4])  # what the model writes on its own: the ban has to act
+    banned = greedy(bad_words=[word])
+    assert banned.logprobs.tokens[:2] == tokens[:2], "the output up to the word is unchanged"
+    assert banned.logprobs.tokens[2:4] != tokens[2:4], (word, banned.logprobs.tokens)
+
+
+def test_bad_sampling_controls_are_400_naming_the_field(client, model_name):
+    import openai
+
+    for kwargs, field in [
+        ({"logit_bias": {"5": 250}}, "logit_bias"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"extra_body": {"allowed_token_ids": [10**9]}}, "allowed_token_ids"),
+        ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
+        ({"extra_body": {"bad_words": [" "]}}, "bad_words"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model_name, prompt="hi", max_tokens=3, **kwargs)
+        error = e.value.body
+        assert error["param"] == field and field in error["message"], (kwargs, error)
+
+
+def test_grpc_carries_the_controls_and_refuses_bad_ones(stub, tokenizer):
+    import grpc
+
+    from protos.tandem.v1 import generate_pb2 as pb
+
+    words = _single_token_words(tokenizer, WORDS)
+    allowed = sorted(words.values())[:3]
+    request = pb.GenerateRequest(text="over gRPC", sampling=pb.SamplingParams(
+        max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed,
+        logit_bias={allowed[0]: -100.0}, bad_words=["zebra crossing"]))
+    ids = [t for m in stub.Generate(request, timeout=120) for t in m.token_ids]
+    assert len(ids) == 8 and set(ids) <= set(allowed[1:]), (ids, allowed)
+    for sampling, field in [(pb.SamplingParams(logit_bias={1: 101.0}), "logit_bias"),
+                            (pb.SamplingParams(allowed_token_ids=[2**31]), "allowed_token_ids"),
+                            (pb.SamplingParams(bad_words=[""]), "bad_words")]:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(text="x", sampling=sampling), timeout=120))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value.details()

@@ -1,4 +1,5 @@
-"""``/tokenize`` and ``/detokenize``: vLLM's shapes, on the default model's real tokenizer."""
+"""``/tokenize`` and ``/detokenize`` in vLLM's shapes, and how ``bad_words`` are tokenized, on the
+default model's real tokenizer."""
 
 from __future__ import annotations
 
@@ -87,3 +88,19 @@ def test_bad_input_is_rejected_naming_the_field(model, tokenizer, fn, body, stat
     e = error_of(fn, body, model, tokenizer)
     assert (e.status, e.param) == (status, param), e.message
     assert param.split(".")[0] in e.message
+
+
+def test_bad_words_are_banned_as_written_and_mid_text_as_vllm_tokenizes_them(model, tokenizer):
+    def bad_words(*words):
+        req = prepare_completion({"prompt": "x", "bad_words": list(words)}, model, tokenizer)
+        return [list(w) for w in req.params.bad_words_token_ids]
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # " upon a" spells the same number of tokens with another first one: both are banned.
+    assert len(encode(" upon a")) == len(encode("upon a")) and encode(" upon a")[0] != encode("upon a")[0]
+    assert bad_words("upon a") == [encode("upon a"), encode(" upon a")]
+    assert bad_words("  upon a") == bad_words("upon a"), "leading spaces are dropped, as vLLM does"
+    # " time" is one token where "time" is two: a different length, so only the bare spelling.
+    assert len(encode(" time")) != len(encode("time")) and bad_words("time") == [encode("time")]

@@ -72,7 +72,25 @@ def test_chat_content_parts_and_logprobs_map_onto_the_engine():
         ({"max_tokens": 1.5}, 400, "max_tokens"),
         ({"seed": -1}, 400, "seed"),
         ({"n": 2}, 400, "n"),
-        ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, 400, "logit_bias"),
+        ({"logit_bias": {"1": -100.5}}, 400, "logit_bias"),
+        ({"logit_bias": {"x": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"-1": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {" 1": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"1000": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"1": "5"}}, 400, "logit_bias.1"),
+        ({"logit_bias": [1, 5]}, 400, "logit_bias"),
+        ({"allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -1]}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": [1000]}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**30]}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": "1"}, 400, "allowed_token_ids"),
+        ({"bad_words": ["ok", ""]}, 400, "bad_words"),
+        ({"bad_words": ["  "]}, 400, "bad_words"),
+        ({"bad_words": ["\ud800"]}, 400, "bad_words"),
+        ({"bad_words": "word"}, 400, "bad_words"),
+        ({"bad_words": [3]}, 400, "bad_words.0"),
         ({"prompt": 7}, 400, "prompt"),
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": [1, 5000]}, 400, "prompt"),
@@ -88,6 +106,17 @@ def test_bad_completion_fields_are_rejected_naming_the_field(body, status, param
     assert (e.status, e.param) == (status, param), e.message
     assert param in e.message
     assert e.body()["error"]["param"] == param
+
+
+def test_token_controls_reach_the_sampling_params_on_both_endpoints():
+    body = {"logit_bias": {"7": 2.5, "42": -100}, "allowed_token_ids": [7, 8, 42], "bad_words": ["ab", " cd"]}
+    chat = prepare_chat({"messages": [{"role": "user", "content": "x"}], **body}, MODEL, FakeTokenizer())
+    for params in (completion(**body).params, chat.params):
+        assert params.logit_bias == ((7, 2.5), (42, -100)) and params.allowed_token_ids == (7, 8, 42)
+        # One token per character: " ab" is longer than "ab", so only the bare spelling (vLLM's
+        # rule; tests/unit/test_tokenization.py has a real tokenizer's spaced variants).
+        assert params.bad_words_token_ids == ((97, 98), (99, 100)), params.bad_words_token_ids
+    assert completion(logit_bias={}).params.logit_bias == () and completion().params.allowed_token_ids is None
 
 
 def test_bad_chat_messages_are_rejected_naming_the_field():
@@ -246,7 +275,7 @@ def test_specs_xgrammar_cannot_parse_are_found_in_a_helper_process_without_torch
     assert ("torch" in sys.modules) == torch_before, "the check must not load torch in this process"
 
 
-def test_grpc_requests_carry_the_same_output_constraints():
+def test_grpc_requests_carry_the_same_output_constraints_and_token_controls():
     import json
 
     from protos.tandem.v1 import generate_pb2 as pb
@@ -262,7 +291,14 @@ def test_grpc_requests_carry_the_same_output_constraints():
     req = prepared(response_format=json.dumps(rf))
     assert req.params.structured_output.kind == "json" and req.structured_field == "response_format.json_schema.schema"
     assert prepared().params.structured_output is None
-    for sampling, param in (({"response_format": "{oops"}, "response_format"),
+    req = prepared(logit_bias={5: 1.5}, allowed_token_ids=[5, 6], bad_words=["ab"])
+    assert (req.params.logit_bias, req.params.allowed_token_ids) == (((5, 1.5),), (5, 6))
+    assert req.params.bad_words_token_ids == ((97, 98),)
+    for sampling, param in (({"logit_bias": {5: 100.5}}, "logit_bias"),
+                            ({"logit_bias": {5000: 1}}, "logit_bias"),
+                            ({"allowed_token_ids": [5000]}, "allowed_token_ids"),
+                            ({"bad_words": [""]}, "bad_words"),
+                            ({"response_format": "{oops"}, "response_format"),
                             ({"guided_json": "[]"}, "guided_json"),
                             ({"guided_regex": "a", "guided_grammar": 'root ::= "a"'}, "guided_grammar")):
         e = error_of(prepared, **sampling)
