@@ -334,6 +334,8 @@ class Router:
         if first.error:
             await deltas.aclose()
             raise _server_error(first)
+        if prepared.echo is not None:
+            first = first._replace(text=prepared.echo + first.text)
         if not prepared.stream:
             return await self._whole(first, deltas, acc, env, chat)
         body = self._sse(first, deltas, acc, env, prepared, chat)

@@ -20,6 +20,7 @@ token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class PreparedRequest:
     stream: bool = False
     include_usage: bool = False
     structured_field: str | None = None  # the field the output constraint came from
+    echo: str | None = None  # completions' ``echo``: the prompt's text, to go before the output
 
 
 # -- request bodies ------------------------------------------------------------
@@ -457,8 +459,9 @@ def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
 def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     """Validate a ``/v1/completions`` body; raises ``ApiError``."""
     b: CompletionBody = _parse_body(CompletionBody, body, model)
-    if b.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    if b.echo and b.logprobs is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
+                       "compute: ask for echo or logprobs", param="echo")
     if b.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     prompt = b.prompt
@@ -471,7 +474,12 @@ def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedReq
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
-    return _prepared(b, ids, max_tokens, model, b.logprobs, tokenizer)
+    prepared = _prepared(b, ids, max_tokens, model, b.logprobs, tokenizer)
+    if not b.echo:
+        return prepared
+    # As vLLM: text as sent; token ids as the tokenizer spells them, special tokens kept.
+    echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False)
+    return dataclasses.replace(prepared, echo=echo)
 
 
 def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:

@@ -178,6 +178,7 @@ VALID_COMPLETION = {
         st.text(min_size=1, max_size=20).map(lambda t: [t]),
     ),
     "logprobs": st.integers(0, 5),
+    "echo": st.booleans(),
 }
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
 VALID_CHAT = {

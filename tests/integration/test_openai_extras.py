@@ -149,3 +149,17 @@ def test_grpc_carries_the_controls_and_refuses_bad_ones(stub, tokenizer):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(text="x", sampling=sampling), timeout=120))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value.details()
+
+
+# -- echo --------------------------------------------------------------------------------
+
+
+def test_echo_puts_the_prompt_before_the_output_whole_and_streamed(client, model_name):
+    kwargs = dict(model=model_name, prompt="Once upon a time", max_tokens=6, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    echoed = client.completions.create(echo=True, **kwargs)
+    assert echoed.choices[0].text == "Once upon a time" + plain, echoed.choices[0].text
+    assert echoed.usage.completion_tokens == 6
+    chunks = [c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kwargs) if c.choices]
+    assert chunks[0].startswith("Once upon a time") and "".join(chunks) == "Once upon a time" + plain, chunks

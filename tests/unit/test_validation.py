@@ -26,6 +26,9 @@ class FakeTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "|".join(m["content"] for m in messages) + ">"
 
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
 
 def completion(**body):
     return prepare_completion({"model": MODEL.name, "prompt": "hi", **body}, MODEL, FakeTokenizer())
@@ -117,6 +120,13 @@ def test_token_controls_reach_the_sampling_params_on_both_endpoints():
         # rule; tests/unit/test_tokenization.py has a real tokenizer's spaced variants).
         assert params.bad_words_token_ids == ((97, 98), (99, 100)), params.bad_words_token_ids
     assert completion(logit_bias={}).params.logit_bias == () and completion().params.allowed_token_ids is None
+
+
+def test_echo_carries_the_prompt_text_and_refuses_logprobs():
+    assert completion(echo=True).echo == "hi" and completion().echo is None
+    assert completion(prompt=[104, 105, 33], echo=True).echo == "hi!", "token ids are echoed as decoded"
+    e = error_of(completion, echo=True, logprobs=1)
+    assert (e.status, e.param) == (400, "echo") and "logprobs" in e.message, e.message
 
 
 def test_bad_chat_messages_are_rejected_naming_the_field():
