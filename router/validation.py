@@ -71,6 +71,9 @@ def check_api_key(expected: str | None, presented: str | None) -> None:
         )
 
 
+MAX_PROMPTS = 64  # prompts in one completions request; each is a request to admission
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """What validation needs to know about the model being served."""
@@ -456,19 +459,33 @@ def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: b
         raise ApiError(400, f"messages: {e}", param="messages") from None
 
 
-def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
-    """Validate a ``/v1/completions`` body; raises ``ApiError``."""
+def prepare_completions(body: dict, model: ServedModel, tokenizer) -> list[PreparedRequest]:
+    """Validate a ``/v1/completions`` body: a request a prompt (a list of prompts gives a
+    choice each, in order); raises ``ApiError``."""
     b: CompletionBody = _parse_body(CompletionBody, body, model)
     if b.echo and b.logprobs is not None:
         raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
                        "compute: ask for echo or logprobs", param="echo")
     if b.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    prompt = b.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
-        prompt = prompt[0]
+    prompts = b.prompt
+    if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+        prompts = [prompts]
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts, over the limit of {MAX_PROMPTS} a request",
+                       param="prompt")
+    return [_completion(b, prompt, model, tokenizer) for prompt in prompts]
+
+
+def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
+    """Validate a completions body of one prompt (as gRPC's are); raises ``ApiError``."""
+    prepared = prepare_completions(body, model, tokenizer)
+    if len(prepared) != 1:
+        raise ApiError(400, f"prompt holds {len(prepared)} prompts; send one per request", param="prompt")
+    return prepared[0]
+
+
+def _completion(b: CompletionBody, prompt: str | list[int], model: ServedModel, tokenizer) -> PreparedRequest:
     ids = tokenizer.encode(check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
     _check_prompt(ids, model, "prompt")
     if b.logprobs is not None and b.logprobs < 0:

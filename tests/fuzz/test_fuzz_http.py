@@ -35,7 +35,7 @@ except ImportError:
     import httpx
 
 from router.tokenization import detokenize, tokenize
-from router.validation import ApiError, parse_json, prepare_chat, prepare_completion
+from router.validation import ApiError, parse_json, prepare_chat, prepare_completions
 from tests.fuzz.conftest import MAX_BODY
 from tests.helpers import tally, write_report
 
@@ -175,7 +175,7 @@ VALID_COMPLETION = {
     **VALID_SAMPLING,
     "prompt": st.one_of(
         st.text(min_size=1, max_size=80), st.lists(st.integers(0, 4095), min_size=1, max_size=30),
-        st.text(min_size=1, max_size=20).map(lambda t: [t]),
+        st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3),  # a choice each
     ),
     "logprobs": st.integers(0, 5),
     "echo": st.booleans(),
@@ -227,7 +227,7 @@ content_types = st.sampled_from([
 def predict(raw: bytes, chat: bool, oracle) -> ApiError | None:
     """What the router's validation says of these bytes: the ApiError, or None (accepted)."""
     model, tokenizer = oracle
-    prepare = prepare_chat if chat else prepare_completion
+    prepare = prepare_chat if chat else prepare_completions
     try:
         prepare(parse_json(raw, MAX_BODY), model, tokenizer)
     except ApiError as e:
@@ -283,7 +283,8 @@ def check_response(r, expected: ApiError | None, stream: bool, test: str, raw: b
     assert r.status_code == 200, r.text[:500]
     if not stream:
         out = r.json()
-        assert out["choices"] and out["usage"]["completion_tokens"] <= CAP, out
+        assert out["choices"] and out["usage"]["completion_tokens"] <= CAP * len(out["choices"]), out
+        assert [c["index"] for c in out["choices"]] == list(range(len(out["choices"]))), out
         return
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", events[-3:]

@@ -163,3 +163,36 @@ def test_echo_puts_the_prompt_before_the_output_whole_and_streamed(client, model
     assert echoed.usage.completion_tokens == 6
     chunks = [c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kwargs) if c.choices]
     assert chunks[0].startswith("Once upon a time") and "".join(chunks) == "Once upon a time" + plain, chunks
+
+
+# -- several prompts in one request ------------------------------------------------------
+
+
+def test_a_list_of_prompts_gives_a_choice_each_whole_and_streamed(client, model_name):
+    prompts = ["Once upon a time", "The cat sat on the", "1 2 3 4"]
+    kwargs = dict(model=model_name, max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    out = client.completions.create(prompt=prompts, echo=True, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2], out.choices
+    for p, a, c in zip(prompts, alone, out.choices):
+        assert c.text == p + a.choices[0].text and c.finish_reason == "length", (c, a)
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert out.usage.completion_tokens == 15
+    texts = ["", "", ""]
+    stream = client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True}, **kwargs)
+    chunks = list(stream)
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [a.choices[0].text for a in alone], texts
+    assert chunks[-1].usage.completion_tokens == 15
+
+
+def test_leaving_a_stream_of_several_prompts_early_frees_every_request(http, model_name):
+    body = {"model": model_name, "prompt": ["a", "b", "c", "d"], "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up: no_blocks_left checks all four were aborted

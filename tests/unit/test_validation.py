@@ -6,12 +6,14 @@ import pytest
 
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from router.validation import (
+    MAX_PROMPTS,
     ApiError,
     ServedModel,
     check_api_key,
     parse_json,
     prepare_chat,
     prepare_completion,
+    prepare_completions,
 )
 
 MODEL = ServedModel("tandem-tiny-llama", max_model_len=64, vocab_size=1000, block_size=16, max_kv_blocks=3)
@@ -120,6 +122,17 @@ def test_token_controls_reach_the_sampling_params_on_both_endpoints():
         # rule; tests/unit/test_tokenization.py has a real tokenizer's spaced variants).
         assert params.bad_words_token_ids == ((97, 98), (99, 100)), params.bad_words_token_ids
     assert completion(logit_bias={}).params.logit_bias == () and completion().params.allowed_token_ids is None
+
+
+def test_a_list_of_prompts_is_a_request_each_with_the_same_settings():
+    batch = prepare_completions({"prompt": ["ab", "c"], "max_tokens": 3, "echo": True}, MODEL, FakeTokenizer())
+    assert [p.prompt_token_ids for p in batch] == [[97, 98], [99]] and [p.echo for p in batch] == ["ab", "c"]
+    assert all(p.params.max_tokens == 3 for p in batch)
+    assert len(prepare_completions({"prompt": [[1, 2], [3]]}, MODEL, FakeTokenizer())) == 2
+    e = error_of(prepare_completions, {"prompt": ["ok", "x" * 64]}, MODEL, FakeTokenizer())
+    assert (e.status, e.param) == (400, "prompt"), e.message
+    e = error_of(prepare_completions, {"prompt": ["a"] * (MAX_PROMPTS + 1)}, MODEL, FakeTokenizer())
+    assert (e.status, e.param) == (400, "prompt") and str(MAX_PROMPTS) in e.message, e.message
 
 
 def test_echo_carries_the_prompt_text_and_refuses_logprobs():
