@@ -180,19 +180,19 @@ class RouterCore:
             raise ApiError(400, error, param=prepared.structured_field)
 
     def admit_all(self, batch: list[PreparedRequest]) -> list[Ticket]:
-        """A ticket for each request of ``batch``, or none (429) if one is refused."""
-        tickets: list[Ticket] = []
+        """A ticket for each request of ``batch``, or none (429); 400 for a batch larger
+        than admission ever takes at once (it would be refused forever)."""
         try:
-            for prepared in batch:
-                tickets.append(self.admit(prepared))
-        except ApiError:
-            for ticket in tickets:
-                self.release(ticket)
-            raise
-        return tickets
+            decision = self.admission.try_admit_all([len(p.prompt_token_ids) for p in batch], time.monotonic())
+        except ValueError as e:
+            raise ApiError(400, f"prompt holds {len(batch)} prompts: {e}", param="prompt") from None
+        return self._admitted(decision)
 
     def admit(self, prepared: PreparedRequest) -> Ticket:
-        decision = self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic())
+        return self._admitted(self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic()))
+
+    def _admitted(self, decision):
+        """The ticket(s) of an admission decision; a rejection is a 429."""
         if isinstance(decision, Rejection):
             self.metrics.on_rejected(decision.code)
             raise ApiError(429, f"server busy: {decision.reason}; retry after {decision.retry_after_s}s",

@@ -194,6 +194,21 @@ def test_admission_bounds_outstanding_prompt_tokens_but_admits_any_prompt_when_i
     assert (adm.requests, adm.prompt_tokens) == (0, 0)
 
 
+def test_admission_takes_a_batch_whole_or_not_at_all():
+    adm = Admission(AdmissionConfig(max_requests=4, max_prompt_tokens=100))
+    first = adm.try_admit(10, now=0.0)
+    tickets = adm.try_admit_all([20, 30], now=0.0)
+    assert [t.prompt_tokens for t in tickets] == [20, 30] and (adm.requests, adm.prompt_tokens) == (3, 60)
+    refused = adm.try_admit_all([5, 5], now=0.0)  # the second would be the fifth request
+    assert isinstance(refused, Rejection) and refused.code == "max_outstanding_requests", refused
+    assert (adm.requests, adm.prompt_tokens, adm.num_admitted) == (3, 60, 3), "the first of the batch was undone"
+    with pytest.raises(ValueError, match="5 requests at once are more than"):
+        adm.try_admit_all([1] * 5, now=0.0)  # could never fit, even idle
+    for t in [first, *tickets]:
+        adm.release(t, now=1.0)
+    assert len(adm.try_admit_all([1] * 4, now=1.0)) == 4
+
+
 def test_retry_after_follows_the_recent_finish_rate_within_bounds():
     cfg = AdmissionConfig(max_requests=1, min_retry_after_s=1, max_retry_after_s=30, rate_window_s=10)
     adm = Admission(cfg)
