@@ -355,6 +355,7 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r} is already in use")
         if params.structured_output is not None:
             check_structured_output(params.structured_output)  # cached: cheap after the first time
+        params.check_vocab(self.model_config.vocab_size)
         return Request(
             request_id=rid,
             prompt_token_ids=ids,

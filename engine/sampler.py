@@ -1,9 +1,12 @@
 """Turns the logits of the rows that sample into next tokens (and logprobs).
 
 Order of processing, as in vLLM: the structured-output token bitmask (its rows only;
-logprobs are taken after it), penalties (repetition over prompt and output, presence
-and frequency over output), then temperature, then the top-k / top-p / min-p masks,
-then a draw. Temperature 0 is greedy (argmax after penalties).
+logprobs are taken after it), the token controls (``allowed_token_ids``, bad words,
+``logit_bias``: each one indexed write over the batch), penalties (repetition over
+prompt and output, presence and frequency over output), then temperature, then the
+top-k / top-p / min-p masks, then a draw. Temperature 0 is greedy (argmax after
+penalties). Logprobs are the model's (after the grammar's mask only), as vLLM's
+default ``raw_logprobs``: a biased or banned token keeps its own.
 
 Random draws are a function of (request seed, output index) only: each row gets its
 own generator seeded from both, so a request's tokens do not depend on its batch
@@ -60,6 +63,46 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
             x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def apply_token_controls(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
+    """In place: -inf outside each row's ``allowed_token_ids`` and on the tokens that would
+    complete one of its bad words, then its ``logit_bias`` added. The Python work is per
+    listed token, never per vocabulary entry; the tensor work is one write per control."""
+    restricted: list[int] = []
+    allowed: tuple[list[int], list[int]] = ([], [])
+    banned: tuple[list[int], list[int]] = ([], [])
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            restricted.append(i)
+            allowed[0].extend([i] * len(p.allowed_token_ids))
+            allowed[1].extend(p.allowed_token_ids)
+        if p.bad_words_token_ids:
+            tokens = p.banned_tokens(row.output_token_ids)
+            banned[0].extend([i] * len(tokens))
+            banned[1].extend(tokens)
+        if p.logit_bias:
+            bias[0].extend([i] * len(p.logit_bias))
+            for t, b in p.logit_bias:
+                bias[1].append(t)
+                bias[2].append(b)
+    device = logits.device
+
+    def index(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    if restricted:
+        blocked = torch.zeros_like(logits, dtype=torch.bool)
+        blocked[index(restricted)] = True
+        blocked[index(allowed[0]), index(allowed[1])] = False
+        logits.masked_fill_(blocked, float("-inf"))
+    if banned[0]:
+        logits[index(banned[0]), index(banned[1])] = float("-inf")
+    if bias[0]:
+        values = torch.tensor(bias[2], dtype=logits.dtype, device=device)
+        logits.index_put_((index(bias[0]), index(bias[1])), values, accumulate=True)
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:
@@ -114,8 +157,11 @@ def sample(
         apply_token_bitmask(logits, *token_bitmask)
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-    if any(r.params.needs_penalties for r in rows):
+    controls = any(r.params.has_token_controls for r in rows)
+    if controls or any(r.params.needs_penalties for r in rows):
         logits = logits.clone()
+        if controls:
+            apply_token_controls(logits, rows)
         apply_penalties(logits, rows)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]

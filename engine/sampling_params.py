@@ -3,6 +3,13 @@
 Every out-of-range value raises ``ValueError`` naming the field and the limit, so the
 router can turn it into a 400 without knowing the rules itself.
 
+The token controls (vLLM's, applied by the sampler in this order, after the structured
+output mask and before penalties): ``allowed_token_ids`` (only these may be drawn),
+``bad_words_token_ids`` (token sequences that must never be completed: a word's last
+token is banned while the output ends with the rest of it), and ``logit_bias`` (token
+id -> a bias in [-100, 100] added to its logit). Whether the ids are inside the
+vocabulary is ``check_vocab``'s to say: only the engine knows its size.
+
 A structured-output constraint travels as ``StructuredOutput``: its kind and its spec as
 text, so it pickles across processes and imports nothing. Whether the spec compiles is
 checked by ``engine.grammar`` (the router does it before a request is queued).
@@ -11,9 +18,12 @@ checked by ``engine.grammar`` (the router does it before a request is queued).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 # json: a JSON schema; json_object: any JSON object (spec unused); regex; choice: a JSON
 # list of the allowed strings; grammar: EBNF (GBNF dialect, start symbol ``root``).
@@ -71,6 +81,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     min_tokens: int = 0
     structured_output: StructuredOutput | None = None
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()  # kept as (id, bias) pairs
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,7 +93,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(_pair("logit_bias", p) for p in bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         self._validate()
+        self._validate_token_controls()
 
     def _validate(self) -> None:
         _check_int("max_tokens", self.max_tokens, lo=1)
@@ -115,9 +134,65 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
 
+    def _validate_token_controls(self) -> None:
+        for t, bias in self.logit_bias:
+            _check_int("logit_bias", t, lo=0)
+            _check_float("logit_bias", bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bias} for token {t}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, lo=0)
+        for word in self.bad_words_token_ids:
+            if not word:
+                raise ValueError("bad_words_token_ids must hold non-empty token sequences")
+            for t in word:
+                _check_int("bad_words_token_ids", t, lo=0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field for a token control's id outside [0, vocab_size)."""
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("bad_words_token_ids", [t for word in self.bad_words_token_ids for t in word]),
+        ):
+            for t in ids:
+                if t >= vocab_size:
+                    raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {vocab_size})")
+
+    def banned_tokens(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The tokens that would complete a bad word now: the last tokens of the words whose
+        other tokens the output ends with (vLLM's rule; a one-token word is always banned)."""
+        banned: list[int] = []
+        n = len(output_token_ids)
+        for length, last_tokens in self._bad_word_prefixes:
+            if length > n:
+                break
+            banned += last_tokens.get(tuple(output_token_ids[n - length:]) if length else (), ())
+        return banned
+
+    @cached_property
+    def _bad_word_prefixes(self) -> tuple[tuple[int, dict[tuple[int, ...], tuple[int, ...]]], ...]:
+        """(prefix length, {prefix: last tokens}), shortest first: a step looks up one
+        tail per distinct length, however many words there are."""
+        by_length: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for word in self.bad_words_token_ids:
+            by_length.setdefault(len(word) - 1, {}).setdefault(word[:-1], []).append(word[-1])
+        return tuple(
+            (length, {prefix: tuple(last) for prefix, last in prefixes.items()})
+            for length, prefixes in sorted(by_length.items())
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_token_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def needs_penalties(self) -> bool:
@@ -126,6 +201,13 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _pair(name: str, pair: object) -> tuple:
+    """(token id, value) from an item of a mapping or a pair given as a sequence."""
+    if not isinstance(pair, Sequence) or isinstance(pair, str) or len(pair) != 2:
+        raise ValueError(f"{name} must map token ids to numbers, got {pair!r}")
+    return tuple(pair)
 
 
 def _check_int(name: str, value: object, lo: int) -> None:

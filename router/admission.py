@@ -10,6 +10,8 @@ A ticket's lifecycle::
 
     try_admit(prompt_tokens, now) ──▶ Ticket ──▶ release(ticket, now)   (exactly once)
                                  └──▶ Rejection(reason, retry_after_s)
+
+``try_admit_all`` admits a batch (the prompts of one request) whole or not at all.
 """
 
 from __future__ import annotations
@@ -81,6 +83,24 @@ class Admission:
         self.prompt_tokens += prompt_tokens
         self.num_admitted += 1
         return Ticket(prompt_tokens)
+
+    def try_admit_all(self, prompt_tokens: list[int], now: float) -> list[Ticket] | Rejection:
+        """A ticket for each request of a batch, or none (the refusal of the first that did
+        not fit). ValueError for a batch larger than ``max_requests``: it could never fit."""
+        if len(prompt_tokens) > self.config.max_requests:
+            raise ValueError(f"{len(prompt_tokens)} requests at once are more than this server ever admits "
+                             f"(max_outstanding_requests={self.config.max_requests})")
+        tickets: list[Ticket] = []
+        for n in prompt_tokens:
+            decision = self.try_admit(n, now)
+            if isinstance(decision, Rejection):
+                for ticket in tickets:  # never let in: no finish to count toward the rate
+                    self.requests -= 1
+                    self.prompt_tokens -= ticket.prompt_tokens
+                    self.num_admitted -= 1
+                return decision
+            tickets.append(decision)
+        return tickets
 
     def release(self, ticket: Ticket, now: float) -> None:
         """The admitted request ended (finished, failed or cancelled)."""

@@ -59,6 +59,12 @@ def prepare(request: pb.GenerateRequest, model: ServedModel, tokenizer) -> Prepa
     body.update({name: getattr(s, name) for name in _GUIDED if s.HasField(name)})
     if s.guided_choice:
         body["guided_choice"] = list(s.guided_choice)
+    if s.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
+    if s.allowed_token_ids:
+        body["allowed_token_ids"] = list(s.allowed_token_ids)
+    if s.bad_words:
+        body["bad_words"] = list(s.bad_words)
     if s.HasField("response_format"):
         try:
             body["response_format"] = json.loads(s.response_format)

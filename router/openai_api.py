@@ -130,14 +130,15 @@ class Envelope:
             prefix = cache[obj] = f"data: {head[:-1]},\"choices\":[{{\"index\":0,"
         return prefix
 
-    def _response(self, obj: str, choice: dict | None, usage: dict | None) -> dict:
-        """The shape every response and chunk shares: one choice (index 0), or none."""
+    def _response(self, obj: str, choice: dict | None, usage: dict | None, index: int = 0) -> dict:
+        """The shape every response and chunk shares: one choice (``index``: 0 but for a
+        request of several prompts), or none."""
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "choices": [] if choice is None else [{"index": 0, **choice}],
+            "choices": [] if choice is None else [{"index": index, **choice}],
             "usage": usage,
         }
 
@@ -145,8 +146,19 @@ class Envelope:
         choice = _text_choice(acc.text, acc.logprobs, 0, acc.finish_reason)
         return self._response("text_completion", choice, acc.usage())
 
-    def completion_chunk(self, text: str, lps, text_offset: int, reason: str | None) -> dict:
-        return self._response("text_completion", _text_choice(text, lps, text_offset, reason), None)
+    def completion_chunk(self, text: str, lps, text_offset: int, reason: str | None, index: int = 0) -> dict:
+        return self._response("text_completion", _text_choice(text, lps, text_offset, reason), None, index)
+
+    def completions(self, accs: list[Accumulator]) -> dict:
+        """The response to a request of several prompts: a choice each, in order."""
+        out = self._response("text_completion", None, usage_of(accs))
+        out["choices"] = [
+            {"index": i, **_text_choice(acc.text, acc.logprobs, 0, acc.finish_reason)} for i, acc in enumerate(accs)
+        ]
+        return out
+
+    def completions_usage_chunk(self, accs: list[Accumulator]) -> dict:
+        return self._response("text_completion", None, usage_of(accs))
 
     def chat(self, acc: Accumulator) -> dict:
         choice = {
@@ -164,6 +176,14 @@ class Envelope:
         return self._response(obj, None, acc.usage())
 
 
+def usage_of(accs: list[Accumulator]) -> dict:
+    """The usage of several requests answered as one."""
+    usages = [acc.usage() for acc in accs]
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
 def _text_choice(text: str, lps, text_offset: int, reason: str | None) -> dict:
     return {
         "text": text,
@@ -178,8 +198,9 @@ def sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def model_list(name: str, created: int) -> dict:
+def model_list(name: str, created: int, max_model_len: int) -> dict:
     return {
         "object": "list",
-        "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem"}],
+        "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
+                  "max_model_len": max_model_len}],
     }

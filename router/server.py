@@ -1,7 +1,8 @@
 """The router: one Ray Serve deployment serving the OpenAI HTTP API and the gRPC API.
 
 HTTP (FastAPI ingress): ``POST /v1/completions``, ``POST /v1/chat/completions`` (with
-``stream`` as server-sent events), ``GET /v1/models``, ``GET /health``. gRPC (Serve's
+``stream`` as server-sent events), ``GET /v1/models``, ``GET /health``, and vLLM's
+``POST /tokenize``, ``POST /detokenize`` and ``GET /version``. gRPC (Serve's
 gRPC proxy, servicers from ``protos``): ``tandem.v1.Generation`` and
 ``grpc.health.v1.Health/Check``.
 
@@ -12,6 +13,10 @@ A request's way through a replica::
       ─▶ Dispatcher.generate ─▶ deltas out as JSON, SSE chunks or gRPC messages
       ─▶ admission ticket released (finished, failed, aborted or client gone)
 
+A completions request with a list of prompts is a request each, admitted together (or
+refused together), run side by side by ``Fanout`` and answered as one response whose
+choices (or interleaved chunks) carry each prompt's index.
+
 A client that goes away cancels the handler; the dispatcher then aborts the request on
 both workers. The replica learns the live workers from the cluster controller (an
 actor handle passed in at bind time), refreshed every ``workers_refresh_s``.
@@ -20,6 +25,7 @@ actor handle passed in at bind time), refreshed every ``workers_refresh_s``.
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -50,6 +56,7 @@ from engine.messages import ErrorKind, StreamDelta
 from router.dispatch import Dispatcher, DispatchConfig
 from router.grammar_check import GrammarChecker
 from router.openai_api import Accumulator, Envelope, model_list, sse
+from router.tokenization import detokenize, tokenize
 from router.validation import (
     ApiError,
     PreparedRequest,
@@ -57,10 +64,12 @@ from router.validation import (
     check_api_key,
     parse_json,
     prepare_chat,
-    prepare_completion,
+    prepare_completions,
 )
 
 log = logging.getLogger(__name__)
+
+VERSION = importlib.metadata.version("tandem-serve")
 
 GRPC_SERVICERS = [
     "router.grpc_api.add_generation_servicer",
@@ -179,8 +188,20 @@ class RouterCore:
         if error is not None:
             raise ApiError(400, error, param=prepared.structured_field)
 
+    def admit_all(self, batch: list[PreparedRequest]) -> list[Ticket]:
+        """A ticket for each request of ``batch``, or none (429); 400 for a batch larger
+        than admission ever takes at once (it would be refused forever)."""
+        try:
+            decision = self.admission.try_admit_all([len(p.prompt_token_ids) for p in batch], time.monotonic())
+        except ValueError as e:
+            raise ApiError(400, f"prompt holds {len(batch)} prompts: {e}", param="prompt") from None
+        return self._admitted(decision)
+
     def admit(self, prepared: PreparedRequest) -> Ticket:
-        decision = self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic())
+        return self._admitted(self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic()))
+
+    def _admitted(self, decision):
+        """The ticket(s) of an admission decision; a rejection is a 429."""
         if isinstance(decision, Rejection):
             self.metrics.on_rejected(decision.code)
             raise ApiError(429, f"server busy: {decision.reason}; retry after {decision.retry_after_s}s",
@@ -238,6 +259,63 @@ def _sse_event(env: Envelope, acc: Accumulator, delta: StreamDelta, chat: bool) 
     return env.completion_sse(delta.text, reason, lps, offset)
 
 
+def _echoed(delta: StreamDelta, prepared: PreparedRequest) -> StreamDelta:
+    """A request's first delta, with its prompt's text before it when it asked for echo."""
+    return delta if prepared.echo is None else delta._replace(text=prepared.echo + delta.text)
+
+
+class Fanout:
+    """The deltas of several runs as they come, each with its run's place.
+
+    The runs start at once, each in a task of its own, so every one releases its
+    admission ticket however it ends; ``close`` stops those still going (which aborts
+    their requests). A run that raises raises from ``next``.
+    """
+
+    def __init__(self, runs: list[AsyncIterator]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._left = len(runs)
+        self._tasks = [asyncio.ensure_future(self._pump(i, run)) for i, run in enumerate(runs)]
+
+    async def _pump(self, i: int, run) -> None:
+        try:
+            async with aclosing(run):
+                async for delta in run:
+                    self._queue.put_nowait((i, delta))
+        except Exception as e:  # a worker's failure comes as a delta; this is a bug, not a disconnect
+            self._queue.put_nowait((i, e))
+        else:
+            self._queue.put_nowait((i, None))  # the run is over
+
+    async def next(self) -> tuple[int, StreamDelta] | None:
+        """The next (place, delta); None once every run is over."""
+        while self._left:
+            i, delta = await self._queue.get()
+            if isinstance(delta, Exception):
+                raise delta
+            if delta is not None:
+                return i, delta
+            self._left -= 1
+        return None
+
+    async def close(self) -> None:
+        await asyncio.sleep(0)  # a task cancelled before its first step would never start its run
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _many_deltas(fan: Fanout, accs: list[Accumulator], batch: list[PreparedRequest]):
+    """(place, delta, its logprobs) as they come, each folded into its accumulator (after
+    the echo of its prompt, on its first delta)."""
+    started = [False] * len(batch)
+    while (item := await fan.next()) is not None:
+        i, delta = item
+        if not started[i]:
+            started[i], delta = True, _echoed(delta, batch[i])
+        yield i, delta, None if delta.error else accs[i].add(delta)
+
+
 def _bearer(header: str | None) -> str | None:
     if header and header.lower().startswith("bearer "):
         return header[7:].strip()
@@ -291,7 +369,30 @@ class Router:
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self.core.check_key(_bearer(request.headers.get("authorization")))
-        return model_list(self.core.model.name, self.core.created)
+        return model_list(self.core.model.name, self.core.created, self.core.model.max_model_len)
+
+    @app.get("/version")
+    async def version(self, request: Request) -> dict:
+        self.core.check_key(_bearer(request.headers.get("authorization")))
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> dict:
+        return await self._tokenizer_call(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> dict:
+        return await self._tokenizer_call(request, detokenize)
+
+    async def _tokenizer_call(self, request: Request, handle) -> dict:
+        core = self.core
+        core.check_key(_bearer(request.headers.get("authorization")))
+        limit = core.config.max_body_bytes
+        try:
+            return handle(parse_json(await _read_body(request, limit), limit), core.model, core.tokenizer)
+        except ApiError:
+            core.metrics.on_rejected("invalid_request")
+            raise
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -305,14 +406,18 @@ class Router:
         core = self.core
         core.check_key(_bearer(request.headers.get("authorization")))
         limit = core.config.max_body_bytes
-        prepare = prepare_chat if chat else prepare_completion
         try:
             body = parse_json(await _read_body(request, limit), limit)
-            prepared = prepare(body, core.model, core.tokenizer)
-            await core.check_structured_output(prepared)
+            batch = [prepare_chat(body, core.model, core.tokenizer)] if chat else \
+                prepare_completions(body, core.model, core.tokenizer)
+            for prepared in batch:
+                await core.check_structured_output(prepared)
         except ApiError:
             core.metrics.on_rejected("invalid_request")
             raise
+        if len(batch) > 1:
+            return await self._http_many(batch)
+        prepared = batch[0]
         ticket = core.admit(prepared)
         env = Envelope(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", core.model.name, int(time.time()))
         deltas = core.run(prepared, env.id, ticket)
@@ -325,6 +430,7 @@ class Router:
         if first.error:
             await deltas.aclose()
             raise _server_error(first)
+        first = _echoed(first, prepared)
         if not prepared.stream:
             return await self._whole(first, deltas, acc, env, chat)
         body = self._sse(first, deltas, acc, env, prepared, chat)
@@ -359,6 +465,42 @@ class Router:
         if prepared.include_usage:
             yield sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
         yield sse("[DONE]")
+
+    async def _http_many(self, batch: list[PreparedRequest]):
+        """A completions request of several prompts: a request each, its choice at its
+        prompt's place; admitted all together or not at all."""
+        core = self.core
+        tickets = core.admit_all(batch)
+        env = Envelope(f"cmpl-{uuid.uuid4().hex}", core.model.name, int(time.time()))
+        fan = Fanout([core.run(p, f"{env.id}-{i}", t) for i, (p, t) in enumerate(zip(batch, tickets))])
+        accs = [Accumulator(core.tokenizer) for _ in batch]
+        if not batch[0].stream:
+            try:
+                async with aclosing(_many_deltas(fan, accs, batch)) as deltas:
+                    async for _, delta, _ in deltas:
+                        if delta.error:
+                            raise _server_error(delta)
+            finally:
+                await fan.close()
+            return env.completions(accs)
+        return StreamingResponse(self._sse_many(fan, accs, env, batch), media_type="text/event-stream")
+
+    async def _sse_many(self, fan: Fanout, accs: list[Accumulator], env: Envelope, batch: list[PreparedRequest]):
+        """The event stream of several prompts' completions, their chunks interleaved."""
+        try:
+            async with aclosing(_many_deltas(fan, accs, batch)) as deltas:
+                async for i, delta, lps in deltas:
+                    if delta.error:
+                        yield sse(_server_error(delta).body())
+                        break
+                    offset = accs[i].text_len - len(delta.text)
+                    reason = delta.finish_reason if delta.finished else None
+                    yield sse(env.completion_chunk(delta.text, lps, offset, reason, index=i))
+            if batch[0].include_usage:
+                yield sse(env.completions_usage_chunk(accs))
+            yield sse("[DONE]")
+        finally:
+            await fan.close()
 
     # -- gRPC ------------------------------------------------------------------
 

@@ -12,10 +12,15 @@ per request) becomes ``SamplingParams.structured_output``. The checks that need 
 grammar engine run here; parsing the spec with xgrammar (which imports torch) runs in
 the router's helper process (``router.grammar_check``), before admission. Either way
 a bad spec is a 400 naming the field (``PreparedRequest.structured_field``).
+
+vLLM's token controls become SamplingParams fields: ``logit_bias`` (OpenAI's map of
+token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
+``bad_words`` (strings, tokenized here into the sequences the sampler bans).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 from dataclasses import dataclass
@@ -66,6 +71,9 @@ def check_api_key(expected: str | None, presented: str | None) -> None:
         )
 
 
+MAX_PROMPTS = 64  # prompts in one completions request; each is a request to admission
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """What validation needs to know about the model being served."""
@@ -97,6 +105,7 @@ class PreparedRequest:
     stream: bool = False
     include_usage: bool = False
     structured_field: str | None = None  # the field the output constraint came from
+    echo: str | None = None  # completions' ``echo``: the prompt's text, to go before the output
 
 
 # -- request bodies ------------------------------------------------------------
@@ -125,6 +134,8 @@ class _Body(BaseModel):
     n: int = 1
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
@@ -200,7 +211,7 @@ def parse_json(raw: bytes, max_bytes: int) -> dict:
     return body
 
 
-def _parse(model_cls: type[BaseModel], body: dict) -> Any:
+def parse_as(model_cls: type[BaseModel], body: dict) -> Any:
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
@@ -217,8 +228,6 @@ def _reject_unsupported(b: _Body) -> None:
         raise ApiError(400, f"n must be 1 (got {b.n}); send separate requests for more choices", param="n")
     if b.best_of not in (None, 1):
         raise ApiError(400, f"best_of must be 1 (got {b.best_of})", param="best_of")
-    if b.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -282,9 +291,49 @@ def structured_output(b: _Body) -> tuple[str, StructuredOutput] | None:
     return field, so
 
 
+def _logit_bias(raw: dict[str, float], model: ServedModel) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as decimal strings) with integer keys."""
+    bias = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(400, f"logit_bias keys must be token ids (decimal integers as strings), got {key!r}",
+                           param="logit_bias")
+        if len(key) > 18 or int(key) >= model.vocab_size:
+            raise ApiError(400, f"logit_bias has token id {key}, outside the vocabulary [0, {model.vocab_size})",
+                           param="logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
+def _bad_words(words: list[str], tokenizer) -> list[list[int]]:
+    """Each word's token ids, as vLLM finds them: the word as written (leading spaces
+    dropped) and, when it tokenizes differently, with one leading space (mid-text)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        word = check_text(word, "bad_words").lstrip()
+        if not word:
+            raise ApiError(400, "bad_words must hold words that are not empty or blank", param="bad_words")
+        bare = tokenizer.encode(word, add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        if bare:
+            sequences.append(bare)
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            sequences.append(spaced)
+    return sequences
+
+
+def _token_controls(b: _Body, model: ServedModel, tokenizer) -> dict:
+    """The body's ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` as SamplingParams fields."""
+    controls: dict = {"allowed_token_ids": b.allowed_token_ids}
+    if b.logit_bias:
+        controls["logit_bias"] = _logit_bias(b.logit_bias, model)
+    if b.bad_words:
+        controls["bad_words_token_ids"] = _bad_words(b.bad_words, tokenizer)
+    return controls
+
+
 def _sampling_params(
-    b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None,
-    constraint: StructuredOutput | None,
+    b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None, **fields
 ):
     room = model.max_model_len - prompt_len
     if max_tokens is None:
@@ -307,7 +356,7 @@ def _sampling_params(
     if given.get("top_k", 0) >= model.vocab_size:
         given["top_k"] = 0  # the whole vocabulary, as 0 says (and small enough for the sampler's tensors)
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             stop=b.stop or (),
             ignore_eos=b.ignore_eos,
@@ -315,15 +364,17 @@ def _sampling_params(
             skip_special_tokens=b.skip_special_tokens,
             include_stop_str_in_output=b.include_stop_str_in_output,
             logprobs=logprobs,
-            structured_output=constraint,
+            **fields,
             **given,
         )
+        params.check_vocab(model.vocab_size)
+        return params
     except ValueError as e:
         # SamplingParams messages start with the field's name.
         raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
 
-def _check_text(text: str, param: str) -> str:
+def check_text(text: str, param: str) -> str:
     """400 for text that is not Unicode: JSON's \\ud800 escapes can give lone surrogates."""
     try:
         text.encode("utf-8")
@@ -334,14 +385,19 @@ def _check_text(text: str, param: str) -> str:
     return text
 
 
-def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
-    if not ids:
-        raise ApiError(400, f"{param} must not be empty", param=param)
+def check_token_ids(ids, model: ServedModel, param: str) -> None:
+    """400 naming ``param`` for an id outside the model's vocabulary."""
     for t in ids:
         if not 0 <= t < model.vocab_size:
             raise ApiError(
                 400, f"{param} has token id {t}, outside the vocabulary [0, {model.vocab_size})", param=param
             )
+
+
+def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
+    if not ids:
+        raise ApiError(400, f"{param} must not be empty", param=param)
+    check_token_ids(ids, model, param)
     if len(ids) >= model.max_model_len:
         raise ApiError(
             400,
@@ -370,18 +426,20 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
 def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
     """Parse a body and check what every endpoint checks: the model's name, and no
     option this server does not support."""
-    b = _parse(model_cls, body)
+    b = parse_as(model_cls, body)
     model.check_name(b.model)
     _reject_unsupported(b)
     return b
 
 
 def _prepared(
-    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None
+    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None, tokenizer
 ) -> PreparedRequest:
-    """The prompt's ids with the body's sampling params (and output constraint) and stream flags."""
+    """The prompt's ids with the body's sampling params (output constraint and token
+    controls included) and stream flags."""
     field, constraint = structured_output(b) or (None, None)
-    params = _sampling_params(b, max_tokens, len(ids), model, logprobs, constraint)
+    controls = _token_controls(b, model, tokenizer)
+    params = _sampling_params(b, max_tokens, len(ids), model, logprobs, structured_output=constraint, **controls)
     stream, usage = _stream_flags(b)
     return PreparedRequest(ids, params, stream, usage, field)
 
@@ -389,24 +447,56 @@ def _prepared(
 # -- the two endpoints ---------------------------------------------------------
 
 
-def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
-    """Validate a ``/v1/completions`` body; raises ``ApiError``."""
+def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> str:
+    """The conversation through the model's chat template, as text; 400 naming ``messages``."""
+    plain = [
+        {"role": m.role, "content": check_text(m.text(), f"messages.{i}.content")}
+        for i, m in enumerate(messages)
+    ]
+    try:
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+
+
+def prepare_completions(body: dict, model: ServedModel, tokenizer) -> list[PreparedRequest]:
+    """Validate a ``/v1/completions`` body: a request a prompt (a list of prompts gives a
+    choice each, in order); raises ``ApiError``."""
     b: CompletionBody = _parse_body(CompletionBody, body, model)
-    if b.echo:
-        raise ApiError(400, "echo is not supported", param="echo")
+    if b.echo and b.logprobs is not None:
+        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
+                       "compute: ask for echo or logprobs", param="echo")
     if b.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    prompt = b.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt holds {len(prompt)} prompts; send one per request", param="prompt")
-        prompt = prompt[0]
-    ids = tokenizer.encode(_check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
+    prompts = b.prompt
+    if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+        prompts = [prompts]
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts, over the limit of {MAX_PROMPTS} a request",
+                       param="prompt")
+    return [_completion(b, prompt, model, tokenizer) for prompt in prompts]
+
+
+def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
+    """Validate a completions body of one prompt (as gRPC's are); raises ``ApiError``."""
+    prepared = prepare_completions(body, model, tokenizer)
+    if len(prepared) != 1:
+        raise ApiError(400, f"prompt holds {len(prepared)} prompts; send one per request", param="prompt")
+    return prepared[0]
+
+
+def _completion(b: CompletionBody, prompt: str | list[int], model: ServedModel, tokenizer) -> PreparedRequest:
+    ids = tokenizer.encode(check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
     _check_prompt(ids, model, "prompt")
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
-    return _prepared(b, ids, max_tokens, model, b.logprobs)
+    prepared = _prepared(b, ids, max_tokens, model, b.logprobs, tokenizer)
+    if not b.echo:
+        return prepared
+    # As vLLM: text as sent; token ids as the tokenizer spells them, special tokens kept.
+    echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False)
+    return dataclasses.replace(prepared, echo=echo)
 
 
 def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
@@ -414,19 +504,11 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     b: ChatBody = _parse_body(ChatBody, body, model)
     if b.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    messages = [
-        {"role": m.role, "content": _check_text(m.text(), f"messages.{i}.content")}
-        for i, m in enumerate(b.messages)
-    ]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except (ValueError, jinja2.TemplateError) as e:
-        raise ApiError(400, f"messages: {e}", param="messages") from None
     # The template writes the special tokens itself (as HF's tokenize=True does).
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(render_chat(b.messages, tokenizer), add_special_tokens=False)
     _check_prompt(ids, model, "messages")
     top = b.top_logprobs
     if top is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    return _prepared(b, ids, max_tokens, model, (top or 0) if b.logprobs else None)
+    return _prepared(b, ids, max_tokens, model, (top or 0) if b.logprobs else None, tokenizer)

@@ -12,7 +12,9 @@ A live service, for a module:
   default: a module or package overrides ``service_settings`` to change them).
 - ``no_blocks_left``: checks after a test that every worker holds no KV blocks; a
   module asks for it with ``pytestmark = pytest.mark.usefixtures("no_blocks_left")``.
-- ``http`` (an httpx client on the service's HTTP URL), ``channel`` and ``stub`` (gRPC).
+- ``http`` (an httpx client on the service's HTTP URL), ``client`` (the official
+  ``openai`` client on it) and ``model_name`` (the served name), ``channel`` and ``stub``
+  (gRPC).
 """
 
 from __future__ import annotations
@@ -111,6 +113,20 @@ def http(service):
 
     with httpx.Client(base_url=service.http_url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture
+def client(service):
+    """The official ``openai`` client on the service (no retries: a test sees every error)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{service.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(tiny_model) -> str:
+    """The name the service serves ``tiny_model`` under: its directory's."""
+    return Path(tiny_model).name
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,25 @@ ON_CI = os.environ.get("CI", "").lower() == "true"
 PROMETHEUS_SOURCE = "Debian's prometheus package, which ships promtool too; scripts/test installs it"
 
 
+# -- the offline engine ----------------------------------------------------------------
+
+# Prompts for batches on the offline engine: short and long (one spans several KV
+# blocks of 16 tokens), so a small pool is squeezed as the outputs grow.
+ENGINE_PROMPTS = [
+    "Once upon a time", "The cat sat on the", "Give me JSON:", "1 2 3 4", "Hello world, this is a longer "
+    "prompt than the others, long enough to span several KV blocks of sixteen tokens each, and then some more",
+    "a", "Zebra crossing", "{", "Write a poem about the sea", "The answer is", "Q: what? A:", "tandem",
+]
+
+
+def assert_engine_idle(llm) -> None:
+    """The offline engine ``llm`` holds no KV blocks and no requests."""
+    stats = llm.stats()
+    assert stats.num_blocks_in_use == 0, f"{stats.num_blocks_in_use} KV blocks still held"
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0), f"requests left behind: {stats}"
+    assert not llm.engine.has_unfinished_requests()
+
+
 # -- waiting ---------------------------------------------------------------------------
 
 

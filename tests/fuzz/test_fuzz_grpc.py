@@ -159,6 +159,9 @@ sampling = st.builds(
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 25), u32),
     min_tokens=st.one_of(st.integers(0, 4), u32),
+    logit_bias=st.dictionaries(u32, doubles, max_size=3),
+    allowed_token_ids=token_ids,
+    bad_words=st.lists(texts, max_size=3),
 )
 valid_sampling = st.builds(
     pb.SamplingParams,
@@ -172,6 +175,9 @@ valid_sampling = st.builds(
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
     min_tokens=st.integers(0, 3),
+    logit_bias=st.dictionaries(st.integers(0, 4095), st.floats(-100, 100), max_size=3),
+    allowed_token_ids=st.lists(st.integers(0, 4095), max_size=5),
+    bad_words=st.lists(st.text(min_size=1, max_size=6).filter(str.strip), max_size=3),
 )
 
 

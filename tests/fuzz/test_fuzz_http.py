@@ -34,7 +34,8 @@ try:  # the HTTP client the installed openai package is built on
 except ImportError:
     import httpx
 
-from router.validation import ApiError, parse_json, prepare_chat, prepare_completion
+from router.tokenization import detokenize, tokenize
+from router.validation import ApiError, parse_json, prepare_chat, prepare_completions
 from tests.fuzz.conftest import MAX_BODY
 from tests.helpers import tally, write_report
 
@@ -111,7 +112,10 @@ SAMPLING = {
     "include_stop_str_in_output": st.booleans(),
     "n": st.integers(0, 3),
     "best_of": st.integers(0, 3),
-    "logit_bias": st.dictionaries(any_text, any_float, max_size=2),
+    "logit_bias": st.dictionaries(st.one_of(any_text, any_int.map(str)), st.one_of(any_float, st.floats(-120, 120)),
+                                  max_size=3),
+    "allowed_token_ids": token_ids,
+    "bad_words": st.one_of(any_text, st.lists(any_text, max_size=3)),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "user": any_text,
@@ -161,6 +165,9 @@ VALID_SAMPLING = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "n": st.just(1),
+    "logit_bias": st.dictionaries(st.integers(0, 4095).map(str), st.floats(-100, 100), max_size=3),
+    "allowed_token_ids": st.lists(st.integers(0, 4095), min_size=1, max_size=5),
+    "bad_words": st.lists(st.text(min_size=1, max_size=6).filter(str.strip), max_size=3),
     "stream": st.booleans(),
     "user": st.text(max_size=10),
 }
@@ -168,9 +175,10 @@ VALID_COMPLETION = {
     **VALID_SAMPLING,
     "prompt": st.one_of(
         st.text(min_size=1, max_size=80), st.lists(st.integers(0, 4095), min_size=1, max_size=30),
-        st.text(min_size=1, max_size=20).map(lambda t: [t]),
+        st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3),  # a choice each
     ),
     "logprobs": st.integers(0, 5),
+    "echo": st.booleans(),
 }
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
 VALID_CHAT = {
@@ -219,7 +227,7 @@ content_types = st.sampled_from([
 def predict(raw: bytes, chat: bool, oracle) -> ApiError | None:
     """What the router's validation says of these bytes: the ApiError, or None (accepted)."""
     model, tokenizer = oracle
-    prepare = prepare_chat if chat else prepare_completion
+    prepare = prepare_chat if chat else prepare_completions
     try:
         prepare(parse_json(raw, MAX_BODY), model, tokenizer)
     except ApiError as e:
@@ -275,7 +283,8 @@ def check_response(r, expected: ApiError | None, stream: bool, test: str, raw: b
     assert r.status_code == 200, r.text[:500]
     if not stream:
         out = r.json()
-        assert out["choices"] and out["usage"]["completion_tokens"] <= CAP, out
+        assert out["choices"] and out["usage"]["completion_tokens"] <= CAP * len(out["choices"]), out
+        assert [c["index"] for c in out["choices"]] == list(range(len(out["choices"]))), out
         return
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events and events[-1] == "[DONE]", events[-3:]
@@ -311,6 +320,51 @@ def test_completions_bodies(http, oracle, body, content_type):
 @given(body=bodies(CHAT, VALID_CHAT, "messages"), content_type=content_types)
 def test_chat_completions_bodies(http, oracle, body, content_type):
     check_body(http, oracle, body, content_type, chat=True)
+
+
+TOKENIZE = {
+    "model": st.sampled_from([SERVED, "no-such-model"]),
+    "prompt": st.one_of(any_text, token_ids),
+    "add_special_tokens": st.booleans(),
+    "return_token_strs": st.booleans(),
+}
+TOKENIZE_CHAT = {
+    **TOKENIZE,
+    "messages": st.lists(message, max_size=3),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+}
+DETOKENIZE = {"model": TOKENIZE["model"], "tokens": token_ids}
+VALID_TOKENIZE = {"model": st.just(SERVED), "prompt": st.text(max_size=80), "add_special_tokens": st.booleans()}
+VALID_TOKENIZE_CHAT = {**VALID_TOKENIZE, "messages": VALID_CHAT["messages"], "add_generation_prompt": st.booleans()}
+VALID_DETOKENIZE = {"model": st.just(SERVED), "tokens": st.lists(st.integers(0, 4095), max_size=30)}
+tokenizer_calls = st.one_of(
+    st.tuples(st.just("/tokenize"), bodies(TOKENIZE, VALID_TOKENIZE, "prompt")),
+    st.tuples(st.just("/tokenize"), bodies(TOKENIZE_CHAT, VALID_TOKENIZE_CHAT, "messages")),
+    st.tuples(st.just("/detokenize"), bodies(DETOKENIZE, VALID_DETOKENIZE, "tokens")),
+)
+
+
+@settings(FUZZ, max_examples=300)
+@given(call=tokenizer_calls, content_type=content_types)
+def test_tokenizer_bodies(http, oracle, call, content_type):
+    """A tokenizer call gets exactly what the router's own code answers locally."""
+    path, body = call
+    if body.get("model") == SERVED:
+        body = {**body, "model": oracle[0].name}
+    raw = _dumps(body)
+    handle = tokenize if path == "/tokenize" else detokenize
+    try:
+        expected, error = handle(parse_json(raw, MAX_BODY), *oracle), None
+    except ApiError as e:
+        expected, error = None, e
+    r = post(http, path, raw, content_type)
+    CASES[(path, str(r.status_code))] += 1
+    assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
+    if error is not None:
+        assert (r.status_code, r.json()["error"]["param"]) == (error.status, error.param), (r.text[:300], error.message)
+    else:
+        assert r.status_code == 200 and r.json() == expected, (r.text[:300], expected)
 
 
 def _nested(depth: int, opener: str) -> bytes:
@@ -369,8 +423,9 @@ def test_raw_garbage_bodies(http, oracle, case, content_type):
     check_response(r, expected, stream, "raw bodies", raw)
 
 
-ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/openapi.json"),
-          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}
+ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/version"),
+          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+          ("POST", "/detokenize")}
 paths = st.one_of(
     st.sampled_from(sorted({p for _, p in ROUTES} | {"/", "/v1", "/v1/", "/v1/models/x", "/docs", "/redoc",
                                                     "/v1/completions/../models", "/%2e%2e/%2e%2e/etc/passwd",

@@ -49,6 +49,9 @@ def http_calls():
     completion = {"prompt": "hello", "max_tokens": 3}
     return [
         ("models", "GET", "/v1/models", None, False),
+        ("version", "GET", "/version", None, False),
+        ("tokenize", "POST", "/tokenize", {"prompt": "hello"}, False),
+        ("detokenize", "POST", "/detokenize", {"tokens": [1, 2]}, False),
         ("completions", "POST", "/v1/completions", completion, False),
         ("completions stream", "POST", "/v1/completions", {**completion, "stream": True}, True),
         ("chat", "POST", "/v1/chat/completions", chat, False),

@@ -36,20 +36,6 @@ def service_settings():
     return {"prefill_workers": 1, "decode_workers": 1}  # disaggregated: the KV and first token move
 
 
-@pytest.fixture
-def client(service):
-    import openai
-
-    return openai.OpenAI(base_url=f"{service.http_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(tiny_model):
-    from pathlib import Path
-
-    return Path(tiny_model).name
-
-
 def _validate(value: dict) -> None:
     try:
         import jsonschema

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from engine.sampler import SampleRow, apply_penalties, apply_top_k_top_p_min_p, sample
+from engine.sampler import SampleRow, apply_penalties, apply_token_controls, apply_top_k_top_p_min_p, sample
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -263,3 +263,118 @@ def test_logprobs_zero_gives_the_chosen_token_only():
 def test_more_than_twenty_logprobs_is_rejected():
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=MAX_LOGPROBS + 1)
+
+
+# ------------------------------------------------------------------ token controls
+
+
+def _greedy(output=(), **params) -> SampleRow:
+    return SampleRow(SamplingParams(temperature=0.0, **params), 0, (), tuple(output))
+
+
+def test_logit_bias_steers_the_greedy_choice_of_its_row_only():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(3, 1)
+    rows = [_greedy(logit_bias={3: 3.5}), _greedy(logit_bias={0: -100, 2: 0.5}), _greedy()]
+    ids, _ = sample(logits, rows)
+    assert ids == [3, 1, 0], "-1 + 3.5 beats 2.0; token 0 pushed down leaves token 1 (1.0 > 0.5); no bias: argmax"
+
+
+def test_allowed_token_ids_restrict_every_draw_greedy_or_sampled():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 3
+    allowed = (3, 17, 41)
+    best = max(allowed, key=lambda t: logits[0, t].item())
+    assert sample(logits, [_greedy(allowed_token_ids=allowed)])[0] == [best]
+    drawn = set()
+    for seed in range(100):
+        row = SampleRow(SamplingParams(temperature=2.0, allowed_token_ids=allowed), seed, (), ())
+        drawn.update(sample(logits, [row])[0])
+    assert drawn == set(allowed), f"draws at temperature 2 reach each allowed token and no other: {drawn}"
+
+
+def test_a_bad_word_is_banned_only_where_the_output_ends_with_its_prefix():
+    logits = torch.tensor([[0.0, 0.0, 1.0, 5.0]]).repeat(4, 1)
+    word = [(1, 2, 3)]
+    rows = [
+        _greedy((0, 1, 2), bad_words_token_ids=word),  # "1 2" done: 3 would complete the word
+        _greedy((2, 1), bad_words_token_ids=word),  # the tail is not the prefix
+        _greedy((1,), bad_words_token_ids=word),  # the prefix is only begun
+        _greedy((1, 2), bad_words_token_ids=[(3,), (0, 2)]),  # a one-token word is banned anywhere
+    ]
+    ids, _ = sample(logits, rows)
+    assert ids == [2, 3, 3, 2], ids
+
+
+def test_logprobs_stay_the_models_under_token_controls():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    raw = logits.log_softmax(dim=-1)[0]
+    ids, lps = sample(logits, [_greedy(logit_bias={3: 10}, logprobs=1)])
+    assert ids == [3] and lps[0].logprob == pytest.approx(raw[3].item()), lps
+    assert lps[0].top == ((0, pytest.approx(raw[0].item())),), "the top list is the model's too"
+
+
+def test_unconstrained_rows_draw_the_same_next_to_rows_with_token_controls():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 64)
+    plain = [SampleRow(SamplingParams(temperature=t), 7, (), range(3)) for t in (0.0, 1.0)]
+    alone, _ = sample(logits[:2], plain)
+    controlled = [_greedy((5,), logit_bias={9: 50}), _greedy((5,), allowed_token_ids=(1, 2), bad_words_token_ids=[(5, 1)])]
+    mixed, _ = sample(logits, plain + controlled)
+    assert mixed[:2] == alone and mixed[2:] == [9, 2], mixed
+
+
+class _CountOps(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_token_controls_take_as_many_tensor_ops_for_any_batch_or_vocabulary():
+    def ops(batch: int, vocab: int) -> int:
+        logits = torch.zeros(batch, vocab)
+        rows = [_greedy((1, 2), logit_bias={i: 1.0, vocab - 1: -2.0}, allowed_token_ids=(0, 1, i + 2),
+                        bad_words_token_ids=[(2, vocab - 3), (vocab - 2,)]) for i in range(batch)]
+        with _CountOps() as count:
+            apply_token_controls(logits, rows)
+        assert torch.isinf(logits).sum().item() == batch * (vocab - 3), "all but the three allowed ids masked"
+        return count.calls
+
+    assert ops(2, 16) == ops(64, 32_000), "one batched write per control, not one per row or token"
+
+
+def test_token_controls_are_built_on_the_logits_device():
+    logits = torch.zeros(2, 8, device="meta")
+    rows = [_greedy((1, 2), logit_bias={3: 1.0}, bad_words_token_ids=[(2, 5)]), _greedy(allowed_token_ids=(1, 4))]
+    with _OneDevicePerOp():
+        apply_token_controls(logits, rows)  # raises if an index or value stays on the CPU
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: math.inf}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {1.5: 1.0}}, "logit_bias"),
+        ({"logit_bias": [(1, 2, 3)]}, "logit_bias"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"allowed_token_ids": (1, -2)}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [()]}, "bad_words_token_ids"),
+        ({"bad_words_token_ids": [(1, "x")]}, "bad_words_token_ids"),
+    ],
+)
+def test_bad_token_controls_are_rejected_naming_the_field(params, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**params)
+
+
+def test_token_ids_past_the_vocabulary_are_named_by_check_vocab():
+    SamplingParams(logit_bias={9: 1.0}, allowed_token_ids=(9,), bad_words_token_ids=[(9,)]).check_vocab(10)
+    for params, field in [({"logit_bias": {10: 1.0}}, "logit_bias"), ({"allowed_token_ids": (10,)}, "allowed_token_ids"),
+                          ({"bad_words_token_ids": [(1, 10)]}, "bad_words_token_ids")]:
+        with pytest.raises(ValueError, match=f"^{field} has token id 10, outside the vocabulary"):
+            SamplingParams(**params).check_vocab(10)

@@ -17,18 +17,14 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.grammar import check
 from engine.sampling_params import StructuredOutput
 from engine.sampler import apply_token_bitmask
-from tests.helpers import build_hf_checkpoint
+from tests.helpers import ENGINE_PROMPTS, assert_engine_idle, build_hf_checkpoint
 
 try:
     import jsonschema
 except ImportError:  # checked by hand below
     jsonschema = None
 
-PROMPTS = [
-    "Once upon a time", "The cat sat on the", "Give me JSON:", "1 2 3 4", "Hello world, this is a longer "
-    "prompt than the others, long enough to span several KV blocks of sixteen tokens each, and then some more",
-    "a", "Zebra crossing", "{", "Write a poem about the sea", "The answer is", "Q: what? A:", "tandem",
-]
+PROMPTS = ENGINE_PROMPTS
 
 NESTED = {
     "type": "object",
@@ -66,13 +62,6 @@ CHOICES = ["alpha", "beta gamma", "δέλτα", 'say "hi"']
 @pytest.fixture(scope="module")
 def llm(tiny_model) -> LLM:
     return LLM(model=tiny_model, num_kv_blocks=256)
-
-
-def _assert_idle(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats.num_blocks_in_use == 0, f"{stats.num_blocks_in_use} KV blocks still held"
-    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0), f"requests left behind: {stats}"
-    assert not llm.engine.has_unfinished_requests()
 
 
 def _params(so: StructuredOutput, i: int, max_tokens: int = 120) -> SamplingParams:
@@ -132,7 +121,7 @@ def test_json_schema_outputs_parse_and_validate_for_every_prompt(llm, name):
     outs = _json_outputs(llm, SCHEMAS[name])
     _assert_valid_json(outs, SCHEMAS[name])
     assert len({o.text for o in outs}) > 1, "every prompt gave the same output: was the model consulted?"
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 def test_json_object_outputs_are_json_objects(llm):
@@ -143,7 +132,7 @@ def test_json_object_outputs_are_json_objects(llm):
             continue
         assert isinstance(json.loads(out.text), dict), out.text
     assert any(o.finish_reason == "stop" for o in outs), [o.text for o in outs]
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("pattern", REGEXES)
@@ -153,7 +142,7 @@ def test_regex_outputs_fullmatch_the_regex(llm, pattern):
     for out in outs:
         assert out.finish_reason == "stop", (out.finish_reason, out.text)
         assert re.fullmatch(pattern, out.text), f"{out.text!r} does not match {pattern!r}"
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 def test_choice_outputs_are_one_of_the_choices(llm):
@@ -161,7 +150,7 @@ def test_choice_outputs_are_one_of_the_choices(llm):
     outs = llm.generate(PROMPTS, [_params(so, i, max_tokens=30) for i in range(len(PROMPTS))])
     for out in outs:
         assert out.finish_reason == "stop" and out.text in CHOICES, (out.finish_reason, out.text)
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 def test_ebnf_grammar_outputs_follow_the_grammar(llm):
@@ -171,7 +160,7 @@ def test_ebnf_grammar_outputs_follow_the_grammar(llm):
     for out in outs:
         assert out.finish_reason == "stop", (out.finish_reason, out.text)
         assert re.fullmatch(r"(hi|hello) [a-z]{1,3}", out.text), out.text
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 def test_unconstrained_model_does_not_write_these_formats_by_itself(llm):
@@ -192,7 +181,7 @@ def test_unconstrained_greedy_outputs_are_unchanged_by_constrained_batch_mates(l
     for a, m in zip(alone, mixed[:4]):
         assert a.token_ids == m.token_ids, f"{a.text!r} became {m.text!r} next to constrained requests"
     _assert_valid_json(mixed[4:], NESTED)
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 def test_chunked_prefill_with_a_small_budget_gives_the_same_valid_outputs(llm, tiny_model):
@@ -203,8 +192,8 @@ def test_chunked_prefill_with_a_small_budget_gives_the_same_valid_outputs(llm, t
     for i, (r, c) in enumerate(zip(reference, chunked)):
         if i % 2 == 0:  # greedy rows: the same tokens whatever the chunking
             assert r.token_ids == c.token_ids, f"{r.text!r} vs {c.text!r} under chunked prefill"
-    _assert_idle(small)
-    _assert_idle(llm)
+    assert_engine_idle(small)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -217,7 +206,7 @@ def test_preemption_keeps_outputs_valid_and_accepts_no_token_twice(llm, tiny_mod
     _assert_valid_json(squeezed, NESTED)
     for r, s in zip(reference, squeezed):
         assert r.token_ids == s.token_ids, f"{r.text!r} vs {s.text!r} after {mode} preemption"
-    _assert_idle(tight)
+    assert_engine_idle(tight)
 
 
 # ------------------------------------------------------------------ disaggregated hand-over
@@ -265,7 +254,7 @@ def test_ids_past_the_tokenizer_are_masked_when_the_logits_are_wider(tmp_path, d
     apply_token_bitmask(logits, mask, rows)
     assert torch.isinf(logits[0, vocab:]).all(), "ids the tokenizer does not have must never be allowed"
     structured.remove("probe")
-    _assert_idle(padded)
+    assert_engine_idle(padded)
 
 
 def test_bitmask_touches_only_the_constrained_rows():
@@ -292,7 +281,7 @@ def test_a_spec_that_does_not_parse_is_refused_naming_the_field(llm, so, field):
         check(so)
     with pytest.raises(ValueError, match=re.escape(field)):
         llm.engine.add_request("hi", SamplingParams(structured_output=so))
-    _assert_idle(llm)
+    assert_engine_idle(llm)
 
 
 def test_bad_constraint_descriptions_are_value_errors():

@@ -6,12 +6,14 @@ import pytest
 
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from router.validation import (
+    MAX_PROMPTS,
     ApiError,
     ServedModel,
     check_api_key,
     parse_json,
     prepare_chat,
     prepare_completion,
+    prepare_completions,
 )
 
 MODEL = ServedModel("tandem-tiny-llama", max_model_len=64, vocab_size=1000, block_size=16, max_kv_blocks=3)
@@ -25,6 +27,9 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         return "|".join(m["content"] for m in messages) + ">"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
 
 
 def completion(**body):
@@ -72,7 +77,25 @@ def test_chat_content_parts_and_logprobs_map_onto_the_engine():
         ({"max_tokens": 1.5}, 400, "max_tokens"),
         ({"seed": -1}, 400, "seed"),
         ({"n": 2}, 400, "n"),
-        ({"logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, 400, "logit_bias"),
+        ({"logit_bias": {"1": -100.5}}, 400, "logit_bias"),
+        ({"logit_bias": {"x": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"-1": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {" 1": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"1000": 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 5}}, 400, "logit_bias"),
+        ({"logit_bias": {"1": "5"}}, 400, "logit_bias.1"),
+        ({"logit_bias": [1, 5]}, 400, "logit_bias"),
+        ({"allowed_token_ids": []}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -1]}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": [1000]}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**30]}, 400, "allowed_token_ids"),
+        ({"allowed_token_ids": "1"}, 400, "allowed_token_ids"),
+        ({"bad_words": ["ok", ""]}, 400, "bad_words"),
+        ({"bad_words": ["  "]}, 400, "bad_words"),
+        ({"bad_words": ["\ud800"]}, 400, "bad_words"),
+        ({"bad_words": "word"}, 400, "bad_words"),
+        ({"bad_words": [3]}, 400, "bad_words.0"),
         ({"prompt": 7}, 400, "prompt"),
         ({"prompt": ""}, 400, "prompt"),
         ({"prompt": [1, 5000]}, 400, "prompt"),
@@ -88,6 +111,35 @@ def test_bad_completion_fields_are_rejected_naming_the_field(body, status, param
     assert (e.status, e.param) == (status, param), e.message
     assert param in e.message
     assert e.body()["error"]["param"] == param
+
+
+def test_token_controls_reach_the_sampling_params_on_both_endpoints():
+    body = {"logit_bias": {"7": 2.5, "42": -100}, "allowed_token_ids": [7, 8, 42], "bad_words": ["ab", " cd"]}
+    chat = prepare_chat({"messages": [{"role": "user", "content": "x"}], **body}, MODEL, FakeTokenizer())
+    for params in (completion(**body).params, chat.params):
+        assert params.logit_bias == ((7, 2.5), (42, -100)) and params.allowed_token_ids == (7, 8, 42)
+        # One token per character: " ab" is longer than "ab", so only the bare spelling (vLLM's
+        # rule; tests/unit/test_tokenization.py has a real tokenizer's spaced variants).
+        assert params.bad_words_token_ids == ((97, 98), (99, 100)), params.bad_words_token_ids
+    assert completion(logit_bias={}).params.logit_bias == () and completion().params.allowed_token_ids is None
+
+
+def test_a_list_of_prompts_is_a_request_each_with_the_same_settings():
+    batch = prepare_completions({"prompt": ["ab", "c"], "max_tokens": 3, "echo": True}, MODEL, FakeTokenizer())
+    assert [p.prompt_token_ids for p in batch] == [[97, 98], [99]] and [p.echo for p in batch] == ["ab", "c"]
+    assert all(p.params.max_tokens == 3 for p in batch)
+    assert len(prepare_completions({"prompt": [[1, 2], [3]]}, MODEL, FakeTokenizer())) == 2
+    e = error_of(prepare_completions, {"prompt": ["ok", "x" * 64]}, MODEL, FakeTokenizer())
+    assert (e.status, e.param) == (400, "prompt"), e.message
+    e = error_of(prepare_completions, {"prompt": ["a"] * (MAX_PROMPTS + 1)}, MODEL, FakeTokenizer())
+    assert (e.status, e.param) == (400, "prompt") and str(MAX_PROMPTS) in e.message, e.message
+
+
+def test_echo_carries_the_prompt_text_and_refuses_logprobs():
+    assert completion(echo=True).echo == "hi" and completion().echo is None
+    assert completion(prompt=[104, 105, 33], echo=True).echo == "hi!", "token ids are echoed as decoded"
+    e = error_of(completion, echo=True, logprobs=1)
+    assert (e.status, e.param) == (400, "echo") and "logprobs" in e.message, e.message
 
 
 def test_bad_chat_messages_are_rejected_naming_the_field():
@@ -140,6 +192,21 @@ def test_admission_bounds_outstanding_prompt_tokens_but_admits_any_prompt_when_i
     assert isinstance(rejected, Rejection) and "max_outstanding_prompt_tokens=100" in rejected.reason
     adm.release(big, now=0.5)
     assert (adm.requests, adm.prompt_tokens) == (0, 0)
+
+
+def test_admission_takes_a_batch_whole_or_not_at_all():
+    adm = Admission(AdmissionConfig(max_requests=4, max_prompt_tokens=100))
+    first = adm.try_admit(10, now=0.0)
+    tickets = adm.try_admit_all([20, 30], now=0.0)
+    assert [t.prompt_tokens for t in tickets] == [20, 30] and (adm.requests, adm.prompt_tokens) == (3, 60)
+    refused = adm.try_admit_all([5, 5], now=0.0)  # the second would be the fifth request
+    assert isinstance(refused, Rejection) and refused.code == "max_outstanding_requests", refused
+    assert (adm.requests, adm.prompt_tokens, adm.num_admitted) == (3, 60, 3), "the first of the batch was undone"
+    with pytest.raises(ValueError, match="5 requests at once are more than"):
+        adm.try_admit_all([1] * 5, now=0.0)  # could never fit, even idle
+    for t in [first, *tickets]:
+        adm.release(t, now=1.0)
+    assert len(adm.try_admit_all([1] * 4, now=1.0)) == 4
 
 
 def test_retry_after_follows_the_recent_finish_rate_within_bounds():
@@ -246,7 +313,7 @@ def test_specs_xgrammar_cannot_parse_are_found_in_a_helper_process_without_torch
     assert ("torch" in sys.modules) == torch_before, "the check must not load torch in this process"
 
 
-def test_grpc_requests_carry_the_same_output_constraints():
+def test_grpc_requests_carry_the_same_output_constraints_and_token_controls():
     import json
 
     from protos.tandem.v1 import generate_pb2 as pb
@@ -262,7 +329,14 @@ def test_grpc_requests_carry_the_same_output_constraints():
     req = prepared(response_format=json.dumps(rf))
     assert req.params.structured_output.kind == "json" and req.structured_field == "response_format.json_schema.schema"
     assert prepared().params.structured_output is None
-    for sampling, param in (({"response_format": "{oops"}, "response_format"),
+    req = prepared(logit_bias={5: 1.5}, allowed_token_ids=[5, 6], bad_words=["ab"])
+    assert (req.params.logit_bias, req.params.allowed_token_ids) == (((5, 1.5),), (5, 6))
+    assert req.params.bad_words_token_ids == ((97, 98),)
+    for sampling, param in (({"logit_bias": {5: 100.5}}, "logit_bias"),
+                            ({"logit_bias": {5000: 1}}, "logit_bias"),
+                            ({"allowed_token_ids": [5000]}, "allowed_token_ids"),
+                            ({"bad_words": [""]}, "bad_words"),
+                            ({"response_format": "{oops"}, "response_format"),
                             ({"guided_json": "[]"}, "guided_json"),
                             ({"guided_regex": "a", "guided_grammar": 'root ::= "a"'}, "guided_grammar")):
         e = error_of(prepared, **sampling)
