@@ -310,12 +310,14 @@ def test_router_replica_restarted(service, tiny_model, workload):
 
 @pytest.fixture(params=["object_store", "collective", pytest.param("nixl", marks=NEEDS_NIXL)])
 def slow_transfer_service(services, request):
-    """Each KV receive waits 0.3 s first: there is always a transfer in flight to break.
+    """Each KV receive waits 1 s first: there is always a transfer in flight to break, and
+    it is still in flight when the kill lands (polling the loads, then killing, took over
+    0.3 s on a loaded machine, and a transfer that had ended meanwhile broke nothing).
 
     Short deadlines let a survivor whose peer froze give up within the test's patience
     (a dead peer fails its channel at once).
     """
-    transfer = {"backend": request.param, "faults": {"delay_s": 0.3}, "timeout_s": 5, "op_timeout_s": 10}
+    transfer = {"backend": request.param, "faults": {"delay_s": 1.0}, "timeout_s": 5, "op_timeout_s": 10}
     return services.get(f"slow {request.param} transfers", **{**KILL_SETTINGS, "transfer": transfer})
 
 
