@@ -25,7 +25,7 @@ from engine.async_engine import merge_outputs
 from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferError, TransferMeta
-from kv_transfer.worker_base import WorkerBase
+from workers.base import WorkerBase
 
 log = logging.getLogger(__name__)
 

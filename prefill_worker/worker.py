@@ -22,7 +22,7 @@ import time
 from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState
 from kv_transfer import TransferMeta
-from kv_transfer.worker_base import WorkerBase
+from workers.base import WorkerBase
 
 
 class PrefillWorker(WorkerBase):
