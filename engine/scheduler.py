@@ -110,9 +110,9 @@ class SchedulerStats:
 class Scheduler:
     """Continuous batching over a paged KV cache, one token budget per step."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.stats = SchedulerStats()
         self._by_priority = config.policy == "priority"
         self._seq = itertools.count()
@@ -174,6 +174,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting_heap) + len(self._waiting_fifo)
 
+    def num_queued_tokens(self) -> int:
+        """Tokens of the scheduler's requests that are yet to be computed."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.requests.values())
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
@@ -220,13 +224,13 @@ class Scheduler:
         if request.hold_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             self.held[request.request_id] = request
         else:
-            self.kv.free(request)
+            self.kv_manager.free(request)
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks of a finished ``hold_kv`` request once its KV was copied out."""
         request = self.held.pop(request_id, None)
         if request is not None:
-            self.kv.free(request)
+            self.kv_manager.free(request)
 
     # -- remote KV (decode role) -----------------------------------------------
 
@@ -238,14 +242,14 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
-            self.kv.free(request)
+        if self.kv_manager.allocate_slots(request, request.num_prompt_tokens) is None:
+            self.kv_manager.free(request)
             return None
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
-        return self.kv.block_ids(request.request_id)
+        return self.kv_manager.block_ids(request.request_id)
 
     def remote_arrived(self, request_id: str, first_token: int) -> Request | None:
         """The prompt's KV is in the reserved blocks: the request joins the batch."""
@@ -260,7 +264,7 @@ class Scheduler:
         else:
             request.status = RequestStatus.RUNNING
             self._add_running(request)
-            self.kv.cache_blocks(request)
+            self.kv_manager.cache_blocks(request)
         return request
 
     def remote_failed(self, request_id: str, recompute: bool) -> Request | None:
@@ -269,7 +273,7 @@ class Scheduler:
         if request is None:
             return None
         if recompute:
-            self.kv.free(request)
+            self.kv_manager.free(request)
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             self._push_waiting(request, front=True)
@@ -306,7 +310,7 @@ class Scheduler:
                 request=request,
                 token_ids=request.token_slice(start, end),
                 start_pos=start,
-                block_ids=self.kv.block_ids(request.request_id),
+                block_ids=self.kv_manager.block_ids(request.request_id),
                 sample=end == request.num_tokens,
             )
         )
@@ -321,7 +325,7 @@ class Scheduler:
                     i += 1  # a static batch's whole prompt, in a later step
                     continue
                 n = budget
-            while self.kv.allocate_slots(request, n) is None:
+            while self.kv_manager.allocate_slots(request, n) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is request:
@@ -336,7 +340,7 @@ class Scheduler:
         self._remove_running(request)
         request.num_preemptions += 1
         out.preempted.append(request.request_id)
-        if not self.kv.fits_in_pool(request.num_tokens + 1):
+        if not self.kv_manager.fits_in_pool(request.num_tokens + 1):
             # It can never fit again: end it as if it hit its length limit.
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             out.finished.append(request)
@@ -346,14 +350,14 @@ class Scheduler:
             grown = request.num_output_tokens >= AUTO_SWAP_OUTPUT_RATIO * request.num_prompt_tokens
             mode = "swap" if grown else "recompute"
         if mode == "swap":
-            mapping = self.kv.swap_out(request)
+            mapping = self.kv_manager.swap_out(request)
             if mapping is not None:
                 out.swap_out.extend(mapping)
                 request.status = RequestStatus.SWAPPED
                 self.swapped.append(request)
                 self.stats.num_preemptions_swap += 1
                 return
-        self.kv.free(request)
+        self.kv_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self._push_waiting(request, front=True)
@@ -364,11 +368,11 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = self.kv.num_blocks_needed(request.num_computed_tokens + n)
-            if not self.kv.can_allocate(max(total, self.kv.num_swapped_blocks(request.request_id))):
+            total = self.kv_manager.num_blocks_needed(request.num_computed_tokens + n)
+            if not self.kv_manager.can_allocate(max(total, self.kv_manager.num_swapped_blocks(request.request_id))):
                 break
-            out.swap_in.extend(self.kv.swap_in(request))
-            self.kv.allocate_slots(request, n)
+            out.swap_in.extend(self.kv_manager.swap_in(request))
+            self.kv_manager.allocate_slots(request, n)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             self._add_running(request)
@@ -382,12 +386,12 @@ class Scheduler:
             request = self._peek_waiting()
             if request is None:
                 break
-            hit, num_hit = self.kv.get_computed_blocks(request)
+            hit, num_hit = self.kv_manager.get_computed_blocks(request)
             n = request.num_tokens - num_hit
             if n > budget and not chunked:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(request, n, hit) is None:
+            if self.kv_manager.allocate_slots(request, n, hit) is None:
                 break
             self._pop_waiting()
             self._start(request, num_hit)
@@ -401,9 +405,9 @@ class Scheduler:
             request = self._peek_waiting()
             if request is None:
                 break
-            hit, num_hit = self.kv.get_computed_blocks(request)
+            hit, num_hit = self.kv_manager.get_computed_blocks(request)
             n = request.num_tokens - num_hit
-            if self.kv.allocate_slots(request, n, hit) is None:
+            if self.kv_manager.allocate_slots(request, n, hit) is None:
                 break
             self._pop_waiting()
             self._start(request, num_hit)
@@ -414,9 +418,9 @@ class Scheduler:
 
     def _start(self, request: Request, num_hit: int) -> None:
         """A waiting request joins the running batch with ``num_hit`` tokens from the cache."""
-        if self.kv.enable_caching:
-            self.kv.stats.queries += request.num_tokens
-            self.kv.stats.hits += num_hit
+        if self.kv_manager.enable_caching:
+            self.kv_manager.stats.queries += request.num_tokens
+            self.kv_manager.stats.hits += num_hit
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit
         request.num_computed_tokens = num_hit
@@ -440,7 +444,7 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             # Cache before any stop check, so a request that ends now (a prefill-role
             # request always does) still leaves its full blocks in the prefix cache.
-            self.kv.cache_blocks(request)
+            self.kv_manager.cache_blocks(request)
             token = sampled.get(request.request_id) if item.sample else None
             if token is not None:
                 request.output_token_ids.append(token)

@@ -38,16 +38,14 @@ class PrefillWorker(WorkerBase):
         return await self.runtime.call(self._load)
 
     def _load(self) -> PrefillLoad:
-        s = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.requests.values())
-        stats = self.engine.kv_manager.stats
+        load = self.engine.load()
         return PrefillLoad(
             worker_id=self.worker_id,
-            queued_prefill_tokens=queued,
-            running_chunks=len(s.running),
-            waiting=s.num_waiting,
-            prefix_cache_queries=stats.queries,
-            prefix_cache_hits=stats.hits,
+            queued_prefill_tokens=self.engine.num_queued_tokens(),
+            running_chunks=load.num_running,
+            waiting=load.num_waiting,
+            prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits,
             sending=self._sending,
         )
 
@@ -71,7 +69,7 @@ class PrefillWorker(WorkerBase):
         t_done = time.perf_counter()
         self._sending += 1
         try:
-            num_blocks = len(final.kv_blocks) if paged else final.kv[0].shape[1]
+            num_blocks = len(final.kv_blocks) if paged else final.packed_kv[0].shape[1]
             meta = TransferMeta(
                 transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
                 request_id=request_id,
@@ -101,7 +99,7 @@ class PrefillWorker(WorkerBase):
     async def _send(self, meta: TransferMeta, decode_worker, final):
         lp = final.logprobs[0] if final.logprobs else None
         payload = None
-        k, v = final.kv or (None, None)
+        k, v = final.packed_kv or (None, None)
         try:
             if self.backend.paged:
                 payload = self.backend.prepare_blocks(meta, final.kv_blocks)

@@ -28,7 +28,7 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
         block_size=engine.config.block_size,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        dtype=str(engine.kv_cache.k.dtype).removeprefix("torch."),
+        dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
     )
 
 

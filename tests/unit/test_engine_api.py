@@ -301,3 +301,26 @@ def test_a_resumed_request_continues_exactly_where_its_tokens_stop(llm, sampling
         assert text_after[k] + text == full_text, "the resumed text must continue the streamed text exactly"
         assert final.num_output_tokens == 20 and final.finish_reason == "length"
     _assert_idle(llm)
+
+
+# ------------------------------------------------------------------ load reports
+
+
+def test_load_counts_running_waiting_queued_tokens_and_requests_waiting_for_kv(llm):
+    engine = llm.engine
+    free = engine.load().num_free_blocks
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.add_request(PROMPTS[0], params, request_id="local")
+    prompt = engine.encode_prompt(PROMPTS[1])
+    reserved = engine.add_remote_request(prompt, params, request_id="remote")
+    load = engine.load()
+    local_tokens = len(engine.encode_prompt(PROMPTS[0]))
+    assert (load.num_running, load.num_waiting, load.num_waiting_for_kv) == (0, 1, 1), load
+    assert engine.num_queued_tokens() == local_tokens + len(prompt), "both prompts are still to be computed"
+    assert load.num_free_blocks == free - len(reserved), "the reservation's blocks are taken"
+    assert engine.is_waiting_for_kv("remote") and not engine.is_waiting_for_kv("local")
+    engine.step()
+    assert engine.load().num_running == 1 and engine.load().num_waiting == 0
+    engine.abort(["local", "remote"])
+    assert not engine.is_waiting_for_kv("remote")
+    _assert_idle(llm)
