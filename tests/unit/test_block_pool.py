@@ -345,10 +345,10 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"{self.content.get(block.block_id)}, expected {want}"
             )
 
-    def _swap(self, swap, req):
-        """``swap(req)``'s block pairs; a swap that fails (None) must change nothing."""
+    def _swap(self, swap, req, *args):
+        """``swap(req, *args)``'s block pairs; a swap that fails (None) must change nothing."""
         before = self._snapshot()
-        pairs = swap(req)
+        pairs = swap(req, *args)
         if pairs is None:
             assert self._snapshot() == before, f"a failed {swap.__name__} must change nothing"
         return pairs
@@ -426,14 +426,18 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         rid = data.draw(st.sampled_from(sorted(self.swapped)))
         req, cpu = self.swapped[rid]
-        pairs = self._swap(self.kv_manager.swap_in, req)
+        num_new_tokens = data.draw(st.integers(0, 2 * BS))
+        pairs = self._swap(self.kv_manager.swap_in, req, num_new_tokens)
         if pairs is None:
             return
         assert [c for c, _ in pairs] == cpu, "swap_in must read the cpu blocks swap_out wrote"
-        assert [d for _, d in pairs] == self.kv_manager.block_ids(rid)
+        table = self.kv_manager.block_ids(rid)
+        assert [d for _, d in pairs] == table[: len(cpu)], "the swapped blocks come back first, in order"
+        need = self.kv_manager.num_blocks_needed(req.num_computed_tokens + num_new_tokens)
+        assert len(table) >= need, f"swap_in must leave room for {num_new_tokens} more tokens"
         del self.swapped[rid]
         self.live[rid] = req
-        for _, d in pairs:
+        for d in table:
             self.content.pop(d, None)
         self.hit_blocks[rid] = 0  # every block is now its own copy
         self.kv_manager.cache_blocks(req)

@@ -446,6 +446,7 @@ def workloads(draw):
         pool_slack=draw(st.integers(-2, 3)),
         num_cpu_blocks=draw(st.integers(0, 16)),
         caching=draw(st.booleans()),
+        batching=draw(st.sampled_from(["continuous", "static"])),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -476,6 +477,7 @@ def test_random_workloads_respect_limits_and_finish(mode, policy, chunked, w):
         enable_chunked_prefill=chunked,
         preemption_mode=mode,
         policy=policy,
+        batching=w["batching"],
     )
     pool = sched.kv_manager.pool
     shared = [rng.randrange(3, 6) for _ in range(12)]  # a common prefix for cache hits
@@ -564,3 +566,31 @@ def test_random_workloads_respect_limits_and_finish(mode, policy, chunked, w):
     assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} blocks leaked"
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert sched.kv_manager.cpu_pool.num_free_blocks == w["num_cpu_blocks"], "swap blocks leaked"
+
+
+def test_a_swapped_request_stays_swapped_while_the_pool_cannot_take_it_back():
+    sched, reqs = _three_in_four_blocks("fcfs", mode="swap")
+    assert _step(sched).preempted == ["c"]
+    # a and b hold all four blocks; c must wait, swapped out, without breaking the step.
+    out = _step(sched)
+    assert not out.swap_in and reqs["c"].status == RequestStatus.SWAPPED, "no room: c stays swapped"
+    assert sched.kv_manager.block_ids("c") == [], "a swap in that cannot happen takes no blocks"
+    _run_until_idle(sched)
+    assert reqs["c"].status == RequestStatus.FINISHED_LENGTH
+    _assert_all_free(sched)
+
+
+def test_prefix_cache_counts_the_tokens_of_each_admitted_request_and_its_hits():
+    sched = _scheduler(num_blocks=64, caching=True, max_num_batched_tokens=8)
+    prompt = list(range(100, 112))  # three blocks
+    first, second = (Request(rid, prompt, SamplingParams(max_tokens=1)) for rid in ("first", "second"))
+    sched.add_request(first)
+    _run_until_idle(sched)
+    sched.add_request(second)
+    _run_until_idle(sched)
+    stats = sched.kv_manager.stats
+    assert (stats.queries, stats.hits) == (24, 8), (
+        f"two 12-token prompts looked up and the second served 2 full blocks (capped below "
+        f"its last token) from the cache: expected (24, 8), got {(stats.queries, stats.hits)}"
+    )
+    _assert_all_free(sched)
