@@ -295,17 +295,14 @@ class Scheduler:
             return num_tokens
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _plan(self, out: SchedulerOutput, request: Request, start: int, n: int) -> None:
+    def _plan(self, out: SchedulerOutput, request: Request, start: int, n: int, num_tokens: int) -> None:
+        """Compute tokens [start, start + n) of the request's ``num_tokens`` in this step."""
         end = start + n
-        out.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                token_ids=request.token_slice(start, end),
-                start_pos=start,
-                block_ids=self.kv_manager.block_ids(request.request_id),
-                sample=end == request.num_tokens,
-            )
-        )
+        # Positional arguments, in field order: this runs for every request in every step.
+        out.scheduled.append(ScheduledRequest(
+            request, request.token_slice(start, end), start, self.kv_manager.block_ids(request.request_id),
+            end == num_tokens,
+        ))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running = self.running.in_order
@@ -313,13 +310,14 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = self._tokens_now(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens, start = request.num_tokens, request.num_computed_tokens
+            n = self._tokens_now(num_tokens - start, budget)
             if not n:
                 i += 1  # its whole prompt, in a later step
                 continue
             if allocate_slots(request, n) is None and not self._preempt_for(request, n, out):
                 break  # it was the last one running, so it was the victim
-            self._plan(out, request, request.num_computed_tokens, n)
+            self._plan(out, request, start, n, num_tokens)
             budget -= n
             i += 1
         return budget
@@ -370,7 +368,7 @@ class Scheduler:
             self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.add(request)
-            self._plan(out, request, request.num_computed_tokens, n)
+            self._plan(out, request, request.num_computed_tokens, n, request.num_tokens)
             budget -= n
         return budget
 
@@ -390,7 +388,7 @@ class Scheduler:
             self.waiting.pop()
             self._start(request, num_hit)
             if planned:
-                self._plan(out, request, num_hit, planned)
+                self._plan(out, request, num_hit, planned, request.num_tokens)
                 budget -= planned
         return budget
 
