@@ -8,7 +8,8 @@ same number of useful tokens. Measured in one run:
 * ``hf_static``: transformers ``generate`` in static batches (left padding); a batch
   runs until its longest request is done, and only requested tokens count;
 * ``hf_continuous``: transformers' own continuous batching (``init_continuous_batching``), when installed and asked for;
-* ``schedule_us``: the mean cost of one ``Scheduler.schedule()`` with N requests running;
+* ``schedule``: the cost of one ``Scheduler.schedule()`` with 256 requests decoding
+  (median and mean of many calls; ``time_schedule`` alone needs no model);
 * ``decode`` (``--decode-batches 1,8,32,64``): the engine's decode step time at each batch
   size against this machine's roofline for that step -- the larger of the bytes it must
   read (weights, plus the KV of the batch) over the memory bandwidth and its FLOPs over
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import statistics
 import time
 
 import torch
@@ -136,7 +138,7 @@ def run_hf_continuous(model_dir: str, prompts, outputs) -> dict:
 
 
 def time_schedule(num_running: int, iters: int = 200) -> dict:
-    """Mean cost of schedule() with ``num_running`` requests decoding (no model)."""
+    """Median and mean cost of schedule() with ``num_running`` requests decoding (no model)."""
     from engine.block_pool import KVCacheManager
     from engine.request import Request
     from engine.sampling_params import SamplingParams
@@ -152,14 +154,15 @@ def time_schedule(num_running: int, iters: int = 200) -> dict:
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         out = sched.schedule()
         sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.sample})
-    total = 0.0
+    times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         out = sched.schedule()
-        total += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
         assert len(out.scheduled) == num_running
         sched.update(out, {s.request.request_id: 7 for s in out.scheduled})
-    return {"num_running": num_running, "iters": iters, "mean_us": total / iters * 1e6}
+    return {"num_running": num_running, "iters": iters,
+            "median_us": statistics.median(times) * 1e6, "mean_us": statistics.fmean(times) * 1e6}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_throughput:
         _throughput(args, model_dir, ModelConfig.from_pretrained(model_dir).vocab_size, result)
         result["schedule"] = time_schedule(256)
-        print(f"schedule() with 256 running: {result['schedule']['mean_us']:.0f} us")
+        print(f"schedule() with 256 running: {result['schedule']['median_us']:.0f} us (median)")
     if args.decode_batches:
         _decode(args, model_dir, result)
     write_result(args.out, result)

@@ -25,7 +25,7 @@ from engine.async_engine import merge_outputs
 from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferError, TransferMeta
-from kv_transfer.worker_base import WorkerBase
+from workers.base import WorkerBase
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,14 @@ class DecodeWorker(WorkerBase):
         return await self.runtime.call(self._load)
 
     def _load(self) -> DecodeLoad:
-        s = self.engine.scheduler
-        pool = self.engine.kv_manager.pool
+        load = self.engine.load()
         return DecodeLoad(
             worker_id=self.worker_id,
-            free_blocks=pool.num_free_blocks,
-            total_blocks=pool.num_usable_blocks,
-            running=len(s.running),
-            waiting=s.num_waiting + len(s.swapped),
-            waiting_for_kv=len(s.remote),
+            free_blocks=load.num_free_blocks,
+            total_blocks=load.num_blocks,
+            running=load.num_running,
+            waiting=load.num_waiting + load.num_swapped,
+            waiting_for_kv=load.num_waiting_for_kv,
         )
 
     async def stats(self) -> dict:
@@ -231,7 +230,7 @@ class DecodeWorker(WorkerBase):
         if unpin:
             self._unpin(request_id)
         self._deadlines.pop(request_id, None)
-        if request_id not in self.engine.scheduler.remote:
+        if not self.engine.is_waiting_for_kv(request_id):
             return
         self.num_transfer_failures += 1
         out = self.engine.remote_kv_failed(request_id, self.transfer.failure_policy == "recompute")
@@ -249,9 +248,9 @@ class DecodeWorker(WorkerBase):
 
     def _drop_stale_pins(self) -> None:
         """Unpin reservations that ended (aborted, finished) without a read in progress."""
-        remote = self.engine.scheduler.remote
+        waiting = self.engine.is_waiting_for_kv
         with self._pin_lock:
-            stale = [rid for rid in self._pins if rid not in remote and rid not in self._reading]
+            stale = [rid for rid in self._pins if not waiting(rid) and rid not in self._reading]
             for rid in stale:
                 self.engine.unpin_blocks(self._pins.pop(rid))
 

@@ -163,12 +163,16 @@ class CpuBlockPool:
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # tokens of admitted requests looked up
     hits: int = 0  # of those, tokens served from the cache
 
 
 class KVCacheManager:
-    """Owns each request's block table on top of a ``BlockPool`` (and a swap pool)."""
+    """Owns each request's block table on top of a ``BlockPool`` (and a swap pool).
+
+    A block table is a list of block ids (what every step hands the runner); the pool's
+    ``blocks`` list turns an id back into its ``KVBlock`` when references change.
+    """
 
     def __init__(
         self,
@@ -184,7 +188,7 @@ class KVCacheManager:
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.enable_caching = enable_caching
         self.stats = PrefixCacheStats()
-        self._blocks: dict[str, list[KVBlock]] = {}
+        self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered
         self._cpu_blocks: dict[str, list[int]] = {}
@@ -192,16 +196,19 @@ class KVCacheManager:
     # -- queries ---------------------------------------------------------------
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table (a copy), in token order."""
+        table = self._tables.get(request_id)
+        return table[:] if table else []
+
+    def _held(self, table: Sequence[int]) -> list[KVBlock]:
+        blocks = self.pool.blocks
+        return [blocks[i] for i in table]
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def fits_in_pool(self, num_tokens: int) -> bool:
         return self.num_blocks_needed(num_tokens) <= self.pool.num_usable_blocks
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.pool.num_free_blocks
 
     def _block_hashes(self, request: Request) -> list[int]:
         """Chained hashes of the request's full blocks, extended as tokens arrive."""
@@ -215,7 +222,10 @@ class KVCacheManager:
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of a new request, capped so one token is left to compute."""
+        """Longest cached prefix of a new request, capped so one token is left to compute.
+
+        A lookup, not a use: ``count_prefix_lookup`` counts it once the request is let in.
+        """
         if not self.enable_caching or request.num_computed_tokens > 0:
             return [], 0
         hashes = self._block_hashes(request)
@@ -228,6 +238,12 @@ class KVCacheManager:
             hit.append(block)
         return hit, len(hit) * self.block_size
 
+    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """A request was let in with ``num_hit`` of its ``num_tokens`` from the cache."""
+        if self.enable_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit
+
     # -- allocation ------------------------------------------------------------
 
     def allocate_slots(
@@ -236,27 +252,30 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] = (),
     ) -> list[KVBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't."""
-        blocks = self._blocks.get(request.request_id)
-        if blocks is None:
-            blocks = self._blocks[request.request_id] = []
-        num_tokens = (
-            request.num_computed_tokens
-            + len(new_computed_blocks) * self.block_size
-            + num_new_tokens
-        )
-        need = self.num_blocks_needed(num_tokens) - len(blocks) - len(new_computed_blocks)
+        """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't.
+
+        Returns the newly allocated blocks (none when the request's blocks had room).
+        """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            table = self._tables[rid] = []
+        num_hit = len(new_computed_blocks)
+        num_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        need = -(-num_tokens // self.block_size) - len(table) - num_hit
+        if need <= 0 and not num_hit:
+            return []  # a decode step within its last block: the common case, kept cheap
         # Cached blocks we are about to reuse may sit in the free queue: they stop
         # being free, so they count against what is left.
         reused_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reused_free:
             return None
-        if new_computed_blocks:
+        if num_hit:
             self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            self._num_hashed[request.request_id] = len(blocks)
+            table.extend(b.block_id for b in new_computed_blocks)
+            self._num_hashed[rid] = len(table)
         new = self.pool.allocate(need) if need > 0 else []
-        blocks.extend(new)
+        table.extend(b.block_id for b in new)
         return new
 
     def cache_blocks(self, request: Request) -> None:
@@ -269,18 +288,19 @@ class KVCacheManager:
         if n_full <= done:
             return
         hashes = self._block_hashes(request)
-        blocks = self._blocks[rid]
+        table = self._tables[rid]
+        blocks = self.pool.blocks
         for i in range(done, n_full):
-            self.pool.cache(blocks[i], hashes[i])
+            self.pool.cache(blocks[table[i]], hashes[i])
         self._num_hashed[rid] = n_full
 
     def free(self, request: Request) -> None:
         """Return every block the request holds, on the GPU pool and in swap space."""
         rid = request.request_id
-        blocks = self._blocks.pop(rid, None)
-        if blocks:
+        table = self._tables.pop(rid, None)
+        if table:
             # Tail blocks first: they are the least likely to be shared prefixes.
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(self._held(table)))
         cpu = self._cpu_blocks.pop(rid, None)
         if cpu:
             self.cpu_pool.free(cpu)
@@ -289,7 +309,7 @@ class KVCacheManager:
 
     def pin(self, request_id: str) -> list[KVBlock]:
         """Take one more reference to each of the request's blocks; ``unpin`` drops them."""
-        blocks = list(self._blocks.get(request_id, ()))
+        blocks = self._held(self._tables.get(request_id, ()))
         self.pool.touch(blocks)
         return blocks
 
@@ -301,27 +321,30 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to swap space; returns (device, cpu) pairs to copy."""
         rid = request.request_id
-        blocks = self._blocks.get(rid, [])
-        cpu = self.cpu_pool.allocate(len(blocks))
+        table = self._tables.get(rid, [])
+        cpu = self.cpu_pool.allocate(len(table))
         if cpu is None:
             return None
-        self._blocks.pop(rid, None)
+        self._tables.pop(rid, None)
         self._num_hashed.pop(rid, None)
         self._cpu_blocks[rid] = cpu
-        mapping = [(b.block_id, c) for b, c in zip(blocks, cpu)]
-        self.pool.free(reversed(blocks))
-        return mapping
+        self.pool.free(reversed(self._held(table)))
+        return list(zip(table, cpu))
 
     def num_swapped_blocks(self, request_id: str) -> int:
         return len(self._cpu_blocks.get(request_id, ()))
 
-    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
-        """Bring a swapped request back; returns (cpu, device) pairs to copy."""
+    def swap_in(self, request: Request, num_new_tokens: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back, with slots for ``num_new_tokens`` more tokens.
+
+        Returns (cpu, device) pairs to copy; None (and no change) if the pool is short.
+        """
         rid = request.request_id
-        new = self.pool.allocate(self.num_swapped_blocks(rid))
+        need = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        new = self.pool.allocate(max(need, self.num_swapped_blocks(rid)))
         if new is None:
             return None
         cpu = self._cpu_blocks.pop(rid)
-        self._blocks[rid] = new
+        self._tables[rid] = [b.block_id for b in new]
         self.cpu_pool.free(cpu)
-        return list(zip(cpu, (b.block_id for b in new)))
+        return list(zip(cpu, self._tables[rid]))

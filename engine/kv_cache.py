@@ -4,6 +4,10 @@ Layout: ``k`` and ``v`` are ``[num_layers, num_blocks, block_size, num_kv_heads,
 head_dim]``, so ``k[layer]`` is one layer's paged cache and ``k[:, ids]`` is all of a
 request's KV in one gather (what a transfer packs into a single message). The swap
 pool has the same layout in CPU memory (pinned when the cache is on a GPU).
+
+Whole blocks move in and out only through ``gather`` and ``scatter`` (KV packed for a
+transfer or received from one, swap). The attention backends read and write ``k`` and
+``v`` in place, and a paged transfer backend registers them to read blocks directly.
 """
 
 from __future__ import annotations
@@ -44,20 +48,40 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_ids``, in that order: ``[layers, len(block_ids), block, Hkv, D]``
+        each, copied out of the cache in one indexed read."""
+        index = torch.tensor(block_ids, device=self.k.device)
+        return self.k[:, index], self.v[:, index]
+
+    def scatter(self, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> None:
+        """Write ``k``/``v`` (laid out as ``gather`` returns them, on any device and in any
+        dtype) into ``block_ids``; ValueError if their shape does not fit."""
+        if k.shape[1] != len(block_ids) or k.shape[2:] != self.k.shape[2:] or v.shape != k.shape:
+            raise ValueError(
+                f"received KV of shape {tuple(k.shape)} does not fit {len(block_ids)} blocks of "
+                f"{tuple(self.k.shape[2:])}"
+            )
+        index = torch.tensor(block_ids, device=self.k.device)
+        self.k[:, index] = k.to(self.k.device, self.k.dtype, non_blocking=non_blocking)
+        self.v[:, index] = v.to(self.v.device, self.v.dtype, non_blocking=non_blocking)
+
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy (device block, cpu block) pairs into swap space."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.k.device)
+        k, v = self.gather([p[0] for p in pairs])
         dst = torch.tensor([p[1] for p in pairs])
-        self.cpu_k[:, dst] = self.k[:, src].cpu()
-        self.cpu_v[:, dst] = self.v[:, src].cpu()
+        self.cpu_k[:, dst] = k.cpu()
+        self.cpu_v[:, dst] = v.cpu()
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy (cpu block, device block) pairs back from swap space."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs])
-        dst = torch.tensor([p[1] for p in pairs], device=self.k.device)
-        self.k[:, dst] = self.cpu_k[:, src].to(self.k.device, non_blocking=True)
-        self.v[:, dst] = self.cpu_v[:, src].to(self.v.device, non_blocking=True)
+        self.scatter([p[1] for p in pairs], self.cpu_k[:, src], self.cpu_v[:, src], non_blocking=True)

@@ -85,9 +85,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_output_tokens: int = 0
-    # Prefill role (``hold_kv``): the prompt's KV, [layers, blocks, block, Hkv, D] each;
+    # Prefill role (``hold_kv``): the prompt's KV packed, [layers, blocks, block, Hkv, D] each;
     # with ``keep_blocks``, the ids of the blocks that hold it instead (``release_held``).
-    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    packed_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     kv_blocks: list[int] | None = None
     times: RequestTimes | None = None  # set on the final output
 
@@ -116,6 +116,20 @@ class EngineStats:
     # and CPU of the step thread (below the wall clock when the step waited for a core).
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is now, in counts: what a worker's load report is made of."""
+
+    num_running: int
+    num_waiting: int  # to be scheduled (their grammar may still be compiling)
+    num_swapped: int
+    num_waiting_for_kv: int  # blocks reserved, KV on its way from another worker
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 @dataclass
@@ -167,7 +181,6 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
-        self._seeds: dict[str, int] = {}
         self.attention = create_attention_backend(
             config.attention_backend, device, config.block_size, self.model_config.head_dim
         )
@@ -177,7 +190,7 @@ class LLMEngine:
             self.model_config.vocab_size,
             self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self._seeds, self.attention, self.structured)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured)
         # Constrained requests whose grammar is still compiling, and decode-role arrivals
         # (first token, logprobs, cached tokens) held back for the same reason.
         self._compiling: dict[str, Request] = {}
@@ -232,7 +245,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; returns its id.
 
-        ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``kv``;
+        ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``packed_kv``;
         with ``keep_blocks``, the ids of the blocks holding it in ``kv_blocks``, and the
         blocks stay allocated until ``release_held`` (a transfer reads them in place).
         ``resume_output``: tokens this request already generated elsewhere (a migrated
@@ -295,7 +308,7 @@ class LLMEngine:
         if request is None:
             return None
         if k is not None:
-            self._write_blocks(request_id, k, v)
+            self.kv_cache.scatter(self.kv_manager.block_ids(request_id), k, v)
         if request_id in self.structured and not self.structured.is_ready(request_id):
             # The grammar must see the first token: join the batch once it is compiled.
             self._arrivals[request_id] = (first_token, first_logprobs, num_cached_tokens)
@@ -306,16 +319,6 @@ class LLMEngine:
         self._generation_tokens += 1
         logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
         return self._emit([request], {request_id: first_token}, logprobs)[0]
-
-    def _write_blocks(self, request_id: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        dst = torch.tensor(self.kv_manager.block_ids(request_id), device=self.kv_cache.k.device)
-        if k.shape[1] != dst.numel() or k.shape[2:] != self.kv_cache.k.shape[2:]:
-            raise ValueError(
-                f"received KV of shape {tuple(k.shape)} does not fit {dst.numel()} blocks of "
-                f"{tuple(self.kv_cache.k.shape[2:])}"
-            )
-        self.kv_cache.k[:, dst] = k.to(self.kv_cache.k.device, self.kv_cache.k.dtype)
-        self.kv_cache.v[:, dst] = v.to(self.kv_cache.v.device, self.kv_cache.v.dtype)
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks a finished ``keep_blocks`` request still holds (its KV was read)."""
@@ -370,7 +373,7 @@ class LLMEngine:
         migrated from had already streamed (their text is not sent again)."""
         params = request.sampling_params
         rid = request.request_id
-        self._seeds[rid] = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self._tracked[rid] = _Tracked(
             detok=IncrementalDetokenizer(
                 self.tokenizer,
@@ -404,7 +407,6 @@ class LLMEngine:
 
     def _forget(self, rid: str) -> None:
         self._tracked.pop(rid, None)
-        self._seeds.pop(rid, None)
         self._arrivals.pop(rid, None)
         self.structured.remove(rid)
 
@@ -509,8 +511,7 @@ class LLMEngine:
             if request.keep_blocks:
                 out.kv_blocks = ids
             else:
-                index = torch.tensor(ids, device=self.kv_cache.k.device)
-                out.kv = (self.kv_cache.k[:, index], self.kv_cache.v[:, index])
+                out.packed_kv = self.kv_cache.gather(ids)
                 self.scheduler.release_held(rid)
         self._forget(rid)
         return out
@@ -544,22 +545,45 @@ class LLMEngine:
 
     # -- introspection ---------------------------------------------------------
 
-    def stats(self) -> EngineStats:
+    def load(self) -> EngineLoad:
+        """The engine's load now (workers report it for placement)."""
         s = self.scheduler
         pool = self.kv_manager.pool
-        return EngineStats(
+        return EngineLoad(
             num_running=len(s.running),
             num_waiting=s.num_waiting + len(self._compiling),
             num_swapped=len(s.swapped),
+            num_waiting_for_kv=len(s.remote),
+            num_free_blocks=pool.num_free_blocks,
             num_blocks=pool.num_usable_blocks,
-            num_blocks_in_use=pool.num_used_blocks,
-            kv_cache_usage=pool.usage,
-            num_preemptions=s.stats.num_preemptions,
-            num_preemptions_recompute=s.stats.num_preemptions_recompute,
-            num_preemptions_swap=s.stats.num_preemptions_swap,
             prefix_cache_queries=self.kv_manager.stats.queries,
             prefix_cache_hits=self.kv_manager.stats.hits,
-            num_steps=s.stats.num_steps,
+        )
+
+    def num_queued_tokens(self) -> int:
+        """Tokens of the scheduler's requests not computed yet (a walk over them all)."""
+        return self.scheduler.num_queued_tokens()
+
+    def is_waiting_for_kv(self, request_id: str) -> bool:
+        """The request holds reserved blocks and waits for its KV from another worker."""
+        return request_id in self.scheduler.remote
+
+    def stats(self) -> EngineStats:
+        """The load plus the running totals (every step, for metrics)."""
+        load, steps, pool = self.load(), self.scheduler.stats, self.kv_manager.pool
+        return EngineStats(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_swapped=load.num_swapped,
+            num_blocks=load.num_blocks,
+            num_blocks_in_use=pool.num_used_blocks,
+            kv_cache_usage=pool.usage,
+            num_preemptions=steps.num_preemptions,
+            num_preemptions_recompute=steps.num_preemptions_recompute,
+            num_preemptions_swap=steps.num_preemptions_swap,
+            prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits,
+            num_steps=steps.num_steps,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             forward_s=self._forward_s,

@@ -39,23 +39,20 @@ class ModelRunner:
         self,
         model: DecoderModel,
         kv_cache: KVCache,
-        seeds: dict[str, int],
         attention: AttentionBackend,
         structured: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
-        self.kv = kv_cache
+        self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = kv_cache.k.device
         self.attention = attention
-        # Per-request sampling seeds, owned by the engine (they outlive preemption).
-        self._seeds = seeds
         self.structured = structured  # the engine's grammar matchers
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self.kv.swap_out(sched.swap_out)
-        self.kv.swap_in(sched.swap_in)
+        self.kv_cache.swap_out(sched.swap_out)
+        self.kv_cache.swap_in(sched.swap_in)
         if not sched.scheduled:
             return RunnerOutput()
         # Decodes first, shortest context first (groups of similar length pad little).
@@ -67,7 +64,7 @@ class ModelRunner:
         # The sampled rows' index is copied before the forward is queued: a pageable copy
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
-        hidden = self.model(input_ids, positions, self.kv.k, self.kv.v, attn)
+        hidden = self.model(input_ids, positions, self.kv_cache.k, self.kv_cache.v, attn)
         if not sample_rows:
             return RunnerOutput()
         reqs = [req for _, req in sample_rows]
@@ -80,7 +77,7 @@ class ModelRunner:
             [
                 SampleRow(
                     r.sampling_params,
-                    self._seeds.get(r.request_id, 0),
+                    r.sampling_seed,
                     r.prompt_token_ids,
                     r.output_token_ids,
                 )

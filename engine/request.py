@@ -65,6 +65,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    # Seeds the request's random draws (with the output index), whatever batch it is in.
+    sampling_seed: int = 0
     # Monotonic order of arrival, used to break ties (set by the scheduler).
     seq_no: int = 0
     # Prefill role: keep the blocks after finishing until the engine has packed the KV,

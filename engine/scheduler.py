@@ -10,30 +10,38 @@ One step's budget (``max_num_batched_tokens``) is spent in this order:
 2. swapped requests, brought back when nothing was preempted in this step;
 3. waiting requests, after a prefix-cache lookup.
 
-With ``batching="static"`` (a baseline for benchmarks) waiting requests are let in
-only when nothing runs: then as many as fit (``max_num_seqs``, KV blocks for their
-prompts) form a batch, whose prompts are computed over as many steps as the budget
-needs, and the batch runs to its end before the next one forms.
+The scheduler is a few small parts: a waiting queue and sorted running and swapped
+sets (``engine.request_queues``, in the order ``policy`` gives), the block manager
+(``engine.block_pool``, which also counts prefix-cache hits), and an admission
+policy that says when waiting requests may join the batch:
+
+- ``ContinuousBatching``: whenever a step has budget left and the pool has blocks;
+- ``StaticBatching`` (``batching="static"``, a baseline for benchmarks): only when
+  nothing runs; then as many as fit (``max_num_seqs``, KV blocks for their whole
+  prompts) form a batch, whose prompts are computed over as many steps as the budget
+  needs, and the batch runs to its end before the next one forms.
+
+Chunked prefill is one rule for every request, whatever the admission: a request
+computes as many of its tokens as the step's budget allows, or (with
+``enable_chunked_prefill`` off) all of them in one step or none in this one.
 
 When blocks run out the victim is the lowest-priority, latest-arrived running
-request. It is preempted by recompute (blocks freed, request to the front of the
-queue) or by swap (blocks copied to the CPU pool), as ``preemption_mode`` says.
+request. It is preempted by recompute (blocks freed, request back to the waiting
+queue, first in line under ``fcfs``) or by swap (blocks copied to the CPU pool), as
+``preemption_mode`` says.
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import itertools
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.block_pool import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.request_queues import POLICIES, SortedRequests, order_key, waiting_queue
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
-POLICIES = ("fcfs", "priority")
 BATCHING_MODES = ("continuous", "static")
 
 
@@ -43,6 +51,8 @@ def check_modes(preemption_mode: str, policy: str, batching: str) -> None:
                                  ("policy", policy, POLICIES), ("batching", batching, BATCHING_MODES)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
 # "auto" swaps a request once its output is this large a share of its prompt:
 # recomputing it would then cost more than copying its blocks back.
 AUTO_SWAP_OUTPUT_RATIO = 0.2
@@ -74,7 +84,7 @@ class SchedulerConfig:
 class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
 
-    request: Request  # read-only for the runner: sampling params, token history
+    request: Request  # read-only for the runner: sampling params and seed, token history
     token_ids: list[int]
     start_pos: int
     block_ids: list[int]
@@ -107,72 +117,54 @@ class SchedulerStats:
         return self.num_preemptions_recompute + self.num_preemptions_swap
 
 
+class ContinuousBatching:
+    """Waiting requests join whenever the step has budget left and the pool has blocks,
+    each with blocks for the tokens it computes now."""
+
+    forms_whole_batch = False
+
+    def admits(self, num_running: int, num_swapped: int) -> bool:
+        return True
+
+
+class StaticBatching:
+    """Waiting requests join only when nothing runs or is swapped out; then every one
+    that fits joins at once, with blocks for its whole prompt, whatever this step's
+    budget (their prompts are computed over the next steps)."""
+
+    forms_whole_batch = True
+
+    def admits(self, num_running: int, num_swapped: int) -> bool:
+        return num_running == 0 and num_swapped == 0
+
+
+ADMISSION_POLICIES = {"continuous": ContinuousBatching(), "static": StaticBatching()}
+
+
 class Scheduler:
     """Continuous batching over a paged KV cache, one token budget per step."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_manager = kv_manager
+        self.admission = ADMISSION_POLICIES[config.batching]
         self.stats = SchedulerStats()
-        self._by_priority = config.policy == "priority"
         self._seq = itertools.count()
-        self._waiting_fifo: deque[Request] = deque()
-        self._waiting_heap: list[tuple[tuple, Request]] = []
-        self.running: list[Request] = []  # sorted by key: the tail is the next victim
-        self._running_keys: list[tuple] = []
-        self.swapped: list[Request] = []
+        key = order_key(config.policy)
+        self.waiting = waiting_queue(config.policy)
+        self.running = SortedRequests(key)  # the last one is the next preemption victim
+        self.swapped = SortedRequests(key)  # the first one is the next to come back
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV, blocks reserved
         self.held: dict[str, Request] = {}  # finished with hold_kv, blocks not yet freed
         self.requests: dict[str, Request] = {}
 
-    # -- queues ----------------------------------------------------------------
-
-    def _key(self, request: Request) -> tuple:
-        if self._by_priority:
-            return (request.priority, request.seq_no)
-        return (request.seq_no,)
-
-    def _push_waiting(self, request: Request, front: bool = False) -> None:
-        if self._by_priority:
-            heapq.heappush(self._waiting_heap, (self._key(request), request))
-        elif front:
-            self._waiting_fifo.appendleft(request)
-        else:
-            self._waiting_fifo.append(request)
-
-    def _peek_waiting(self) -> Request | None:
-        if self._by_priority:
-            return self._waiting_heap[0][1] if self._waiting_heap else None
-        return self._waiting_fifo[0] if self._waiting_fifo else None
-
-    def _pop_waiting(self) -> None:
-        if self._by_priority:
-            heapq.heappop(self._waiting_heap)
-        else:
-            self._waiting_fifo.popleft()
-
-    def _remove_waiting(self, request: Request) -> None:
-        if self._by_priority:
-            self._waiting_heap = [e for e in self._waiting_heap if e[1] is not request]
-            heapq.heapify(self._waiting_heap)
-        else:
-            self._waiting_fifo.remove(request)
-
-    def _add_running(self, request: Request) -> None:
-        key = self._key(request)
-        i = bisect.bisect(self._running_keys, key)
-        self._running_keys.insert(i, key)
-        self.running.insert(i, request)
-
-    def _remove_running(self, request: Request) -> None:
-        i = bisect.bisect_left(self._running_keys, self._key(request))
-        assert self.running[i] is request
-        del self.running[i]
-        del self._running_keys[i]
-
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting_heap) + len(self._waiting_fifo)
+        return len(self.waiting)
+
+    def num_queued_tokens(self) -> int:
+        """Tokens of the scheduler's requests that are yet to be computed."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.requests.values())
 
     @property
     def num_unfinished(self) -> int:
@@ -193,7 +185,7 @@ class Scheduler:
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._push_waiting(request)
+        self.waiting.push(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, stop string hit, ...) requests wherever they are; frees their blocks."""
@@ -203,11 +195,11 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self._remove_running(request)
+                self.running.remove(request)
             elif request.status == RequestStatus.SWAPPED:
                 self.swapped.remove(request)
             elif request.status == RequestStatus.WAITING:
-                self._remove_waiting(request)
+                self.waiting.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 del self.remote[rid]
             self._finish(request, status)
@@ -220,13 +212,20 @@ class Scheduler:
         if request.hold_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             self.held[request.request_id] = request
         else:
-            self.kv.free(request)
+            self.kv_manager.free(request)
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks of a finished ``hold_kv`` request once its KV was copied out."""
         request = self.held.pop(request_id, None)
         if request is not None:
-            self.kv.free(request)
+            self.kv_manager.free(request)
+
+    def _send_back(self, request: Request) -> None:
+        """Drop the request's blocks and queue it again to compute everything anew."""
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.push_back_in(request)
 
     # -- remote KV (decode role) -----------------------------------------------
 
@@ -238,14 +237,14 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if self.kv.allocate_slots(request, request.num_tokens) is None:  # prompt (+ a migrated stream's output)
-            self.kv.free(request)
+        if self.kv_manager.allocate_slots(request, request.num_tokens) is None:  # prompt (+ a migrated stream's output)
+            self.kv_manager.free(request)
             return None
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
-        return self.kv.block_ids(request.request_id)
+        return self.kv_manager.block_ids(request.request_id)
 
     def remote_arrived(self, request_id: str, first_token: int) -> Request | None:
         """The prompt's KV is in the reserved blocks: the request joins the batch."""
@@ -259,8 +258,8 @@ class Scheduler:
             self._finish(request, status)
         else:
             request.status = RequestStatus.RUNNING
-            self._add_running(request)
-            self.kv.cache_blocks(request)
+            self.running.add(request)
+            self.kv_manager.cache_blocks(request)
         return request
 
     def remote_failed(self, request_id: str, recompute: bool) -> Request | None:
@@ -269,10 +268,7 @@ class Scheduler:
         if request is None:
             return None
         if recompute:
-            self.kv.free(request)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
-            self._push_waiting(request, front=True)
+            self._send_back(request)
         else:
             self._finish(request, RequestStatus.FINISHED_ERROR)
         return request
@@ -282,61 +278,66 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        if self.config.batching == "static":
-            if not self.running and not self.swapped:
-                self._form_static_batch(out, budget)
-            else:
-                budget = self._schedule_running(out, budget)
-                if not out.preempted:
-                    self._schedule_swapped(out, budget)
-        else:
-            budget = self._schedule_running(out, budget)
-            if not out.preempted:
-                budget = self._schedule_swapped(out, budget)
-                self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        admits = self.admission.admits(len(self.running), len(self.swapped))
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            if admits:
+                budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         self.stats.num_steps += 1
         return out
 
-    def _plan(self, out: SchedulerOutput, request: Request, start: int, n: int) -> None:
+    def _tokens_now(self, num_tokens: int, budget: int) -> int:
+        """How many of ``num_tokens`` to compute in this step: as many as the budget
+        allows, or (chunked prefill off) all of them or none."""
+        if num_tokens <= budget:
+            return num_tokens
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _plan(self, out: SchedulerOutput, request: Request, start: int, n: int, num_tokens: int) -> None:
+        """Compute tokens [start, start + n) of the request's ``num_tokens`` in this step."""
         end = start + n
-        out.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                token_ids=request.token_slice(start, end),
-                start_pos=start,
-                block_ids=self.kv.block_ids(request.request_id),
-                sample=end == request.num_tokens,
-            )
-        )
+        # Positional arguments, in field order: this runs for every request in every step.
+        out.scheduled.append(ScheduledRequest(
+            request, request.token_slice(start, end), start, self.kv_manager.block_ids(request.request_id),
+            end == num_tokens,
+        ))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running = self.running.in_order
+        allocate_slots = self.kv_manager.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            n = request.num_tokens - request.num_computed_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    i += 1  # a static batch's whole prompt, in a later step
-                    continue
-                n = budget
-            while self.kv.allocate_slots(request, n) is None:
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                self._plan(out, request, request.num_computed_tokens, n)
-                budget -= n
-                i += 1
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_tokens, start = request.num_tokens, request.num_computed_tokens
+            n = self._tokens_now(num_tokens - start, budget)
+            if not n:
+                i += 1  # its whole prompt, in a later step
+                continue
+            if allocate_slots(request, n) is None and not self._preempt_for(request, n, out):
+                break  # it was the last one running, so it was the victim
+            self._plan(out, request, start, n, num_tokens)
+            budget -= n
+            i += 1
         return budget
 
+    def _preempt_for(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Preempt from the end of the running set until ``request`` gets slots for ``n``
+        more tokens; False when ``request`` itself had to go."""
+        while True:
+            victim = self.running.last()
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+            if self.kv_manager.allocate_slots(request, n) is not None:
+                return True
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self._remove_running(request)
+        self.running.remove(request)
         request.num_preemptions += 1
         out.preempted.append(request.request_id)
-        if not self.kv.fits_in_pool(request.num_tokens + 1):
+        if not self.kv_manager.fits_in_pool(request.num_tokens + 1):
             # It can never fit again: end it as if it hit its length limit.
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             out.finished.append(request)
@@ -346,82 +347,59 @@ class Scheduler:
             grown = request.num_output_tokens >= AUTO_SWAP_OUTPUT_RATIO * request.num_prompt_tokens
             mode = "swap" if grown else "recompute"
         if mode == "swap":
-            mapping = self.kv.swap_out(request)
+            mapping = self.kv_manager.swap_out(request)
             if mapping is not None:
                 out.swap_out.extend(mapping)
                 request.status = RequestStatus.SWAPPED
-                self.swapped.append(request)
+                self.swapped.add(request)
                 self.stats.num_preemptions_swap += 1
                 return
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self._push_waiting(request, front=True)
+        self._send_back(request)
         self.stats.num_preemptions_recompute += 1
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        self.swapped.sort(key=self._key)
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
+            request = self.swapped.first()
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = self.kv.num_blocks_needed(request.num_computed_tokens + n)
-            if not self.kv.can_allocate(max(total, self.kv.num_swapped_blocks(request.request_id))):
-                break
-            out.swap_in.extend(self.kv.swap_in(request))
-            self.kv.allocate_slots(request, n)
-            self.swapped.pop(0)
+            mapping = self.kv_manager.swap_in(request, n)
+            if mapping is None:
+                break  # too few free blocks now: it stays swapped out
+            out.swap_in.extend(mapping)
+            self.swapped.remove(request)
             request.status = RequestStatus.RUNNING
-            self._add_running(request)
-            self._plan(out, request, request.num_computed_tokens, n)
+            self.running.add(request)
+            self._plan(out, request, request.num_computed_tokens, n, request.num_tokens)
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        chunked = self.config.enable_chunked_prefill
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._peek_waiting()
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        whole = self.admission.forms_whole_batch
+        while (budget > 0 or whole) and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
             if request is None:
                 break
-            hit, num_hit = self.kv.get_computed_blocks(request)
+            hit, num_hit = self.kv_manager.get_computed_blocks(request)
             n = request.num_tokens - num_hit
-            if n > budget and not chunked:
+            planned = self._tokens_now(n, budget)
+            if not planned and not whole:
                 break
-            n = min(n, budget)
-            if self.kv.allocate_slots(request, n, hit) is None:
+            if self.kv_manager.allocate_slots(request, n if whole else planned, hit) is None:
                 break
-            self._pop_waiting()
+            self.waiting.pop()
             self._start(request, num_hit)
-            self._plan(out, request, num_hit, n)
-            budget -= n
-
-    def _form_static_batch(self, out: SchedulerOutput, budget: int) -> None:
-        """Let in every waiting request that fits; compute what the budget allows now."""
-        chunked = self.config.enable_chunked_prefill
-        while len(self.running) < self.config.max_num_seqs:
-            request = self._peek_waiting()
-            if request is None:
-                break
-            hit, num_hit = self.kv.get_computed_blocks(request)
-            n = request.num_tokens - num_hit
-            if self.kv.allocate_slots(request, n, hit) is None:
-                break
-            self._pop_waiting()
-            self._start(request, num_hit)
-            planned = n if n <= budget else (budget if chunked else 0)
             if planned:
-                self._plan(out, request, num_hit, planned)
+                self._plan(out, request, num_hit, planned, request.num_tokens)
                 budget -= planned
+        return budget
 
     def _start(self, request: Request, num_hit: int) -> None:
         """A waiting request joins the running batch with ``num_hit`` tokens from the cache."""
-        if self.kv.enable_caching:
-            self.kv.stats.queries += request.num_tokens
-            self.kv.stats.hits += num_hit
+        self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit
         request.num_computed_tokens = num_hit
         request.status = RequestStatus.RUNNING
-        self._add_running(request)
+        self.running.add(request)
 
     # -- results ---------------------------------------------------------------
 
@@ -440,13 +418,13 @@ class Scheduler:
             request.num_computed_tokens += len(item.token_ids)
             # Cache before any stop check, so a request that ends now (a prefill-role
             # request always does) still leaves its full blocks in the prefix cache.
-            self.kv.cache_blocks(request)
+            self.kv_manager.cache_blocks(request)
             token = sampled.get(request.request_id) if item.sample else None
             if token is not None:
                 request.output_token_ids.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
-                    self._remove_running(request)
+                    self.running.remove(request)
                     self._finish(request, status)
                     results.append((request, token))
                     continue

@@ -24,7 +24,7 @@ import time
 from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState
 from kv_transfer import TransferMeta
-from kv_transfer.worker_base import WorkerBase
+from workers.base import WorkerBase
 
 
 class PrefillWorker(WorkerBase):
@@ -42,16 +42,14 @@ class PrefillWorker(WorkerBase):
         return await self.runtime.call(self._load)
 
     def _load(self) -> PrefillLoad:
-        s = self.engine.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.requests.values())
-        stats = self.engine.kv_manager.stats
+        load = self.engine.load()
         return PrefillLoad(
             worker_id=self.worker_id,
-            queued_prefill_tokens=queued,
-            running_chunks=len(s.running),
-            waiting=s.num_waiting,
-            prefix_cache_queries=stats.queries,
-            prefix_cache_hits=stats.hits,
+            queued_prefill_tokens=self.engine.num_queued_tokens(),
+            running_chunks=load.num_running,
+            waiting=load.num_waiting,
+            prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits,
             sending=self._sending,
         )
 
@@ -87,7 +85,7 @@ class PrefillWorker(WorkerBase):
         final, landed, t_done = await self._compute(meta, prompt_token_ids, params, resume_output, decode_worker, parts)
         self._sending += 1
         try:
-            num_blocks = len(final.kv_blocks) if self.backend.paged else final.kv[0].shape[1]
+            num_blocks = len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]
             if landed is None:  # a part failed: the decode side has applied its failure policy
                 state, error = TransferState.FAILED, "a pipelined part of the transfer failed"
             else:
@@ -178,14 +176,14 @@ class PrefillWorker(WorkerBase):
         """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
-        k, v = final.kv or (None, None)
+        k, v = final.packed_kv or (None, None)
         try:
             if self.backend.paged:
                 blocks = final.kv_blocks[landed:]
                 meta = dataclasses.replace(meta, num_blocks=len(blocks))
                 payload = self.backend.prepare_blocks(meta, blocks)
             else:
-                meta = dataclasses.replace(meta, num_blocks=final.kv[0].shape[1])
+                meta = dataclasses.replace(meta, num_blocks=final.packed_kv[0].shape[1])
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(meta, payload, final.token_ids[-1], lp, final.num_cached_tokens)

@@ -312,7 +312,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_caching=True, num_cpu_blocks=NUM_CPU_BLOCKS)
+        self.kv_manager = KVCacheManager(NUM_BLOCKS, BS, enable_caching=True, num_cpu_blocks=NUM_CPU_BLOCKS)
         self.live: dict[str, Request] = {}
         self.swapped: dict[str, tuple[Request, list[int]]] = {}
         self.hit_blocks: dict[str, int] = {}  # leading blocks a request reused, not wrote
@@ -323,13 +323,13 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         return (
-            self.kv.pool.num_free_blocks,
-            self.kv.cpu_pool.num_free_blocks,
-            {rid: self.kv.block_ids(rid) for rid in self.live},
+            self.kv_manager.pool.num_free_blocks,
+            self.kv_manager.cpu_pool.num_free_blocks,
+            {rid: self.kv_manager.block_ids(rid) for rid in self.live},
         )
 
     def _record(self, req: Request) -> None:
-        ids = self.kv.block_ids(req.request_id)
+        ids = self.kv_manager.block_ids(req.request_id)
         tokens_ = req.all_token_ids
         for i in range(self.hit_blocks[req.request_id], req.num_computed_tokens // BS):
             self.content[ids[i]] = tuple(tokens_[: (i + 1) * BS])
@@ -345,10 +345,10 @@ class KVCacheMachine(RuleBasedStateMachine):
                 f"{self.content.get(block.block_id)}, expected {want}"
             )
 
-    def _swap(self, swap, req):
-        """``swap(req)``'s block pairs; a swap that fails (None) must change nothing."""
+    def _swap(self, swap, req, *args):
+        """``swap(req, *args)``'s block pairs; a swap that fails (None) must change nothing."""
         before = self._snapshot()
-        pairs = swap(req)
+        pairs = swap(req, *args)
         if pairs is None:
             assert self._snapshot() == before, f"a failed {swap.__name__} must change nothing"
         return pairs
@@ -360,28 +360,28 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         req = _request(rid, prompt)
-        hit, num_hit = self.kv.get_computed_blocks(req)
+        hit, num_hit = self.kv_manager.get_computed_blocks(req)
         self._check_hit(req, hit, num_hit)
         before = self._snapshot()
-        new = self.kv.allocate_slots(req, len(prompt) - num_hit, hit)
+        new = self.kv_manager.allocate_slots(req, len(prompt) - num_hit, hit)
         if new is None:
             assert self._snapshot() == before, "a failed allocation must change nothing"
-            self.kv.free(req)  # given up, as an abort would
+            self.kv_manager.free(req)  # given up, as an abort would
             return
         for b in new:
             self.content.pop(b.block_id, None)
         self.live[rid] = req
         self.hit_blocks[rid] = len(hit)
         req.num_computed_tokens = len(prompt)
-        self.kv.cache_blocks(req)
+        self.kv_manager.cache_blocks(req)
         self._record(req)
 
     @rule(prompt=st.lists(tokens, min_size=1, max_size=14))
     def prefix_lookup(self, prompt):
         probe = _request("probe", prompt)
-        hit, num_hit = self.kv.get_computed_blocks(probe)
+        hit, num_hit = self.kv_manager.get_computed_blocks(probe)
         self._check_hit(probe, hit, num_hit)
-        self.kv.free(probe)
+        self.kv_manager.free(probe)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=tokens)
@@ -389,7 +389,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         req.output_token_ids.append(token)
         before = self._snapshot()
-        new = self.kv.allocate_slots(req, 1)
+        new = self.kv_manager.allocate_slots(req, 1)
         if new is None:
             assert self._snapshot() == before, "a failed allocation must change nothing"
             req.output_token_ids.pop()
@@ -397,7 +397,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for b in new:
             self.content.pop(b.block_id, None)
         req.num_computed_tokens += 1
-        self.kv.cache_blocks(req)
+        self.kv_manager.cache_blocks(req)
         self._record(req)
 
     @precondition(lambda self: self.live or self.swapped)
@@ -405,16 +405,16 @@ class KVCacheMachine(RuleBasedStateMachine):
     def free_request(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live) + sorted(self.swapped)))
         req = self.live.pop(rid, None) or self.swapped.pop(rid)[0]
-        self.kv.free(req)
-        assert self.kv.block_ids(rid) == [] and self.kv.num_swapped_blocks(rid) == 0
+        self.kv_manager.free(req)
+        assert self.kv_manager.block_ids(rid) == [] and self.kv_manager.num_swapped_blocks(rid) == 0
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def swap_out(self, data):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         req = self.live[rid]
-        device = self.kv.block_ids(rid)
-        pairs = self._swap(self.kv.swap_out, req)
+        device = self.kv_manager.block_ids(rid)
+        pairs = self._swap(self.kv_manager.swap_out, req)
         if pairs is None:
             return
         assert [d for d, _ in pairs] == device, "swap_out must copy every device block in order"
@@ -426,25 +426,29 @@ class KVCacheMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         rid = data.draw(st.sampled_from(sorted(self.swapped)))
         req, cpu = self.swapped[rid]
-        pairs = self._swap(self.kv.swap_in, req)
+        num_new_tokens = data.draw(st.integers(0, 2 * BS))
+        pairs = self._swap(self.kv_manager.swap_in, req, num_new_tokens)
         if pairs is None:
             return
         assert [c for c, _ in pairs] == cpu, "swap_in must read the cpu blocks swap_out wrote"
-        assert [d for _, d in pairs] == self.kv.block_ids(rid)
+        table = self.kv_manager.block_ids(rid)
+        assert [d for _, d in pairs] == table[: len(cpu)], "the swapped blocks come back first, in order"
+        need = self.kv_manager.num_blocks_needed(req.num_computed_tokens + num_new_tokens)
+        assert len(table) >= need, f"swap_in must leave room for {num_new_tokens} more tokens"
         del self.swapped[rid]
         self.live[rid] = req
-        for _, d in pairs:
+        for d in table:
             self.content.pop(d, None)
         self.hit_blocks[rid] = 0  # every block is now its own copy
-        self.kv.cache_blocks(req)
+        self.kv_manager.cache_blocks(req)
         self._record(req)
 
     # -- invariants
 
     @invariant()
     def block_books_balance(self):
-        pool = self.kv.pool
-        refs = Counter(b for rid in self.live for b in self.kv.block_ids(rid))
+        pool = self.kv_manager.pool
+        refs = Counter(b for rid in self.live for b in self.kv_manager.block_ids(rid))
         assert NULL_BLOCK_ID not in refs, "the null block must never be in a block table"
         assert pool.blocks[NULL_BLOCK_ID].ref_cnt == 0
         for block in pool.blocks[1:]:
@@ -458,21 +462,21 @@ class KVCacheMachine(RuleBasedStateMachine):
             f"free ({pool.num_free_blocks}) + in use ({in_use}) != usable ({pool.num_usable_blocks})"
         )
         for rid, req in self.live.items():
-            assert len(self.kv.block_ids(rid)) * BS >= req.num_computed_tokens, (
+            assert len(self.kv_manager.block_ids(rid)) * BS >= req.num_computed_tokens, (
                 f"{rid} has too few blocks for its {req.num_computed_tokens} tokens"
             )
         for rid in self.swapped:
-            assert self.kv.block_ids(rid) == [], f"swapped {rid} must hold no device blocks"
-        on_cpu = sum(self.kv.num_swapped_blocks(rid) for rid in self.swapped)
-        assert on_cpu + self.kv.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS
+            assert self.kv_manager.block_ids(rid) == [], f"swapped {rid} must hold no device blocks"
+        on_cpu = sum(self.kv_manager.num_swapped_blocks(rid) for rid in self.swapped)
+        assert on_cpu + self.kv_manager.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS
 
     def teardown(self):
         for req in list(self.live.values()) + [r for r, _ in self.swapped.values()]:
-            self.kv.free(req)
-        pool = self.kv.pool
+            self.kv_manager.free(req)
+        pool = self.kv_manager.pool
         assert pool.num_free_blocks == pool.num_usable_blocks, "every block is free at the end"
         assert all(b.ref_cnt == 0 for b in pool.blocks), "every ref count is 0 at the end"
-        assert self.kv.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS
+        assert self.kv_manager.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS
 
 
 KVCacheMachine.TestCase.settings = settings(

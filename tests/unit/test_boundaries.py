@@ -17,15 +17,34 @@ def _loaded_after(imports: list[str]) -> set[str]:
     return set(out.stdout.split())
 
 
+ROUTER_MODULES = [
+    "router.server", "router.dispatch", "router.grpc_api", "router.openai_api", "router.validation",
+    "router.admission", "router.placement", "router.grammar_check", "engine.messages",
+]
+WORKER_PACKAGES = ("workers", "decode_worker", "prefill_worker", "kv_transfer")
+
+
 def test_the_router_process_loads_no_torch_and_no_worker_code():
-    loaded = _loaded_after(["router.server", "router.dispatch", "router.grpc_api", "engine.messages"])
+    loaded = _loaded_after(ROUTER_MODULES)
     assert "torch" not in loaded, "the router must not import torch (move cross-process types to engine.messages)"
-    workers = sorted(m for m in loaded if m.split(".")[0] in ("decode_worker", "prefill_worker", "kv_transfer"))
+    workers = sorted(m for m in loaded if m.split(".")[0] in WORKER_PACKAGES)
     assert not workers, f"the router must not import worker code: {workers}"
 
 
+def test_imports_point_down_from_the_workers_to_kv_transfer_to_the_engine():
+    kv_transfer = ["kv_transfer.base", "kv_transfer.collective", "kv_transfer.object_store", "kv_transfer.inprocess"]
+    loaded = _loaded_after(kv_transfer)
+    above = sorted(m for m in loaded if m.split(".")[0] in ("workers", "decode_worker", "prefill_worker", "router"))
+    assert not above, f"kv_transfer must not import the workers or the router: {above}"
+    loaded = _loaded_after(["engine.llm_engine", "engine.async_engine"])
+    above = sorted(m for m in loaded if m.split(".")[0] in (*WORKER_PACKAGES, "router", "ray"))
+    assert not above, f"the engine must import nothing above it, nor Ray: {above}"
+
+
 @pytest.mark.parametrize(
-    "module", ["engine.scheduler", "engine.block_pool", "router.placement", "router.admission", "engine.messages"]
+    "module",
+    ["engine.scheduler", "engine.request_queues", "engine.block_pool", "router.placement", "router.admission",
+     "engine.messages"],
 )
 def test_pure_parts_import_no_torch_ray_or_network_library(module):
     loaded = _loaded_after([module])

@@ -325,9 +325,9 @@ def test_a_stream_migrated_through_a_prefill_engine_continues_on_a_new_decode_en
             first = next((o for o in llm.engine.step() if o.finished), None)
         assert first.token_ids == full_ids[: k + 1], f"after {k} tokens the prefill engine sampled {first.token_ids}"
         assert first.num_cached_tokens >= 16, "the prompt's blocks came from the prefix cache"
-        assert first.kv[0].shape[1] == -(-(len(prompt) + k) // 16), "the KV of the prompt and the resumed tokens"
+        assert first.packed_kv[0].shape[1] == -(-(len(prompt) + k) // 16), "the KV of the prompt and the resumed tokens"
         assert decode.add_remote_request(prompt, params, request_id=rid, resume_output=full_ids[:k]) is not None
-        outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], *first.kv)]
+        outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], *first.packed_kv)]
         while decode.has_unfinished_requests():
             outs += decode.step()
         ids = [t for o in outs if o is not None for t in o.new_token_ids]
@@ -335,4 +335,27 @@ def test_a_stream_migrated_through_a_prefill_engine_continues_on_a_new_decode_en
         assert ids == full_ids[k:], f"migrated after {k} tokens: expected {full_ids[k:]}, got {ids}"
         assert text_after[k] + text == full_text
         assert decode.stats().num_blocks_in_use == 0
+    _assert_idle(llm)
+
+
+# ------------------------------------------------------------------ load reports
+
+
+def test_load_counts_running_waiting_queued_tokens_and_requests_waiting_for_kv(llm):
+    engine = llm.engine
+    free = engine.load().num_free_blocks
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.add_request(PROMPTS[0], params, request_id="local")
+    prompt = engine.encode_prompt(PROMPTS[1])
+    reserved = engine.add_remote_request(prompt, params, request_id="remote")
+    load = engine.load()
+    local_tokens = len(engine.encode_prompt(PROMPTS[0]))
+    assert (load.num_running, load.num_waiting, load.num_waiting_for_kv) == (0, 1, 1), load
+    assert engine.num_queued_tokens() == local_tokens + len(prompt), "both prompts are still to be computed"
+    assert load.num_free_blocks == free - len(reserved), "the reservation's blocks are taken"
+    assert engine.is_waiting_for_kv("remote") and not engine.is_waiting_for_kv("local")
+    engine.step()
+    assert engine.load().num_running == 1 and engine.load().num_waiting == 0
+    engine.abort(["local", "remote"])
+    assert not engine.is_waiting_for_kv("remote")
     _assert_idle(llm)

@@ -68,7 +68,7 @@ def _run_until_idle(sched: Scheduler, max_steps: int = 500) -> list[SchedulerOut
 
 
 def _assert_all_free(sched: Scheduler) -> None:
-    kv = sched.kv
+    kv = sched.kv_manager
     assert kv.pool.num_used_blocks == 0, f"{kv.pool.num_used_blocks} device blocks still in use"
     assert kv.cpu_pool.num_free_blocks == kv.cpu_pool.num_blocks, "swap space still in use"
 
@@ -163,7 +163,7 @@ def test_a_finished_request_leaves_and_a_waiting_one_joins_the_next_step():
     assert _planned(_step(sched)) == {"a": 3, "b": 3}, "max_num_seqs=2 keeps c waiting"
     assert _planned(_step(sched)) == {"a": 1, "b": 1}
     assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 2
-    assert sched.kv.block_ids("a") == [], "a finished request frees its blocks at once"
+    assert sched.kv_manager.block_ids("a") == [], "a finished request frees its blocks at once"
     assert _planned(_step(sched)) == {"b": 1, "c": 3}, "c takes a's seat in the very next step"
 
 
@@ -246,7 +246,7 @@ def test_recompute_sends_the_victim_to_the_front_of_the_queue_with_progress_rese
         f"a recomputed victim restarts from 0 computed tokens, got {c.num_computed_tokens}"
     )
     assert c.output_token_ids == [TOKEN], "its sampled output is kept"
-    assert sched.kv.block_ids("c") == [], "its blocks are freed"
+    assert sched.kv_manager.block_ids("c") == [], "its blocks are freed"
     assert sched.stats.num_preemptions_recompute == 1
     admitted = []
     while not admitted:
@@ -265,7 +265,7 @@ def test_recompute_sends_the_victim_to_the_front_of_the_queue_with_progress_rese
 def test_swap_mode_swaps_the_victim_out_and_back_in():
     sched, reqs = _three_in_four_blocks("fcfs", mode="swap")
     c = reqs["c"]
-    c_blocks = sched.kv.block_ids("c")
+    c_blocks = sched.kv_manager.block_ids("c")
     out = _step(sched)
     assert out.preempted == ["c"]
     assert [d for d, _ in out.swap_out] == c_blocks, f"swap_out should copy c's blocks {c_blocks}"
@@ -280,7 +280,7 @@ def test_swap_mode_swaps_the_victim_out_and_back_in():
         if out.swap_in:
             break
     assert [cb for cb, _ in out.swap_in] == cpu, "swap_in reads back the cpu blocks swap_out wrote"
-    assert [d for _, d in out.swap_in] == sched.kv.block_ids("c")[: len(cpu)]
+    assert [d for _, d in out.swap_in] == sched.kv_manager.block_ids("c")[: len(cpu)]
     (item,) = [s for s in out.scheduled if s.request is c]
     assert item.start_pos == 4 and len(item.token_ids) == 1, "a swapped-in request resumes decoding"
     _run_until_idle(sched)
@@ -381,7 +381,7 @@ def test_stop_conditions_finish_with_the_right_status_and_free_blocks(params, fe
     assert req.status == status, f"expected {status!r}, got {req.status!r}"
     assert req.num_output_tokens == n_out, f"expected {n_out} output tokens, got {req.output_token_ids}"
     assert req.stop_reason == stop_reason
-    assert "r" not in sched.requests and sched.kv.block_ids("r") == []
+    assert "r" not in sched.requests and sched.kv_manager.block_ids("r") == []
     _assert_all_free(sched)
 
 
@@ -446,6 +446,7 @@ def workloads(draw):
         pool_slack=draw(st.integers(-2, 3)),
         num_cpu_blocks=draw(st.integers(0, 16)),
         caching=draw(st.booleans()),
+        batching=draw(st.sampled_from(["continuous", "static"])),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -476,8 +477,9 @@ def test_random_workloads_respect_limits_and_finish(mode, policy, chunked, w):
         enable_chunked_prefill=chunked,
         preemption_mode=mode,
         policy=policy,
+        batching=w["batching"],
     )
-    pool = sched.kv.pool
+    pool = sched.kv_manager.pool
     shared = [rng.randrange(3, 6) for _ in range(12)]  # a common prefix for cache hits
     requests = []
     for i, s in enumerate(specs):
@@ -508,7 +510,7 @@ def test_random_workloads_respect_limits_and_finish(mode, policy, chunked, w):
                 else:
                     reported += [r.request_id for r in sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)]
 
-        hits_before = sched.kv.stats.hits
+        hits_before = sched.kv_manager.stats.hits
         out = sched.schedule()
         assert out.num_batched_tokens == sum(len(x.token_ids) for x in out.scheduled)
         assert out.num_batched_tokens <= budget, f"step {step}: {out.num_batched_tokens} > budget {budget}"
@@ -535,7 +537,7 @@ def test_random_workloads_respect_limits_and_finish(mode, policy, chunked, w):
             ("swapped out", out.swap_out),
             ("swapped in", out.swap_in),
             ("outgrew the pool", out.finished),
-            ("prefix hit", sched.kv.stats.hits > hits_before),
+            ("prefix hit", sched.kv_manager.stats.hits > hits_before),
         ):
             if happened:
                 event(what)  # coverage notes for --hypothesis-show-statistics
@@ -563,4 +565,32 @@ def test_random_workloads_respect_limits_and_finish(mode, policy, chunked, w):
             assert req.output_token_ids[-1] == EOS
     assert pool.num_used_blocks == 0, f"{pool.num_used_blocks} blocks leaked"
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert sched.kv.cpu_pool.num_free_blocks == w["num_cpu_blocks"], "swap blocks leaked"
+    assert sched.kv_manager.cpu_pool.num_free_blocks == w["num_cpu_blocks"], "swap blocks leaked"
+
+
+def test_a_swapped_request_stays_swapped_while_the_pool_cannot_take_it_back():
+    sched, reqs = _three_in_four_blocks("fcfs", mode="swap")
+    assert _step(sched).preempted == ["c"]
+    # a and b hold all four blocks; c must wait, swapped out, without breaking the step.
+    out = _step(sched)
+    assert not out.swap_in and reqs["c"].status == RequestStatus.SWAPPED, "no room: c stays swapped"
+    assert sched.kv_manager.block_ids("c") == [], "a swap in that cannot happen takes no blocks"
+    _run_until_idle(sched)
+    assert reqs["c"].status == RequestStatus.FINISHED_LENGTH
+    _assert_all_free(sched)
+
+
+def test_prefix_cache_counts_the_tokens_of_each_admitted_request_and_its_hits():
+    sched = _scheduler(num_blocks=64, caching=True, max_num_batched_tokens=8)
+    prompt = list(range(100, 112))  # three blocks
+    first, second = (Request(rid, prompt, SamplingParams(max_tokens=1)) for rid in ("first", "second"))
+    sched.add_request(first)
+    _run_until_idle(sched)
+    sched.add_request(second)
+    _run_until_idle(sched)
+    stats = sched.kv_manager.stats
+    assert (stats.queries, stats.hits) == (24, 8), (
+        f"two 12-token prompts looked up and the second served 2 full blocks (capped below "
+        f"its last token) from the cache: expected (24, 8), got {(stats.queries, stats.hits)}"
+    )
+    _assert_all_free(sched)

@@ -1,8 +1,9 @@
 """What every worker actor shares: an engine stepping in its thread, its metrics, and
 a transfer backend, with the health and stats methods the cluster calls.
 
-``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It lives here,
-below both worker packages, because it joins the engine to a transfer backend.
+``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It joins an
+engine to a transfer backend, so it sits above ``engine`` and ``kv_transfer`` (neither
+knows the other's role in a worker) and below both worker packages.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
         block_size=engine.config.block_size,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        dtype=str(engine.kv_cache.k.dtype).removeprefix("torch."),
+        dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
     )
 
 
