@@ -838,6 +838,8 @@ def test_dockerfiles_copy_every_package_and_run_as_non_root(flavour):
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert re.search(r'^CMD \["tandem", "up", "--host", "0.0.0.0"\]', text, re.M)
     if flavour == "cpu":
-        assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
+        # The CPU wheel by default (tests/unit/test_image_check.py runs the RUN line).
+        assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+        assert 'pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in text
     else:
         assert 'pip install ".[gpu]"' in text and "nvidia/cuda:12" in text
