@@ -2,7 +2,8 @@
 
 ``Accumulator`` folds a request's ``StreamDelta``s into its text, usage, finish
 reason and logprobs; the builders below turn that (or one delta) into the JSON the
-OpenAI API returns. Pure: no Ray, no network.
+OpenAI API returns. A tool request's message is read by its ``ToolPlan``
+(``router.tool_calls``). Pure: no Ray, no network.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from json.encoder import encode_basestring_ascii
 from dataclasses import dataclass, field
+
+from router.tool_calls import ToolPlan
 
 
 @dataclass
@@ -160,12 +163,16 @@ class Envelope:
     def completions_usage_chunk(self, accs: list[Accumulator]) -> dict:
         return self._response("text_completion", None, usage_of(accs))
 
-    def chat(self, acc: Accumulator) -> dict:
-        choice = {
-            "message": {"role": "assistant", "content": acc.text},
-            "logprobs": chat_logprobs(acc.logprobs),
-            "finish_reason": acc.finish_reason,
-        }
+    def chat(self, acc: Accumulator, tools: ToolPlan | None = None) -> dict:
+        """The whole chat completion; with ``tools``, its message split into content and
+        tool calls (``finish_reason`` "tool_calls" when the model called tools)."""
+        message, reason = {"role": "assistant", "content": acc.text}, acc.finish_reason
+        if tools is not None:
+            parsed = tools.parse(acc.text)
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": [call.as_dict() for call in parsed.calls]}
+            reason = tools.finish_reason(parsed, reason)
+        choice = {"message": message, "logprobs": chat_logprobs(acc.logprobs), "finish_reason": reason}
         return self._response("chat.completion", choice, acc.usage())
 
     def chat_chunk(self, delta: dict, lps, reason: str | None) -> dict:

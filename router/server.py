@@ -13,6 +13,9 @@ A request's way through a replica::
       ─▶ Dispatcher.generate ─▶ deltas out as JSON, SSE chunks or gRPC messages
       ─▶ admission ticket released (finished, failed, aborted or client gone)
 
+A chat request that may call tools (``PreparedRequest.tools``) streams through a path
+of its own (``_sse_tools``), so that every other stream keeps the lean one (``_sse``).
+
 A completions request with a list of prompts is a request each, admitted together (or
 refused together), run side by side by ``Fanout`` and answered as one response whose
 choices (or interleaved chunks) carry each prompt's index.
@@ -57,6 +60,7 @@ from router.dispatch import Dispatcher, DispatchConfig
 from router.grammar_check import GrammarChecker
 from router.openai_api import Accumulator, Envelope, model_list, sse
 from router.tokenization import detokenize, tokenize
+from router.tool_calls import ToolStream
 from router.validation import (
     ApiError,
     PreparedRequest,
@@ -259,6 +263,23 @@ def _sse_event(env: Envelope, acc: Accumulator, delta: StreamDelta, chat: bool) 
     return env.completion_sse(delta.text, reason, lps, offset)
 
 
+def _tool_events(env: Envelope, acc: Accumulator, stream: ToolStream, delta: StreamDelta) -> list[str]:
+    """One delta of a request that may call tools as chunk events (``ToolStream`` decides
+    what goes out when), folded into ``acc`` on the way; the last one ends with the
+    finish reason."""
+    lps = acc.add(delta)
+    pieces = stream.feed(delta.text)
+    if lps is not None and not pieces:
+        pieces = [{}]  # the logprobs go out even while a call is held back
+    events = [sse(env.chat_chunk(piece, lps if i == 0 else None, None)) for i, piece in enumerate(pieces)]
+    if delta.finished:
+        rest, parsed = stream.finish()
+        events += [sse(env.chat_chunk(piece, None, None)) for piece in rest]
+        reason = stream.plan.finish_reason(parsed, delta.finish_reason)
+        events.append(sse(env.chat_chunk({}, None, reason)))
+    return events
+
+
 def _echoed(delta: StreamDelta, prepared: PreparedRequest) -> StreamDelta:
     """A request's first delta, with its prompt's text before it when it asked for echo."""
     return delta if prepared.echo is None else delta._replace(text=prepared.echo + delta.text)
@@ -432,18 +453,21 @@ class Router:
             raise _server_error(first)
         first = _echoed(first, prepared)
         if not prepared.stream:
-            return await self._whole(first, deltas, acc, env, chat)
-        body = self._sse(first, deltas, acc, env, prepared, chat)
+            return await self._whole(first, deltas, acc, env, prepared, chat)
+        if prepared.tools is not None:
+            body = self._sse_tools(first, deltas, acc, env, prepared)
+        else:
+            body = self._sse(first, deltas, acc, env, prepared, chat)
         return StreamingResponse(body, media_type="text/event-stream")
 
-    async def _whole(self, first, deltas, acc: Accumulator, env: Envelope, chat: bool) -> dict:
+    async def _whole(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest, chat: bool):
         acc.add(first)
         async with aclosing(deltas):
             async for delta in deltas:
                 if delta.error:
                     raise _server_error(delta)
                 acc.add(delta)
-        return env.chat(acc) if chat else env.completion(acc)
+        return env.chat(acc, prepared.tools) if chat else env.completion(acc)
 
     async def _sse(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest, chat: bool):
         """The event stream of a completion, or of a chat completion (opened by the role).
@@ -464,6 +488,28 @@ class Router:
                 delta = await anext(deltas)
         if prepared.include_usage:
             yield sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
+        yield sse("[DONE]")
+
+    async def _sse_tools(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest):
+        """The event stream of a chat completion that may call tools: content as it comes
+        until a call begins, then the calls (``ToolStream``), then the finish reason.
+
+        Apart from ``_sse`` so that requests without tools keep their lean path.
+        """
+        stream = ToolStream(prepared.tools)
+        async with aclosing(deltas):
+            yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
+            delta = first
+            while not delta.error:
+                for event in _tool_events(env, acc, stream, delta):
+                    yield event
+                if delta.finished:
+                    break
+                delta = await anext(deltas)
+            else:
+                yield sse(_server_error(delta).body())
+        if prepared.include_usage:
+            yield sse(env.usage_chunk("chat.completion.chunk", acc))
         yield sse("[DONE]")
 
     async def _http_many(self, batch: list[PreparedRequest]):

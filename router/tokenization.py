@@ -1,7 +1,8 @@
 """The tokenizer endpoints, in vLLM's shapes: ``POST /tokenize`` and ``POST /detokenize``.
 
 ``/tokenize`` takes a completions-style ``prompt`` (text; ``add_special_tokens``,
-default true) or a chat-style ``messages`` list (through the chat template;
+default true) or a chat-style ``messages`` list, with optional ``tools`` (through the chat
+template, the tools as a chat request whose ``tool_choice`` is not "none" renders them;
 ``add_generation_prompt`` default true, ``add_special_tokens`` default false, as the
 template writes them itself) and returns ``{"count", "max_model_len", "tokens"}``
 (plus ``token_strs`` when ``return_token_strs`` is set). A prompt longer than the
@@ -14,7 +15,17 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.validation import ApiError, ChatMessage, ServedModel, check_text, check_token_ids, parse_as, render_chat
+from router.validation import (
+    ApiError,
+    ChatMessage,
+    ServedModel,
+    ToolDef,
+    check_text,
+    check_token_ids,
+    parse_as,
+    render_chat,
+    template_tools,
+)
 
 
 class _TokenizerBody(BaseModel):
@@ -31,6 +42,7 @@ class TokenizeCompletionBody(_TokenizerBody):
 
 class TokenizeChatBody(_TokenizerBody):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -49,7 +61,7 @@ def tokenize(body: dict, model: ServedModel, tokenizer) -> dict:
         if b.continue_final_message and b.add_generation_prompt:
             raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
                            param="continue_final_message")
-        text = render_chat(b.messages, tokenizer, b.add_generation_prompt)
+        text = render_chat(b.messages, tokenizer, b.add_generation_prompt, template_tools(b.tools))
         if b.continue_final_message:
             text = _open_final_message(text, check_text(b.messages[-1].text(), "messages"))
     else:

@@ -13,6 +13,12 @@ grammar engine run here; parsing the spec with xgrammar (which imports torch) ru
 the router's helper process (``router.grammar_check``), before admission. Either way
 a bad spec is a 400 naming the field (``PreparedRequest.structured_field``).
 
+Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, and the assistant's
+``tool_calls`` and tool messages in ``messages``) go to the chat template in HF's
+convention; a required or named ``tool_choice`` becomes an output constraint (the
+schemas are ``router.tool_calls``'), and ``PreparedRequest.tools`` says how to read the
+output.
+
 vLLM's token controls become SamplingParams fields: ``logit_bias`` (OpenAI's map of
 token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
 ``bad_words`` (strings, tokenized here into the sequences the sampler bans).
@@ -31,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.grammar import precheck as precheck_grammar
 from engine.sampling_params import SamplingParams, StructuredOutput
+from router.tool_calls import EMPTY_PARAMETERS, ToolPlan, parser_for_template, required_schema
 
 
 class ApiError(Exception):
@@ -106,6 +113,7 @@ class PreparedRequest:
     include_usage: bool = False
     structured_field: str | None = None  # the field the output constraint came from
     echo: str | None = None  # completions' ``echo``: the prompt's text, to go before the output
+    tools: ToolPlan | None = None  # a chat request that may call tools: how to read its output
 
 
 # -- request bodies ------------------------------------------------------------
@@ -158,21 +166,82 @@ class CompletionBody(_Body):
     suffix: str | None = None
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self, i: int) -> dict:
+        """The message as chat templates take it (HF's convention, as vLLM hands it
+        over): a call's ``arguments`` as an object; 400 naming the field."""
+        out = {"role": self.role, "content": check_text(self.text(), f"messages.{i}.content")}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                               param=f"messages.{i}.tool_calls")
+            out["tool_calls"] = [_template_call(call, f"messages.{i}.tool_calls.{j}")
+                                 for j, call in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            if self.tool_call_id is None or self.content is None:
+                missing = "tool_call_id" if self.tool_call_id is None else "content"
+                raise ApiError(400, f"messages.{i}.{missing}: a tool message needs tool_call_id and content",
+                               param=f"messages.{i}.{missing}")
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _template_call(call: MessageToolCall, path: str) -> dict:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except (ValueError, RecursionError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{path}.function.arguments must be a JSON object, as text",
+                       param=f"{path}.function.arguments")
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; none: no parameters
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatBody(_Body):
@@ -180,7 +249,9 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Any = None  # checked by ``_tool_choice``, for messages clearer than a union's
+    parallel_tool_calls: bool = True
 
 
 _Body.model_rebuild()
@@ -433,11 +504,12 @@ def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
 
 
 def _prepared(
-    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None, tokenizer
+    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None, tokenizer,
+    output: tuple[str, StructuredOutput] | None = None,
 ) -> PreparedRequest:
-    """The prompt's ids with the body's sampling params (output constraint and token
-    controls included) and stream flags."""
-    field, constraint = structured_output(b) or (None, None)
+    """The prompt's ids with the body's sampling params (output constraint, or ``output``
+    when given, and token controls included) and stream flags."""
+    field, constraint = output or structured_output(b) or (None, None)
     controls = _token_controls(b, model, tokenizer)
     params = _sampling_params(b, max_tokens, len(ids), model, logprobs, structured_output=constraint, **controls)
     stream, usage = _stream_flags(b)
@@ -447,16 +519,106 @@ def _prepared(
 # -- the two endpoints ---------------------------------------------------------
 
 
-def render_chat(messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True) -> str:
-    """The conversation through the model's chat template, as text; 400 naming ``messages``."""
-    plain = [
-        {"role": m.role, "content": check_text(m.text(), f"messages.{i}.content")}
-        for i, m in enumerate(messages)
-    ]
+def render_chat(
+    messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True, tools: list[dict] | None = None
+) -> str:
+    """The conversation (and the ``tools``, HF's ``{"type": "function", "function": ...}``
+    dicts, when given) through the model's chat template, as text; 400 naming ``messages``."""
+    plain = [m.for_template(i) for i, m in enumerate(messages)]
+    extra = {"tools": tools} if tools else {}
     try:
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
+
+
+# -- tools ---------------------------------------------------------------------
+
+
+_CHOICE_SHAPE = "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"
+
+
+def _tool_choice(b: ChatBody) -> tuple[str, str | None]:
+    """(mode, function name): the request's ``tool_choice``, defaulted as OpenAI's ("auto"
+    with tools, "none" without); 400 naming ``tool_choice``."""
+    choice, names = b.tool_choice, [t.function.name for t in b.tools or ()]
+    if choice is None or choice in ("none", "auto"):
+        return ("auto" if names and choice != "none" else "none"), None
+    if choice == "required":
+        name = None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+        name = choice["function"]["name"]
+    else:
+        raise ApiError(400, f"tool_choice must be {_CHOICE_SHAPE}, got {json.dumps(choice)[:100]}",
+                       param="tool_choice")
+    if not names:
+        raise ApiError(400, "tool_choice requires tools: the request has none to call", param="tool_choice")
+    if name is not None and name not in names:
+        raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the tools "
+                       f"({', '.join(names)})", param="tool_choice.function.name")
+    return ("named" if name else "required"), name
+
+
+def _functions(tools: list[ToolDef]) -> list[dict]:
+    """The tools' functions as dicts, ``parameters`` defaulted; 400 for a name used twice."""
+    functions, seen = [], set()
+    for i, tool in enumerate(tools):
+        fn = tool.function.model_dump(exclude_none=True)
+        if fn["name"] in seen:
+            raise ApiError(400, f"tools.{i}.function.name: {fn['name']!r} names two tools; names must be unique",
+                           param=f"tools.{i}.function.name")
+        seen.add(fn["name"])
+        fn.setdefault("parameters", EMPTY_PARAMETERS)
+        functions.append(fn)
+    return functions
+
+
+def _tool_output(mode: str, name: str | None, functions: list[dict], b: ChatBody) -> tuple[str, StructuredOutput] | None:
+    """(field, constraint) enforcing a required or named choice (None for auto); 400 naming
+    ``tool_choice`` when the request constrains its output another way too."""
+    if mode == "auto":
+        return None
+    if structured_output(b) is not None:
+        raise ApiError(400, f"tool_choice {mode!r} shapes the output itself: it cannot go with "
+                       "response_format or guided_*", param="tool_choice")
+    if mode == "named":
+        i = next(i for i, fn in enumerate(functions) if fn["name"] == name)
+        return f"tools.{i}.function.parameters", StructuredOutput.json_schema(functions[i]["parameters"])
+    try:
+        return "tools", StructuredOutput.json_schema(required_schema(functions, b.parallel_tool_calls))
+    except ValueError as e:
+        raise ApiError(400, f"tools: {e}", param="tools") from None
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """A chat request's tools as validation settled them."""
+
+    template_tools: list[dict] | None = None  # for the chat template; None: left out
+    plan: ToolPlan | None = None  # how to read the output; None: plain content
+    output: tuple[str, StructuredOutput] | None = None  # (field, constraint) of required / named
+
+
+def chat_tools(b: ChatBody, tokenizer) -> ChatTools:
+    """What the request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask for.
+    ``tool_choice`` "none" leaves the tools out of the prompt, as if there were none."""
+    mode, name = _tool_choice(b)
+    if mode == "none":
+        return ChatTools()
+    functions = _functions(b.tools)
+    parser = parser_for_template(tokenizer.chat_template) if mode == "auto" else None
+    plan = ToolPlan(mode, name, parser, b.parallel_tool_calls)
+    return ChatTools(_template_tools(functions), plan, _tool_output(mode, name, functions, b))
+
+
+def _template_tools(functions: list[dict]) -> list[dict]:
+    return [{"type": "function", "function": fn} for fn in functions]
+
+
+def template_tools(tools: list[ToolDef] | None) -> list[dict] | None:
+    """The tools as the chat template takes them (HF's convention); None without tools."""
+    return _template_tools(_functions(tools)) if tools else None
 
 
 def prepare_completions(body: dict, model: ServedModel, tokenizer) -> list[PreparedRequest]:
@@ -502,13 +664,14 @@ def _completion(b: CompletionBody, prompt: str | list[int], model: ServedModel, 
 def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     """Validate a ``/v1/chat/completions`` body; raises ``ApiError``."""
     b: ChatBody = _parse_body(ChatBody, body, model)
-    if b.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
+    tools = chat_tools(b, tokenizer)
     # The template writes the special tokens itself (as HF's tokenize=True does).
-    ids = tokenizer.encode(render_chat(b.messages, tokenizer), add_special_tokens=False)
+    ids = tokenizer.encode(render_chat(b.messages, tokenizer, tools=tools.template_tools), add_special_tokens=False)
     _check_prompt(ids, model, "messages")
     top = b.top_logprobs
     if top is not None and not b.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
-    return _prepared(b, ids, max_tokens, model, (top or 0) if b.logprobs else None, tokenizer)
+    logprobs = (top or 0) if b.logprobs else None
+    prepared = _prepared(b, ids, max_tokens, model, logprobs, tokenizer, tools.output)
+    return prepared if tools.plan is None else dataclasses.replace(prepared, tools=tools.plan)

@@ -165,6 +165,49 @@ def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int
     return out_dir
 
 
+# A Qwen2.5-style template (Hermes tool calls) in the default tokenizer's own role tokens:
+# the tools as JSON in a system turn, an assistant's calls as <tool_call> blocks (their
+# arguments must come as objects), a tool's answer as <tool_response>.
+TOOL_CHAT_TEMPLATE = """\
+{%- if tools %}<|system|>
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a function as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|end|>
+{% elif messages[0].role == 'system' %}<|system|>
+{{ messages[0].content }}<|end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|assistant|>
+{{ message.content }}
+{%- for call in message.tool_calls %}<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|end|>
+{% elif message.role == 'tool' %}<|user|>
+<tool_response id="{{ message.tool_call_id }}">
+{{ message.content }}
+</tool_response><|end|>
+{% else %}<|{{ message.role }}|>
+{{ message.content }}<|end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+
+
+def with_chat_template(checkpoint: Path, out_dir: Path, template: str) -> Path:
+    """A copy of ``checkpoint`` whose tokenizer has ``template`` as its chat template."""
+    shutil.copytree(checkpoint, out_dir, dirs_exist_ok=True)
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config))
+    return out_dir
+
+
 def _randomise_biases_and_norms(model) -> None:
     import torch
 
