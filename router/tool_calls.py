@@ -196,8 +196,11 @@ def required_schema(functions: list[dict], parallel: bool) -> dict:
     defs: dict = {}
     options = []
     for fn in functions:
-        params = copy.deepcopy(fn.get("parameters") or EMPTY_PARAMETERS)
-        for name, schema in params.pop("$defs", {}).items():
+        params = copy.deepcopy(fn.get("parameters", EMPTY_PARAMETERS))
+        defs_here = params.pop("$defs", {})
+        if not isinstance(defs_here, dict):
+            raise ValueError(f"the $defs of {fn['name']} must be an object")
+        for name, schema in defs_here.items():
             if defs.setdefault(name, schema) != schema:
                 raise ValueError(f"tools define $defs.{name} differently; give the schemas distinct names")
         options.append({

@@ -94,7 +94,7 @@ def test_streamed_named_and_required_calls_assemble_into_calls_that_match(client
     _check_call(calls[0]["name"], calls[0]["arguments"])
 
 
-def test_tool_choice_none_answers_in_text_and_bad_choices_are_400(http, model_name):
+def test_tool_choice_none_answers_in_text_and_bad_choices_or_schemas_are_400(http, model_name):
     r = http.post("/v1/chat/completions", json={"model": model_name, "messages": HISTORY, "tools": TOOLS,
                                                 "tool_choice": "none", "max_tokens": 5})
     assert r.status_code == 200, r.text
@@ -103,3 +103,7 @@ def test_tool_choice_none_answers_in_text_and_bad_choices_are_400(http, model_na
     r = http.post("/v1/chat/completions", json={"model": model_name, "messages": HISTORY, "tools": TOOLS,
                                                 "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name", r.text
+    bad_schema = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    r = http.post("/v1/chat/completions", json={"model": model_name, "messages": HISTORY, "tools": bad_schema,
+                                                "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

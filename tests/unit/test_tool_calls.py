@@ -8,6 +8,8 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.tool_calls import (
     EMPTY_PARAMETERS,
@@ -233,6 +235,27 @@ def test_a_stream_ends_with_the_same_message_as_the_whole_output():
         streamed = [(c["index"], c["function"]["name"], c["function"]["arguments"])
                     for d in deltas for c in d.get("tool_calls", [])]
         assert streamed == [(i, c.name, c.arguments) for i, c in enumerate(whole.calls)], f"pieces of {size}"
+
+
+FRAGMENTS = ["Sure", " ", "\n", "<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {}}',
+             '{"name": "b", "parameters": {"x": [1]}}', "; ", "<|python_tag|>", "{", "}", '"', "text"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=8), cuts=st.lists(st.integers(0, 200), max_size=6),
+       llama=st.booleans())
+def test_any_output_streamed_in_any_pieces_says_what_the_whole_output_says(parts, cuts, llama):
+    text = "".join(parts)
+    plan = ToolPlan("auto", parser=Llama3JsonParser() if llama else HermesParser())
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    deltas, parsed = stream(plan, [text[a:b] for a, b in zip(bounds, bounds[1:])])
+    whole = plan.parse(text)
+    streamed_calls = [(c["function"]["name"], c["function"]["arguments"]) for d in deltas for c in d.get("tool_calls", [])]
+    assert streamed_calls == [(c.name, c.arguments) for c in whole.calls] == [(c.name, c.arguments) for c in parsed.calls]
+    if not whole.calls:
+        assert content_of(deltas) == text, "output with no calls is all content"
+    elif whole.content is not None:
+        assert content_of(deltas) == whole.content
 
 
 def test_a_named_stream_sends_the_call_head_then_argument_fragments():

@@ -129,6 +129,8 @@ NAMED_NOPE = {"type": "function", "function": {"name": "nope"}}
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"$defs": [1]}}}],
+          "tool_choice": "required"}, "tools"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
           "guided_regex": "a+"}, "tool_choice"),
