@@ -113,13 +113,13 @@ def load_model(
             raise ValueError(
                 f"weight {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
             )
+        state[name] = state[name].to(device=device, dtype=dtype).contiguous()
     _check_all_used(model_dir, raw, used, config.tie_word_embeddings)
-    # Parameters take ``dtype`` while still on meta (free), then get memory once;
-    # load_state_dict casts as it copies into them.
-    model = model.to(dtype).to_empty(device=device)
-    model.load_state_dict(state, strict=False)
-    # Buffers were created on meta; rebuild the rotary tables for real (float32, as HF).
-    model.rotary = type(model.rotary)(config, config.max_position_embeddings).to(device)
+    # The meta parameters are replaced by the loaded tensors themselves: no second copy
+    # (and no meta-device ``empty_like``, whose reference kernel imports sympy).
+    model.load_state_dict(state, strict=False, assign=True)
+    # The rotary tables were computed on the CPU (float32, as HF) even under meta.
+    model.rotary.to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)

@@ -40,10 +40,13 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq = config.rope_inv_freq()
-        pos = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # On the CPU even while the loader builds the model on the meta device (there the
+        # reference kernels would import torch._dynamo: seconds per process).
+        with torch.device("cpu"):
+            inv_freq = config.rope_inv_freq()
+            pos = torch.arange(max_positions, dtype=torch.int64).float()
+            freqs = torch.outer(pos, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -119,7 +122,11 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, the embedding skips its random init (``normal_`` on the meta
+        # device, where the loader builds the model, would import torch._dynamo too).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

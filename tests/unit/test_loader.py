@@ -140,3 +140,20 @@ def test_engine_default_dtype_is_auto():
 def test_unknown_dtype_names_the_choices():
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         resolve_dtype("fp8", "cpu")
+
+
+def test_loading_imports_neither_dynamo_nor_sympy(tmp_path, default_model):
+    """Built on the meta device, the model must not reach torch's reference kernels there:
+    their first call imports torch._dynamo and sympy, seconds in every worker process."""
+    import subprocess
+    import sys
+
+    ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, **SMALL)
+    code = (
+        "import sys; from engine.loader import load_model; "
+        f"m = load_model({str(ckpt)!r}); "
+        "assert m.embed_tokens.weight.device.type == 'cpu' and m.rotary.cos.device.type == 'cpu'; "
+        "print(sorted(k for k in ('torch._dynamo', 'sympy') if k in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
