@@ -316,6 +316,7 @@ class Fanout:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._left = len(runs)
         firsts = firsts or [asyncio.Event() for _ in runs]
+        self._closing: asyncio.Future | None = None
         self._tasks = [asyncio.ensure_future(self._pump(i, run, firsts[i])) for i, run in enumerate(runs)]
 
     async def _pump(self, i: int, run, first: asyncio.Event) -> None:
@@ -343,6 +344,14 @@ class Fanout:
         return None
 
     async def close(self) -> None:
+        """Stop the runs still going and wait for them. Shielded: a client gone cancels
+        the response, and under Starlette (anyio) every later await of it is cancelled
+        too, so the stopping goes on in a task of its own."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._closing)
+
+    async def _stop(self) -> None:
         await asyncio.sleep(0)  # a task cancelled before its first step would never start its run
         for task in self._tasks:
             task.cancel()

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
+from tests.helpers import assert_blocks_freed
+
 pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 TOPOLOGIES = {"colocated": {"prefill_workers": 0, "decode_workers": 1},
@@ -106,6 +108,25 @@ def test_streams_interleave_complete_choices_and_end_with_done(http, client, mod
         assert choices[-1]["finish_reason"] == "length", choices[-1]
     contents = ["".join(c["delta"].get("content", "") for c in by_index[i]) for i in (0, 1)]
     assert contents[0] == contents[1] and contents[0], contents
+
+
+def test_a_client_gone_mid_stream_aborts_every_choice(service, http, model_name):
+    def generated() -> int:
+        return sum(s["generation_tokens"] for s in service.stats().values())
+
+    before, n, max_tokens = generated(), 3, 400
+    body = dict(model=model_name, prompt="Far away", max_tokens=max_tokens, ignore_eos=True, n=n, stream=True)
+    seen = set()
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.add(json.loads(line[len("data: "):])["choices"][0]["index"])
+            if len(seen) == n:
+                in_use = service.blocks_in_use()
+                assert any(in_use.values()), f"the choices should hold blocks while they stream: {in_use}"
+                break  # every choice is streaming: leave
+    assert_blocks_freed(service)  # every choice's blocks come back...
+    assert generated() - before < n * max_tokens, "...because the choices were stopped, not run out"
 
 
 def _prefix_counters(service, role: str) -> tuple[int, int]:
