@@ -21,6 +21,11 @@ from there (colocated, that decode worker recomputes them itself). The client se
 unbroken stream: greedy output is unchanged, and a seeded request keeps its random
 stream, which is indexed by output position. Past
 the bound the client gets an error delta, never a silently cut stream.
+Requests that share a prompt (the choices of a request with ``n`` > 1) share an
+``Affinity``: the first one placed records its workers, and the others go to the same
+ones while those have room, so their prompt's blocks come from the prefix cache
+(colocated: the decode worker that ran the prompt; disaggregated: the prefill worker
+that computed it).
 Cancellation (the consumer stops iterating) aborts the request on both workers, and so
 does ``abort(request_id)`` from another task (a gRPC Abort), which also ends the stream
 with finish_reason "abort".
@@ -44,6 +49,7 @@ from engine.sampling_params import SamplingParams
 from router.placement import (
     PrefixIndex,
     decode_has_room,
+    pick_affine,
     pick_decode,
     pick_prefill,
     prefix_hashes,
@@ -175,6 +181,14 @@ class DispatchConfig:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
 
+@dataclass
+class Affinity:
+    """Where requests sharing a prompt go: the workers of the first one placed."""
+
+    decode: str | None = None  # worker key: colocated, the decode worker holds the prompt's blocks
+    prefill: str | None = None  # worker id: disaggregated, the prefill worker does
+
+
 class NoCapacityError(RuntimeError):
     """No decode worker had room for the request within ``capacity_wait_s``."""
 
@@ -201,6 +215,7 @@ class Dispatcher:
         self._loads_at = float("-inf")  # event-loop time of the last load reports
         self._refreshing: asyncio.Future | None = None
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
+        self._affinities: dict[str, Affinity] = {}  # request id -> the group it shares a prompt with
         self._prefixes = PrefixIndex()
         self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}")
 
@@ -236,34 +251,42 @@ class Dispatcher:
 
     # -- placement -------------------------------------------------------------
 
-    def _choose_decode(self, blocks: int, exclude: set[str]) -> WorkerRef | None:
+    def _choose_decode(self, blocks: int, exclude: set[str], affinity: Affinity | None = None) -> WorkerRef | None:
+        """A decode worker with room; with an ``affinity`` (colocated), its worker first."""
         workers = [w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_blocks.get(w.worker_id, 0) for w in workers]
         cap = self.config.max_running_per_decode
-        if self.config.placement == "round_robin":
-            room = [decode_has_room(load, blocks, cap, p) for load, p in zip(loads, pending)]
+        room = [decode_has_room(load, blocks, cap, p) for load, p in zip(loads, pending)]
+        i = None if affinity is None else pick_affine([w.key for w in workers], affinity.decode, room)
+        if i is None and self.config.placement == "round_robin":
             i = round_robin(len(workers), next(self._decode_ties), room)
-        else:
+        elif i is None:
             i = pick_decode(loads, blocks, cap, pending, next(self._decode_ties))
         if i is None:
             return None
+        if affinity is not None and affinity.decode is None:
+            affinity.decode = workers[i].key
         self._pending_blocks[workers[i].worker_id] = pending[i] + blocks
         return workers[i]
 
-    def _choose_prefill(self, prompt: list[int]) -> WorkerRef | None:
+    def _choose_prefill(self, prompt: list[int], affinity: Affinity | None = None) -> WorkerRef | None:
+        """The prefill worker for ``prompt``; with an ``affinity``, its worker first."""
         workers = [w for w in self._prefill() if w.worker_id in self._loads]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_tokens.get(w.worker_id, 0) for w in workers]
-        if self.config.placement == "round_robin":
-            hashes = []
+        load_aware = self.config.placement != "round_robin"
+        hashes = prefix_hashes(prompt, self.config.block_size) if load_aware and self.config.prefix_affinity else []
+        i = None if affinity is None else pick_affine([w.worker_id for w in workers], affinity.prefill)
+        if i is None and not load_aware:
             i = round_robin(len(workers), next(self._prefill_ties))
-        else:
-            hashes = prefix_hashes(prompt, self.config.block_size) if self.config.prefix_affinity else []
+        elif i is None:
             cached = [self._prefixes.matched_blocks(w.worker_id, hashes) * self.config.block_size for w in workers]
             i = pick_prefill(loads, pending, next(self._prefill_ties), cached, self.config.max_imbalance_tokens)
         if i is None:
             return None
+        if affinity is not None and affinity.prefill is None:
+            affinity.prefill = workers[i].worker_id
         self._pending_tokens[workers[i].worker_id] = pending[i] + len(prompt)
         self._prefixes.record(workers[i].worker_id, hashes)
         return workers[i]
@@ -271,22 +294,27 @@ class Dispatcher:
     # -- requests --------------------------------------------------------------
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        affinity: Affinity | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream the request's deltas; the last one is finished (or carries an error).
 
         ``abort(request_id)`` from any task ends the stream with finish_reason "abort".
+        ``affinity``: shared by requests of one prompt, to place them where its blocks are.
         """
         rid = request_id or f"d{next(self._ids)}"
         if rid in self._inflight:
             yield StreamDelta.failure(rid, ErrorKind.INVALID, f"request_id {rid!r} is already in flight")
             return
         inbox = self._inflight[rid] = Inbox()
+        if affinity is not None:
+            self._affinities[rid] = affinity
         try:
             async for delta in self._run(rid, prompt_token_ids, params, inbox):
                 yield delta
         finally:
             del self._inflight[rid]
+            self._affinities.pop(rid, None)
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._inflight
@@ -374,7 +402,9 @@ class Dispatcher:
         deadline = loop.time() + self.config.capacity_wait_s
         while True:
             await self._fresh_loads()
-            decode = self._choose_decode(blocks, exclude)
+            # Colocated, the decode worker holds the prompt's cache; disaggregated, the prefill worker.
+            affinity = self._affinities.get(rid) if not self._prefill() else None
+            decode = self._choose_decode(blocks, exclude, affinity)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
@@ -405,7 +435,7 @@ class Dispatcher:
             await asyncio.sleep(self.config.load_poll_s)
 
     def _start_prefill(self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int]) -> None:
-        prefill = self._choose_prefill(prompt + resume)
+        prefill = self._choose_prefill(prompt + resume, self._affinities.get(rid))
         if prefill is None:
             decode.handle.transfer_failed.remote(rid)  # no prefill worker: policy decides
             return

@@ -146,57 +146,60 @@ class Envelope:
         }
 
     def completion(self, acc: Accumulator) -> dict:
-        choice = _text_choice(acc.text, acc.logprobs, 0, acc.finish_reason)
-        return self._response("text_completion", choice, acc.usage())
+        return self._response("text_completion", _text_choice(acc), acc.usage())
 
     def completion_chunk(self, text: str, lps, text_offset: int, reason: str | None, index: int = 0) -> dict:
-        return self._response("text_completion", _text_choice(text, lps, text_offset, reason), None, index)
-
-    def completions(self, accs: list[Accumulator]) -> dict:
-        """The response to a request of several prompts: a choice each, in order."""
-        out = self._response("text_completion", None, usage_of(accs))
-        out["choices"] = [
-            {"index": i, **_text_choice(acc.text, acc.logprobs, 0, acc.finish_reason)} for i, acc in enumerate(accs)
-        ]
-        return out
-
-    def completions_usage_chunk(self, accs: list[Accumulator]) -> dict:
-        return self._response("text_completion", None, usage_of(accs))
+        choice = {"text": text, "logprobs": completion_logprobs(lps, text_offset), "finish_reason": reason}
+        return self._response("text_completion", choice, None, index)
 
     def chat(self, acc: Accumulator, tools: ToolPlan | None = None) -> dict:
         """The whole chat completion; with ``tools``, its message split into content and
         tool calls (``finish_reason`` "tool_calls" when the model called tools)."""
-        message, reason = {"role": "assistant", "content": acc.text}, acc.finish_reason
-        if tools is not None:
-            parsed = tools.parse(acc.text)
-            message = {"role": "assistant", "content": parsed.content,
-                       "tool_calls": [call.as_dict() for call in parsed.calls]}
-            reason = tools.finish_reason(parsed, reason)
-        choice = {"message": message, "logprobs": chat_logprobs(acc.logprobs), "finish_reason": reason}
-        return self._response("chat.completion", choice, acc.usage())
+        return self._response("chat.completion", _chat_choice(acc, tools), acc.usage())
 
-    def chat_chunk(self, delta: dict, lps, reason: str | None) -> dict:
+    def chat_chunk(self, delta: dict, lps, reason: str | None, index: int = 0) -> dict:
         choice = {"delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": reason}
-        return self._response("chat.completion.chunk", choice, None)
+        return self._response("chat.completion.chunk", choice, None, index)
 
     def usage_chunk(self, obj: str, acc: Accumulator) -> dict:
         return self._response(obj, None, acc.usage())
 
+    def choices(self, accs: list[Accumulator], chat: bool, n: int) -> dict:
+        """The response of several choices (prompts × ``n``), a choice per accumulator,
+        in order (see ``usage_of`` for ``n``)."""
+        obj, choice = ("chat.completion", _chat_choice) if chat else ("text_completion", _text_choice)
+        out = self._response(obj, None, usage_of(accs, n))
+        out["choices"] = [{"index": i, **choice(acc)} for i, acc in enumerate(accs)]
+        return out
 
-def usage_of(accs: list[Accumulator]) -> dict:
-    """The usage of several requests answered as one."""
+    def choices_usage_chunk(self, accs: list[Accumulator], chat: bool, n: int) -> dict:
+        return self._response("chat.completion.chunk" if chat else "text_completion", None, usage_of(accs, n))
+
+
+def usage_of(accs: list[Accumulator], n: int = 1) -> dict:
+    """The usage of several requests answered as one: ``n`` choices a prompt, in runs of
+    ``n`` (the prompt's tokens, and its cached ones, counted once, as OpenAI counts them);
+    the completion tokens of every choice."""
     usages = [acc.usage() for acc in accs]
-    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
-    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
+    prompt = sum(u["prompt_tokens"] for u in usages[::n])
+    completion = sum(u["completion_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _text_choice(text: str, lps, text_offset: int, reason: str | None) -> dict:
-    return {
-        "text": text,
-        "logprobs": completion_logprobs(lps, text_offset),
-        "finish_reason": reason,
-    }
+def _text_choice(acc: Accumulator) -> dict:
+    return {"text": acc.text, "logprobs": completion_logprobs(acc.logprobs, 0), "finish_reason": acc.finish_reason}
+
+
+def _chat_choice(acc: Accumulator, tools: ToolPlan | None = None) -> dict:
+    message, reason = {"role": "assistant", "content": acc.text}, acc.finish_reason
+    if tools is not None:
+        parsed = tools.parse(acc.text)
+        message = {"role": "assistant", "content": parsed.content,
+                   "tool_calls": [call.as_dict() for call in parsed.calls]}
+        reason = tools.finish_reason(parsed, reason)
+    return {"message": message, "logprobs": chat_logprobs(acc.logprobs), "finish_reason": reason}
 
 
 def sse(obj: dict | str) -> str:

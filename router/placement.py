@@ -8,6 +8,7 @@ below) and return an index into them, or None when no worker can take the reques
   blocks it sent there, least recently used dropped first); a request goes to the
   worker holding its longest cached prefix unless that worker is much busier.
 - Decode: most free KV blocks under a cap on running requests.
+- Affinity: requests sharing a prompt follow the first one's worker (``pick_affine``).
 - ``round_robin``: the baseline the others are measured against.
 """
 
@@ -87,6 +88,15 @@ def pick_decode(
         if free > best_free:
             best, best_free = i, free
     return best
+
+
+def pick_affine(keys: Sequence[str], key: str | None, room: Sequence[bool] = ()) -> int | None:
+    """The index of the worker named ``key`` among ``keys`` if it has room (``room``:
+    one flag per worker, all by default); None when it is gone, full, or ``key`` is None."""
+    for i, k in enumerate(keys):
+        if k == key and (not room or room[i]):
+            return i
+    return None
 
 
 def round_robin(num_workers: int, counter: int, eligible: Sequence[bool] = ()) -> int | None:

@@ -16,9 +16,12 @@ A request's way through a replica::
 A chat request that may call tools (``PreparedRequest.tools``) streams through a path
 of its own (``_sse_tools``), so that every other stream keeps the lean one (``_sse``).
 
-A completions request with a list of prompts is a request each, admitted together (or
-refused together), run side by side by ``Fanout`` and answered as one response whose
-choices (or interleaved chunks) carry each prompt's index.
+A request of several choices (a completions request with a list of prompts, and either
+endpoint's ``n`` > 1) is a request a choice (``router.validation.choices``), admitted
+together (or refused together), run side by side by ``Fanout`` and answered as one
+response whose choices (or interleaved chunks) carry each choice's index. A prompt is
+prefilled once: its first choice starts alone, the others once its first delta came
+(the prompt's blocks are then cached), placed with it (``router.dispatch.Affinity``).
 
 A client that goes away cancels the handler; the dispatcher then aborts the request on
 both workers. The replica learns the live workers from the cluster controller (an
@@ -56,16 +59,18 @@ from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from engine.messages import ErrorKind, StreamDelta
-from router.dispatch import Dispatcher, DispatchConfig
+from router.dispatch import Affinity, Dispatcher, DispatchConfig
 from router.grammar_check import GrammarChecker
 from router.openai_api import Accumulator, Envelope, model_list, sse
 from router.tokenization import detokenize, tokenize
 from router.tool_calls import ToolStream
 from router.validation import (
     ApiError,
+    Choice,
     PreparedRequest,
     ServedModel,
     check_api_key,
+    choices,
     parse_json,
     prepare_chat,
     prepare_completions,
@@ -192,13 +197,16 @@ class RouterCore:
         if error is not None:
             raise ApiError(400, error, param=prepared.structured_field)
 
-    def admit_all(self, batch: list[PreparedRequest]) -> list[Ticket]:
-        """A ticket for each request of ``batch``, or none (429); 400 for a batch larger
-        than admission ever takes at once (it would be refused forever)."""
+    def admit_all(self, batch: list[Choice], n: int) -> list[Ticket]:
+        """A ticket for each choice of ``batch`` (``n`` a prompt), or none (429); 400 for
+        a batch larger than admission ever takes at once (it would be refused forever)."""
+        lengths = [len(c.prepared.prompt_token_ids) for c in batch]
         try:
-            decision = self.admission.try_admit_all([len(p.prompt_token_ids) for p in batch], time.monotonic())
+            decision = self.admission.try_admit_all(lengths, time.monotonic())
         except ValueError as e:
-            raise ApiError(400, f"prompt holds {len(batch)} prompts: {e}", param="prompt") from None
+            prompts = len(batch) // n
+            raise ApiError(400, f"{prompts} prompts with n = {n} are {len(batch)} choices: {e}",
+                           param="n" if n > 1 else "prompt") from None
         return self._admitted(decision)
 
     def admit(self, prepared: PreparedRequest) -> Ticket:
@@ -215,15 +223,25 @@ class RouterCore:
     def release(self, ticket: Ticket) -> None:
         self.admission.release(ticket, time.monotonic())
 
-    async def run(self, prepared: PreparedRequest, rid: str, ticket: Ticket) -> AsyncIterator:
-        """The request's deltas; releases the admission ticket however it ends."""
+    async def run(
+        self, prepared: PreparedRequest, rid: str, ticket: Ticket,
+        after: asyncio.Event | None = None, affinity: Affinity | None = None,
+    ) -> AsyncIterator:
+        """The request's deltas; releases the admission ticket however it ends.
+
+        ``after``: start once it is set (its prompt's first choice has prefilled the
+        prompt); ``affinity``: the placement it shares with its prompt's other choices.
+        """
         self.ensure_refreshing()
         start = last = time.monotonic()
         ttft = None
         output_tokens = 0
         reason = "abort"  # if the client leaves before the end
         try:
-            async for delta in self.dispatcher.generate(prepared.prompt_token_ids, prepared.params, rid):
+            if after is not None:
+                await after.wait()
+                start = last = time.monotonic()
+            async for delta in self.dispatcher.generate(prepared.prompt_token_ids, prepared.params, rid, affinity):
                 now = time.monotonic()
                 if delta.token_ids:
                     if ttft is None:
@@ -290,23 +308,29 @@ class Fanout:
 
     The runs start at once, each in a task of its own, so every one releases its
     admission ticket however it ends; ``close`` stops those still going (which aborts
-    their requests). A run that raises raises from ``next``.
+    their requests). A run that raises raises from ``next``. ``firsts`` (one event a
+    run, optional): set when the run's first delta came, or when it ended without one.
     """
 
-    def __init__(self, runs: list[AsyncIterator]) -> None:
+    def __init__(self, runs: list[AsyncIterator], firsts: list[asyncio.Event] | None = None) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._left = len(runs)
-        self._tasks = [asyncio.ensure_future(self._pump(i, run)) for i, run in enumerate(runs)]
+        firsts = firsts or [asyncio.Event() for _ in runs]
+        self._closing: asyncio.Future | None = None
+        self._tasks = [asyncio.ensure_future(self._pump(i, run, firsts[i])) for i, run in enumerate(runs)]
 
-    async def _pump(self, i: int, run) -> None:
+    async def _pump(self, i: int, run, first: asyncio.Event) -> None:
         try:
             async with aclosing(run):
                 async for delta in run:
+                    first.set()
                     self._queue.put_nowait((i, delta))
         except Exception as e:  # a worker's failure comes as a delta; this is a bug, not a disconnect
             self._queue.put_nowait((i, e))
         else:
             self._queue.put_nowait((i, None))  # the run is over
+        finally:
+            first.set()  # a run waiting on this one goes on without the cache
 
     async def next(self) -> tuple[int, StreamDelta] | None:
         """The next (place, delta); None once every run is over."""
@@ -320,21 +344,49 @@ class Fanout:
         return None
 
     async def close(self) -> None:
+        """Stop the runs still going and wait for them. Shielded: a client gone cancels
+        the response, and under Starlette (anyio) every later await of it is cancelled
+        too, so the stopping goes on in a task of its own."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._closing)
+
+    async def _stop(self) -> None:
         await asyncio.sleep(0)  # a task cancelled before its first step would never start its run
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _many_deltas(fan: Fanout, accs: list[Accumulator], batch: list[PreparedRequest]):
+def _fan_out(core: RouterCore, batch: list[Choice], tickets: list[Ticket], rid: str) -> Fanout:
+    """The choices of one response run side by side: each prompt's first choice at once,
+    the others once it streams (its prompt's blocks are then cached), placed with it."""
+    firsts = [asyncio.Event() for _ in batch]
+    affinities = {c.leader: Affinity() for c in batch}
+    runs = [
+        core.run(c.prepared, f"{rid}-{j}", ticket, None if c.leader == j else firsts[c.leader], affinities[c.leader])
+        for j, (c, ticket) in enumerate(zip(batch, tickets))
+    ]
+    return Fanout(runs, firsts)
+
+
+async def _many_deltas(fan: Fanout, accs: list[Accumulator], batch: list[Choice]):
     """(place, delta, its logprobs) as they come, each folded into its accumulator (after
     the echo of its prompt, on its first delta)."""
     started = [False] * len(batch)
     while (item := await fan.next()) is not None:
         i, delta = item
         if not started[i]:
-            started[i], delta = True, _echoed(delta, batch[i])
+            started[i], delta = True, _echoed(delta, batch[i].prepared)
         yield i, delta, None if delta.error else accs[i].add(delta)
+
+
+def _choice_event(env: Envelope, acc: Accumulator, i: int, delta: StreamDelta, lps, chat: bool) -> str:
+    """Choice ``i``'s delta (already in ``acc``) as a chunk event."""
+    reason = delta.finish_reason if delta.finished else None
+    if chat:
+        return sse(env.chat_chunk({"content": delta.text} if delta.text else {}, lps, reason, index=i))
+    return sse(env.completion_chunk(delta.text, lps, acc.text_len - len(delta.text), reason, index=i))
 
 
 def _bearer(header: str | None) -> str | None:
@@ -436,8 +488,8 @@ class Router:
         except ApiError:
             core.metrics.on_rejected("invalid_request")
             raise
-        if len(batch) > 1:
-            return await self._http_many(batch)
+        if len(batch) > 1 or batch[0].n > 1:
+            return await self._http_many(batch, chat)
         prepared = batch[0]
         ticket = core.admit(prepared)
         env = Envelope(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", core.model.name, int(time.time()))
@@ -512,38 +564,43 @@ class Router:
             yield sse(env.usage_chunk("chat.completion.chunk", acc))
         yield sse("[DONE]")
 
-    async def _http_many(self, batch: list[PreparedRequest]):
-        """A completions request of several prompts: a request each, its choice at its
-        prompt's place; admitted all together or not at all."""
-        core = self.core
-        tickets = core.admit_all(batch)
-        env = Envelope(f"cmpl-{uuid.uuid4().hex}", core.model.name, int(time.time()))
-        fan = Fanout([core.run(p, f"{env.id}-{i}", t) for i, (p, t) in enumerate(zip(batch, tickets))])
-        accs = [Accumulator(core.tokenizer) for _ in batch]
+    async def _http_many(self, batch: list[PreparedRequest], chat: bool):
+        """A request of several choices (prompts × n): a request each, its choice at its
+        place; admitted all together or not at all."""
+        core, n = self.core, batch[0].n
+        every = choices(batch)
+        tickets = core.admit_all(every, n)
+        env = Envelope(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", core.model.name, int(time.time()))
+        fan = _fan_out(core, every, tickets, env.id)
+        accs = [Accumulator(core.tokenizer) for _ in every]
         if not batch[0].stream:
             try:
-                async with aclosing(_many_deltas(fan, accs, batch)) as deltas:
+                async with aclosing(_many_deltas(fan, accs, every)) as deltas:
                     async for _, delta, _ in deltas:
                         if delta.error:
                             raise _server_error(delta)
             finally:
                 await fan.close()
-            return env.completions(accs)
-        return StreamingResponse(self._sse_many(fan, accs, env, batch), media_type="text/event-stream")
+            return env.choices(accs, chat, n)
+        body = self._sse_many(fan, accs, env, every, chat, n)
+        return StreamingResponse(body, media_type="text/event-stream")
 
-    async def _sse_many(self, fan: Fanout, accs: list[Accumulator], env: Envelope, batch: list[PreparedRequest]):
-        """The event stream of several prompts' completions, their chunks interleaved."""
+    async def _sse_many(self, fan: Fanout, accs: list[Accumulator], env: Envelope, batch: list[Choice],
+                        chat: bool, n: int):
+        """The event stream of several choices, their chunks interleaved (a chat stream
+        opens each choice with its role)."""
         try:
+            if chat:
+                for i in range(len(batch)):
+                    yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None, index=i))
             async with aclosing(_many_deltas(fan, accs, batch)) as deltas:
                 async for i, delta, lps in deltas:
                     if delta.error:
                         yield sse(_server_error(delta).body())
                         break
-                    offset = accs[i].text_len - len(delta.text)
-                    reason = delta.finish_reason if delta.finished else None
-                    yield sse(env.completion_chunk(delta.text, lps, offset, reason, index=i))
-            if batch[0].include_usage:
-                yield sse(env.completions_usage_chunk(accs))
+                    yield _choice_event(env, accs[i], i, delta, lps, chat)
+            if batch[0].prepared.include_usage:
+                yield sse(env.choices_usage_chunk(accs, chat, n))
             yield sse("[DONE]")
         finally:
             await fan.close()

@@ -78,7 +78,8 @@ def check_api_key(expected: str | None, presented: str | None) -> None:
         )
 
 
-MAX_PROMPTS = 64  # prompts in one completions request; each is a request to admission
+MAX_PROMPTS = 64  # choices in one completions request (prompts × n); each is a request to admission
+MAX_N = 16  # choices of one prompt (``n``)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,28 @@ class PreparedRequest:
     structured_field: str | None = None  # the field the output constraint came from
     echo: str | None = None  # completions' ``echo``: the prompt's text, to go before the output
     tools: ToolPlan | None = None  # a chat request that may call tools: how to read its output
+    n: int = 1  # choices to sample from this prompt (see ``choices``)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a response: a request of its own, run with its prompt's siblings."""
+
+    prepared: PreparedRequest  # n == 1, and the choice's own seed
+    leader: int  # the index of its prompt's first choice: the one that prefills the prompt
+
+
+def choices(batch: list[PreparedRequest]) -> list[Choice]:
+    """The choices of a response to ``batch`` (one request a prompt), in vLLM's order:
+    prompt ``p``'s choice ``i`` is at ``p * n + i``. With a ``seed`` s, choice i samples
+    with s + i (vLLM's rule): the choices differ, and the response is reproducible."""
+    out = []
+    for prepared in batch:
+        leader, seed = len(out), prepared.params.seed
+        for i in range(prepared.n):
+            params = prepared.params if seed is None else dataclasses.replace(prepared.params, seed=seed + i)
+            out.append(Choice(dataclasses.replace(prepared, params=params, n=1), leader))
+    return out
 
 
 # -- request bodies ------------------------------------------------------------
@@ -294,11 +317,13 @@ def parse_as(model_cls: type[BaseModel], body: dict) -> Any:
 # -- sampling ------------------------------------------------------------------
 
 
-def _reject_unsupported(b: _Body) -> None:
-    if b.n != 1:
-        raise ApiError(400, f"n must be 1 (got {b.n}); send separate requests for more choices", param="n")
-    if b.best_of not in (None, 1):
-        raise ApiError(400, f"best_of must be 1 (got {b.best_of})", param="best_of")
+def _check_n(b: _Body) -> None:
+    """``n`` in [1, MAX_N]; ``best_of`` only as a no-op (None, or equal to n)."""
+    if not 1 <= b.n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {b.n}", param="n")
+    if b.best_of not in (None, b.n):
+        raise ApiError(400, f"best_of is not supported: it must equal n ({b.n}) or be left out, got {b.best_of}",
+                       param="best_of")
 
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -495,11 +520,11 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
 
 
 def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
-    """Parse a body and check what every endpoint checks: the model's name, and no
-    option this server does not support."""
+    """Parse a body and check what every endpoint checks: the model's name, ``n`` and
+    ``best_of``."""
     b = parse_as(model_cls, body)
     model.check_name(b.model)
-    _reject_unsupported(b)
+    _check_n(b)
     return b
 
 
@@ -513,7 +538,7 @@ def _prepared(
     controls = _token_controls(b, model, tokenizer)
     params = _sampling_params(b, max_tokens, len(ids), model, logprobs, structured_output=constraint, **controls)
     stream, usage = _stream_flags(b)
-    return PreparedRequest(ids, params, stream, usage, field)
+    return PreparedRequest(ids, params, stream, usage, field, n=b.n)
 
 
 # -- the two endpoints ---------------------------------------------------------
@@ -633,9 +658,10 @@ def prepare_completions(body: dict, model: ServedModel, tokenizer) -> list[Prepa
     prompts = b.prompt
     if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
         prompts = [prompts]
-    if len(prompts) > MAX_PROMPTS:
-        raise ApiError(400, f"prompt holds {len(prompts)} prompts, over the limit of {MAX_PROMPTS} a request",
-                       param="prompt")
+    if len(prompts) * b.n > MAX_PROMPTS:
+        param = "prompt" if len(prompts) > MAX_PROMPTS else "n"
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts and n is {b.n}: {len(prompts) * b.n} choices, "
+                       f"over the limit of {MAX_PROMPTS} a request", param=param)
     return [_completion(b, prompt, model, tokenizer) for prompt in prompts]
 
 
@@ -665,6 +691,9 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     """Validate a ``/v1/chat/completions`` body; raises ``ApiError``."""
     b: ChatBody = _parse_body(ChatBody, body, model)
     tools = chat_tools(b, tokenizer)
+    if tools.plan is not None and b.n > 1:
+        raise ApiError(400, f"n is {b.n}, but a request that may call tools takes n = 1 (or tool_choice "
+                       "'none')", param="n")
     # The template writes the special tokens itself (as HF's tokenize=True does).
     ids = tokenizer.encode(render_chat(b.messages, tokenizer, tools=tools.template_tools), add_special_tokens=False)
     _check_prompt(ids, model, "messages")

@@ -128,7 +128,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(service, client, model_
         (dict(temperature=-1), openai.BadRequestError, "temperature"),
         (dict(top_p=1.5), openai.BadRequestError, "top_p"),
         (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
-        (dict(n=2), openai.BadRequestError, "n"),
+        (dict(n=17), openai.BadRequestError, "n"),
         (dict(prompt="word " * 600), openai.BadRequestError, "prompt"),
         (dict(max_tokens=10_000), openai.BadRequestError, "max_tokens"),
         (dict(model="no-such-model"), openai.NotFoundError, "model"),

@@ -6,7 +6,7 @@ import asyncio
 
 from engine.messages import DecodeLoad, PrefillLoad
 from engine.sampling_params import SamplingParams
-from router.dispatch import DispatchConfig, Dispatcher, WorkerRef
+from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
 from tests.helpers import PATIENCE_S, async_wait_for
 
 
@@ -286,3 +286,47 @@ def test_abort_ends_the_stream_with_abort_and_frees_the_request_on_the_worker():
 
     deltas = asyncio.run(main())["r0"]
     assert deltas[-1].finish_reason == "abort" and deltas[-1].num_output_tokens == 1
+
+
+# -- affinity: the choices of one prompt go where its blocks are -----------------------
+
+
+def test_requests_sharing_an_affinity_land_on_the_decode_worker_of_the_first():
+    async def main(shared: bool):
+        workers = [_FakeColocated(f"decode-{i}") for i in range(3)]
+        dispatcher = _colocated_dispatcher(*workers)
+        affinity = Affinity() if shared else None
+        out: dict = {}
+
+        async def collect(rid):
+            async for d in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), rid, affinity):
+                out.setdefault(rid, []).append(d)
+
+        tasks = []
+        for i in range(3):
+            tasks.append(asyncio.create_task(collect(f"r{i}")))
+            await _until(lambda: sum(len(w.submitted) for w in workers) == i + 1, f"r{i} to be placed")
+        for w in workers:
+            w.step(*[(rid, [4], "x", True) for rid in w.submitted])
+        await asyncio.gather(*tasks)
+        dispatcher.close()
+        return [len(w.submitted) for w in workers], affinity
+
+    placed, affinity = asyncio.run(main(shared=True))
+    assert sorted(placed) == [0, 0, 3], f"all three must follow the first to its worker, got {placed}"
+    assert affinity.decode == f"decode-{placed.index(3)}"
+    assert sorted(asyncio.run(main(shared=False))[0]) == [1, 1, 1], "without one, ties rotate over the workers"
+
+
+def test_an_affinity_sends_a_prompt_back_to_the_prefill_worker_that_computed_it():
+    prefills = [WorkerRef(f"prefill-{i}", None) for i in range(2)]
+    dispatcher = Dispatcher(lambda: prefills, lambda: [], DispatchConfig(placement="round_robin"))
+    dispatcher._loads = {w.worker_id: PrefillLoad(w.worker_id, 0, 0, 0, 0, 0) for w in prefills}
+    plain = [dispatcher._choose_prefill([1] * 40).worker_id for _ in range(2)]
+    assert plain == ["prefill-0", "prefill-1"], "round robin alternates without an affinity"
+    affinity = Affinity()
+    chosen = [dispatcher._choose_prefill([1] * 40, affinity).worker_id for _ in range(3)]
+    assert chosen == [chosen[0]] * 3 and affinity.prefill == chosen[0], chosen
+    affinity.prefill = "prefill-gone"
+    assert dispatcher._choose_prefill([1] * 40, affinity).worker_id in {"prefill-0", "prefill-1"}, \
+        "a worker no longer listed is passed over"

@@ -72,3 +72,27 @@ def test_a_run_that_raises_raises_from_next():
             await fan.close()
 
     asyncio.run(main())
+
+
+def test_close_stops_every_run_even_when_its_caller_is_cancelled_again():
+    async def main():
+        closed: list[str] = []
+        gate = asyncio.Event()  # never set: the runs would go on forever
+        fan = Fanout([_run("a", 3, closed, gate), _run("b", 3, closed, gate)])
+
+        async def response():
+            try:
+                await fan.next()
+            finally:
+                await fan.close()
+
+        task = asyncio.create_task(response())
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away...
+        await asyncio.sleep(0)
+        task.cancel()  # ...and, as anyio does, every later await of the response is cancelled too
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        return list(closed)  # now: asyncio.run would close what is left on its way out
+
+    assert sorted(asyncio.run(main())) == ["a", "b"], "every run must be stopped (its request aborted)"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.placement import PrefixIndex, pick_decode, pick_prefill, prefix_hashes, round_robin
+from router.placement import PrefixIndex, pick_affine, pick_decode, pick_prefill, prefix_hashes, round_robin
 
 
 @dataclass
@@ -120,3 +120,10 @@ def test_decode_choice_always_has_room_and_the_most_free_blocks(workers, need, c
         assert i is None
     else:
         assert loads[i].free_blocks == max(eligible)
+
+
+def test_pick_affine_follows_the_named_worker_only_while_it_is_listed_and_has_room():
+    keys = ["decode-0", "decode-1", "decode-2"]
+    assert pick_affine(keys, "decode-1") == 1
+    assert pick_affine(keys, "decode-1", room=[True, False, True]) is None, "a full worker is passed over"
+    assert pick_affine(keys, "decode-9") is None and pick_affine(keys, None) is None
