@@ -72,7 +72,7 @@ class StepWorker:
             state[2] = made = made + 1
             finished = made == self.output_len
             messages[subscriber].append(
-                (rid, [made], self.text, finished, "length" if finished else None, prompt_len, made, 0, None, None, None)
+                (rid, [made], self.text, finished, "length" if finished else None, prompt_len, made, 0, None, None, None, None)
             )
             if finished:
                 del self.active[rid]

@@ -101,16 +101,20 @@ class DecodeWorker(WorkerBase):
         return Reservation(request_id, blocks, self.layout, self._endpoint, deadline)
 
     async def receive_kv(
-        self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0
+        self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0,
+        prompt_logprobs=None,
     ) -> int:
         """Pull the prompt's KV into the reserved blocks; returns the TransferState.
 
         ``num_cached_tokens``: the prompt tokens the prefill worker found in its prefix
-        cache, reported in the request's usage.
+        cache, reported in the request's usage. ``prompt_logprobs``: the prompt's, when the
+        request asked for them; they go out with the first token.
         """
         rid = meta.request_id
         if self.backend.paged:
-            return await self._receive_in_place(meta, payload, first_token, first_logprobs, num_cached_tokens)
+            return await self._receive_in_place(
+                meta, payload, first_token, first_logprobs, num_cached_tokens, prompt_logprobs
+            )
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
@@ -121,7 +125,9 @@ class DecodeWorker(WorkerBase):
             await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
             return int(TransferState.FAILED)
         try:
-            await self.runtime.call(self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens)
+            await self.runtime.call(
+                self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens, prompt_logprobs
+            )
         except Exception:
             # The hand-over ran and failed: recycle anyway, as a backend (nixl) holds its
             # receive buffers until then. Not on cancellation: the step thread may still
@@ -151,7 +157,9 @@ class DecodeWorker(WorkerBase):
             self._landed[rid] = first_block + meta.num_blocks
         return int(TransferState.DONE)
 
-    async def _receive_in_place(self, meta: TransferMeta, payload, first_token, first_logprobs, num_cached_tokens):
+    async def _receive_in_place(
+        self, meta: TransferMeta, payload, first_token, first_logprobs, num_cached_tokens, prompt_logprobs
+    ):
         """Paged backends: read the sender's blocks straight into the reserved ones (those
         a pipelined prefill's parts did not bring already)."""
         with self._pin_lock:
@@ -159,7 +167,8 @@ class DecodeWorker(WorkerBase):
         if not await self._read_in_place(meta, payload, landed):
             return int(TransferState.FAILED)
         await self.runtime.call(
-            self._kv_arrived, meta.request_id, first_token, None, None, first_logprobs, num_cached_tokens
+            self._kv_arrived, meta.request_id, first_token, None, None, first_logprobs, num_cached_tokens,
+            prompt_logprobs,
         )
         return int(TransferState.DONE)
 
@@ -210,10 +219,14 @@ class DecodeWorker(WorkerBase):
         self.metrics.on_transfer_failure(reason)
         return reason
 
-    def _kv_arrived(self, rid: str, first_token: int, k, v, first_logprobs, num_cached_tokens: int) -> None:
+    def _kv_arrived(
+        self, rid: str, first_token: int, k, v, first_logprobs, num_cached_tokens: int, prompt_logprobs=None
+    ) -> None:
         self._unpin(rid)
         self._deadlines.pop(rid, None)
-        out = self.engine.remote_kv_arrived(rid, first_token, k, v, first_logprobs, num_cached_tokens)
+        out = self.engine.remote_kv_arrived(
+            rid, first_token, k, v, first_logprobs, num_cached_tokens, prompt_logprobs
+        )
         if out is not None:
             self.runtime.deliver(out)
 
@@ -315,7 +328,7 @@ def _wire(rid: str, items: list) -> tuple:
     for item in items:
         if isinstance(item, BaseException):
             return (rid, [], "", True, "error", 0, 0, 0, None,
-                    f"the decode worker failed: {item}", ErrorKind.WORKER_FAILED.value)
+                    f"the decode worker failed: {item}", ErrorKind.WORKER_FAILED.value, None)
     out = merge_outputs(items)
     lps = out.new_logprobs
     if lps is not None:
@@ -323,5 +336,10 @@ def _wire(rid: str, items: list) -> tuple:
     error = kind = None
     if out.finish_reason == "error":
         error, kind = TRANSFER_FAILED_MESSAGE, ErrorKind.TRANSFER_FAILED.value
+    prompt_lps = out.prompt_logprobs
+    if prompt_lps is not None:
+        prompt_lps = [
+            None if lp is None else (lp.token_id, lp.logprob, lp.rank, list(lp.top)) for lp in prompt_lps
+        ]
     return (rid, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.num_prompt_tokens,
-            out.num_output_tokens, out.num_cached_tokens, lps, error, kind)
+            out.num_output_tokens, out.num_cached_tokens, lps, error, kind, prompt_lps)

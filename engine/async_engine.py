@@ -47,6 +47,8 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     last.new_text = "".join(o.new_text for o in outs)
     if last.new_logprobs is not None:
         last.new_logprobs = [lp for o in outs for lp in o.new_logprobs or ()]
+    if outs[0].prompt_logprobs is not None:  # only ever on a request's first output
+        last.prompt_logprobs = outs[0].prompt_logprobs
     return last
 
 

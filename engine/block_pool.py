@@ -225,8 +225,14 @@ class KVCacheManager:
         """Longest cached prefix of a new request, capped so one token is left to compute.
 
         A lookup, not a use: ``count_prefix_lookup`` counts it once the request is let in.
+        A request that wants its prompt's logprobs computes every prompt token (a cached
+        token has no logits), as in vLLM; its blocks are still cached for others.
         """
-        if not self.enable_caching or request.num_computed_tokens > 0:
+        if (
+            not self.enable_caching
+            or request.num_computed_tokens > 0
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -27,7 +27,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts, each
+        with its whole output (and its prompt's logprobs, when asked for)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -42,9 +43,13 @@ class LLM:
         encoded = [self.engine.encode_prompt(p) for p in prompts]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(encoded, sampling_params)]
         final: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list] = {}  # come with a request's first output
         while len(final) < len(ids):
             for out in self.engine.step():
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
+                    out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
                     final[out.request_id] = out
         return [final[i] for i in ids]
 

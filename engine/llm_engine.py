@@ -84,6 +84,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    # ``prompt_logprobs`` asked: one entry per prompt token, None first (vLLM's shape), on
+    # the request's first output with a token only.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_output_tokens: int = 0
     # Prefill role (``hold_kv``): the prompt's KV packed, [layers, blocks, block, Hkv, D] each;
     # with ``keep_blocks``, the ids of the blocks that hold it instead (``release_held``).
@@ -136,6 +139,7 @@ class EngineLoad:
 class _Tracked:
     detok: IncrementalDetokenizer
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None again once delivered
     text_sent: int = 0
     tokens_sent: int = 0
     logprobs_sent: int = 0
@@ -296,12 +300,14 @@ class LLMEngine:
         v: torch.Tensor,
         first_logprobs: TokenLogprobs | None = None,
         num_cached_tokens: int = 0,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> RequestOutput | None:
         """Write the received KV into the reserved blocks and start decoding.
 
         ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order; None
         when the transfer already wrote them into the reserved blocks.
         ``num_cached_tokens``: prefix-cache hits on the prefill side, for the usage.
+        ``prompt_logprobs``: the prompt's, as the prefill worker computed them.
         Returns the output for the first token (sampled by the prefill worker).
         """
         request = self.scheduler.remote.get(request_id)
@@ -309,6 +315,8 @@ class LLMEngine:
             return None
         if k is not None:
             self.kv_cache.scatter(self.kv_manager.block_ids(request_id), k, v)
+        if prompt_logprobs is not None:
+            self._tracked[request_id].prompt_logprobs = prompt_logprobs
         if request_id in self.structured and not self.structured.is_ready(request_id):
             # The grammar must see the first token: join the batch once it is compiled.
             self._arrivals[request_id] = (first_token, first_logprobs, num_cached_tokens)
@@ -383,6 +391,12 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             ),
             logprobs=[] if params.logprobs is not None else None,
+            # A migrated stream delivered them where it started.
+            prompt_logprobs=(
+                [None] * request.num_prompt_tokens
+                if params.prompt_logprobs is not None and not resume_output
+                else None
+            ),
             tokens_sent=len(resume_output),
         )
         self._tracked[rid].detok.skip(resume_output)
@@ -464,6 +478,8 @@ class LLMEngine:
         result = self.runner.execute(sched)
         self._forward_s += time.perf_counter() - wall
         self._forward_cpu_s += time.thread_time() - cpu
+        if result.prompt_logprobs:
+            self._store_prompt_logprobs(result.prompt_logprobs)
         progressed = self.scheduler.update(sched, result.sampled)
         sampled = [r for r, token in progressed if token is not None]
         self._generation_tokens += len(sampled)
@@ -471,6 +487,14 @@ class LLMEngine:
         return admitted + self._emit(sampled, result.sampled, result.logprobs) + [
             self._finish_output(r) for r in sched.finished
         ]
+
+    def _store_prompt_logprobs(self, computed: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Put a step's prompt logprobs in place by prompt index (a chunk recomputed after a
+        preemption overwrites its own entries with the same values)."""
+        for rid, (first, lps) in computed.items():
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.prompt_logprobs is not None:
+                tracked.prompt_logprobs[first : first + len(lps)] = lps
 
     def _emit(
         self, requests: list[Request], sampled: dict[str, int], logprobs: dict[str, TokenLogprobs]
@@ -527,6 +551,9 @@ class LLMEngine:
         if lps is not None:
             new_lps = lps[tracked.logprobs_sent :]
             tracked.logprobs_sent = len(lps)
+        prompt_lps = None
+        if tracked.prompt_logprobs is not None and new_ids:
+            prompt_lps, tracked.prompt_logprobs = tracked.prompt_logprobs, None
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -540,6 +567,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             logprobs=list(lps) if lps is not None and finished else None,
             new_logprobs=new_lps,
+            prompt_logprobs=prompt_lps,
             num_output_tokens=request.num_output_tokens,
         )
 

@@ -41,6 +41,9 @@ class StreamDelta(NamedTuple):
     logprobs: list | None = None  # [(token, logprob, [(id, logprob), ...])] for the new tokens
     error: str | None = None
     error_kind: ErrorKind | None = None
+    # On the first delta of a request that asked: one entry per prompt token, None first,
+    # then (token, logprob, rank, [(id, logprob), ...]).
+    prompt_logprobs: list | None = None
 
     @classmethod
     def failure(cls, request_id: str, kind: ErrorKind, message: str) -> "StreamDelta":

@@ -11,6 +11,10 @@ sample are projected to logits. The runner lays the batch out as plain integers;
 attention backend it was given turns that layout into its own metadata tensors.
 Rows of requests with a structured-output constraint get their grammar's token
 bitmask, which the sampler applies before anything else.
+
+A request that asks for its prompt's logprobs (``prompt_logprobs``) also has its
+prefill rows that predict a prompt token projected, chunk by chunk, until it has
+sampled its first token; no other request pays for them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 from engine.attention import AttentionBackend, StepAttention
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
-from engine.sampler import SampleRow, TokenLogprobs, sample
+from engine.request import Request
+from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_layout import ChunkLayout, StepLayout
 from engine.structured_output import StructuredOutputs
@@ -32,6 +37,22 @@ from engine.structured_output import StructuredOutputs
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> (prompt index of the first entry, the logprobs of that prompt token on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A chunk's rows that predict prompt tokens: rows ``row0..row0+count`` predict the
+    prompt tokens from index ``first`` on."""
+
+    request: Request
+    row0: int
+    first: int
+    count: int
+
+# Prompt rows projected to logits at a time: bounds the [rows, vocab] tensors of a long chunk.
+PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
@@ -59,14 +80,17 @@ class ModelRunner:
         items = sorted(
             sched.scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0)
         )
-        input_ids, positions, layout, sample_rows = self._prepare(items)
+        input_ids, positions, layout, sample_rows, prompt_rows = self._prepare(items)
         attn = StepAttention(self.attention, self.attention.build_metadata(layout))
         # The sampled rows' index is copied before the forward is queued: a pageable copy
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
         hidden = self.model(input_ids, positions, self.kv_cache.k, self.kv_cache.v, attn)
+        out = RunnerOutput()
+        if prompt_rows:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)
         if not sample_rows:
-            return RunnerOutput()
+            return out
         reqs = [req for _, req in sample_rows]
         logits = self.model.logits(hidden[rows_idx])
         mask = None
@@ -85,7 +109,6 @@ class ModelRunner:
             ],
             mask,
         )
-        out = RunnerOutput()
         for r, tok, lp in zip(reqs, ids, logprobs):
             out.sampled[r.request_id] = tok
             if lp is not None:
@@ -98,6 +121,7 @@ class ModelRunner:
         positions: list[int] = []
         layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
         sample_rows = []
+        prompt_rows: list[PromptRows] = []
         for item in items:
             n = len(item.token_ids)
             row0 = len(token_ids)
@@ -116,7 +140,35 @@ class ModelRunner:
                 layout.chunks.append(ChunkLayout(row0, n, start, table))
             if item.sample:
                 sample_rows.append((row0 + n - 1, item.request))
-        return self._to_device(token_ids), self._to_device(positions), layout, sample_rows
+            if item.request.sampling_params.prompt_logprobs is not None:
+                rows = _prompt_rows(item.request, row0, start, n)
+                if rows is not None:
+                    prompt_rows.append(rows)
+        return self._to_device(token_ids), self._to_device(positions), layout, sample_rows, prompt_rows
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[PromptRows]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Each chunk's prompt rows projected and scored against the prompt tokens they
+        predict, a bounded number of rows at a time."""
+        rows: list[int] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        for pr in prompt_rows:
+            prompt = pr.request.prompt_token_ids
+            rows.extend(range(pr.row0, pr.row0 + pr.count))
+            targets.extend(prompt[pr.first : pr.first + pr.count])
+            num_top.extend([pr.request.sampling_params.prompt_logprobs] * pr.count)
+        scored: list[TokenLogprobs] = []
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            part = slice(i, i + PROMPT_LOGPROBS_ROWS)
+            logits = self.model.logits(hidden[self._to_device(rows[part])])
+            scored += prompt_logprobs(logits, targets[part], num_top[part])
+        out, i = {}, 0
+        for pr in prompt_rows:
+            out[pr.request.request_id] = (pr.first, scored[i : i + pr.count])
+            i += pr.count
+        return out
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 on the runner's device; on CUDA through pinned memory, without blocking."""
@@ -124,3 +176,13 @@ class ModelRunner:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+def _prompt_rows(request: Request, row0: int, start: int, n: int) -> PromptRows | None:
+    """The rows of a chunk (positions ``start..start+n`` at rows from ``row0``) that predict
+    a prompt token, while the request has sampled nothing yet (after that its prompt's
+    logprobs were delivered; a recompute preemption before it computes the same again)."""
+    if request.output_token_ids:
+        return None
+    count = min(start + n, request.num_prompt_tokens - 1) - start
+    return PromptRows(request, row0, start + 1, count) if count > 0 else None

@@ -42,6 +42,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    rank: int | None = None  # 1 + how many tokens are more likely (set for prompt logprobs)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -198,3 +199,21 @@ def sample(
                 top = tuple(zip(tok.tolist(), vals.tolist()))
             logprobs[i] = TokenLogprobs(ids[i], raw_logprobs[i, ids[i]].item(), top)
     return ids, logprobs
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, targets: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """The model's own logprobs (no sampling controls, as vLLM's prompt logprobs) of each
+    row's ``targets`` token, its rank, and the row's ``num_top`` most likely tokens."""
+    lps = logits.log_softmax(dim=-1)
+    target = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = lps.gather(1, target)
+    ranks = (lps > chosen).sum(dim=1).add_(1).tolist()
+    k = max(num_top)
+    top_vals, top_ids = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(t, lp, tuple(zip(top_ids[i][:n], top_vals[i][:n])), rank)
+        for i, (t, lp, rank, n) in enumerate(zip(targets, chosen.squeeze(1).tolist(), ranks, num_top))
+    ]

@@ -77,6 +77,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The prompt's logprobs (vLLM's): the model's own, with this many top tokens each.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
@@ -124,10 +126,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, lo=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")

@@ -186,7 +186,9 @@ class PrefillWorker(WorkerBase):
                 meta = dataclasses.replace(meta, num_blocks=final.packed_kv[0].shape[1])
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
-                decode_worker.receive_kv.remote(meta, payload, final.token_ids[-1], lp, final.num_cached_tokens)
+                decode_worker.receive_kv.remote(
+                    meta, payload, final.token_ids[-1], lp, final.num_cached_tokens, final.prompt_logprobs
+                )
             )
             await self._push_until_answered(meta, k, v, payload, ack)
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))

@@ -2,7 +2,9 @@
 
 ``Accumulator`` folds a request's ``StreamDelta``s into its text, usage, finish
 reason and logprobs; the builders below turn that (or one delta) into the JSON the
-OpenAI API returns. A tool request's message is read by its ``ToolPlan``
+OpenAI API returns. A request that asked for vLLM's ``prompt_logprobs`` gets them as
+vLLM returns them: on each completion choice, at the top of a chat completion, and
+on the first chunk of a stream. A tool request's message is read by its ``ToolPlan``
 (``router.tool_calls``). Pure: no Ray, no network.
 """
 
@@ -28,6 +30,7 @@ class Accumulator:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # vLLM's shape (``prompt_logprobs_json``)
 
     def add(self, delta) -> list[tuple[str, float, list[tuple[str, float]]]] | None:
         """Take one delta; returns its logprobs with tokens as text (None without logprobs)."""
@@ -40,9 +43,15 @@ class Accumulator:
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         if delta.finished:
             self.finish_reason = delta.finish_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs_json(delta.prompt_logprobs, self.token_text)
         if delta.logprobs is None:
             return None
-        lps = [(self._token(t), lp, [(self._token(i), v) for i, v in top]) for t, lp, top in delta.logprobs]
+        # An echoed prompt's first token has no logprob and no top tokens (None).
+        lps = [
+            (self.token_text(t), lp, None if top is None else [(self.token_text(i), v) for i, v in top])
+            for t, lp, top in delta.logprobs
+        ]
         self.logprobs = (self.logprobs or []) + lps
         return lps
 
@@ -50,7 +59,7 @@ class Accumulator:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def _token(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def usage(self) -> dict:
@@ -72,9 +81,32 @@ def completion_logprobs(lps, text_offset: int) -> dict | None:
     return {
         "tokens": [t for t, _, _ in lps],
         "token_logprobs": [lp for _, lp, _ in lps],
-        "top_logprobs": [dict(top) for _, _, top in lps],
+        "top_logprobs": [None if top is None else dict(top) for _, _, top in lps],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(entries: list, token_text) -> list:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then for each one
+    ``{token id: {"logprob", "rank", "decoded_token"}}``, the prompt's token first and
+    then the top tokens. ``entries``: a delta's (token, logprob, rank, top) tuples."""
+    out: list = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        token, logprob, rank, top = entry
+        ranked = {token: {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}}
+        for r, (t, lp) in enumerate(top, 1):
+            ranked.setdefault(t, {"logprob": lp, "rank": r, "decoded_token": token_text(t)})
+        out.append(ranked)
+    return out
+
+
+def echo_logprobs(prompt_token_ids: list[int], entries: list) -> list:
+    """An echoed prompt's tokens as output logprobs (token, logprob, top), the first
+    without either."""
+    return [(prompt_token_ids[0], None, None)] + [(t, lp, top) for t, lp, _, top in entries[1:]]
 
 
 def chat_logprobs(lps) -> dict | None:
@@ -155,7 +187,23 @@ class Envelope:
     def chat(self, acc: Accumulator, tools: ToolPlan | None = None) -> dict:
         """The whole chat completion; with ``tools``, its message split into content and
         tool calls (``finish_reason`` "tool_calls" when the model called tools)."""
-        return self._response("chat.completion", _chat_choice(acc, tools), acc.usage())
+        out = self._response("chat.completion", _chat_choice(acc, tools), acc.usage())
+        if acc.prompt_logprobs is not None:
+            out["prompt_logprobs"] = acc.prompt_logprobs  # vLLM's place: the response's top level
+        return out
+
+    def first_chunk(self, prompt_logprobs: list | None, chat: bool) -> dict | None:
+        """A stream's opening chunk: a chat's role, a completion's prompt logprobs (None
+        for a completion without them); either carries ``prompt_logprobs`` when given."""
+        if chat:
+            chunk = self.chat_chunk({"role": "assistant", "content": ""}, None, None)
+        elif prompt_logprobs is not None:
+            chunk = self.completion_chunk("", None, 0, None)
+        else:
+            return None
+        if prompt_logprobs is not None:
+            (chunk if chat else chunk["choices"][0])["prompt_logprobs"] = prompt_logprobs
+        return chunk
 
     def chat_chunk(self, delta: dict, lps, reason: str | None, index: int = 0) -> dict:
         choice = {"delta": delta, "logprobs": chat_logprobs(lps), "finish_reason": reason}
@@ -170,6 +218,8 @@ class Envelope:
         obj, choice = ("chat.completion", _chat_choice) if chat else ("text_completion", _text_choice)
         out = self._response(obj, None, usage_of(accs, n))
         out["choices"] = [{"index": i, **choice(acc)} for i, acc in enumerate(accs)]
+        if chat and accs[0].prompt_logprobs is not None:
+            out["prompt_logprobs"] = accs[0].prompt_logprobs  # one prompt: the same for every choice
         return out
 
     def choices_usage_chunk(self, accs: list[Accumulator], chat: bool, n: int) -> dict:
@@ -189,7 +239,10 @@ def usage_of(accs: list[Accumulator], n: int = 1) -> dict:
 
 
 def _text_choice(acc: Accumulator) -> dict:
-    return {"text": acc.text, "logprobs": completion_logprobs(acc.logprobs, 0), "finish_reason": acc.finish_reason}
+    choice = {"text": acc.text, "logprobs": completion_logprobs(acc.logprobs, 0), "finish_reason": acc.finish_reason}
+    if acc.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = acc.prompt_logprobs
+    return choice
 
 
 def _chat_choice(acc: Accumulator, tools: ToolPlan | None = None) -> dict:

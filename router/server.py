@@ -61,7 +61,7 @@ from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from engine.messages import ErrorKind, StreamDelta
 from router.dispatch import Affinity, Dispatcher, DispatchConfig
 from router.grammar_check import GrammarChecker
-from router.openai_api import Accumulator, Envelope, model_list, sse
+from router.openai_api import Accumulator, Envelope, echo_logprobs, model_list, prompt_logprobs_json, sse
 from router.tokenization import detokenize, tokenize
 from router.tool_calls import ToolStream
 from router.validation import (
@@ -299,8 +299,28 @@ def _tool_events(env: Envelope, acc: Accumulator, stream: ToolStream, delta: Str
 
 
 def _echoed(delta: StreamDelta, prepared: PreparedRequest) -> StreamDelta:
-    """A request's first delta, with its prompt's text before it when it asked for echo."""
-    return delta if prepared.echo is None else delta._replace(text=prepared.echo + delta.text)
+    """A request's first delta, with its prompt's text before it when it asked for echo
+    (and its prompt's tokens and logprobs before the output's, with logprobs too)."""
+    if prepared.echo is None:
+        return delta
+    delta = delta._replace(text=prepared.echo + delta.text)
+    if prepared.echo_logprobs and delta.prompt_logprobs is not None:
+        prompt = echo_logprobs(prepared.prompt_token_ids, delta.prompt_logprobs)
+        delta = delta._replace(logprobs=prompt + (delta.logprobs or []))
+    return delta
+
+
+def _opening(
+    env: Envelope, acc: Accumulator, first: StreamDelta, chat: bool
+) -> tuple[str | None, StreamDelta]:
+    """A stream's opening event (a chat's role chunk, or the prompt's logprobs: once per
+    request, before its first delta), and the first delta without what it already sent."""
+    prompt_lps = None
+    if first.prompt_logprobs is not None:
+        prompt_lps = prompt_logprobs_json(first.prompt_logprobs, acc.token_text)
+        first = first._replace(prompt_logprobs=None)
+    chunk = env.first_chunk(prompt_lps, chat)
+    return None if chunk is None else sse(chunk), first
 
 
 class Fanout:
@@ -382,11 +402,16 @@ async def _many_deltas(fan: Fanout, accs: list[Accumulator], batch: list[Choice]
 
 
 def _choice_event(env: Envelope, acc: Accumulator, i: int, delta: StreamDelta, lps, chat: bool) -> str:
-    """Choice ``i``'s delta (already in ``acc``) as a chunk event."""
+    """Choice ``i``'s delta (already in ``acc``) as a chunk event (the first one with the
+    prompt's logprobs, when the request asked for them)."""
     reason = delta.finish_reason if delta.finished else None
     if chat:
-        return sse(env.chat_chunk({"content": delta.text} if delta.text else {}, lps, reason, index=i))
-    return sse(env.completion_chunk(delta.text, lps, acc.text_len - len(delta.text), reason, index=i))
+        chunk = env.chat_chunk({"content": delta.text} if delta.text else {}, lps, reason, index=i)
+    else:
+        chunk = env.completion_chunk(delta.text, lps, acc.text_len - len(delta.text), reason, index=i)
+    if delta.prompt_logprobs is not None:  # the choice's first delta: its prompt's logprobs, once
+        (chunk if chat else chunk["choices"][0])["prompt_logprobs"] = acc.prompt_logprobs
+    return sse(chunk)
 
 
 def _bearer(header: str | None) -> str | None:
@@ -527,9 +552,9 @@ class Router:
         Leaving early (the client went away) closes ``deltas``, which aborts the request.
         """
         async with aclosing(deltas):
-            if chat:
-                yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
-            delta = first
+            opening, delta = _opening(env, acc, first, chat)
+            if opening is not None:
+                yield opening
             while True:
                 if delta.error:
                     yield sse(_server_error(delta).body())
@@ -550,8 +575,8 @@ class Router:
         """
         stream = ToolStream(prepared.tools)
         async with aclosing(deltas):
-            yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None))
-            delta = first
+            opening, delta = _opening(env, acc, first, True)
+            yield opening
             while not delta.error:
                 for event in _tool_events(env, acc, stream, delta):
                     yield event

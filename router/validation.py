@@ -114,6 +114,8 @@ class PreparedRequest:
     include_usage: bool = False
     structured_field: str | None = None  # the field the output constraint came from
     echo: str | None = None  # completions' ``echo``: the prompt's text, to go before the output
+    # ``echo`` with ``logprobs``: the prompt's tokens and logprobs go before the output's.
+    echo_logprobs: bool = False
     tools: ToolPlan | None = None  # a chat request that may call tools: how to read its output
     n: int = 1  # choices to sample from this prompt (see ``choices``)
 
@@ -175,6 +177,7 @@ class _Body(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top tokens
 
 
 class StreamOptions(BaseModel):
@@ -445,7 +448,7 @@ def _sampling_params(
         name: getattr(b, name)
         for name in (
             "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "seed", "stop_token_ids",
+            "frequency_penalty", "seed", "stop_token_ids", "prompt_logprobs",
         )
         if getattr(b, name) is not None
     }
@@ -650,9 +653,6 @@ def prepare_completions(body: dict, model: ServedModel, tokenizer) -> list[Prepa
     """Validate a ``/v1/completions`` body: a request a prompt (a list of prompts gives a
     choice each, in order); raises ``ApiError``."""
     b: CompletionBody = _parse_body(CompletionBody, body, model)
-    if b.echo and b.logprobs is not None:
-        raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
-                       "compute: ask for echo or logprobs", param="echo")
     if b.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     prompts = b.prompt
@@ -679,12 +679,15 @@ def _completion(b: CompletionBody, prompt: str | list[int], model: ServedModel, 
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
     max_tokens = 16 if b.max_tokens is None else b.max_tokens
+    echo_logprobs = b.echo and b.logprobs is not None
+    if echo_logprobs:  # as vLLM: the prompt's logprobs with as many top tokens as the output's
+        b = b.model_copy(update={"prompt_logprobs": max(b.logprobs, b.prompt_logprobs or 0)})
     prepared = _prepared(b, ids, max_tokens, model, b.logprobs, tokenizer)
     if not b.echo:
         return prepared
     # As vLLM: text as sent; token ids as the tokenizer spells them, special tokens kept.
     echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids, skip_special_tokens=False)
-    return dataclasses.replace(prepared, echo=echo)
+    return dataclasses.replace(prepared, echo=echo, echo_logprobs=echo_logprobs)
 
 
 def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:

@@ -1,6 +1,6 @@
 """vLLM's extras to the OpenAI API through the live service: the tokenizer endpoints,
 ``/version``, and the sampling controls (``logit_bias``, ``allowed_token_ids``,
-``bad_words``) with the official ``openai`` client.
+``bad_words``), echo, and the prompt's logprobs with the official ``openai`` client.
 
 One service (1 prefill + 1 decode worker on the tiny random model) for the module, so
 every request takes the disaggregated path: the prefill worker samples the first token
@@ -163,6 +163,56 @@ def test_echo_puts_the_prompt_before_the_output_whole_and_streamed(client, model
     assert echoed.usage.completion_tokens == 6
     chunks = [c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kwargs) if c.choices]
     assert chunks[0].startswith("Once upon a time") and "".join(chunks) == "Once upon a time" + plain, chunks
+
+
+# -- prompt logprobs ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def offline_prompt_logprobs(tiny_model):
+    """The offline engine's prompt logprobs (checked against HF in the unit tests)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model)
+
+    def of(prompt: str, top: int):
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=top))
+        return out.prompt_token_ids, out.prompt_logprobs
+
+    return of
+
+
+def test_prompt_logprobs_come_from_the_prefill_worker_in_vllms_shape(client, model_name, offline_prompt_logprobs):
+    ids, want = offline_prompt_logprobs("The cat sat on the mat", 2)
+    kwargs = dict(model=model_name, prompt="The cat sat on the mat", max_tokens=3, extra_body={"prompt_logprobs": 2})
+    got = client.completions.create(**kwargs).choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None, got
+    for t, entry, lp in zip(ids[1:], got[1:], want[1:]):
+        assert str(t) in entry and abs(entry[str(t)]["logprob"] - lp.logprob) < 1e-3, (t, entry, lp)
+        assert entry[str(t)]["rank"] == lp.rank and len(set(entry) - {str(t)}) <= 2, entry
+    first, *_ = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert first.choices[0].model_extra["prompt_logprobs"] == got, "a stream opens with the prompt's logprobs"
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0})
+    plps = chat.model_extra["prompt_logprobs"]
+    assert len(plps) == chat.usage.prompt_tokens and plps[0] is None and all(len(e) == 1 for e in plps[1:]), plps
+
+
+def test_echo_with_logprobs_puts_the_prompts_before_the_outputs(client, model_name, offline_prompt_logprobs):
+    prompt = "Once upon a time"
+    ids, want = offline_prompt_logprobs(prompt, 1)
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=4, temperature=0.0, echo=True, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    lps = whole.logprobs
+    assert len(lps.tokens) == len(ids) + 4 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None, lps
+    for got, lp in zip(lps.token_logprobs[1 : len(ids)], want[1:]):
+        assert abs(got - lp.logprob) < 1e-3, (got, lp)
+    assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[0] == 0, lps.text_offset
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert [t for s in streamed if s for t in s.token_logprobs] == lps.token_logprobs
+    assert "".join(c for s in streamed if s for c in s.tokens) == "".join(lps.tokens)
 
 
 # -- several prompts in one request ------------------------------------------------------

@@ -151,7 +151,7 @@ class _FakeColocated:
     def step(self, *deltas: tuple) -> None:
         """One engine step's message: (request id, token ids, text, finished) per request."""
         self.messages.put_nowait(
-            [(rid, ids, text, done, "length" if done else None, 3, 0, 0, None, None, None)
+            [(rid, ids, text, done, "length" if done else None, 3, 0, 0, None, None, None, None)
              for rid, ids, text, done in deltas]
         )
 

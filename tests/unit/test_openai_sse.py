@@ -33,3 +33,47 @@ def test_accumulator_counts_text_without_joining_it():
         acc.add(StreamDelta("r", [i], piece, False, num_prompt_tokens=3, num_output_tokens=i + 1))
     assert acc.text == "abc\u00e9d" and acc.text_len == len(acc.text)
     assert acc.completion_tokens == 4 and acc.prompt_tokens == 3
+
+
+class _Tokens:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+PROMPT_LPS = [None, (7, -1.5, 2, [(9, -0.5), (7, -1.5)]), (8, -0.25, 1, [(8, -0.25), (9, -2.0)])]
+
+
+def test_prompt_logprobs_take_vllms_shape_on_the_choice_and_on_a_chat():
+    from engine.messages import StreamDelta
+
+    acc = Accumulator(_Tokens())
+    acc.add(StreamDelta("r", [5], "x", True, "length", 3, 1, prompt_logprobs=PROMPT_LPS))
+    want = [
+        None,
+        {7: {"logprob": -1.5, "rank": 2, "decoded_token": "<7>"}, 9: {"logprob": -0.5, "rank": 1, "decoded_token": "<9>"}},
+        {8: {"logprob": -0.25, "rank": 1, "decoded_token": "<8>"}, 9: {"logprob": -2.0, "rank": 2, "decoded_token": "<9>"}},
+    ]
+    assert acc.prompt_logprobs == want
+    env = Envelope("cmpl-1", "m", 1)
+    assert env.completion(acc)["choices"][0]["prompt_logprobs"] == want
+    assert env.chat(acc)["prompt_logprobs"] == want and "prompt_logprobs" not in env.chat(acc)["choices"][0]
+    assert "prompt_logprobs" not in env.completion(Accumulator(_Tokens()))["choices"][0], "only when asked"
+    first = env.first_chunk(want, chat=False)
+    assert first["choices"][0]["text"] == "" and first["choices"][0]["prompt_logprobs"] == want
+    assert env.first_chunk(None, chat=False) is None, "a completion without them opens with its first text"
+    assert env.first_chunk(want, chat=True)["prompt_logprobs"] == want
+
+
+def test_echoed_prompt_logprobs_come_before_the_outputs_with_none_first():
+    from engine.messages import StreamDelta
+    from router.openai_api import completion_logprobs, echo_logprobs
+
+    prompt = [6, 7, 8]
+    lps = echo_logprobs(prompt, PROMPT_LPS) + [(5, -0.1, [(5, -0.1)])]
+    acc = Accumulator(_Tokens())
+    acc.add(StreamDelta("r", [5], "<6><7><8><5>", True, "length", 3, 1, logprobs=lps))
+    out = completion_logprobs(acc.logprobs, 0)
+    assert out["tokens"] == ["<6>", "<7>", "<8>", "<5>"]
+    assert out["token_logprobs"] == [None, -1.5, -0.25, -0.1]
+    assert out["top_logprobs"] == [None, {"<9>": -0.5, "<7>": -1.5}, {"<8>": -0.25, "<9>": -2.0}, {"<5>": -0.1}]
+    assert out["text_offset"] == [0, 3, 6, 9]

@@ -138,11 +138,24 @@ def test_a_list_of_prompts_is_a_request_each_with_the_same_settings():
     assert (e.status, e.param) == (400, "prompt") and str(MAX_PROMPTS) in e.message, e.message
 
 
-def test_echo_carries_the_prompt_text_and_refuses_logprobs():
+def test_echo_carries_the_prompt_text_and_with_logprobs_asks_for_the_prompts():
     assert completion(echo=True).echo == "hi" and completion().echo is None
     assert completion(prompt=[104, 105, 33], echo=True).echo == "hi!", "token ids are echoed as decoded"
-    e = error_of(completion, echo=True, logprobs=1)
-    assert (e.status, e.param) == (400, "echo") and "logprobs" in e.message, e.message
+    both = completion(echo=True, logprobs=3)
+    assert both.echo_logprobs and (both.params.logprobs, both.params.prompt_logprobs) == (3, 3)
+    assert completion(echo=True, logprobs=1, prompt_logprobs=4).params.prompt_logprobs == 4
+    assert not completion(logprobs=2).echo_logprobs and completion(logprobs=2).params.prompt_logprobs is None
+
+
+def test_prompt_logprobs_reach_the_sampling_params_and_out_of_range_is_a_400():
+    assert completion(prompt_logprobs=0).params.prompt_logprobs == 0
+    chat = prepare_chat({"messages": [{"role": "user", "content": "hey"}], "prompt_logprobs": 2}, MODEL, FakeTokenizer())
+    assert chat.params.prompt_logprobs == 2
+    for bad in (-1, 21):
+        e = error_of(completion, prompt_logprobs=bad)
+        assert (e.status, e.param) == (400, "prompt_logprobs") and str(bad) in e.message, e.message
+    e = error_of(completion, prompt_logprobs="2")
+    assert e.status == 400 and "prompt_logprobs" in e.message, e.message
 
 
 def test_bad_chat_messages_are_rejected_naming_the_field():
