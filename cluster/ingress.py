@@ -8,7 +8,8 @@ Ray Serve 2.60 has two ingresses; ``ServiceConfig.ingress`` picks one:
   which serves HTTP (a port from 30000) and gRPC over HTTP/2 (a port from 40000)
   itself. Streamed tokens cross no Python process between the replica and the client.
   A Python proxy still runs on the head node as HAProxy's backup server, used only
-  while no router replica is up (ports 8500 / 9500 unless chosen here).
+  while no router replica is up (ports 8500 / 9500 unless chosen here). HAProxy runs
+  one thread per four CPUs of its node (1 to 4, ``haproxy_threads``).
 - ``proxy``: Serve's Python proxy actor terminates HTTP and gRPC and relays every
   request and streamed message to the replica over Ray (about 0.6 ms of its CPU per
   streamed token, and 0.4 ms more in the replica: docs/BENCHMARKS.md). For platforms
@@ -32,6 +33,7 @@ ENABLE_HAPROXY = "RAY_SERVE_ENABLE_HA_PROXY"
 FALLBACK_HTTP_PORT = "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"
 FALLBACK_GRPC_PORT = "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"
 MIN_DRAIN_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+THREADS = "RAY_SERVE_HAPROXY_NBTHREAD"
 # HAProxy's own listeners on every interface of its node (Serve's template binds them
 # so); the variables move them, nothing turns them off.
 HAPROXY_SIDE_PORTS = {"stats page": ("RAY_SERVE_HAPROXY_STATS_PORT", 8404),
@@ -44,6 +46,17 @@ HAPROXY_SIDE_PORTS = {"stats page": ("RAY_SERVE_HAPROXY_STATS_PORT", 8404),
 LOCAL_DRAIN_S = 2.0
 
 
+def haproxy_threads(cpus: int) -> int:
+    """HAProxy's threads on a node of ``cpus`` CPUs: one per four, from 1 to Serve's 4.
+
+    Each streamed chunk wakes a thread; on a small node spare threads only contend with
+    the router and workers for the cores. On 2 CPUs, 1 thread instead of Serve's 4 cut
+    HAProxy's CPU per streamed token from 0.058 to 0.040 ms and raised the service's
+    tokens/s by 8% (``python -m bench.overhead``; docs/BENCHMARKS.md).
+    """
+    return max(1, min(4, cpus // 4))
+
+
 def check_ingress(ingress: str) -> str:
     """``ingress`` if it is one Serve offers; a ValueError naming the field otherwise."""
     if ingress not in INGRESSES:
@@ -52,14 +65,16 @@ def check_ingress(ingress: str) -> str:
 
 
 def serve_env(
-    ingress: str, fallback_ports: tuple[int, int] | None = None, drain_s: float | None = None
+    ingress: str, fallback_ports: tuple[int, int] | None = None, drain_s: float | None = None,
+    threads: int | None = None,
 ) -> dict[str, str]:
     """The environment variables that make Serve run ``ingress``.
 
     ``fallback_ports``: HTTP and gRPC ports of the backup Python proxy (haproxy only);
-    ``drain_s``: how long a stopping replica stays reachable (haproxy only). Either
-    None leaves Serve's default. ``proxy`` sets the switch off explicitly, so that an
-    inherited ``RAY_SERVE_ENABLE_HA_PROXY=1`` does not win.
+    ``drain_s``: how long a stopping replica stays reachable (haproxy only);
+    ``threads``: HAProxy's threads (``haproxy_threads``). Any of them None leaves
+    Serve's default. ``proxy`` sets the switch off explicitly, so that an inherited
+    ``RAY_SERVE_ENABLE_HA_PROXY=1`` does not win.
     """
     if check_ingress(ingress) == "proxy":
         return {ENABLE_HAPROXY: "0"}
@@ -68,6 +83,8 @@ def serve_env(
         env[FALLBACK_HTTP_PORT], env[FALLBACK_GRPC_PORT] = (str(p) for p in fallback_ports)
     if drain_s is not None:
         env[MIN_DRAIN_S] = f"{drain_s:g}"
+    if threads is not None:
+        env[THREADS] = str(threads)
     return env
 
 

@@ -32,6 +32,7 @@ from cluster.ingress import (
     HAPROXY_SIDE_PORTS,
     check_environment,
     check_ingress,
+    haproxy_threads,
     serve_env,
 )
 from router.admission import AdmissionConfig
@@ -142,13 +143,15 @@ def controller_env(config: ServiceConfig, on_head: bool, environ) -> dict[str, s
 
     On the head node (where the driver can see which ports are free), HAProxy's backup
     proxy gets free ports rather than Serve's fixed 8500 / 9500, so that two services on
-    one machine (tests, a second ``tandem up``) do not collide. Values in ``environ``
+    one machine (tests, a second ``tandem up``) do not collide, and HAProxy as many
+    threads as the node's CPUs warrant (``haproxy_threads``). Values in ``environ``
     (this process's environment) win over the defaults chosen here.
     """
     if config.ingress == "proxy":
         return serve_env("proxy")
     ports = tuple(free_ports(config.host, 2, avoid={config.http_port, config.grpc_port})) if on_head else None
-    env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S)
+    threads = haproxy_threads(os.cpu_count() or 1) if on_head else None
+    env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S, threads=threads)
     if on_head:
         # HAProxy's stats page and exporter: their usual ports when free, else spare ones
         # (a second service on the machine would otherwise stop HAProxy from starting).

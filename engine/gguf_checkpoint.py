@@ -100,13 +100,31 @@ def open_gguf(path: "str | Path | GGUFFile") -> "GGUFFile":
     return path if isinstance(path, GGUFFile) else GGUFFile(path)
 
 
+class FastReader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map.
+
+    The reader slices the metadata one value at a time (a 49k-token vocabulary and its
+    merges: about 250k slices), and each slice of an ``np.memmap`` runs the subclass's
+    ``__array_finalize__``: on SmolLM2's file that was 2.1 of 3.6 s. A plain view of the
+    same pages reads the same bytes (tensors stay memory-mapped) in 1.5 s.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:  # the base class assigns its np.memmap here
+        self._data = value.view(np.ndarray)
+
+
 class GGUFFile:
     """One GGUF file, its metadata read once; tensors are memory-mapped until dequantized."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            self._reader = FastReader(self.path)
         except (ValueError, OSError) as e:
             raise ValueError(f"cannot read GGUF file {self.path}: {e}") from e
         self.architecture = self._get("general.architecture")

@@ -5,8 +5,9 @@ Checkpoints (session): ``tandem_home``, ``default_model``, ``tiny_model``.
 
 A live service, for a module:
 
-- ``ray_cluster``: a local Ray per module (2 CPUs, no dashboard), always shut down when
-  the module ends, so no module sees another's actors, Serve app or leftovers.
+- ``ray_cluster``: the session's local Ray (2 CPUs, no dashboard; ``ray_session``, shut
+  down when the session ends), cleared when the module ends, so no module sees
+  another's actors, Serve app or leftovers.
 - ``service``: the whole service on ``tiny_model``, started once per module with the
   keywords of ``running_service`` that the ``service_settings`` fixture returns (none by
   default: a module or package overrides ``service_settings`` to change them).
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_blocks_freed, build_hf_checkpoint, local_ray, running_service
+from tests.helpers import assert_blocks_freed, build_hf_checkpoint, clear_ray, local_ray, running_service
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
@@ -76,11 +77,20 @@ def metrics_dir(tmp_path_factory) -> Iterator[str]:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tandem_home, metrics_dir):
-    """A local Ray for this module (2 CPUs, no dashboard), shut down when it ends."""
+@pytest.fixture(scope="session")
+def ray_session(tandem_home, metrics_dir):
+    """One local Ray for the session (2 CPUs, no dashboard), shut down when it ends:
+    starting and stopping one costs about 10 s of CPU, once per module otherwise."""
     with local_ray(tandem_home, metrics_dir, num_cpus=2) as ray:
         yield ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session):
+    """The session's Ray for this module, left clean when it ends (``clear_ray``): no
+    Serve, named actor or live actor of the module is there for the next one."""
+    yield ray_session
+    clear_ray()
 
 
 @pytest.fixture(scope="module")

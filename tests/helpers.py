@@ -356,6 +356,33 @@ def local_ray(tandem_home: Path, metrics_dir: str, num_cpus: int = 2) -> Iterato
         ray.shutdown()
 
 
+def clear_ray(timeout_s: float = PATIENCE_S) -> None:
+    """Leave the shared Ray as a module found it: Serve shut down, every named actor
+    (detached controllers included) killed, and no actor alive.
+
+    Unnamed actors die with their last handle; one still alive after ``timeout_s`` is a
+    leak, reported by class name so the module that made it can be found.
+    """
+    import gc
+
+    import ray
+    from ray._private.state import actors  # Ray's GCS actor table; the state API needs the dashboard
+
+    if any(a["namespace"] == "serve" for a in ray.util.list_named_actors(all_namespaces=True)):
+        from ray import serve
+
+        serve.shutdown()
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        with contextlib.suppress(ValueError):  # gone meanwhile
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
+    gc.collect()  # handles in reference cycles keep their actors
+
+    def alive() -> list[str]:
+        return sorted(a["ActorClassName"] for a in actors().values() if a["State"] != "DEAD")
+
+    wait_for(lambda: not alive(), timeout_s, lambda: f"no actor left alive; still alive: {alive()}", every_s=0.2)
+
+
 def free_port() -> int:
     """A port free now, outside the ephemeral range (see ``cluster.service.SPARE_PORTS``):
     the service binds it tens of seconds later, after its workers opened connections."""

@@ -36,7 +36,7 @@ from tests.helpers import PATIENCE_S, async_wait_for, running_service
 
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
-N = 60  # requests per scenario
+N = 40  # requests per scenario
 CONCURRENCY = 8
 DEADLINE_S = 120.0  # per request: past this it counts as hung
 CLIENT_RETRIES = 2

@@ -316,6 +316,7 @@ def test_every_ray_container_runs_the_ingress_the_app_asks_for(chart, rendered):
         for c in _containers(rs):
             env = {e["name"]: e.get("value") for e in c["env"]}
             assert env["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0"), (ingress, c["name"])
+            assert env.get("RAY_SERVE_HAPROXY_NBTHREAD") == ("1" if ingress == "haproxy" else None), c["name"]
             check_environment(app["args"]["ingress"], env)
         head_ports = {p["name"] for p in _containers(rs)[0]["ports"]}
         assert ({"haproxy-stats", "haproxy-metrics"} <= head_ports) == (ingress == "haproxy"), head_ports
@@ -711,6 +712,7 @@ def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema
         ({"serve": {"topology": {"decode_workers": 0}}}, "decode_workers"),
         ({"serve": {"placement": "random"}}, "placement"),
         ({"serve": {"ingress": "nginx"}}, "ingress"),
+        ({"serve": {"haproxyThreads": 0}}, "haproxyThreads"),
         ({"metrics": {"port": 70000}}, "port"),
         ({"prefill": {"rayResources": {"tandem_prefill": -1}}}, "tandem_prefill"),
         ({"serve": {"startTimeoutSeconds": 0}}, "startTimeoutSeconds"),

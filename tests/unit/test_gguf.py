@@ -77,6 +77,25 @@ def test_an_f32_file_gives_back_the_original_checkpoint_exactly(tmp_path, hf_lla
     assert torch.equal(v, original["model.layers.0.self_attn.v_proj.weight"])
 
 
+def test_the_reader_sees_what_ggufs_own_reader_sees(tmp_path, hf_llama):
+    """``GGUFFile`` reads through a plain view of the memory map (fast): every field's
+    parts and every tensor's bytes are those of gguf's own reader."""
+    import gguf
+    import numpy as np
+
+    from engine.gguf_checkpoint import GGUFFile
+
+    path = build_gguf(tmp_path / "llama.gguf", hf_llama, "llama", "Q8_0")
+    ours, theirs = GGUFFile(path)._reader, gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.types == field.types and mine.data == field.data, key
+        assert len(mine.parts) == len(field.parts) and all(map(np.array_equal, mine.parts, field.parts)), key
+    assert [(t.name, t.tensor_type) for t in ours.tensors] == [(t.name, t.tensor_type) for t in theirs.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors))
+
+
 def test_the_gguf_tokenizer_encodes_like_tokenizer_json_and_transformers(tmp_path, hf_llama):
     from transformers import AutoTokenizer
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cluster import flags
@@ -11,8 +13,10 @@ from cluster.ingress import (
     FALLBACK_GRPC_PORT,
     FALLBACK_HTTP_PORT,
     MIN_DRAIN_S,
+    THREADS,
     check_environment,
     describe,
+    haproxy_threads,
     ingress_from_env,
     serve_env,
 )
@@ -34,15 +38,23 @@ def test_serve_env_turns_haproxy_on_or_explicitly_off():
     assert env == {ENABLE_HAPROXY: "1", FALLBACK_HTTP_PORT: "41000", FALLBACK_GRPC_PORT: "41001", MIN_DRAIN_S: "2"}
 
 
+def test_haproxy_gets_a_thread_per_four_cpus_from_one_to_four():
+    assert [haproxy_threads(n) for n in (1, 2, 4, 7, 8, 16, 96)] == [1, 1, 1, 1, 2, 4, 4]
+    assert serve_env("haproxy", threads=2)[THREADS] == "2"
+    assert THREADS not in serve_env("proxy") and THREADS not in serve_env("haproxy")
+
+
 def test_the_controller_env_picks_free_backup_ports_on_the_head_and_keeps_exported_values():
     env = controller_env(ServiceConfig(), on_head=True, environ={})
     assert env[ENABLE_HAPROXY] == "1" and env[MIN_DRAIN_S] == "2"
     assert int(env[FALLBACK_HTTP_PORT]) != int(env[FALLBACK_GRPC_PORT]), env
+    assert env[THREADS] == str(haproxy_threads(os.cpu_count() or 1)), env
     remote = controller_env(ServiceConfig(), on_head=False, environ={})
     assert FALLBACK_HTTP_PORT not in remote, "off the head this process cannot tell which ports are free"
-    exported = {MIN_DRAIN_S: "30", FALLBACK_HTTP_PORT: "8500", ENABLE_HAPROXY: "0"}
+    assert THREADS not in remote, "off the head this process cannot tell the head's CPUs"
+    exported = {MIN_DRAIN_S: "30", FALLBACK_HTTP_PORT: "8500", ENABLE_HAPROXY: "0", THREADS: "3"}
     env = controller_env(ServiceConfig(), on_head=True, environ=exported)
-    assert (env[MIN_DRAIN_S], env[FALLBACK_HTTP_PORT], env[ENABLE_HAPROXY]) == ("30", "8500", "1"), env
+    assert (env[MIN_DRAIN_S], env[FALLBACK_HTTP_PORT], env[ENABLE_HAPROXY], env[THREADS]) == ("30", "8500", "1", "3")
     assert controller_env(ServiceConfig(ingress="proxy"), on_head=True, environ={}) == {ENABLE_HAPROXY: "0"}
 
 

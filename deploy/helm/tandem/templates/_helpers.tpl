@@ -56,6 +56,10 @@ its controller and in every proxy and replica it starts, on any pod. */}}
 {{- define "tandem.env" -}}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: {{ ternary "1" "0" (eq .Values.serve.ingress "haproxy") | quote }}
+{{- if eq .Values.serve.ingress "haproxy" }}
+- name: RAY_SERVE_HAPROXY_NBTHREAD
+  value: {{ .Values.serve.haproxyThreads | quote }}
+{{- end }}
 - name: TANDEM_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
 - name: PROMETHEUS_MULTIPROC_DIR   # every Tandem process on the pod writes its metrics here
