@@ -215,7 +215,6 @@ class Dispatcher:
         self._loads_at = float("-inf")  # event-loop time of the last load reports
         self._refreshing: asyncio.Future | None = None
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
-        self._affinities: dict[str, Affinity] = {}  # request id -> the group it shares a prompt with
         self._prefixes = PrefixIndex()
         self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}")
 
@@ -307,14 +306,11 @@ class Dispatcher:
             yield StreamDelta.failure(rid, ErrorKind.INVALID, f"request_id {rid!r} is already in flight")
             return
         inbox = self._inflight[rid] = Inbox()
-        if affinity is not None:
-            self._affinities[rid] = affinity
         try:
-            async for delta in self._run(rid, prompt_token_ids, params, inbox):
+            async for delta in self._run(rid, prompt_token_ids, params, inbox, affinity):
                 yield delta
         finally:
             del self._inflight[rid]
-            self._affinities.pop(rid, None)
 
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._inflight
@@ -331,14 +327,16 @@ class Dispatcher:
             inbox.put(_ABORTED)  # its stream's task aborts it everywhere
         return inbox is not None
 
-    async def _run(self, rid, prompt_token_ids, params, inbox: Inbox) -> AsyncIterator[StreamDelta]:
+    async def _run(
+        self, rid, prompt_token_ids, params, inbox: Inbox, affinity: Affinity | None
+    ) -> AsyncIterator[StreamDelta]:
         sent: list[int] = []  # tokens that reached the client
         failed: set[str] = set()  # worker keys this request died on
         reruns = migrations = 0
         while True:
             blocks = -(-(len(prompt_token_ids) + len(sent) + 1) // self.config.block_size)
             try:
-                decode = await self._start(rid, prompt_token_ids, params, blocks, failed, inbox, sent)
+                decode = await self._start(rid, prompt_token_ids, params, blocks, failed, inbox, sent, affinity)
             except NoCapacityError as e:
                 yield StreamDelta.failure(rid, ErrorKind.NO_CAPACITY, str(e))
                 return
@@ -390,7 +388,9 @@ class Dispatcher:
                     return
                 log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, reruns + 1)
 
-    async def _start(self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int]) -> WorkerRef:
+    async def _start(
+        self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None
+    ) -> WorkerRef:
         """Place the request on a decode worker, its deltas routed to ``inbox``.
 
         ``resume``: tokens already streamed (a migrated request). A prefill worker computes
@@ -403,8 +403,7 @@ class Dispatcher:
         while True:
             await self._fresh_loads()
             # Colocated, the decode worker holds the prompt's cache; disaggregated, the prefill worker.
-            affinity = self._affinities.get(rid) if not self._prefill() else None
-            decode = self._choose_decode(blocks, exclude, affinity)
+            decode = self._choose_decode(blocks, exclude, None if self._prefill() else affinity)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
@@ -425,7 +424,7 @@ class Dispatcher:
                     # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
-                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume))
+                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume), affinity)
                     return decode
                 self.subscriptions.close(decode, rid)
             if loop.time() > deadline:
@@ -434,8 +433,10 @@ class Dispatcher:
                 )
             await asyncio.sleep(self.config.load_poll_s)
 
-    def _start_prefill(self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int]) -> None:
-        prefill = self._choose_prefill(prompt + resume, self._affinities.get(rid))
+    def _start_prefill(
+        self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None
+    ) -> None:
+        prefill = self._choose_prefill(prompt + resume, affinity)
         if prefill is None:
             decode.handle.transfer_failed.remote(rid)  # no prefill worker: policy decides
             return
