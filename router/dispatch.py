@@ -349,7 +349,7 @@ class Dispatcher:
                     item = await inbox.get()
                     if item is _ABORTED:
                         self._abort_everywhere(rid)
-                        yield _aborted_delta(rid, len(prompt_token_ids), len(sent))
+                        yield aborted_delta(rid, len(prompt_token_ids), len(sent))
                         return
                     if isinstance(item, WorkerDied):
                         raise item
@@ -463,7 +463,8 @@ class Dispatcher:
                 pass
 
 
-def _aborted_delta(rid: str, num_prompt_tokens: int, num_output_tokens: int) -> StreamDelta:
+def aborted_delta(rid: str, num_prompt_tokens: int, num_output_tokens: int) -> StreamDelta:
+    """The last delta of a request aborted after ``num_output_tokens`` tokens."""
     return StreamDelta(
         request_id=rid,
         token_ids=[],

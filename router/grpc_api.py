@@ -33,7 +33,7 @@ _CODES = {
 _GUIDED = ("guided_json", "guided_regex", "guided_grammar")
 _OPTIONAL = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "logprobs",
+    "presence_penalty", "frequency_penalty", "seed", "logprobs", "n", "prompt_logprobs",
 )
 
 
@@ -42,7 +42,8 @@ def status_code(error: ApiError) -> grpc.StatusCode:
 
 
 def prepare(request: pb.GenerateRequest, model: ServedModel, tokenizer) -> PreparedRequest:
-    """Validate a GenerateRequest through the same rules as an HTTP completion."""
+    """Validate a GenerateRequest through the same rules as an HTTP completion (its
+    ``n`` included: ``router.validation.choices`` makes the choices)."""
     which = request.WhichOneof("prompt")
     if which is None:
         raise ApiError(400, "prompt: set either text or token_ids", param="prompt")
@@ -75,9 +76,11 @@ def prepare(request: pb.GenerateRequest, model: ServedModel, tokenizer) -> Prepa
     return prepare_completion(body, model, tokenizer)
 
 
-def response(delta) -> pb.GenerateResponse:
+def response(delta, request_id: str, prompt_token_ids: list[int], index: int = 0) -> pb.GenerateResponse:
+    """A delta of choice ``index`` of request ``request_id`` (whose prompt is
+    ``prompt_token_ids``) as a GenerateResponse."""
     msg = pb.GenerateResponse(
-        request_id=delta.request_id,
+        request_id=request_id,
         token_ids=delta.token_ids,
         text=delta.text,
         finished=delta.finished,
@@ -87,12 +90,26 @@ def response(delta) -> pb.GenerateResponse:
             completion_tokens=delta.num_output_tokens,
             cached_tokens=delta.num_cached_tokens,
         ),
+        index=index,
     )
     for token, logprob, top in delta.logprobs or ():
-        msg.logprobs.add(
-            token_id=token, logprob=logprob, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top]
-        )
+        msg.logprobs.add(token_id=token, logprob=logprob, top=_top(top))
+    if delta.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(prompt_logprobs(prompt_token_ids, delta.prompt_logprobs))
     return msg
+
+
+def prompt_logprobs(prompt_token_ids: list[int], entries: list) -> list[pb.PromptTokenLogprob]:
+    """A delta's prompt logprobs (None for the first token, then (token, logprob, rank,
+    top) tuples) as one ``PromptTokenLogprob`` a prompt token, the first without a logprob."""
+    out = [pb.PromptTokenLogprob(token_id=prompt_token_ids[0])]
+    for token, logprob, rank, top in entries[1:]:
+        out.append(pb.PromptTokenLogprob(token_id=token, logprob=logprob, rank=rank, top=_top(top)))
+    return out
+
+
+def _top(top) -> list[pb.TopLogprob]:
+    return [pb.TopLogprob(token_id=i, logprob=v) for i, v in top]
 
 
 def model_info(model: ServedModel) -> pb.ModelInfo:

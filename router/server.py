@@ -17,11 +17,13 @@ A chat request that may call tools (``PreparedRequest.tools``) streams through a
 of its own (``_sse_tools``), so that every other stream keeps the lean one (``_sse``).
 
 A request of several choices (a completions request with a list of prompts, and either
-endpoint's ``n`` > 1) is a request a choice (``router.validation.choices``), admitted
-together (or refused together), run side by side by ``Fanout`` and answered as one
-response whose choices (or interleaved chunks) carry each choice's index. A prompt is
-prefilled once: its first choice starts alone, the others once its first delta came
-(the prompt's blocks are then cached), placed with it (``router.dispatch.Affinity``).
+endpoint's or gRPC Generate's ``n`` > 1) is a request a choice
+(``router.validation.choices``), admitted together (or refused together), run side by
+side by ``Fanout`` and answered as one response whose choices (or interleaved chunks
+or messages) carry each choice's index; a gRPC Abort of its id ends every choice. A
+prompt is prefilled once: its first choice starts alone, the others once its first
+delta came (the prompt's blocks are then cached), placed with it
+(``router.dispatch.Affinity``).
 
 A client that goes away cancels the handler; the dispatcher then aborts the request on
 both workers. The replica learns the live workers from the cluster controller (an
@@ -59,7 +61,7 @@ from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from engine.messages import ErrorKind, StreamDelta
-from router.dispatch import Affinity, Dispatcher, DispatchConfig
+from router.dispatch import Affinity, Dispatcher, DispatchConfig, aborted_delta
 from router.grammar_check import GrammarChecker
 from router.openai_api import Accumulator, Envelope, echo_logprobs, model_list, prompt_logprobs_json, sse
 from router.tokenization import detokenize, tokenize
@@ -157,6 +159,7 @@ class RouterCore:
         dispatch = dataclasses.replace(config.dispatch, **dispatch_settings)
         self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch, self.metrics)
         self.grammars = GrammarChecker()
+        self.fanouts: dict[str, Fanout] = {}  # request id -> its choices, for a request of several in flight
 
     @classmethod
     def connect(cls, controller, config: RouterConfig) -> "RouterCore":
@@ -222,6 +225,20 @@ class RouterCore:
 
     def release(self, ticket: Ticket) -> None:
         self.admission.release(ticket, time.monotonic())
+
+    # -- requests by id (gRPC) -------------------------------------------------
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self.fanouts or self.dispatcher.in_flight(rid)
+
+    def abort(self, rid: str) -> bool:
+        """Abort request ``rid`` (each of its choices, when it has several); returns
+        whether it was in flight here."""
+        fan = self.fanouts.get(rid)
+        if fan is None:
+            return self.dispatcher.abort(rid)
+        fan.abort()
+        return True
 
     async def run(
         self, prepared: PreparedRequest, rid: str, ticket: Ticket,
@@ -330,6 +347,7 @@ class Fanout:
     admission ticket however it ends; ``close`` stops those still going (which aborts
     their requests). A run that raises raises from ``next``. ``firsts`` (one event a
     run, optional): set when the run's first delta came, or when it ended without one.
+    ``abort`` ends the fan-out at once: ``next`` returns None from then on.
     """
 
     def __init__(self, runs: list[AsyncIterator], firsts: list[asyncio.Event] | None = None) -> None:
@@ -337,6 +355,7 @@ class Fanout:
         self._left = len(runs)
         firsts = firsts or [asyncio.Event() for _ in runs]
         self._closing: asyncio.Future | None = None
+        self.aborted = False
         self._tasks = [asyncio.ensure_future(self._pump(i, run, firsts[i])) for i, run in enumerate(runs)]
 
     async def _pump(self, i: int, run, first: asyncio.Event) -> None:
@@ -353,15 +372,21 @@ class Fanout:
             first.set()  # a run waiting on this one goes on without the cache
 
     async def next(self) -> tuple[int, StreamDelta] | None:
-        """The next (place, delta); None once every run is over."""
-        while self._left:
+        """The next (place, delta); None once every run is over, or once aborted."""
+        while self._left and not self.aborted:
             i, delta = await self._queue.get()
             if isinstance(delta, Exception):
                 raise delta
             if delta is not None:
                 return i, delta
-            self._left -= 1
+            self._left -= 1  # run i is over (or, aborted, all are)
         return None
+
+    def abort(self) -> None:
+        """End the fan-out: ``next`` returns None, however many runs are still going
+        (``close`` stops them)."""
+        self.aborted = True
+        self._queue.put_nowait((None, None))  # wakes a ``next`` that waits
 
     async def close(self) -> None:
         """Stop the runs still going and wait for them. Shielded: a client gone cancels
@@ -635,33 +660,69 @@ class Router:
     async def Generate(self, request, grpc_context):
         core = self.core
         try:
-            core.check_key(_grpc_key(grpc_context))
-            _well_formed(request, grpc_context)
-            try:
-                size, limit = request.ByteSize(), core.config.max_body_bytes
-                if size > limit:  # Serve's proxy takes messages up to 2 GiB; don't tokenize them
-                    raise ApiError(413, f"the request is {size} bytes, over the limit of {limit} bytes")
-                prepared = grpc_api.prepare(request, core.model, core.tokenizer)
-                await core.check_structured_output(prepared)
-            except ApiError:
-                core.metrics.on_rejected("invalid_request")
-                raise
-            rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
-            if core.dispatcher.in_flight(rid):
-                raise ApiError(400, f"request_id {rid!r} is already in flight", param="request_id")
-            ticket = core.admit(prepared)
+            prepared, rid = await self._grpc_prepare(request, grpc_context)
+            if prepared.n > 1:
+                every = choices([prepared])
+                tickets = core.admit_all(every, prepared.n)
+            else:
+                ticket = core.admit(prepared)
         except ApiError as e:
             _fail(grpc_context, grpc_api.status_code(e), e.message)
+        if prepared.n > 1:
+            async with aclosing(self._grpc_choices(every, tickets, rid, grpc_context)) as messages:
+                async for message in messages:
+                    yield message
+            return
         async with aclosing(core.run(prepared, rid, ticket)) as deltas:
             async for delta in deltas:
                 if delta.error:
                     _fail(grpc_context, grpc_api.status_code(_server_error(delta)), delta.error)
-                yield grpc_api.response(delta)
+                yield grpc_api.response(delta, rid, prepared.prompt_token_ids)
+
+    async def _grpc_prepare(self, request, grpc_context) -> tuple[PreparedRequest, str]:
+        """The request validated (ApiError naming the field) and its id, after auth."""
+        core = self.core
+        core.check_key(_grpc_key(grpc_context))
+        _well_formed(request, grpc_context)
+        try:
+            size, limit = request.ByteSize(), core.config.max_body_bytes
+            if size > limit:  # Serve's proxy takes messages up to 2 GiB; don't tokenize them
+                raise ApiError(413, f"the request is {size} bytes, over the limit of {limit} bytes")
+            prepared = grpc_api.prepare(request, core.model, core.tokenizer)
+            await core.check_structured_output(prepared)
+        except ApiError:
+            core.metrics.on_rejected("invalid_request")
+            raise
+        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        if core.in_flight(rid):
+            raise ApiError(400, f"request_id {rid!r} is already in flight", param="request_id")
+        return prepared, rid
+
+    async def _grpc_choices(self, every: list[Choice], tickets: list[Ticket], rid: str, grpc_context):
+        """The messages of a request of several choices, interleaved, each with its index.
+        An Abort of ``rid`` stops them all, and each choice not finished ends with "abort"."""
+        core, prompt = self.core, every[0].prepared.prompt_token_ids
+        fan = core.fanouts[rid] = _fan_out(core, every, tickets, rid)
+        sent: list[int | None] = [0] * len(every)  # each choice's tokens so far; None once finished
+        try:
+            while (item := await fan.next()) is not None:
+                i, delta = item
+                if delta.error:
+                    _fail(grpc_context, grpc_api.status_code(_server_error(delta)), delta.error)
+                sent[i] = None if delta.finished else delta.num_output_tokens
+                yield grpc_api.response(delta, rid, prompt, i)
+            await fan.close()  # aborted: stop the choices (aborting them on the workers), then say so
+            for i, tokens in enumerate(sent):
+                if tokens is not None:
+                    yield grpc_api.response(aborted_delta(rid, len(prompt), tokens), rid, prompt, i)
+        finally:
+            del core.fanouts[rid]
+            await fan.close()
 
     async def Abort(self, request, grpc_context):
         self._grpc_auth(grpc_context)
         _well_formed(request, grpc_context)
-        return pb.AbortResponse(found=self.core.dispatcher.abort(request.request_id))
+        return pb.AbortResponse(found=self.core.abort(request.request_id))
 
     async def GetModelInfo(self, request, grpc_context):
         self._grpc_auth(grpc_context)

@@ -122,9 +122,13 @@ def check_generate(channel, request: pb.GenerateRequest, oracle, test: str) -> N
         return
     assert code == grpc.StatusCode.OK, (code, details)
     messages = [pb.GenerateResponse.FromString(m) for m in out]
-    assert messages and messages[-1].finished and messages[-1].finish_reason in ("length", "stop"), messages[-1:]
-    assert 1 <= messages[-1].usage.completion_tokens <= CAP
-    assert not any(m.finished for m in messages[:-1])
+    n = request.sampling.n if request.sampling.HasField("n") else 1
+    assert {m.index for m in messages} == set(range(n)), ([m.index for m in messages], n)
+    for i in range(n):
+        mine = [m for m in messages if m.index == i]
+        assert mine[-1].finished and mine[-1].finish_reason in ("length", "stop"), (i, mine[-1:])
+        assert 1 <= mine[-1].usage.completion_tokens <= CAP
+        assert not any(m.finished for m in mine[:-1])
 
 
 # -- strategies ----------------------------------------------------------------
@@ -158,6 +162,8 @@ sampling = st.builds(
     stop_token_ids=st.lists(u32, max_size=3),
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 25), u32),
+    prompt_logprobs=st.one_of(st.none(), st.integers(0, 25), u32),
+    n=st.one_of(st.none(), st.integers(0, 20), u32),
     min_tokens=st.one_of(st.integers(0, 4), u32),
     logit_bias=st.dictionaries(u32, doubles, max_size=3),
     allowed_token_ids=token_ids,
@@ -174,6 +180,8 @@ valid_sampling = st.builds(
     stop_token_ids=st.lists(st.integers(0, 4095), max_size=3),
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    prompt_logprobs=st.one_of(st.none(), st.integers(0, 20)),
+    n=st.one_of(st.none(), st.integers(1, 3)),
     min_tokens=st.integers(0, 3),
     logit_bias=st.dictionaries(st.integers(0, 4095), st.floats(-100, 100), max_size=3),
     allowed_token_ids=st.lists(st.integers(0, 4095), max_size=5),

@@ -96,3 +96,23 @@ def test_close_stops_every_run_even_when_its_caller_is_cancelled_again():
         return list(closed)  # now: asyncio.run would close what is left on its way out
 
     assert sorted(asyncio.run(main())) == ["a", "b"], "every run must be stopped (its request aborted)"
+
+
+def test_abort_ends_next_at_once_and_close_then_stops_every_run():
+    async def main():
+        closed: list[str] = []
+        gate = asyncio.Event()
+        fan = Fanout([_run("a", 3, closed, gate), _run("b", 3, closed, gate)])
+        waiting = asyncio.create_task(fan.next())  # the runs wait on the gate: nothing comes
+        await asyncio.sleep(0.01)
+        fan.abort()
+        ended = await asyncio.wait_for(waiting, 1)
+        gate.set()  # deltas that come after the abort are not handed out
+        await asyncio.sleep(0.01)
+        after = await fan.next()
+        await fan.close()
+        return ended, after, fan.aborted, closed
+
+    ended, after, aborted, closed = asyncio.run(main())
+    assert (ended, after, aborted) == (None, None, True), "an aborted fan-out hands out nothing more"
+    assert sorted(closed) == ["a", "b"], "close must stop every run of an aborted fan-out"

@@ -6,10 +6,12 @@ import pytest
 
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from router.validation import (
+    MAX_N,
     MAX_PROMPTS,
     ApiError,
     ServedModel,
     check_api_key,
+    choices,
     parse_json,
     prepare_chat,
     prepare_completion,
@@ -357,3 +359,26 @@ def test_grpc_requests_carry_the_same_output_constraints_and_token_controls():
                             ({"guided_regex": "a", "guided_grammar": 'root ::= "a"'}, "guided_grammar")):
         e = error_of(prepared, **sampling)
         assert (e.status, e.param) == (400, param), e.message
+
+
+def test_grpc_n_and_prompt_logprobs_go_through_the_http_rules():
+    import grpc
+
+    from protos.tandem.v1 import generate_pb2 as pb
+    from router import grpc_api
+
+    def prepared(**sampling):
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))
+        return grpc_api.prepare(request, MODEL, FakeTokenizer())
+
+    assert prepared().n == 1 and prepared().params.prompt_logprobs is None, "unset: one choice, no prompt logprobs"
+    req = prepared(n=3, seed=7, prompt_logprobs=2)
+    assert req.n == 3 and req.params.prompt_logprobs == 2
+    assert [c.prepared.params.seed for c in choices([req])] == [7, 8, 9], "choice i samples with seed + i"
+    assert prepared(n=MAX_N).n == MAX_N
+    for sampling, param, words in (({"n": 0}, "n", "n must be in [1, 16], got 0"),
+                                   ({"n": MAX_N + 1}, "n", "n must be in [1, 16], got 17"),
+                                   ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be <= 20")):
+        e = error_of(prepared, **sampling)
+        assert (e.status, e.param) == (400, param) and words in e.message, e.message
+        assert grpc_api.status_code(e) == grpc.StatusCode.INVALID_ARGUMENT

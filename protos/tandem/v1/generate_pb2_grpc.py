@@ -56,8 +56,8 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the request's tokens; each message holds everything produced since the
-        previous one. The last message has `finished` set. A cancelled call aborts the
-        request on every worker.
+        previous one, for one choice (`index`). Each choice's last message has `finished`
+        set. A cancelled call aborts the request (every choice) on every worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -65,7 +65,7 @@ class GenerationServicer:
 
     def Abort(self, request, context):
         """Aborts an in-flight request by id; its Generate stream ends with
-        finish_reason "abort".
+        finish_reason "abort" (each choice's, when it has several).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
