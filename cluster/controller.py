@@ -142,6 +142,7 @@ class ClusterController:
             "max_kv_blocks": min(s["num_blocks"] for s in stats),
             "prefill_workers": self.config.prefill_workers,
             "decode_workers": self.config.decode_workers,
+            "scheduling_policy": engine.policy,
         }
 
     def model_info(self) -> dict:

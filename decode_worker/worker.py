@@ -75,20 +75,24 @@ class DecodeWorker(WorkerBase):
 
     async def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output: list[int] = (),
+        resume_output: list[int] = (), priority: int = 0,
     ) -> Reservation | None:
         """Reserve blocks for the prompt's KV; None when this worker has no room now.
 
         The request's deltas will go to ``subscriber``'s stream (``subscribe``).
         ``resume_output``: a migrated stream's tokens so far, whose KV comes with the prompt's.
+        ``priority``: the request's place in the scheduler's order (lower goes first).
         """
-        return await self.runtime.call(self._reserve, request_id, prompt_token_ids, params, subscriber, resume_output)
+        return await self.runtime.call(
+            self._reserve, request_id, prompt_token_ids, params, subscriber, resume_output, priority
+        )
 
     def _reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str, resume_output=()
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
+        resume_output=(), priority: int = 0,
     ) -> Reservation | None:
         blocks = self.engine.add_remote_request(
-            prompt_token_ids, params, request_id=request_id, resume_output=resume_output
+            prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )
         if blocks is None:
             self.runtime.abort_now(request_id)
@@ -295,16 +299,21 @@ class DecodeWorker(WorkerBase):
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output: list[int] = (),
+        resume_output: list[int] = (), priority: int = 0,
     ) -> None:
         """Run the whole request here (colocated mode, or a stream migrated from a dead
-        worker, ``resume_output`` being the tokens it had sent); deltas go to ``subscriber``."""
-        await self.runtime.call(self._submit, request_id, prompt_token_ids, params, subscriber, resume_output)
+        worker, ``resume_output`` being the tokens it had sent); deltas go to ``subscriber``.
+        ``priority``: the request's place in the scheduler's order (lower goes first)."""
+        await self.runtime.call(
+            self._submit, request_id, prompt_token_ids, params, subscriber, resume_output, priority
+        )
 
-    def _submit(self, request_id, prompt_token_ids, params, subscriber: str, resume_output) -> None:
+    def _submit(self, request_id, prompt_token_ids, params, subscriber: str, resume_output, priority: int) -> None:
         self.runtime.route(request_id, subscriber)
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id=request_id, resume_output=resume_output)
+            self.engine.add_request(
+                prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
+            )
         except BaseException:
             self.runtime.unroute(request_id)
             raise

@@ -61,6 +61,7 @@ class PrefillWorker(WorkerBase):
         decode_worker,
         reservation,
         resume_output: list[int] = (),
+        priority: int = 0,
     ) -> PrefillResult:
         """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``.
 
@@ -69,7 +70,8 @@ class PrefillWorker(WorkerBase):
         first token. ``resume_output``: a migrated stream's tokens so far. They are
         prefilled with the prompt (the prompt's blocks usually come from the prefix
         cache), and the token sampled is the one after them, at its place in the seeded
-        random stream.
+        random stream. ``priority``: the request's place in the scheduler's order (lower
+        goes first).
         """
         t0 = time.perf_counter()
         meta = TransferMeta(
@@ -82,7 +84,9 @@ class PrefillWorker(WorkerBase):
             deadline=reservation.deadline,
         )
         parts = _Parts(asyncio.get_running_loop()) if self.backend.paged and self.transfer.pipeline else None
-        final, landed, t_done = await self._compute(meta, prompt_token_ids, params, resume_output, decode_worker, parts)
+        final, landed, t_done = await self._compute(
+            meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority
+        )
         self._sending += 1
         try:
             num_blocks = len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]
@@ -106,7 +110,7 @@ class PrefillWorker(WorkerBase):
             error=error,
         )
 
-    async def _compute(self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts):
+    async def _compute(self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority):
         """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
         final output, how many blocks the parts landed (None: a part failed) and when the
         prefill itself ended."""
@@ -118,7 +122,8 @@ class PrefillWorker(WorkerBase):
         final = None
         try:
             async for out in self.runtime.generate(
-                prompt, first_params, rid, hold_kv=True, keep_blocks=paged, resume_output=resume_output
+                prompt, first_params, rid, priority=priority, hold_kv=True, keep_blocks=paged,
+                resume_output=resume_output,
             ):
                 final = out
         except BaseException:

@@ -294,12 +294,13 @@ class Dispatcher:
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-        affinity: Affinity | None = None,
+        affinity: Affinity | None = None, priority: int = 0,
     ) -> AsyncIterator[StreamDelta]:
         """Stream the request's deltas; the last one is finished (or carries an error).
 
         ``abort(request_id)`` from any task ends the stream with finish_reason "abort".
         ``affinity``: shared by requests of one prompt, to place them where its blocks are.
+        ``priority``: the engines' scheduling priority on both workers (lower goes first).
         """
         rid = request_id or f"d{next(self._ids)}"
         if rid in self._inflight:
@@ -307,7 +308,7 @@ class Dispatcher:
             return
         inbox = self._inflight[rid] = Inbox()
         try:
-            async for delta in self._run(rid, prompt_token_ids, params, inbox, affinity):
+            async for delta in self._run(rid, prompt_token_ids, params, inbox, affinity, priority):
                 yield delta
         finally:
             del self._inflight[rid]
@@ -328,15 +329,15 @@ class Dispatcher:
         return inbox is not None
 
     async def _run(
-        self, rid, prompt_token_ids, params, inbox: Inbox, affinity: Affinity | None
+        self, rid, prompt, params, inbox: Inbox, affinity: Affinity | None, priority: int
     ) -> AsyncIterator[StreamDelta]:
         sent: list[int] = []  # tokens that reached the client
         failed: set[str] = set()  # worker keys this request died on
         reruns = migrations = 0
         while True:
-            blocks = -(-(len(prompt_token_ids) + len(sent) + 1) // self.config.block_size)
+            blocks = -(-(len(prompt) + len(sent) + 1) // self.config.block_size)
             try:
-                decode = await self._start(rid, prompt_token_ids, params, blocks, failed, inbox, sent, affinity)
+                decode = await self._start(rid, prompt, params, blocks, failed, inbox, sent, affinity, priority)
             except NoCapacityError as e:
                 yield StreamDelta.failure(rid, ErrorKind.NO_CAPACITY, str(e))
                 return
@@ -349,7 +350,7 @@ class Dispatcher:
                     item = await inbox.get()
                     if item is _ABORTED:
                         self._abort_everywhere(rid)
-                        yield aborted_delta(rid, len(prompt_token_ids), len(sent))
+                        yield aborted_delta(rid, len(prompt), len(sent))
                         return
                     if isinstance(item, WorkerDied):
                         raise item
@@ -389,7 +390,8 @@ class Dispatcher:
                 log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, reruns + 1)
 
     async def _start(
-        self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None
+        self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None,
+        priority: int,
     ) -> WorkerRef:
         """Place the request on a decode worker, its deltas routed to ``inbox``.
 
@@ -408,9 +410,11 @@ class Dispatcher:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
                     if not self._prefill():
-                        await decode.handle.submit.remote(rid, prompt, params, subscriber, list(resume))
+                        await decode.handle.submit.remote(rid, prompt, params, subscriber, list(resume), priority)
                         return decode
-                    reservation = await decode.handle.reserve.remote(rid, prompt, params, subscriber, list(resume))
+                    reservation = await decode.handle.reserve.remote(
+                        rid, prompt, params, subscriber, list(resume), priority
+                    )
                 except RayActorError:
                     # Died before taking the request: place it elsewhere.
                     self.subscriptions.close(decode, rid)
@@ -424,7 +428,7 @@ class Dispatcher:
                     # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
-                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume), affinity)
+                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume), affinity, priority)
                     return decode
                 self.subscriptions.close(decode, rid)
             if loop.time() > deadline:
@@ -434,13 +438,14 @@ class Dispatcher:
             await asyncio.sleep(self.config.load_poll_s)
 
     def _start_prefill(
-        self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None
+        self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
+        priority: int,
     ) -> None:
         prefill = self._choose_prefill(prompt + resume, affinity)
         if prefill is None:
             decode.handle.transfer_failed.remote(rid)  # no prefill worker: policy decides
             return
-        ref = prefill.handle.prefill.remote(rid, prompt, params, decode.handle, reservation, resume)
+        ref = prefill.handle.prefill.remote(rid, prompt, params, decode.handle, reservation, resume, priority)
 
         async def watch() -> None:
             try:

@@ -33,7 +33,7 @@ _CODES = {
 _GUIDED = ("guided_json", "guided_regex", "guided_grammar")
 _OPTIONAL = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "logprobs", "n", "prompt_logprobs",
+    "presence_penalty", "frequency_penalty", "seed", "logprobs", "n", "prompt_logprobs", "priority",
 )
 
 

@@ -258,7 +258,10 @@ class RouterCore:
             if after is not None:
                 await after.wait()
                 start = last = time.monotonic()
-            async for delta in self.dispatcher.generate(prepared.prompt_token_ids, prepared.params, rid, affinity):
+            deltas = self.dispatcher.generate(
+                prepared.prompt_token_ids, prepared.params, rid, affinity, priority=prepared.priority
+            )
+            async for delta in deltas:
                 now = time.monotonic()
                 if delta.token_ids:
                     if ttft is None:

@@ -22,6 +22,10 @@ output.
 vLLM's token controls become SamplingParams fields: ``logit_bias`` (OpenAI's map of
 token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
 ``bad_words`` (strings, tokenized here into the sequences the sampler bans).
+
+``priority`` (vLLM's): an integer, lower served first, that the workers' schedulers
+order by when they run the ``priority`` policy. Under ``fcfs`` (the default) only 0
+is accepted, as vLLM does: a priority the server would ignore is a 400.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def check_api_key(expected: str | None, presented: str | None) -> None:
 
 MAX_PROMPTS = 64  # choices in one completions request (prompts × n); each is a request to admission
 MAX_N = 16  # choices of one prompt (``n``)
+MAX_PRIORITY = 2**31 - 1  # |priority| at most this: it fits gRPC's int32
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,7 @@ class ServedModel:
     max_kv_blocks: int  # the smallest KV pool among the workers: a prompt must fit it
     prefill_workers: int = 0
     decode_workers: int = 0
+    scheduling_policy: str = "fcfs"  # the workers' engine ``policy``: "priority" honors ``priority``
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
@@ -118,6 +124,7 @@ class PreparedRequest:
     echo_logprobs: bool = False
     tools: ToolPlan | None = None  # a chat request that may call tools: how to read its output
     n: int = 1  # choices to sample from this prompt (see ``choices``)
+    priority: int = 0  # lower is scheduled first (under the workers' ``priority`` policy)
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,7 @@ class _Body(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top tokens
+    priority: int = 0  # vLLM's: lower is served first, under the ``priority`` scheduling policy
 
 
 class StreamOptions(BaseModel):
@@ -318,6 +326,16 @@ def parse_as(model_cls: type[BaseModel], body: dict) -> Any:
 
 
 # -- sampling ------------------------------------------------------------------
+
+
+def _check_priority(b: _Body, model: ServedModel) -> None:
+    """``priority`` within +-MAX_PRIORITY, and 0 unless the workers schedule by it."""
+    if abs(b.priority) > MAX_PRIORITY:
+        raise ApiError(400, f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {b.priority}",
+                       param="priority")
+    if b.priority != 0 and model.scheduling_policy != "priority":
+        raise ApiError(400, f"priority is {b.priority}, but this server schedules requests "
+                       f"{model.scheduling_policy!r}, not by priority: leave it out or send 0", param="priority")
 
 
 def _check_n(b: _Body) -> None:
@@ -523,11 +541,12 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
 
 
 def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
-    """Parse a body and check what every endpoint checks: the model's name, ``n`` and
-    ``best_of``."""
+    """Parse a body and check what every endpoint checks: the model's name, ``n``,
+    ``best_of`` and ``priority``."""
     b = parse_as(model_cls, body)
     model.check_name(b.model)
     _check_n(b)
+    _check_priority(b, model)
     return b
 
 
@@ -541,7 +560,7 @@ def _prepared(
     controls = _token_controls(b, model, tokenizer)
     params = _sampling_params(b, max_tokens, len(ids), model, logprobs, structured_output=constraint, **controls)
     stream, usage = _stream_flags(b)
-    return PreparedRequest(ids, params, stream, usage, field, n=b.n)
+    return PreparedRequest(ids, params, stream, usage, field, n=b.n, priority=b.priority)
 
 
 # -- the two endpoints ---------------------------------------------------------

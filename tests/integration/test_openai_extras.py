@@ -1,11 +1,12 @@
 """vLLM's extras to the OpenAI API through the live service: the tokenizer endpoints,
 ``/version``, and the sampling controls (``logit_bias``, ``allowed_token_ids``,
-``bad_words``), echo, and the prompt's logprobs with the official ``openai`` client.
+``bad_words``), echo, the prompt's logprobs, and ``priority``, with the official
+``openai`` client.
 
-One service (1 prefill + 1 decode worker on the tiny random model) for the module, so
-every request takes the disaggregated path: the prefill worker samples the first token
-under the request's controls, the decode worker the rest. Every test ends with no KV
-blocks in use anywhere.
+One service (1 prefill + 1 decode worker on the tiny random model, both scheduling by
+the ``priority`` policy) for the module, so every request takes the disaggregated path:
+the prefill worker samples the first token under the request's controls, the decode
+worker the rest. Every test ends with no KV blocks in use anywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 @pytest.fixture(scope="module")
 def service_settings():
-    return {"prefill_workers": 1, "decode_workers": 1}
+    return {"prefill_workers": 1, "decode_workers": 1, "engine": {"num_kv_blocks": 512, "policy": "priority"}}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,45 @@ def test_grpc_carries_the_controls_and_refuses_bad_ones(stub, tokenizer):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(pb.GenerateRequest(text="x", sampling=sampling), timeout=120))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value.details()
+
+
+# -- priority ----------------------------------------------------------------------------
+
+
+def test_priority_reaches_both_workers_on_every_endpoint_and_leaves_the_tokens_alone(client, model_name, stub):
+    """Under the priority policy a priority orders requests, never changes their tokens:
+    each endpoint's greedy output with one equals its output without."""
+    from protos.tandem.v1 import generate_pb2 as pb
+
+    kwargs = dict(model=model_name, max_tokens=6, temperature=0.0)
+    prompt, messages = "Once upon a time", [{"role": "user", "content": "Once upon a time"}]
+
+    def completion(**extra):
+        return [c.text for c in client.completions.create(prompt=prompt, n=2, extra_body={"ignore_eos": True, **extra},
+                                                          **kwargs).choices]
+
+    def chat(**extra):
+        reply = client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True, **extra}, **kwargs)
+        return reply.choices[0].message.content
+
+    def grpc_ids(**extra):
+        sampling = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **extra)
+        return [t for m in stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling), timeout=120)
+                for t in m.token_ids]
+
+    for run in (completion, chat, grpc_ids):
+        plain = run()
+        for priority in (-5, 0, 7):
+            assert run(priority=priority) == plain, (run.__name__, priority)
+
+
+def test_a_priority_that_is_not_an_int_is_a_400_naming_it(client, model_name):
+    import openai
+
+    for priority in (True, 1.5, "1", 2**31):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model_name, prompt="hi", max_tokens=3, extra_body={"priority": priority})
+        assert e.value.body["param"] == "priority" and "priority" in e.value.body["message"], e.value.body
 
 
 # -- echo --------------------------------------------------------------------------------

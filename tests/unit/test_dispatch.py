@@ -24,23 +24,30 @@ class _Method:
 
 
 class _FakeDecode:
-    def __init__(self) -> None:
+    """A decode worker that reserves on ``release_reserve``; with ``room``, it hands out a
+    reservation (else None: no room now)."""
+
+    def __init__(self, room: bool = False) -> None:
+        self.room = room
         self.reserve_started = asyncio.Event()
         self.release_reserve = asyncio.Event()
         self.reserved: set[str] = set()
+        self.priorities: dict[str, int] = {}  # request id -> the priority it was reserved with
         self.aborted: list[str] = []
         self.load = _Method(self._load)
         self.reserve = _Method(self._reserve)
         self.abort = _Method(self._abort)
+        self.subscribe = _StreamingMethod(lambda subscriber: _Stream(asyncio.Queue()))
 
     async def _load(self):
         return DecodeLoad("decode-0", free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _reserve(self, rid, prompt, params, subscriber, resume=()):
+    async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0):
         self.reserve_started.set()
         await self.release_reserve.wait()
         self.reserved.add(rid)
-        return None  # no room: the dispatcher would wait and try again
+        self.priorities[rid] = priority
+        return f"reservation-{rid}" if self.room else None  # None: the dispatcher waits and tries again
 
     async def _abort(self, rid):
         self.aborted.append(rid)
@@ -50,8 +57,13 @@ class _FakeDecode:
 class _FakePrefill:
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.prefilled: dict[str, tuple] = {}  # request id -> (reservation, priority)
         self.load = _Method(self._load)
+        self.prefill = _Method(self._prefill)
         self.abort = _Method(self._abort)
+
+    async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0):
+        self.prefilled[rid] = (reservation, priority)
 
     async def _load(self):
         return PrefillLoad("prefill-0", 0, 0, 0, 0, 0)
@@ -84,6 +96,30 @@ def test_a_request_cancelled_while_its_blocks_are_being_reserved_is_aborted_on_e
     decode, prefill = asyncio.run(main())
     assert decode.aborted == ["r1"] and prefill.aborted == ["r1"]
     assert not decode.reserved, "the reservation must not outlive the request"
+
+
+def test_priority_reaches_the_decode_reservation_and_the_prefill():
+    async def main():
+        decode, prefill = _FakeDecode(room=True), _FakePrefill()
+        dispatcher = Dispatcher(
+            lambda: [WorkerRef("prefill-0", prefill)], lambda: [WorkerRef("decode-0", decode)], DispatchConfig()
+        )
+
+        async def consume():
+            async for _ in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), "r1", priority=-7):
+                pass
+
+        task = asyncio.create_task(consume())
+        decode.release_reserve.set()
+        await _until(lambda: "r1" in prefill.prefilled, "the prefill to be sent")
+        assert dispatcher.abort("r1")
+        await task
+        dispatcher.close()
+        return decode, prefill
+
+    decode, prefill = asyncio.run(main())
+    assert decode.priorities == {"r1": -7}, "the decode worker must reserve with the request's priority"
+    assert prefill.prefilled == {"r1": ("reservation-r1", -7)}, "the prefill worker must run it with it too"
 
 
 # -- token delivery over the per-worker subscription -------------------------------
@@ -128,6 +164,7 @@ class _FakeColocated:
         self.subscribers: list[str] = []
         self.submitted: list[str] = []
         self.resumed: list[list[int]] = []
+        self.priorities: list[int] = []
         self.aborted: list[str] = []
         self.load = _Method(self._load)
         self.submit = _Method(self._submit)
@@ -141,9 +178,10 @@ class _FakeColocated:
     async def _load(self):
         return DecodeLoad(self.worker_id, free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _submit(self, rid, prompt, params, subscriber, resume_output=()):
+    async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
         self.submitted.append(rid)
         self.resumed.append(list(resume_output))
+        self.priorities.append(priority)
 
     async def _abort(self, rid):
         self.aborted.append(rid)
@@ -161,10 +199,10 @@ def _colocated_dispatcher(*workers: _FakeColocated, **config) -> Dispatcher:
     return Dispatcher(lambda: [], lambda: [r for r in refs if r.handle.alive], DispatchConfig(**config))
 
 
-async def _collect(dispatcher: Dispatcher, rid: str, out: dict) -> None:
+async def _collect(dispatcher: Dispatcher, rid: str, out: dict, priority: int = 0) -> None:
     """Read request ``rid``'s stream into ``out[rid]``, delta by delta as they arrive."""
     deltas = out.setdefault(rid, [])
-    async for d in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), rid):
+    async for d in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), rid, priority=priority):
         deltas.append(d)
 
 
@@ -176,10 +214,12 @@ async def _until(cond, what: str) -> None:
     await async_wait_for(cond, PATIENCE_S, what)
 
 
-async def _started(dispatcher: Dispatcher, worker: _FakeColocated, rid: str = "r0") -> tuple[asyncio.Task, dict]:
+async def _started(
+    dispatcher: Dispatcher, worker: _FakeColocated, rid: str = "r0", priority: int = 0
+) -> tuple[asyncio.Task, dict]:
     """Request ``rid`` read in a task, once ``worker`` has it; its deltas gather in the dict."""
     out: dict = {}
-    task = asyncio.create_task(_collect(dispatcher, rid, out))
+    task = asyncio.create_task(_collect(dispatcher, rid, out, priority))
     await _until(lambda: worker.submitted == [rid], f"{rid} to reach {worker.worker_id}")
     return task, out
 
@@ -234,7 +274,7 @@ def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
     async def main():
         doomed, spare = _FakeColocated("decode-0"), _FakeColocated("decode-1", alive=False)
         dispatcher = _colocated_dispatcher(doomed, spare)
-        task, out = await _started(dispatcher, doomed)
+        task, out = await _started(dispatcher, doomed, priority=-2)
         doomed.step(("r0", [4], "x", False))
         doomed.step(("r0", [5, 6], "yz", False))
         await _until(lambda: _tokens_received(out, "r0") == 3, "the 3 tokens to reach the request")
@@ -242,10 +282,11 @@ def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
         spare.step(("r0", [7], "!", True))
         await task
         dispatcher.close()
-        return spare, out
+        return doomed, spare, out
 
-    spare, out = asyncio.run(main())
+    doomed, spare, out = asyncio.run(main())
     assert spare.resumed == [[4, 5, 6]], "the new worker must recompute the tokens already sent"
+    assert doomed.priorities == spare.priorities == [-2], "the moved stream must keep its priority"
     deltas = out["r0"]
     assert [t for d in deltas for t in d.token_ids] == [4, 5, 6, 7] and not any(d.error for d in deltas)
     assert deltas[-1].finished

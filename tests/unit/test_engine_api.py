@@ -234,6 +234,23 @@ def test_abort_frees_a_running_and_a_waiting_request(llm):
     _assert_idle(llm)
 
 
+@pytest.mark.parametrize("policy, order", [("fcfs", ["a", "b", "c"]), ("priority", ["c", "a", "b"])])
+def test_waiting_requests_run_in_the_policys_order_lowest_priority_value_first(default_model, policy, order):
+    from engine import LLMEngine
+
+    engine = LLMEngine(model=str(default_model), num_kv_blocks=64, max_num_seqs=1, policy=policy)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    engine.add_request(PROMPTS[0], params, request_id="first", priority=9)
+    engine.step()  # "first" runs; one at a time, the others wait behind it
+    for rid, priority in (("a", 0), ("b", 5), ("c", -1)):
+        engine.add_request(PROMPTS[1], params, request_id=rid, priority=priority)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["first", *order], f"{policy}: finished in the order {finished}"
+    assert engine.stats().num_blocks_in_use == 0
+
+
 def test_a_request_that_outgrows_a_small_kv_pool_finishes_with_length(default_model):
     small = LLM(model=str(default_model), num_kv_blocks=3)  # 2 usable blocks of 16 tokens
     engine = small.engine

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from router.validation import (
     MAX_N,
+    MAX_PRIORITY,
     MAX_PROMPTS,
     ApiError,
     ServedModel,
@@ -382,3 +385,57 @@ def test_grpc_n_and_prompt_logprobs_go_through_the_http_rules():
         e = error_of(prepared, **sampling)
         assert (e.status, e.param) == (400, param) and words in e.message, e.message
         assert grpc_api.status_code(e) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- priority --------------------------------------------------------------------------
+
+PRIORITY_MODEL = dataclasses.replace(MODEL, scheduling_policy="priority")
+
+
+def test_priority_reaches_each_choice_on_both_endpoints_under_the_priority_policy():
+    body = {"model": MODEL.name, "n": 2, "priority": -5}
+    req = prepare_completion({**body, "prompt": "hi"}, PRIORITY_MODEL, FakeTokenizer())
+    assert req.priority == -5 and [c.prepared.priority for c in choices([req])] == [-5, -5]
+    chat = prepare_chat({**body, "messages": [{"role": "user", "content": "hey"}]}, PRIORITY_MODEL, FakeTokenizer())
+    assert chat.priority == -5
+    assert completion().priority == 0 and completion(priority=0).priority == 0, "0 is the default, under fcfs too"
+    edge = prepare_completion({"prompt": "hi", "priority": -MAX_PRIORITY}, PRIORITY_MODEL, FakeTokenizer())
+    assert edge.priority == -MAX_PRIORITY
+
+
+@pytest.mark.parametrize("priority, words", [
+    (True, "priority: Input should be a valid integer"),
+    (1.0, "priority: Input should be a valid integer"),
+    ("1", "priority: Input should be a valid integer"),
+    (MAX_PRIORITY + 1, f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {MAX_PRIORITY + 1}"),
+    (-MAX_PRIORITY - 1, f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]"),
+])
+def test_a_priority_that_is_not_a_bounded_int_is_a_400_naming_it(priority, words):
+    e = error_of(prepare_completion, {"prompt": "hi", "priority": priority}, PRIORITY_MODEL, FakeTokenizer())
+    assert (e.status, e.param) == (400, "priority") and words in e.message, e.message
+
+
+def test_a_nonzero_priority_is_refused_when_the_workers_schedule_fcfs():
+    for priority in (1, -1):
+        e = error_of(completion, priority=priority)
+        assert (e.status, e.param) == (400, "priority") and "'fcfs'" in e.message, e.message
+        e = error_of(prepare_chat, {"messages": [{"role": "user", "content": "x"}], "priority": priority},
+                     MODEL, FakeTokenizer())
+        assert (e.status, e.param) == (400, "priority"), e.message
+
+
+def test_grpc_priority_goes_through_the_http_rules():
+    import grpc
+
+    from protos.tandem.v1 import generate_pb2 as pb
+    from router import grpc_api
+
+    def prepared(model, **sampling):
+        request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**sampling))
+        return grpc_api.prepare(request, model, FakeTokenizer())
+
+    assert prepared(PRIORITY_MODEL).priority == 0, "unset: 0"
+    assert prepared(PRIORITY_MODEL, priority=-3).priority == -3
+    assert prepared(MODEL, priority=0).priority == 0
+    e = error_of(prepared, MODEL, priority=2)
+    assert (e.status, e.param) == (400, "priority") and grpc_api.status_code(e) == grpc.StatusCode.INVALID_ARGUMENT

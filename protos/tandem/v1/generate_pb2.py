@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/tandem/v1/generate.proto\x12\ttandem.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa1\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x18\n\x0bguided_json\x18\x0f \x01(\tH\n\x88\x01\x01\x12\x19\n\x0cguided_regex\x18\x10 \x01(\tH\x0b\x88\x01\x01\x12\x15\n\rguided_choice\x18\x11 \x03(\t\x12\x1b\n\x0eguided_grammar\x18\x12 \x01(\tH\x0c\x88\x01\x01\x12\x1c\n\x0fresponse_format\x18\x13 \x01(\tH\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x0e\n\x01n\x18\x17 \x01(\rH\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0e\n\x0c_guided_jsonB\x0f\n\r_guided_regexB\x11\n\x0f_guided_grammarB\x12\n\x10_response_formatB\x04\n\x02_nB\x12\n\x10_prompt_logprobs\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"z\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x83\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.tandem.v1.PromptTokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x89\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x05 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x06 \x01(\r2\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/tandem/v1/generate.proto\x12\ttandem.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc5\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x18\n\x0bguided_json\x18\x0f \x01(\tH\n\x88\x01\x01\x12\x19\n\x0cguided_regex\x18\x10 \x01(\tH\x0b\x88\x01\x01\x12\x15\n\rguided_choice\x18\x11 \x03(\t\x12\x1b\n\x0eguided_grammar\x18\x12 \x01(\tH\x0c\x88\x01\x01\x12\x1c\n\x0fresponse_format\x18\x13 \x01(\tH\r\x88\x01\x01\x12<\n\nlogit_bias\x18\x14 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\r\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12\x0e\n\x01n\x18\x17 \x01(\rH\x0e\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x0f\x88\x01\x01\x12\x15\n\x08priority\x18\x19 \x01(\x05H\x10\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0e\n\x0c_guided_jsonB\x0f\n\r_guided_regexB\x11\n\x0f_guided_grammarB\x12\n\x10_response_formatB\x04\n\x02_nB\x12\n\x10_prompt_logprobsB\x0b\n\t_priority\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"z\n\x12PromptTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x83\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\x12\x36\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1d.tandem.v1.PromptTokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x89\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x05 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x06 \x01(\r2\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.tandem.v1.GetModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=46
   _globals['_TOKENIDS']._serialized_end=69
   _globals['_SAMPLINGPARAMS']._serialized_start=72
-  _globals['_SAMPLINGPARAMS']._serialized_end=1001
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=706
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=754
-  _globals['_GENERATEREQUEST']._serialized_start=1004
-  _globals['_GENERATEREQUEST']._serialized_end=1169
-  _globals['_TOPLOGPROB']._serialized_start=1171
-  _globals['_TOPLOGPROB']._serialized_end=1218
-  _globals['_TOKENLOGPROB']._serialized_start=1220
-  _globals['_TOKENLOGPROB']._serialized_end=1305
-  _globals['_PROMPTTOKENLOGPROB']._serialized_start=1307
-  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1429
-  _globals['_USAGE']._serialized_start=1431
-  _globals['_USAGE']._serialized_end=1511
-  _globals['_GENERATERESPONSE']._serialized_start=1514
-  _globals['_GENERATERESPONSE']._serialized_end=1773
-  _globals['_ABORTREQUEST']._serialized_start=1775
-  _globals['_ABORTREQUEST']._serialized_end=1809
-  _globals['_ABORTRESPONSE']._serialized_start=1811
-  _globals['_ABORTRESPONSE']._serialized_end=1841
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1843
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1864
-  _globals['_MODELINFO']._serialized_start=1867
-  _globals['_MODELINFO']._serialized_end=2004
-  _globals['_GENERATION']._serialized_start=2007
-  _globals['_GENERATION']._serialized_end=2220
+  _globals['_SAMPLINGPARAMS']._serialized_end=1037
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=729
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=777
+  _globals['_GENERATEREQUEST']._serialized_start=1040
+  _globals['_GENERATEREQUEST']._serialized_end=1205
+  _globals['_TOPLOGPROB']._serialized_start=1207
+  _globals['_TOPLOGPROB']._serialized_end=1254
+  _globals['_TOKENLOGPROB']._serialized_start=1256
+  _globals['_TOKENLOGPROB']._serialized_end=1341
+  _globals['_PROMPTTOKENLOGPROB']._serialized_start=1343
+  _globals['_PROMPTTOKENLOGPROB']._serialized_end=1465
+  _globals['_USAGE']._serialized_start=1467
+  _globals['_USAGE']._serialized_end=1547
+  _globals['_GENERATERESPONSE']._serialized_start=1550
+  _globals['_GENERATERESPONSE']._serialized_end=1809
+  _globals['_ABORTREQUEST']._serialized_start=1811
+  _globals['_ABORTREQUEST']._serialized_end=1845
+  _globals['_ABORTRESPONSE']._serialized_start=1847
+  _globals['_ABORTRESPONSE']._serialized_end=1877
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1879
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1900
+  _globals['_MODELINFO']._serialized_start=1903
+  _globals['_MODELINFO']._serialized_end=2040
+  _globals['_GENERATION']._serialized_start=2043
+  _globals['_GENERATION']._serialized_end=2256
 # @@protoc_insertion_point(module_scope)
