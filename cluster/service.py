@@ -3,8 +3,10 @@
 ``TandemService(config, ...).start()`` starts the controller actor (which starts the
 pools), Serve with its ingress (HAProxy by default, or Serve's Python proxy: see
 ``cluster/ingress.py``) on the HTTP and gRPC ports, and the router application;
-``shutdown()`` takes them down in reverse order. ``tandem up`` and the integration
-tests use it; the caller owns ``ray.init`` / ``ray.shutdown``.
+``shutdown()`` takes them down in reverse order. A Serve already running in the Ray
+cluster is used as it is (its ports and ingress), and ``shutdown(keep_serve=True)``
+leaves it up: the integration tests start one service after another on one Serve.
+``tandem up`` and the tests use it; the caller owns ``ray.init`` / ``ray.shutdown``.
 """
 
 from __future__ import annotations
@@ -194,17 +196,22 @@ class TandemService:
             .remote(cfg.cluster)
         )
         try:
-            self.model_info = wait_started(self.controller, cfg.cluster)
+            # The router's replica starts while the pools do (it waits for their start
+            # itself): the two take the same time, and a start is mostly one core's work.
+            started = self.controller.start.remote()
             self.serve_env = controller_env(cfg, _on_head_node(), os.environ)
             serve.start(
                 http_options={"host": cfg.host, "port": cfg.http_port},
                 grpc_options=gRPCOptions(port=cfg.grpc_port, grpc_servicer_functions=GRPC_SERVICERS),
                 controller_options={"runtime_env": {"env_vars": self.serve_env}},
             )
-            serve.run(
-                router_deployment(cfg.head_resource).bind(self.controller, cfg.router),
-                name=cfg.app_name, route_prefix="/",
-            )
+            try:
+                serve.run(
+                    router_deployment(cfg.head_resource).bind(self.controller, cfg.router),
+                    name=cfg.app_name, route_prefix="/",
+                )
+            finally:  # the pools' own error, if they failed, says more than Serve's
+                self.model_info = wait_started(self.controller, cfg.cluster, started)
         except BaseException:
             self.shutdown()
             raise
@@ -224,12 +231,18 @@ class TandemService:
     def stats(self) -> dict[str, dict]:
         return ray.get(self.controller.stats.remote())
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_serve: bool = False) -> None:
+        """Stop the service: Serve and then the controller with its worker pools. With
+        ``keep_serve``, only this service's application goes, and Serve's controller and
+        ingress stay up for the next service started in this Ray (``start`` finds them)."""
         from ray import serve
 
         try:
-            serve.shutdown()
-            _wait_for_serve_actors_gone()
+            if keep_serve:
+                serve.delete(self.config.app_name)
+            else:
+                serve.shutdown()
+                wait_for_serve_actors_gone()
         finally:
             if self.controller is not None:
                 try:
@@ -239,7 +252,7 @@ class TandemService:
                     self.controller = None
 
 
-def _wait_for_serve_actors_gone(timeout_s: float = 60.0) -> None:
+def wait_for_serve_actors_gone(timeout_s: float = 60.0) -> None:
     """``serve.shutdown`` may return (its own wait timed out on a busy machine) while the
     old controller still winds down; finishing later, it kills Serve's proxy actors by
     name, those of a Serve started meanwhile included. Wait until none is left."""
@@ -319,10 +332,11 @@ def app(args: dict):
 START_WAIT_MARGIN_S = 60.0
 
 
-def wait_started(controller, cluster: ClusterConfig) -> dict:
-    """What the controller's ``start()`` returns (its error, if the start failed)."""
+def wait_started(controller, cluster: ClusterConfig, started=None) -> dict:
+    """What the controller's ``start()`` returns (its error, if the start failed);
+    ``started``: the reference of a ``start`` call already made."""
     limit = cluster.start_timeout_s + START_WAIT_MARGIN_S
     try:
-        return ray.get(controller.start.remote(), timeout=limit)
+        return ray.get(started or controller.start.remote(), timeout=limit)
     except GetTimeoutError:
         raise TimeoutError(f"the cluster controller's start did not return within {limit:g} s") from None

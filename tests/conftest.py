@@ -7,7 +7,8 @@ A live service, for a module:
 
 - ``ray_cluster``: the session's local Ray (2 CPUs, no dashboard; ``ray_session``, shut
   down when the session ends), cleared when the module ends, so no module sees
-  another's actors, Serve app or leftovers.
+  another's actors, Serve app or leftovers. Serve's controller and ingress stay up:
+  services run one after another on them (``running_service``).
 - ``service``: the whole service on ``tiny_model``, started once per module with the
   keywords of ``running_service`` that the ``service_settings`` fixture returns (none by
   default: a module or package overrides ``service_settings`` to change them).
@@ -27,9 +28,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.ingress import MIN_DRAIN_S
 from tests.helpers import assert_blocks_freed, build_hf_checkpoint, clear_ray, local_ray, running_service
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+
+# Serve keeps a removed router replica reachable for a while (cluster/ingress.py's
+# LOCAL_DRAIN_S, 2 s) so that HAProxy can drop it first; the tests remove one per
+# service, with no request in flight.
+os.environ.setdefault(MIN_DRAIN_S, "0.3")
 
 
 # -- checkpoints -------------------------------------------------------------------------
@@ -88,7 +95,7 @@ def ray_session(tandem_home, metrics_dir):
 @pytest.fixture(scope="module")
 def ray_cluster(ray_session):
     """The session's Ray for this module, left clean when it ends (``clear_ray``): no
-    Serve, named actor or live actor of the module is there for the next one."""
+    Serve app, named actor or live actor of the module is there for the next one."""
     yield ray_session
     clear_ray()
 

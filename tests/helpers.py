@@ -357,9 +357,10 @@ def local_ray(tandem_home: Path, metrics_dir: str, num_cpus: int = 2) -> Iterato
 
 
 def clear_ray(timeout_s: float = PATIENCE_S) -> None:
-    """Leave the shared Ray as a module found it: Serve shut down, every named actor
-    (detached controllers included) killed, and no actor alive.
+    """Leave the shared Ray as a module found it: no Serve application, every named actor
+    (detached controllers included) killed, and no actor alive but Serve's own.
 
+    Serve's controller and ingress stay up for the next module (``running_service``).
     Unnamed actors die with their last handle; one still alive after ``timeout_s`` is a
     leak, reported by class name so the module that made it can be found.
     """
@@ -368,19 +369,57 @@ def clear_ray(timeout_s: float = PATIENCE_S) -> None:
     import ray
     from ray._private.state import actors  # Ray's GCS actor table; the state API needs the dashboard
 
-    if any(a["namespace"] == "serve" for a in ray.util.list_named_actors(all_namespaces=True)):
+    serve_actors = _serve_actor_names()
+    if serve_actors:
         from ray import serve
 
-        serve.shutdown()
+        for app in serve.status().applications:
+            serve.delete(app)
+        serve_actors = _serve_actor_names()
     for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == "serve":
+            continue
         with contextlib.suppress(ValueError):  # gone meanwhile
             ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
     gc.collect()  # handles in reference cycles keep their actors
 
     def alive() -> list[str]:
-        return sorted(a["ActorClassName"] for a in actors().values() if a["State"] != "DEAD")
+        return sorted(a["ActorClassName"] for a in actors().values()
+                      if a["State"] != "DEAD" and a["Name"] not in serve_actors)
 
     wait_for(lambda: not alive(), timeout_s, lambda: f"no actor left alive; still alive: {alive()}", every_s=0.2)
+
+
+def _serve_actor_names() -> set[str]:
+    """The names of Serve's own actors (controller, proxies) running in this Ray."""
+    import ray
+
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and not a["name"].startswith("SERVE_REPLICA")}
+
+
+# The Serve that services started by the tests run on, one after another: starting
+# Serve's controller and ingress costs about 10 s of CPU and stopping them a few more,
+# once per service otherwise. A service on another ingress restarts it.
+_serve: dict = {}  # "ingress": what it runs; "ports": (HTTP, gRPC)
+
+
+def _session_serve(ingress: str) -> tuple[int, int]:
+    """The (HTTP, gRPC) ports of the session's Serve for ``ingress``: those of the Serve
+    running now if it runs ``ingress``, else new ones (a Serve on another ingress is
+    shut down first; the service's start starts the new one)."""
+    from cluster.service import free_ports, wait_for_serve_actors_gone
+
+    running = bool(_serve_actor_names())
+    if running and _serve.get("ingress") == ingress:
+        return _serve["ports"]
+    if running:
+        from ray import serve
+
+        serve.shutdown()
+        wait_for_serve_actors_gone()
+    _serve.update(ingress=ingress, ports=tuple(free_ports("127.0.0.1", 2)))
+    return _serve["ports"]
 
 
 def free_port() -> int:
@@ -401,14 +440,15 @@ def running_service(
     ingress: str | None = None,
     **cluster,
 ):
-    """The whole service (workers, controller, Serve app) on free ports; shut down on exit.
+    """The whole service (workers, controller, Serve app) on the session's Serve
+    (``_session_serve``); its workers, controller and app go on exit, Serve stays.
 
     ``cluster`` overrides topology settings (``transfer``, ``restart_workers``, ...).
     ``ingress``: Serve's ingress (cluster/ingress.py); by default ``$TANDEM_TEST_INGRESS``,
     else the service's default, so the same tests run on either.
     """
     from cluster.config import ClusterConfig
-    from cluster.service import ServiceConfig, TandemService, free_ports
+    from cluster.service import ServiceConfig, TandemService
     from router.server import RouterConfig
 
     settings = {
@@ -421,7 +461,7 @@ def running_service(
         **cluster,
     }
     ingress = ingress or os.environ.get("TANDEM_TEST_INGRESS") or ServiceConfig.ingress
-    http_port, grpc_port = free_ports("127.0.0.1", 2)
+    http_port, grpc_port = _session_serve(ingress)
     cfg = ServiceConfig(
         cluster=ClusterConfig.from_dict(settings),
         router=router or RouterConfig(),
@@ -435,7 +475,7 @@ def running_service(
                  "the service to answer /health and the gRPC health check on new connections", every_s=0.5)
         yield svc
     finally:
-        svc.shutdown()
+        svc.shutdown(keep_serve=True)
 
 
 def answers_health_checks(svc) -> bool:

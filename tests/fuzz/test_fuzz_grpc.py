@@ -1,10 +1,10 @@
 """Fuzzing the gRPC API of a live service with hypothesis.
 
-One service for the module (1 prefill + 1 decode worker, tiny model, a 64 KiB request
-limit). Every method (``tandem.v1.Generation`` Generate / Abort / GetModelInfo and
-``grpc.health.v1.Health/Check``) gets generated requests: randomly populated messages
-with values over each field's whole wire range (uint32 / uint64 extremes, NaN and
-infinities, out-of-vocabulary token ids, odd unicode, long strings), hand-built wire
+One service for both fuzz modules (1 prefill + 1 decode worker, tiny model, a 64 KiB
+request limit). Every method (``tandem.v1.Generation`` Generate / Abort / GetModelInfo
+and ``grpc.health.v1.Health/Check``) gets generated requests: randomly populated
+messages with values over each field's whole wire range (uint32 / uint64 extremes, NaN
+and infinities, out-of-vocabulary token ids, odd unicode, long strings), hand-built wire
 messages (any field number with any wire type), raw garbage bytes and mutated valid
 serializations, all sent through a generic ``unary_stream`` / ``unary_unary`` call with
 an identity serializer, so the server gets exactly those bytes.

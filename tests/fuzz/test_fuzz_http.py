@@ -1,8 +1,8 @@
 """Fuzzing the HTTP API of a live service with hypothesis.
 
-One service for the module (1 prefill + 1 decode worker, tiny model, a 64 KiB body
-limit). Every route the app serves gets generated requests: random JSON of every type
-in every field of both POST bodies, missing and extra fields, huge, negative and
+One service for both fuzz modules (1 prefill + 1 decode worker, tiny model, a 64 KiB
+body limit). Every route the app serves gets generated requests: random JSON of every
+type in every field of both POST bodies, missing and extra fields, huge, negative and
 non-finite numbers, deep nesting, odd unicode (lone surrogates, RTL marks, emoji, NUL),
 long strings, token-id prompts with out-of-vocabulary ids, raw garbage bodies, wrong
 content types, other methods and paths, and garbage on the raw socket.
