@@ -655,7 +655,7 @@ def chat_tools(b: ChatBody, tokenizer) -> ChatTools:
         return ChatTools()
     functions = _functions(b.tools)
     parser = parser_for_template(tokenizer.chat_template) if mode == "auto" else None
-    plan = ToolPlan(mode, name, parser, b.parallel_tool_calls)
+    plan = ToolPlan(mode, name, parser, b.parallel_tool_calls, frozenset(fn["name"] for fn in functions))
     return ChatTools(_template_tools(functions), plan, _tool_output(mode, name, functions, b))
 
 

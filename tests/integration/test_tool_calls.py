@@ -3,8 +3,9 @@
 The module serves the tiny random model with a Qwen2.5-style chat template that renders
 tools (``tests.helpers.TOOL_CHAT_TEMPLATE``). Its weights are random, so only the
 choices the grammar enforces are checked here (named and required: the calls must
-parse and match their function's schema), whole and streamed; "auto" parsing is
-unit-tested (tests/unit/test_tool_calls.py). Every test ends with no KV blocks in use.
+parse and match their function's schema), whole and streamed (a streamed call's
+argument pieces add up to the unstreamed call of the same seed); "auto" parsing and
+streaming are unit-tested (tests/unit/test_tool_calls.py). Every test ends with no KV blocks in use.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def test_named_and_required_choices_return_calls_that_match_the_schemas(client, 
 
 
 def _streamed(client, model_name, **kwargs) -> tuple[dict[int, dict], list[str], object]:
-    """The calls a stream sent (by index), its finish reasons and its usage."""
+    """The calls a stream sent (by index, with the number of deltas each came in), its
+    finish reasons and its usage."""
     calls: dict[int, dict] = {}
     reasons, usage = [], None
     for chunk in _create(client, model_name, stream=True, stream_options={"include_usage": True}, **kwargs):
@@ -77,8 +79,10 @@ def _streamed(client, model_name, **kwargs) -> tuple[dict[int, dict], list[str],
             reasons += [choice.finish_reason] if choice.finish_reason else []
             assert not choice.delta.content, f"content in a constrained call: {choice.delta}"
             for part in choice.delta.tool_calls or ():
-                call = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+                call = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": "",
+                                                     "pieces": 0})
                 call["arguments"] += part.function.arguments or ""
+                call["pieces"] += 1
     return calls, reasons, usage
 
 
@@ -92,6 +96,11 @@ def test_streamed_named_and_required_calls_assemble_into_calls_that_match(client
     calls, reasons, _ = _streamed(client, model_name, tool_choice="required", parallel_tool_calls=False, seed=5)
     assert reasons == ["tool_calls"] and list(calls) == [0], (reasons, calls)
     _check_call(calls[0]["name"], calls[0]["arguments"])
+    [whole] = _create(client, model_name, tool_choice="required", parallel_tool_calls=False, seed=5).choices[0] \
+        .message.tool_calls
+    assert (calls[0]["name"], calls[0]["arguments"]) == (whole.function.name, whole.function.arguments), \
+        "the streamed pieces add up to the unstreamed call of the same seed"
+    assert calls[0]["pieces"] > 3, f"the arguments {calls[0]['arguments']!r} came in {calls[0]['pieces']} deltas"
 
 
 def test_tool_choice_none_answers_in_text_and_bad_choices_or_schemas_are_400(http, model_name):

@@ -206,21 +206,21 @@ class _Decoder:
         return f"<{ids[0]}>"
 
 
-def test_a_tool_requests_stream_holds_the_call_back_but_never_its_logprobs():
+def test_a_tool_requests_stream_sends_the_call_as_it_comes_and_every_deltas_logprobs():
     from router.server import _tool_events
     from router.tool_calls import ToolStream
 
     env, acc = Envelope("chatcmpl-1", MODEL.name, 0), Accumulator(_Decoder())
     stream = ToolStream(chat(tools=TOOLS).tools)
-    deltas = [
-        StreamDelta("r", [1], "Hi <tool", False, logprobs=[(1, -0.5, [])]),
-        StreamDelta("r", [2], '_call>{"name": "get_time", ', False, logprobs=[(2, -0.25, [])]),
-        StreamDelta("r", [3], '"arguments": {}}</tool_call>', True, "stop", logprobs=[(3, -1.0, [])]),
-    ]
+    texts = ["Hi <tool", '_call>{"name": "get_', 'time", "arguments": ', '{"zone": 2', "}}</tool_call>"]
+    deltas = [StreamDelta("r", [i], text, i == len(texts) - 1, "stop" if i == len(texts) - 1 else None,
+                          logprobs=[(i, -0.5, [])]) for i, text in enumerate(texts)]
     events = [json.loads(e.removeprefix("data: ")) for d in deltas for e in _tool_events(env, acc, stream, d)]
     choices = [e["choices"][0] for e in events]
-    assert [c["delta"] for c in choices[:3]] == [{"content": "Hi "}, {}, {}], "the call waits for the end"
-    assert [c["logprobs"]["content"][0]["token"] for c in choices[:3]] == ["<1>", "<2>", "<3>"]
-    call = choices[3]["delta"]["tool_calls"][0]
-    assert (call["index"], call["function"]) == (0, {"name": "get_time", "arguments": "{}"})
-    assert [c["finish_reason"] for c in choices] == [None, None, None, None, "tool_calls"]
+    assert [c["delta"] for c in choices[:3]] == [{"content": "Hi"}, {"content": " "}, {}], \
+        "the blank before a call waits until the call begins; a delta with no part still carries its logprobs"
+    assert [c["logprobs"]["content"][0]["token"] for c in choices[:5]] == [f"<{i}>" for i in range(5)]
+    head, piece = choices[3]["delta"]["tool_calls"][0], choices[4]["delta"]["tool_calls"][0]
+    assert (head["index"], head["function"]) == (0, {"name": "get_time", "arguments": '{"zone": '})
+    assert piece == {"index": 0, "function": {"arguments": "2}"}}, "a number goes out once it ends"
+    assert [c["finish_reason"] for c in choices] == [None] * 5 + ["tool_calls"]
