@@ -33,6 +33,7 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
+from kv_transfer.config import TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,11 @@ class ClusterController:
 
     def stats(self) -> dict[str, dict]:
         return self.cluster.stats()
+
+    def set_transfer(self, transfer: TransferConfig) -> None:
+        """New transfer settings (deadlines, failure policy, faults) for the running
+        workers and their future replacements; see ``TandemCluster.set_transfer``."""
+        self.cluster.set_transfer(transfer)
 
     def blocks_in_use(self) -> dict[str, int]:
         return self.cluster.blocks_in_use()

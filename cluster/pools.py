@@ -14,6 +14,7 @@ cluster (``RAY_ADDRESS``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -29,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import ClusterConfig, Resources
 from cluster.metrics_server import ENV as METRICS_ENV
 from decode_worker.worker import ColocatedWorker, DecodeWorker
+from kv_transfer.config import TransferConfig
 from prefill_worker.worker import PrefillWorker
 from router.dispatch import Dispatcher, DispatchConfig, WorkerRef
 
@@ -197,6 +199,16 @@ class TandemCluster:
             )
         )
         return WorkerRef(worker_id, handle, incarnation=name)
+
+    def set_transfer(self, transfer: TransferConfig) -> None:
+        """New transfer settings for every worker, replacements included; the backend
+        must stay the same (``WorkerBase.set_transfer``)."""
+        if transfer.backend != self.config.transfer.backend:
+            raise ValueError(f"the transfer backend of running workers is {self.config.transfer.backend}, "
+                             f"not {transfer.backend}")
+        with self._lock:
+            self.config = dataclasses.replace(self.config, transfer=transfer)
+            ray.get([w.handle.set_transfer.remote(transfer) for w in self.workers()])
 
     # -- health ----------------------------------------------------------------
 

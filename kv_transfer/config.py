@@ -46,9 +46,17 @@ class TransferConfig:
 
     def make_backend(self):
         from kv_transfer import make_backend
+
+        return self.configure(make_backend(self.backend))
+
+    def configure(self, backend):
+        """``backend`` (this config's kind, bare or wrapped in faults) under these settings:
+        its channel operations' deadline, and the faults to inject (if any)."""
         from kv_transfer.faults import FaultyBackend
 
-        backend = make_backend(self.backend)
+        inner = backend.inner if isinstance(backend, FaultyBackend) else backend
+        if inner.name != self.backend:
+            raise ValueError(f"a {inner.name} backend cannot take {self.backend} settings")
         if self.backend == "collective":
-            backend.op_timeout_s = self.op_timeout_s
-        return FaultyBackend(backend, self.faults) if self.faults.active else backend
+            inner.op_timeout_s = self.op_timeout_s
+        return FaultyBackend(inner, self.faults) if self.faults.active else inner

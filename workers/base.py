@@ -58,6 +58,13 @@ class WorkerBase:
         self.runtime.start()
         return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
 
+    async def set_transfer(self, transfer: TransferConfig) -> None:
+        """Take new transfer settings (deadlines, failure policy, injected faults) without
+        a restart: drills and chaos tests switch faults on a running service. The backend
+        stays; a transfer under way finishes under the settings it started with."""
+        self.backend = transfer.configure(self.backend)
+        self.transfer = transfer
+
     async def stats(self) -> dict:
         stats = (await self.runtime.call(self.engine.stats)).__dict__
         stats["transfer"] = self.backend.stats.as_dict()

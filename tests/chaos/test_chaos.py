@@ -1,7 +1,9 @@
 """Chaos: workers, transfers and the router fail under a steady streaming load.
 
-A live service with 2 prefill and 2 decode workers serves N concurrent streaming
-greedy completions per scenario while one thing breaks. Every scenario asserts:
+A live service with 2 prefill and 2 decode workers serves N streaming greedy
+completions per scenario, CONCURRENCY at a time, while one thing breaks. A service runs
+per transfer backend; each scenario sets its transfer faults on the running workers.
+Every scenario asserts:
 
 - every request ends within a deadline (none hangs), with its full result or a clear
   error; a stream never ends cleanly with fewer tokens than asked (silent truncation);
@@ -36,12 +38,18 @@ from tests.helpers import PATIENCE_S, async_wait_for, running_service
 
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
-N = 40  # requests per scenario
+N = 40  # requests per scenario (the first N_TRANSFER of them where every transfer is slowed or broken)
+N_TRANSFER = 24
 CONCURRENCY = 8
 DEADLINE_S = 120.0  # per request: past this it counts as hung
 CLIENT_RETRIES = 2
 CHUNK_BUDGET = 64  # prefill tokens per step, so long prompts take several steps
-KILL_SETTINGS = dict(prefill_workers=2, decode_workers=2, num_kv_blocks=512, restart_workers=True)
+# Every scenario's service: 2 + 2 workers, replaced when they die, with a small prefill
+# budget, and short transfer deadlines, so that a survivor whose peer froze gives up
+# within the test's patience (a dead peer fails its channel at once).
+SETTINGS = dict(prefill_workers=2, decode_workers=2, restart_workers=True,
+                engine={"num_kv_blocks": 512, "max_num_batched_tokens": CHUNK_BUDGET})
+DEADLINES = {"timeout_s": 5, "op_timeout_s": 10}
 
 
 @dataclass
@@ -122,11 +130,12 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, prompt: 
     return out
 
 
-async def _load(url: str, model: str, workload, chaos) -> list[Outcome]:
-    """Run the workload CONCURRENCY at a time while ``chaos(progress)`` runs beside it."""
+async def _load(url: str, model: str, workload, chaos, count: int = N) -> list[Outcome]:
+    """Run the workload's first ``count`` requests CONCURRENCY at a time while
+    ``chaos(progress)`` runs beside them."""
     prompts, lengths, _ = workload
     progress = {"finished": 0, "outcomes": []}
-    queue = list(range(len(prompts)))
+    queue = list(range(count))
 
     async def worker(client):
         while queue:
@@ -150,7 +159,7 @@ def _difference(o: Outcome, want: str) -> str:
             f"({len(o.text)} vs {len(want)} chars)")
 
 
-def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool) -> None:
+def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool, count: int = N) -> None:
     _, _, want = workload
     hung = [o.index for o in outcomes if o.hung]
     truncated = [o.index for o in outcomes if not o.hung and o.error is None and (o.text != want[o.index] or o.finish_reason != "length")]
@@ -160,7 +169,7 @@ def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool) ->
     retried = sum(o.retries > 0 for o in outcomes)
     print(f"\nchaos[{name}]: sent {len(outcomes)}, completed {completed}, errored {len(errored)}, "
           f"hung {len(hung)}, blocks leaked {leaked}, retried by the client {retried}")
-    assert len(outcomes) == N
+    assert len(outcomes) == count
     assert not hung, f"requests hung: {hung}"
     assert not truncated, "ended without error but not the reference text: " + "; ".join(
         _difference(o, want[o.index]) for o in outcomes if o.index in truncated
@@ -214,25 +223,32 @@ async def _kill(handle) -> None:
 
 
 class Services:
-    """One live service at a time (Serve holds one ``tandem`` app): asking for another
-    configuration shuts the current one down first."""
+    """One live service at a time (Serve holds one ``tandem`` app), one per transfer
+    backend: asking for another backend shuts the current one down first. Each scenario
+    sets the transfer faults it wants (none by default) on the running workers."""
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self._name: str | None = None
+        self._backend: str | None = None
         self._ctx = None
         self._svc = None
 
-    def get(self, name: str, **settings):
-        if name != self._name:
+    def get(self, backend: str = "object_store", **transfer):
+        from kv_transfer.config import TransferConfig
+        from kv_transfer.faults import FaultConfig
+
+        if backend != self._backend:
             self.close()
-            self._ctx = running_service(self.model, **settings)
-            self._svc, self._name = self._ctx.__enter__(), name
+            self._ctx = running_service(self.model, **SETTINGS, transfer={"backend": backend, **DEADLINES})
+            self._svc, self._backend = self._ctx.__enter__(), backend
+        faults = FaultConfig(**transfer.pop("faults", {}))
+        config = TransferConfig(backend=backend, **{**DEADLINES, **transfer}, faults=faults)
+        ray.get(self._svc.controller.set_transfer.remote(config))
         return self._svc
 
     def close(self) -> None:
         if self._ctx is not None:
-            ctx, self._ctx, self._name = self._ctx, None, None
+            ctx, self._ctx, self._backend = self._ctx, None, None
             ctx.__exit__(None, None, None)
 
 
@@ -245,9 +261,8 @@ def services(ray_cluster, tiny_model):
 
 @pytest.fixture
 def service(services):
-    """Workers with a small prefill budget, replaced when they die."""
-    engine = {"num_kv_blocks": 512, "max_num_batched_tokens": CHUNK_BUDGET}
-    return services.get("kills", **{**KILL_SETTINGS, "engine": engine})
+    """The object store's service, no transfer faults."""
+    return services.get()
 
 
 def test_prefill_worker_killed_mid_chunked_prefill(service, tiny_model, workload):
@@ -308,17 +323,36 @@ def test_router_replica_restarted(service, tiny_model, workload):
 # ------------------------------------------------------------------ transfers
 
 
+@pytest.mark.parametrize(
+    "name,transfer",
+    [
+        ("transfers dropped", {"faults": {"drop_rate": 0.3, "seed": 2}}),
+        ("transfers past deadline", {"timeout_s": 0.25, "faults": {"delay_s": 0.5}}),
+    ],
+)
+def test_transfer_faults_fall_back_to_recompute(services, tiny_model, workload, name, transfer):
+    svc = services.get(**transfer)
+    before = _transfer_failures(svc)
+    outcomes = asyncio.run(_load(svc.http_url, _model_name(tiny_model), workload, _no_chaos, N_TRANSFER))
+    failures = _transfer_failures(svc) - before
+    _judge(name, outcomes, workload, svc, may_fail=False, count=N_TRANSFER)
+    assert failures > 0, "the fault setting should have made transfers fail"
+
+
+async def _no_chaos(progress) -> None:
+    return None
+
+
+def _transfer_failures(svc) -> int:
+    return sum(s.get("transfer_failures", 0) for s in svc.stats().values())
+
+
 @pytest.fixture(params=["object_store", "collective", pytest.param("nixl", marks=NEEDS_NIXL)])
 def slow_transfer_service(services, request):
     """Each KV receive waits 1 s first: there is always a transfer in flight to break, and
     it is still in flight when the kill lands (polling the loads, then killing, took over
-    0.3 s on a loaded machine, and a transfer that had ended meanwhile broke nothing).
-
-    Short deadlines let a survivor whose peer froze give up within the test's patience
-    (a dead peer fails its channel at once).
-    """
-    transfer = {"backend": request.param, "faults": {"delay_s": 1.0}, "timeout_s": 5, "op_timeout_s": 10}
-    return services.get(f"slow {request.param} transfers", **{**KILL_SETTINGS, "transfer": transfer})
+    0.3 s on a loaded machine, and a transfer that had ended meanwhile broke nothing)."""
+    return services.get(request.param, faults={"delay_s": 1.0})
 
 
 async def _kill_mid_transfer(svc, progress, role: str) -> str:
@@ -343,10 +377,6 @@ async def _kill_mid_transfer(svc, progress, role: str) -> str:
     return victim.worker_id
 
 
-def _transfer_failures(svc) -> int:
-    return sum(s.get("transfer_failures", 0) for s in svc.stats().values())
-
-
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload, side):
     svc = slow_transfer_service
@@ -357,7 +387,7 @@ def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload,
     async def chaos(progress):
         killed.append(await _kill_mid_transfer(svc, progress, side))
 
-    outcomes = asyncio.run(_load(svc.http_url, _model_name(tiny_model), workload, chaos))
+    outcomes = asyncio.run(_load(svc.http_url, _model_name(tiny_model), workload, chaos, N_TRANSFER))
 
     async def replaced():
         after = {w.worker_id: w.key for w in _workers(svc)[side == "receiver"]}
@@ -367,23 +397,4 @@ def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload,
     if side == "sender":  # its cut transfer ended on the decode side: recomputed there
         assert _transfer_failures(svc) > failures_before, "the cut transfer should have been counted"
     # A dead sender loses nothing; a dead receiver's streams move to the other decode worker.
-    _judge(f"{side} killed mid transfer", outcomes, workload, slow_transfer_service, may_fail=False)
-
-
-@pytest.mark.parametrize(
-    "name,transfer",
-    [
-        ("transfers dropped", {"backend": "object_store", "faults": {"drop_rate": 0.3, "seed": 2}}),
-        ("transfers past deadline", {"backend": "object_store", "timeout_s": 0.5, "faults": {"delay_s": 1.0}}),
-    ],
-)
-def test_transfer_faults_fall_back_to_recompute(services, tiny_model, workload, name, transfer):
-    svc = services.get(name, prefill_workers=2, decode_workers=2, transfer=transfer)
-    outcomes = asyncio.run(_load(svc.http_url, _model_name(tiny_model), workload, _no_chaos))
-    failures = sum(s.get("transfer_failures", 0) for s in svc.stats().values())
-    _judge(name, outcomes, workload, svc, may_fail=False)
-    assert failures > 0, "the fault setting should have made transfers fail"
-
-
-async def _no_chaos(progress) -> None:
-    return None
+    _judge(f"{side} killed mid transfer", outcomes, workload, svc, may_fail=False, count=N_TRANSFER)
