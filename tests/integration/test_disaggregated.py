@@ -41,9 +41,28 @@ def reference(tiny_model):
     return prompts, lengths, [o.token_ids for o in outs]
 
 
-def _start(model, prefill=1, decode=1, backend="collective", **transfer):
+@pytest.fixture(scope="module")
+def pair(ray_cluster, tiny_model):
+    """One prefill and one decode worker over the object store, for the tests that set
+    their own transfer faults and deadlines on it (``set_transfer``) instead of starting
+    a cluster each. Its own name keeps its actors apart from the other tests' clusters."""
+    cluster = _start(tiny_model, 1, 1, "object_store", name="pair")
+    yield cluster
+    cluster.shutdown()
+
+
+def _set_transfer(cluster, **settings):
+    from kv_transfer.config import TransferConfig
+    from kv_transfer.faults import FaultConfig
+
+    faults = FaultConfig(**settings.pop("faults", {}))
+    cluster.set_transfer(TransferConfig(backend=cluster.config.transfer.backend, faults=faults, **settings))
+
+
+def _start(model, prefill=1, decode=1, backend="collective", name="tandem", **transfer):
     cfg = ClusterConfig.from_dict(
         {
+            "name": name,
             "model": model,
             "prefill_workers": prefill,
             "decode_workers": decode,
@@ -138,26 +157,24 @@ def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_mo
         cluster.shutdown()
 
 
-def test_prefill_prefix_cache_hits_are_counted(ray_cluster, tiny_model):
+def test_prefill_prefix_cache_hits_are_counted(pair):
     prompts, lengths = _workload(seed=5, n=12, shared_prefix=96)
-    cluster = _start(tiny_model, 1, 1, "object_store")
-    try:
-        # One first, so the shared prefix is cached before the rest arrive.
-        _run_all(cluster, prompts[:1], lengths[:1])
+    _set_transfer(pair)
+    hits_before = asyncio.run(_load(pair.prefill_refs()[0])).prefix_cache_hits
+    # One first, so the shared prefix is cached before the rest arrive.
+    _run_all(pair, prompts[:1], lengths[:1])
 
-        async def cached_tokens(prompt, n):  # what the usage will report
-            return max([d.num_cached_tokens async for d in cluster.dispatcher.generate(prompt, _params(n))])
+    async def cached_tokens(prompt, n):  # what the usage will report
+        return max([d.num_cached_tokens async for d in pair.dispatcher.generate(prompt, _params(n))])
 
-        async def rest():
-            return await asyncio.gather(*(cached_tokens(p, n) for p, n in zip(prompts[1:], lengths[1:])))
+    async def rest():
+        return await asyncio.gather(*(cached_tokens(p, n) for p, n in zip(prompts[1:], lengths[1:])))
 
-        cached = asyncio.run(rest())
-        assert all(c >= 96 for c in cached), f"each request's usage should report the shared prefix: {cached}"
-        load = asyncio.run(_load(cluster.prefill_refs()[0]))
-        assert load.prefix_cache_hits >= 11 * 96, f"expected >= {11 * 96} hit tokens, got {load}"
-        assert_blocks_freed(cluster)
-    finally:
-        cluster.shutdown()
+    cached = asyncio.run(rest())
+    assert all(c >= 96 for c in cached), f"each request's usage should report the shared prefix: {cached}"
+    hits = asyncio.run(_load(pair.prefill_refs()[0])).prefix_cache_hits - hits_before
+    assert hits >= 11 * 96, f"expected >= {11 * 96} hit tokens, got {hits}"
+    assert_blocks_freed(pair)
 
 
 async def _load(ref):
@@ -177,31 +194,26 @@ def test_injected_transfer_failure_recomputes_same_tokens(ray_cluster, tiny_mode
         cluster.shutdown()
 
 
-def test_injected_transfer_failure_under_fail_policy_is_a_clear_error(ray_cluster, tiny_model, reference):
+def test_injected_transfer_failure_under_fail_policy_is_a_clear_error(pair, reference):
     prompts, lengths, _ = reference
-    cluster = _start(tiny_model, 1, 1, "object_store", failure_policy="fail", faults={"drop_rate": 1.0})
-    try:
-        results = _run_all(cluster, prompts[:4], lengths[:4])
-        for tokens, errors, finish in results:
-            assert finish == "error" and errors, f"expected a clear error, got {finish} {errors}"
-            assert "transfer failed" in errors[0], errors
-            assert tokens == [], "a failed request must not stream tokens"
-        assert_blocks_freed(cluster)
-    finally:
-        cluster.shutdown()
+    _set_transfer(pair, failure_policy="fail", faults={"drop_rate": 1.0})
+    results = _run_all(pair, prompts[:4], lengths[:4])
+    for tokens, errors, finish in results:
+        assert finish == "error" and errors, f"expected a clear error, got {finish} {errors}"
+        assert "transfer failed" in errors[0], errors
+        assert tokens == [], "a failed request must not stream tokens"
+    assert_blocks_freed(pair)
 
 
-def test_transfer_slower_than_deadline_falls_back_to_recompute(ray_cluster, tiny_model, reference):
+def test_transfer_slower_than_deadline_falls_back_to_recompute(pair, reference):
     prompts, lengths, want = reference
-    cluster = _start(tiny_model, 1, 1, "object_store", timeout_s=0.5, faults={"delay_s": 1.0})
-    try:
-        results = _run_all(cluster, prompts[:4], lengths[:4])
-        assert [r[0] for r in results] == want[:4]
-        failures = cluster.stats()["decode-0"]["transfer"]["failures"]
-        assert failures.get("timeout", 0) >= 4, failures
-        assert_blocks_freed(cluster)
-    finally:
-        cluster.shutdown()
+    _set_transfer(pair, timeout_s=0.5, faults={"delay_s": 1.0})
+    before = pair.stats()["decode-0"]["transfer"]["failures"].get("timeout", 0)
+    results = _run_all(pair, prompts[:4], lengths[:4])
+    assert [r[0] for r in results] == want[:4]
+    failures = pair.stats()["decode-0"]["transfer"]["failures"]
+    assert failures.get("timeout", 0) - before >= 4, failures
+    assert_blocks_freed(pair)
 
 
 def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_model):
@@ -289,19 +301,16 @@ def test_topology_yaml_with_overrides(tmp_path):
         ClusterConfig.from_dict({"engine": {"blok_size": 8}})
 
 
-def test_injected_transfer_failures_reach_the_metrics(ray_cluster, tiny_model, reference, metrics_dir):
+def test_injected_transfer_failures_reach_the_metrics(pair, reference, metrics_dir):
     from tests.helpers import metric_sum, scrape
 
     prompts, lengths, _ = reference
+    _set_transfer(pair, faults={"drop_rate": 1.0})
     before = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")
-    cluster = _start(tiny_model, 1, 1, "object_store", faults={"drop_rate": 1.0})
-    try:
-        _run_all(cluster, prompts[:3], lengths[:3])
-        after = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")
-        assert after - before == 3, f"3 dropped transfers, counter moved by {after - before}"
-        assert_blocks_freed(cluster)
-    finally:
-        cluster.shutdown()
+    _run_all(pair, prompts[:3], lengths[:3])
+    after = metric_sum(scrape(metrics_dir), "tandem:kv_transfer_failures_total", role="decode", reason="injected")
+    assert after - before == 3, f"3 dropped transfers, counter moved by {after - before}"
+    assert_blocks_freed(pair)
 
 
 def test_stream_interval_sends_fewer_messages_with_the_same_tokens(ray_cluster, tiny_model, reference):
