@@ -92,7 +92,7 @@ def decode_table(model_dir: str, batches: Sequence[int], context: int, steps: in
 
     engine = LLMEngine(model=model_dir, num_kv_blocks=max(batches) * (context // 16 + 8) + 64)
     cfg = engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weight_bytes = engine.model.weight_bytes()
     bandwidth, flops = memory_bandwidth(), gemm_flops()
     rows = step_times(engine, batches, context, steps)
     del engine

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.gguf_checkpoint import GGUFFile, is_gguf, open_gguf
-from engine.model import DecoderModel
+from engine.model import DecoderModel, can_pack
 from engine.model_config import DTYPES, ModelConfig
 
 _FUSED = {
@@ -122,7 +122,10 @@ def load_model(
     model.rotary.to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if can_pack(torch.device(device), dtype):
+        model.pack_linears()
+    return model
 
 
 def _check_all_used(

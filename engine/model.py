@@ -4,7 +4,8 @@ RMSNorm, rotary embeddings (default, linear and llama3 scaling), grouped-query
 attention with optional q/k/v bias, SwiGLU MLP, optional tied embeddings. The
 numerics follow Hugging Face transformers so that greedy decoding matches it token
 for token. Weights are loaded by ``engine.loader``; q/k/v and gate/up projections
-are fused there into single matrices so each layer runs four matmuls.
+are fused there into single matrices so each layer runs four matmuls, and a float32
+model on the CPU runs them on oneDNN-packed weights (``PackedLinear``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,31 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class PackedLinear(nn.Module):
+    """A float32 ``nn.Linear`` on the CPU, its weight reordered once into oneDNN's
+    blocked layout (the packed copy replaces the weight).
+
+    At decode batch sizes ``F.linear``'s row-major GEMM runs far below the memory
+    roofline here: a 30-layer step of SmolLM2's projections took 156 ms at 16 rows
+    against 87 ms packed (1.15x at 1 row, 2x at 8-16, 1.2x at 256). The products agree
+    to float rounding (about 1e-4 at that size).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()), persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``DecoderModel.pack_linears`` applies: float32 weights on a CPU with oneDNN."""
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -151,6 +177,19 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, k_caches[i], v_caches[i], attn)
         return self.norm(x)
+
+    def pack_linears(self) -> None:
+        """Each layer's four projections as ``PackedLinear`` (see ``can_pack``); the LM
+        head stays as it is (tied to the embedding in many checkpoints)."""
+        for layer in self.layers:
+            for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+                setattr(module, name, PackedLinear(getattr(module, name)))
+
+    def weight_bytes(self) -> int:
+        """What the weights take in memory, packed projections included."""
+        packed = [m.packed for m in self.modules() if isinstance(m, PackedLinear)]
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *packed])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

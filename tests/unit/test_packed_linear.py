@@ -1,0 +1,39 @@
+"""Float32 models on the CPU run their layers' projections on oneDNN-packed weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from engine.loader import load_model
+from engine.model import PackedLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_projection_gives_the_linear_product(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    packed = PackedLinear(linear)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert packed(torch.randn(4, 192)[:, ::2]).shape == (4, 160), "non-contiguous input rows are taken too"
+
+
+def test_a_float32_cpu_model_packs_every_layer_projection_and_keeps_its_weight_bytes(default_model):
+    model = load_model(default_model)
+    for layer in model.layers:
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        assert all(isinstance(p, PackedLinear) for p in projections)
+    assert isinstance(model.lm_head, nn.Linear), "the head stays (it is the embedding in tied checkpoints)"
+    saved = load_file(default_model / "model.safetensors")
+    assert model.weight_bytes() == 4 * sum(t.numel() for t in saved.values()), "packing holds no second copy"
+
+
+def test_half_precision_models_stay_unpacked(default_model):
+    model = load_model(default_model, dtype="bfloat16")
+    assert isinstance(model.layers[0].mlp.down_proj, nn.Linear)
