@@ -75,9 +75,11 @@ def load_model(
     model_dir: str | Path | GGUFFile,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    pack: bool = True,
 ) -> DecoderModel:
     """Build the model from ``model_dir`` (or a ``.gguf`` file, by path or already open)
-    with weights in ``dtype`` on ``device``."""
+    with weights in ``dtype`` on ``device``; ``pack``: reorder the layer projections for
+    oneDNN where ``can_pack`` allows (``pack=False`` keeps plain ``nn.Linear`` weights)."""
     if is_gguf(model_dir):
         model_dir = open_gguf(model_dir)
     else:
@@ -123,7 +125,7 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)
-    if can_pack(torch.device(device), dtype):
+    if pack and can_pack(torch.device(device), dtype):
         model.pack_linears()
     return model
 

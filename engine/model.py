@@ -117,11 +117,13 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()), persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        x = x.contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -54,13 +54,13 @@ def _assert_same_weights(ours, theirs, label: str) -> None:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_every_supported_type_reads_back_as_transformers_reads_it(tmp_path, hf_llama, qtype):
     path = build_gguf(tmp_path / f"llama-{qtype}.gguf", hf_llama, "llama", qtype)
-    _assert_same_weights(load_model(path), _transformers_gguf(path), f"llama {qtype}")
+    _assert_same_weights(load_model(path, pack=False), _transformers_gguf(path), f"llama {qtype}")
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q4_K"])
 def test_qwen2_files_read_back_as_transformers_reads_them(tmp_path, hf_qwen2, qtype):
     path = build_gguf(tmp_path / f"qwen2-{qtype}.gguf", hf_qwen2, "qwen2", qtype)
-    model = load_model(path)
+    model = load_model(path, pack=False)
     assert model.config.qkv_bias and model.config.tie_word_embeddings
     _assert_same_weights(model, _transformers_gguf(path), f"qwen2 {qtype}")
 
@@ -70,7 +70,7 @@ def test_an_f32_file_gives_back_the_original_checkpoint_exactly(tmp_path, hf_lla
     from safetensors.torch import load_file
 
     original = load_file(hf_llama / "model.safetensors")
-    model = load_model(build_gguf(tmp_path / "llama.gguf", hf_llama, "llama", "F32"))
+    model = load_model(build_gguf(tmp_path / "llama.gguf", hf_llama, "llama", "F32"), pack=False)
     q, k, v = model.layers[0].self_attn.qkv_proj.weight.split([256, 128, 128])
     assert torch.equal(q, original["model.layers.0.self_attn.q_proj.weight"]), "q rows not un-permuted"
     assert torch.equal(k, original["model.layers.0.self_attn.k_proj.weight"]), "k rows not un-permuted"
