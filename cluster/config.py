@@ -23,7 +23,6 @@ from pathlib import Path
 
 from engine.config import EngineConfig, check_at_least
 from kv_transfer.config import TransferConfig
-from kv_transfer.faults import FaultConfig
 
 
 @dataclass(frozen=True)
@@ -107,10 +106,7 @@ class ClusterConfig:
             if isinstance(d.get(key), dict):
                 d[key] = Resources(**d[key])
         if isinstance(d.get("transfer"), dict):
-            t = dict(d["transfer"])
-            if isinstance(t.get("faults"), dict):
-                t["faults"] = FaultConfig(**t["faults"])
-            d["transfer"] = TransferConfig(**t)
+            d["transfer"] = TransferConfig.from_dict(d["transfer"])
         return cls(**d)
 
     @classmethod

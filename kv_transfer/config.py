@@ -44,6 +44,17 @@ class TransferConfig:
             # A receiver may read until the deadline: what it reads must still be there.
             raise ValueError(f"lease_s ({self.lease_s}) must be at least timeout_s ({self.timeout_s})")
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "TransferConfig":
+        """Settings as a topology file writes them: ``faults`` may be a mapping too."""
+        faults = d.get("faults", {})
+        if isinstance(faults, dict):
+            d = {**d, "faults": FaultConfig(**faults)}
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ValueError(f"unknown transfer setting: {e}") from e
+
     def make_backend(self):
         from kv_transfer import make_backend
 

@@ -235,14 +235,12 @@ class Services:
 
     def get(self, backend: str = "object_store", **transfer):
         from kv_transfer.config import TransferConfig
-        from kv_transfer.faults import FaultConfig
 
         if backend != self._backend:
             self.close()
             self._ctx = running_service(self.model, **SETTINGS, transfer={"backend": backend, **DEADLINES})
             self._svc, self._backend = self._ctx.__enter__(), backend
-        faults = FaultConfig(**transfer.pop("faults", {}))
-        config = TransferConfig(backend=backend, **{**DEADLINES, **transfer}, faults=faults)
+        config = TransferConfig.from_dict({"backend": backend, **DEADLINES, **transfer})
         ray.get(self._svc.controller.set_transfer.remote(config))
         return self._svc
 

@@ -53,10 +53,8 @@ def pair(ray_cluster, tiny_model):
 
 def _set_transfer(cluster, **settings):
     from kv_transfer.config import TransferConfig
-    from kv_transfer.faults import FaultConfig
 
-    faults = FaultConfig(**settings.pop("faults", {}))
-    cluster.set_transfer(TransferConfig(backend=cluster.config.transfer.backend, faults=faults, **settings))
+    cluster.set_transfer(TransferConfig.from_dict({"backend": cluster.config.transfer.backend, **settings}))
 
 
 def _start(model, prefill=1, decode=1, backend="collective", name="tandem", **transfer):

@@ -34,3 +34,10 @@ def test_settings_of_another_backend_are_refused():
     bare = TransferConfig(backend="inprocess").make_backend()
     with pytest.raises(ValueError, match="inprocess backend cannot take object_store settings"):
         TransferConfig(backend="object_store").configure(bare)
+
+
+def test_settings_from_a_mapping_take_faults_as_a_mapping_and_name_an_unknown_key():
+    config = TransferConfig.from_dict({"backend": "inprocess", "timeout_s": 2, "faults": {"drop_rate": 0.25}})
+    assert config == TransferConfig(backend="inprocess", timeout_s=2, faults=FaultConfig(drop_rate=0.25))
+    with pytest.raises(ValueError, match="timeout_ms"):
+        TransferConfig.from_dict({"backend": "inprocess", "timeout_ms": 2})
