@@ -91,18 +91,22 @@ class DecodeWorker(WorkerBase):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
         resume_output=(), priority: int = 0,
     ) -> Reservation | None:
-        blocks = self.engine.add_remote_request(
+        reserved = self.engine.add_remote_request(
             prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )
-        if blocks is None:
+        if reserved is None:
             self.runtime.abort_now(request_id)
             return None
+        blocks, held = reserved
         self.runtime.route(request_id, subscriber)
         if self.backend.paged:
-            self._pins[request_id] = self.engine.pin_blocks(request_id)
+            with self._pin_lock:
+                self._pins[request_id] = self.engine.pin_blocks(request_id)
+                if held:  # reads start after the blocks already here
+                    self._landed[request_id] = held
         deadline = time.time() + self.transfer.timeout_s
         self._deadlines[request_id] = deadline
-        return Reservation(request_id, blocks, self.layout, self._endpoint, deadline)
+        return Reservation(request_id, blocks, self.layout, self._endpoint, deadline, held)
 
     async def receive_kv(
         self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0,

@@ -277,20 +277,21 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         resume_output: Sequence[int] = (),
-    ) -> list[int] | None:
+    ) -> tuple[list[int], int] | None:
         """Decode role: reserve blocks for a prompt whose KV another worker sends.
 
         ``resume_output``: a migrated stream's tokens so far (see ``add_request``); the
         prefill worker computes their KV with the prompt's, and the stream goes on after
-        them. Returns the reserved block ids (in token order), or None when the pool has
-        no room now (nothing is kept; try again later or elsewhere).
+        them. Returns the reserved block ids (in token order) and how many leading ones
+        this engine's prefix cache already holds (the sender sends only the others), or
+        None when the pool has no room now (nothing is kept; try again later or elsewhere).
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
         request.output_token_ids = list(resume_output)
-        blocks = self.scheduler.add_remote(request)
-        if blocks is not None:
+        reserved = self.scheduler.add_remote(request)
+        if reserved is not None:
             self._track(request, resume_output)  # a constraint starts compiling while the KV is on its way
-        return blocks
+        return reserved
 
     def remote_kv_arrived(
         self,
@@ -304,8 +305,9 @@ class LLMEngine:
     ) -> RequestOutput | None:
         """Write the received KV into the reserved blocks and start decoding.
 
-        ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order; None
-        when the transfer already wrote them into the reserved blocks.
+        ``k``/``v``: [layers, blocks, block, Hkv, D], the blocks in prompt order from the
+        first one the prefix cache did not hold (or all of them: the held ones are shared
+        and not written); None when the transfer already wrote them into the reserved blocks.
         ``num_cached_tokens``: prefix-cache hits on the prefill side, for the usage.
         ``prompt_logprobs``: the prompt's, as the prefill worker computed them.
         Returns the output for the first token (sampled by the prefill worker).
@@ -314,7 +316,16 @@ class LLMEngine:
         if request is None:
             return None
         if k is not None:
-            self.kv_cache.scatter(self.kv_manager.block_ids(request_id), k, v)
+            ids = self.kv_manager.block_ids(request_id)
+            held = request.num_held_blocks
+            if k.shape[1] == len(ids):
+                k, v = k[:, held:], v[:, held:]
+            elif k.shape[1] != len(ids) - held:
+                raise ValueError(
+                    f"request {request_id!r}: {k.shape[1]} blocks of KV for {len(ids) - held} reserved "
+                    f"(of {len(ids)}, {held} held)"
+                )
+            self.kv_cache.scatter(ids[held:], k, v)
         if prompt_logprobs is not None:
             self._tracked[request_id].prompt_logprobs = prompt_logprobs
         if request_id in self.structured and not self.structured.is_ready(request_id):

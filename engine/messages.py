@@ -118,6 +118,7 @@ class Reservation:
     layout: KVLayout
     endpoint: str  # where the prefill worker opens its channel to this worker ("" if none)
     deadline: float
+    held_blocks: int = 0  # leading blocks the decode worker's prefix cache holds: not sent
 
 
 @dataclass(frozen=True)

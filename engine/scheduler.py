@@ -229,22 +229,28 @@ class Scheduler:
 
     # -- remote KV (decode role) -----------------------------------------------
 
-    def add_remote(self, request: Request) -> list[int] | None:
+    def add_remote(self, request: Request) -> tuple[list[int], int] | None:
         """Reserve blocks for a prompt whose KV another worker computes; None if no room.
 
+        Returns the block ids (in token order) and how many leading ones came from this
+        worker's prefix cache: their KV is here already, so only the rest need be sent.
         The request waits in WAITING_FOR_REMOTE_KV, outside the token budget, until
         ``remote_arrived`` or ``remote_failed``.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if self.kv_manager.allocate_slots(request, request.num_tokens) is None:  # prompt (+ a migrated stream's output)
+        hit, num_hit = self.kv_manager.get_computed_blocks(request)
+        # The prompt (+ a migrated stream's output); at least its last block is sent.
+        if self.kv_manager.allocate_slots(request, request.num_tokens - num_hit, hit) is None:
             self.kv_manager.free(request)
             return None
+        self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit)
+        request.num_held_blocks = len(hit)
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
-        return self.kv_manager.block_ids(request.request_id)
+        return self.kv_manager.block_ids(request.request_id), len(hit)
 
     def remote_arrived(self, request_id: str, first_token: int) -> Request | None:
         """The prompt's KV is in the reserved blocks: the request joins the batch."""

@@ -83,13 +83,14 @@ class PrefillWorker(WorkerBase):
             dst_endpoint=reservation.endpoint,
             deadline=reservation.deadline,
         )
-        parts = _Parts(asyncio.get_running_loop()) if self.backend.paged and self.transfer.pipeline else None
+        held = reservation.held_blocks  # already on the decode side: never sent
+        parts = _Parts(asyncio.get_running_loop(), held) if self.backend.paged and self.transfer.pipeline else None
         final, landed, t_done = await self._compute(
-            meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority
+            meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held
         )
         self._sending += 1
         try:
-            num_blocks = len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]
+            num_blocks = (len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]) - held
             if landed is None:  # a part failed: the decode side has applied its failure policy
                 state, error = TransferState.FAILED, "a pipelined part of the transfer failed"
             else:
@@ -110,10 +111,12 @@ class PrefillWorker(WorkerBase):
             error=error,
         )
 
-    async def _compute(self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority):
+    async def _compute(
+        self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority, held: int
+    ):
         """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
-        final output, how many blocks the parts landed (None: a part failed) and when the
-        prefill itself ended."""
+        final output, how many leading blocks are on the decode side (the ``held`` ones,
+        and those the parts landed; None: a part failed) and when the prefill itself ended."""
         first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
         paged, rid = self.backend.paged, meta.request_id
         if parts is not None:
@@ -135,7 +138,7 @@ class PrefillWorker(WorkerBase):
             if parts is not None:
                 await self.runtime.call(self._watched.pop, rid, None)  # nothing is offered after this
                 parts.queue.put_nowait(None)
-        return final, (await sender if parts is not None else 0), t_done
+        return final, (await sender if parts is not None else held), t_done
 
     def _offer_finished_blocks(self, now: float) -> None:
         """On the step thread: hand each pipelined prefill's newly computed blocks, pinned
@@ -150,7 +153,7 @@ class PrefillWorker(WorkerBase):
     async def _send_parts(self, meta: TransferMeta, decode_worker, parts: "_Parts") -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
         blocks landed, or None once a part failed (the rest are only unpinned)."""
-        landed: int | None = 0
+        landed: int | None = parts.first
         while (item := await parts.queue.get()) is not None:
             first, block_ids, pins = item
             try:
@@ -188,7 +191,9 @@ class PrefillWorker(WorkerBase):
                 meta = dataclasses.replace(meta, num_blocks=len(blocks))
                 payload = self.backend.prepare_blocks(meta, blocks)
             else:
-                meta = dataclasses.replace(meta, num_blocks=final.packed_kv[0].shape[1])
+                if landed:  # the decode side holds the leading blocks
+                    k, v = k[:, landed:].contiguous(), v[:, landed:].contiguous()
+                meta = dataclasses.replace(meta, num_blocks=k.shape[1])
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(
@@ -232,8 +237,9 @@ class _Parts:
     """A pipelined prefill's finished blocks on their way to its sender: (first block,
     block ids, pins) in order, then None."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, first: int = 0) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.offered = 0  # blocks queued so far
+        self.first = first  # the blocks before it are on the decode side already
+        self.offered = first  # blocks queued (or held) so far
         self.abandoned = False  # the prefill failed: unpin what comes, send nothing

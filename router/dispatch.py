@@ -23,9 +23,9 @@ stream, which is indexed by output position. Past
 the bound the client gets an error delta, never a silently cut stream.
 Requests that share a prompt (the choices of a request with ``n`` > 1) share an
 ``Affinity``: the first one placed records its workers, and the others go to the same
-ones while those have room, so their prompt's blocks come from the prefix cache
+ones while those have room, so their prompt's blocks come from the prefix caches
 (colocated: the decode worker that ran the prompt; disaggregated: the prefill worker
-that computed it).
+that computed it, and the decode worker that received it, so its KV is sent once).
 Cancellation (the consumer stops iterating) aborts the request on both workers, and so
 does ``abort(request_id)`` from another task (a gRPC Abort), which also ends the stream
 with finish_reason "abort".
@@ -251,7 +251,7 @@ class Dispatcher:
     # -- placement -------------------------------------------------------------
 
     def _choose_decode(self, blocks: int, exclude: set[str], affinity: Affinity | None = None) -> WorkerRef | None:
-        """A decode worker with room; with an ``affinity`` (colocated), its worker first."""
+        """A decode worker with room; with an ``affinity``, its worker first."""
         workers = [w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_blocks.get(w.worker_id, 0) for w in workers]
@@ -404,8 +404,10 @@ class Dispatcher:
         deadline = loop.time() + self.config.capacity_wait_s
         while True:
             await self._fresh_loads()
-            # Colocated, the decode worker holds the prompt's cache; disaggregated, the prefill worker.
-            decode = self._choose_decode(blocks, exclude, None if self._prefill() else affinity)
+            # The decode worker's prefix cache holds the prompt's blocks once the first request
+            # of the prompt has run (colocated) or its KV has come (disaggregated: then only the
+            # blocks after them are sent).
+            decode = self._choose_decode(blocks, exclude, affinity)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:

@@ -8,7 +8,8 @@ What it pins down: greedy choices equal the n = 1 output; with a seed s, choice 
 the n = 1 output with seed s + i (vLLM's rule), so the whole response is reproducible;
 a stream of n choices interleaves complete choices and ends with [DONE]; the prompt is
 prefilled once (the prefix-cache counters of the worker that prefills show the other
-choices' full prompt blocks came from the cache).
+choices' full prompt blocks came from the cache), and disaggregated, its full blocks are
+sent once (the decode worker holds them for the other choices).
 """
 
 from __future__ import annotations
@@ -127,6 +128,28 @@ def test_a_client_gone_mid_stream_aborts_every_choice(service, http, model_name)
                 break  # every choice is streaming: leave
     assert_blocks_freed(service)  # every choice's blocks come back...
     assert generated() - before < n * max_tokens, "...because the choices were stopped, not run out"
+
+
+def _kv_bytes_received(service) -> int:
+    return sum(s["transfer"]["bytes_received"] for wid, s in service.stats().items() if wid.startswith("decode"))
+
+
+def test_the_prompt_s_full_blocks_are_sent_once(service, client, model_name):
+    if not service.config.cluster.prefill_workers:
+        pytest.skip("colocated: no KV is sent")
+    block_size = ray.get(service.controller.dispatch_settings.remote())["block_size"]
+    common = dict(model=model_name, max_tokens=2, extra_body={"ignore_eos": True})
+    before = _kv_bytes_received(service)
+    client.completions.create(prompt=_prompt(seed=11), **common)
+    one = _kv_bytes_received(service) - before  # a prompt nothing of which was cached
+    blocks, held = -(-45 // block_size), 44 // block_size
+    before = _kv_bytes_received(service)
+    n = 6
+    assert len(client.completions.create(prompt=_prompt(seed=12), n=n, **common).choices) == n
+    sent = (_kv_bytes_received(service) - before) * blocks // one
+    assert held and sent == blocks + (n - 1) * (blocks - held), (
+        f"{n} choices of a {blocks}-block prompt: {sent} blocks sent, not {blocks} once and then "
+        f"{blocks - held} per other choice")
 
 
 def _prefix_counters(service, role: str) -> tuple[int, int]:

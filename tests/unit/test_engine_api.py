@@ -355,6 +355,39 @@ def test_a_stream_migrated_through_a_prefill_engine_continues_on_a_new_decode_en
     _assert_idle(llm)
 
 
+def test_a_decode_engine_holds_the_blocks_of_a_prompt_it_received_before(llm, default_model):
+    """Disaggregated prefix caching: reserving a prompt a second time takes its full blocks
+    from the decode engine's own prefix cache, so only the blocks after them are sent,
+    and the output is the same."""
+    from engine import LLMEngine
+
+    prompt = llm.engine.encode_prompt(PROMPTS[1] * 4)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    decode = LLMEngine(model=str(default_model), num_kv_blocks=64)
+    runs = []
+    for rid in ("first", "second"):
+        llm.engine.add_request(prompt, SamplingParams(**{**vars(params), "max_tokens": 1}), request_id=rid, hold_kv=True)
+        first = None
+        while first is None:
+            first = next((o for o in llm.engine.step() if o.finished), None)
+        blocks, held = decode.add_remote_request(prompt, params, request_id=rid)
+        k, v = (t[:, held:] for t in first.packed_kv)  # what a prefill worker sends
+        outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], k, v)]
+        while decode.has_unfinished_requests():
+            outs += decode.step()
+        runs.append(([t for o in outs if o is not None for t in o.new_token_ids], blocks, held))
+    (ids, blocks, held), (again, blocks_again, held_again) = runs
+    assert held == 0 and held_again == (len(prompt) - 1) // 16, (held, held_again, len(prompt))
+    assert blocks_again[:held_again] == blocks[:held_again], "the held blocks are the first request's"
+    assert again == ids, "the same greedy output from the held blocks"
+    with pytest.raises(ValueError, match="blocks of KV"):
+        decode.add_remote_request(prompt, params, request_id="wrong")
+        decode.remote_kv_arrived("wrong", 0, k[:, 1:], v[:, 1:])
+    decode.abort(["wrong"])
+    assert decode.stats().num_blocks_in_use == 0
+    _assert_idle(llm)
+
+
 # ------------------------------------------------------------------ load reports
 
 
@@ -369,7 +402,7 @@ def test_load_counts_running_waiting_queued_tokens_and_requests_waiting_for_kv(l
     local_tokens = len(engine.encode_prompt(PROMPTS[0]))
     assert (load.num_running, load.num_waiting, load.num_waiting_for_kv) == (0, 1, 1), load
     assert engine.num_queued_tokens() == local_tokens + len(prompt), "both prompts are still to be computed"
-    assert load.num_free_blocks == free - len(reserved), "the reservation's blocks are taken"
+    assert load.num_free_blocks == free - len(reserved[0]), "the reservation's blocks are taken"
     assert engine.is_waiting_for_kv("remote") and not engine.is_waiting_for_kv("local")
     engine.step()
     assert engine.load().num_running == 1 and engine.load().num_waiting == 0
