@@ -4,7 +4,11 @@ What an empty seat in a batch costs decides how much continuous batching gains o
 static batching: if a step's time grew in proportion to its batch, an empty seat
 would cost nothing. This measures it:
 
-    python -m bench.steps [--model DIR] [--context 128] [--batches 1,2,4,8,16,32]
+    python -m bench.steps [--model DIR] [--context 128] [--batches 1,2,4,8,16,32] [--unpacked]
+
+``--unpacked`` also times each batch size on a second engine whose projections are
+plain ``nn.Linear`` (``pack_weights=False``), alternating with the packed one, and
+reports the ratio (unpacked step time / packed).
 """
 
 from __future__ import annotations
@@ -44,15 +48,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per batch size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (workers use 1)")
+    ap.add_argument("--unpacked", action="store_true", help="compare with plain nn.Linear projections")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine(model=args.model, num_kv_blocks=max(batches) * (args.context // 16 + 8) + 64)
-    rows = step_times(engine, batches, args.context, args.steps)
-    for r in rows:
-        print(f"batch {r['batch']:4d}: decode step {r['step_ms']:7.2f} ms, {r['tokens_per_s']:8.1f} tokens/s")
+    num_kv_blocks = max(batches) * (args.context // 16 + 8) + 64
+    engines = [LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks)]
+    if args.unpacked:
+        engines.append(LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks, pack_weights=False))
+    rows = []
+    for b in batches:  # the engines alternate, so a slow spell of the machine hits both
+        row, *base = (step_times(e, [b], args.context, args.steps)[0] for e in engines)
+        if base:
+            row["unpacked_step_ms"] = base[0]["step_ms"]
+            row["unpacked_over_packed"] = round(base[0]["step_ms"] / row["step_ms"], 2)
+        rows.append(row)
+        extra = f", unpacked {row['unpacked_step_ms']:7.2f} ms ({row['unpacked_over_packed']:.2f}x)" if base else ""
+        print(f"batch {b:4d}: decode step {row['step_ms']:7.2f} ms, {row['tokens_per_s']:8.1f} tokens/s{extra}")
     print(json.dumps(rows))
-    assert engine.stats().num_blocks_in_use == 0
+    assert all(e.stats().num_blocks_in_use == 0 for e in engines)
     return 0
 
 

@@ -26,6 +26,8 @@ class EngineConfig:
     bytes; ``swap_space`` bytes of CPU memory hold swapped-out blocks.
     ``attention_backend``: ``torch`` (reference, any device), ``triton`` (paged
     kernels, CUDA), or ``auto`` (triton on a CUDA device when triton imports).
+    ``pack_weights``: a float32 model on the CPU runs its layer projections on
+    oneDNN-packed weights (``engine.model.PackedLinear``); off, on plain ``nn.Linear``.
     """
 
     model: str | None = None
@@ -44,6 +46,7 @@ class EngineConfig:
     policy: str = "fcfs"
     batching: str = "continuous"  # or "static": a baseline that batches like HF generate
     attention_backend: str = "auto"
+    pack_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -160,7 +160,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
         device = torch.device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(source, dtype, device)
+        self.model = load_model(source, dtype, device, pack=config.pack_weights)
         per_block = bytes_per_block(self.model_config, config.block_size, dtype)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         num_cpu_blocks = config.swap_space // per_block

@@ -37,3 +37,18 @@ def test_a_float32_cpu_model_packs_every_layer_projection_and_keeps_its_weight_b
 def test_half_precision_models_stay_unpacked(default_model):
     model = load_model(default_model, dtype="bfloat16")
     assert isinstance(model.layers[0].mlp.down_proj, nn.Linear)
+
+
+def test_an_engine_can_keep_plain_projections_and_bench_steps_compares_the_two(default_model, capsys):
+    import json
+
+    from bench.steps import main
+    from engine import LLMEngine
+
+    plain = LLMEngine(model=str(default_model), num_kv_blocks=16, pack_weights=False)
+    assert isinstance(plain.model.layers[0].mlp.down_proj, nn.Linear)
+    assert main(["--model", str(default_model), "--batches", "1,2", "--steps", "2", "--context", "16",
+                 "--unpacked"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert all(r["step_ms"] > 0 and r["unpacked_step_ms"] > 0 and r["unpacked_over_packed"] > 0 for r in rows)
