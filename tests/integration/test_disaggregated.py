@@ -127,7 +127,8 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
 def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_model, pipeline):
     """With a 32-token chunk budget a 100-300 token prompt takes 4-10 steps; pipelined, the
     decode worker reads the blocks of each finished chunk while the next computes, and the
-    tokens are the single engine's either way."""
+    tokens are the single engine's either way. Sent again, each prompt's full blocks are
+    in the decode worker's prefix cache: only its last block is read."""
     rng = random.Random(5)
     prompts = [[rng.randrange(4000) for _ in range(rng.randint(100, 300))] for _ in range(6)]
     lengths = [8] * len(prompts)
@@ -150,6 +151,15 @@ def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_mo
             assert received >= 2 * len(prompts), f"{received} reads for {len(prompts)} chunked prompts"
         else:
             assert received == len(prompts)
+        first_bytes = stats["decode-0"]["transfer"]["bytes_received"]
+        again = _run_all(cluster, prompts, lengths)
+        assert [r[1] for r in again] == [[]] * len(prompts) and [r[0] for r in again] == want
+        again_bytes = cluster.stats()["decode-0"]["transfer"]["bytes_received"] - first_bytes
+        blocks = [-(-len(p) // 16) for p in prompts]
+        last = [b - (len(p) - 1) // 16 for b, p in zip(blocks, prompts)]  # 1 each: the held ones are full
+        assert again_bytes * sum(blocks) == first_bytes * sum(last), (
+            f"the second time, {again_bytes / first_bytes * sum(blocks):.1f} blocks were read, "
+            f"not the {sum(last)} last ones")
         assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
