@@ -108,10 +108,10 @@ class PackedLinear(nn.Module):
     """A float32 ``nn.Linear`` on the CPU, its weight reordered once into oneDNN's
     blocked layout (the packed copy replaces the weight).
 
-    At decode batch sizes ``F.linear``'s row-major GEMM runs far below the memory
-    roofline here: a 30-layer step of SmolLM2's projections took 156 ms at 16 rows
-    against 87 ms packed (1.15x at 1 row, 2x at 8-16, 1.2x at 256). The products agree
-    to float rounding (about 1e-4 at that size).
+    At 2-32 rows ``F.linear``'s GEMM runs far below the memory roofline here; packed,
+    SmolLM2's decode steps are 1.1-1.2x faster from 2 requests on, and 15-25% slower for
+    a lone request (oneDNN's fixed cost per call against MKL's matrix-vector product;
+    ``python -m bench.steps --unpacked``). The products agree to float rounding.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
