@@ -12,6 +12,10 @@ actors, all in one run:
 * ``nixl_paged``: what the workers run with NIXL: the receiver reads the blocks out of
   the sender's paged cache straight into its own paged cache (no packing on either
   side), into scattered blocks (one descriptor per block and layer: the worst case);
+* ``collective_paged``: what the workers run with gloo channels on CPUs: messages from
+  the sender's blocks straight into the receiver's, here one stretch of consecutive
+  blocks (a message per layer, K and V); ``collective_paged_scattered`` into blocks in
+  random order (past ``MAX_MESSAGES`` messages, gathered and scattered instead);
 
 both timed inside the receiver until the bytes sit in a resident buffer, as they must
 in a decode worker's cache (raw gloo receives straight into its buffer);
@@ -76,20 +80,25 @@ def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
     return times
 
 
-def time_paged(a, b, size_mib: int, repeats: int) -> list[float]:
-    """Blocks read from one paged cache into scattered blocks of another; bytes checked."""
+def time_paged(a, b, size_mib: int, repeats: int, scattered: bool = True) -> list[float]:
+    """Blocks moved from one paged cache into blocks of another (``scattered``: in random
+    order, so no two are consecutive; else one stretch); bytes checked."""
     import random
 
     layout, blocks = _layout_for(size_mib)
     ray.get([a.attach.remote(layout, blocks, 1), b.attach.remote(layout, 2 * blocks, 2)])
     rng = random.Random(size_mib)
+    endpoint = ray.get(b.endpoint.remote())
     times = []
     for i in range(repeats + 1):
         src = list(range(blocks))
-        dst = rng.sample(range(2 * blocks), blocks)
-        meta = TransferMeta(f"p{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, "", time.time() + 300)
+        dst = rng.sample(range(2 * blocks), blocks) if scattered else list(range(blocks // 2, blocks // 2 + blocks))
+        meta = TransferMeta(f"p{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, endpoint, time.time() + 300,
+                            tuple(dst))
         payload, want = ray.get(a.prepare_blocks.remote(meta, src))
-        got, seconds = ray.get(b.pull_blocks.remote(meta, payload, dst))
+        pull = b.pull_blocks.remote(meta, payload, dst)
+        ray.get(a.push.remote(meta))  # a reader (NIXL) has nothing to push
+        got, seconds = ray.get(pull)
         if got != want:
             raise RuntimeError(f"paged read {meta.transfer_id} delivered other bytes")
         if i:
@@ -230,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
             rows["nixl_paged"] = time_paged(paged_a, paged_b, size, args.repeats)
             for actor in (paged_a, paged_b):
                 ray.kill(actor)
+        for name, scattered in (("collective_paged", False), ("collective_paged_scattered", True)):
+            paged_a, paged_b = _pair("collective")
+            rows[name] = time_paged(paged_a, paged_b, size, args.repeats, scattered)
+            for actor in (paged_a, paged_b):
+                ray.kill(actor)
         layout, blocks = _layout_for(size)
         nbytes = layout.nbytes(blocks)
         summary = {}
@@ -237,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             med = statistics.median(times)
             summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
         summary["collective_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary["collective"]["median_s"]
-        for name in ("nixl", "nixl_read", "nixl_paged"):
+        for name in ("nixl", "nixl_read", "nixl_paged", "collective_paged", "collective_paged_scattered"):
             if name in summary:
                 summary[f"{name}_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary[name]["median_s"]
         result["results"][f"{size}MiB"] = summary

@@ -32,6 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.messages import KVLayout, TransferState  # noqa: F401  (re-exported)
@@ -59,6 +60,9 @@ class TransferMeta:
     num_tokens: int
     dst_endpoint: str = ""  # the receiver's channel endpoint, for backends with channels
     deadline: float = 0.0  # time.time() after which the transfer has failed
+    # Paged transfers: the receiver's blocks this one fills, in prompt order (a backend
+    # that sends splits its messages by them; the receiver checks they are its own).
+    dst_blocks: tuple[int, ...] = ()
 
     def time_left(self) -> float:
         return self.deadline - time.time()
@@ -85,6 +89,15 @@ class TransferStats:
 # Blocking transfer calls run on their own threads: a backend may park a call until
 # its turn comes, and parked calls must not starve the default executor.
 MAX_CONCURRENT_TRANSFERS = 512
+
+
+def contiguous_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(first, count) rows of the stretches where both ``src`` and ``dst`` go up by one."""
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    firsts = np.concatenate([[0], breaks])
+    counts = np.diff(np.concatenate([firsts, [len(s)]]))
+    return np.stack([s[firsts], counts], axis=1), np.stack([d[firsts], counts], axis=1)
 
 
 class KVTransferBackend(ABC):

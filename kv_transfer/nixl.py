@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, contiguous_runs
 
 INSTALL_HINT = (
     "kv transfer backend 'nixl' needs the nixl packages: "
@@ -161,15 +161,6 @@ def block_descs(base: tuple[int, int], num_blocks: int, layers: int, block_bytes
     for addr in base:
         rows.append(np.stack([addr + starts, lengths, np.full_like(starts, device)], axis=-1).reshape(-1, 3))
     return np.concatenate(rows)
-
-
-def contiguous_runs(src: list[int], dst: list[int]) -> tuple["np.ndarray", "np.ndarray"]:
-    """(first, count) rows of the stretches where both ``src`` and ``dst`` go up by one."""
-    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    firsts = np.concatenate([[0], breaks])
-    counts = np.diff(np.concatenate([firsts, [len(s)]]))
-    return np.stack([s[firsts], counts], axis=1), np.stack([d[firsts], counts], axis=1)
 
 
 @dataclass

@@ -6,12 +6,14 @@ A request's lifecycle here::
       ─▶ offer to the decode worker ─▶ it reads the KV ─▶ its answer, or lease expiry
       ─▶ blocks (or the packed copy) released; the prefix cache keeps full blocks
 
-Paged backends (NIXL) read straight out of this worker's blocks, which the engine holds
-(``hold_kv`` + ``keep_blocks``) until the decode worker has answered. With ``pipeline``
-on, the blocks of every finished chunk are offered at once (``receive_kv_part``, pinned
-until read), so that the decode worker reads them while later chunks compute and only
-the last chunk's blocks wait for the first token. Other backends get the prompt's KV
-packed into one K and one V tensor, which the transfer pushes.
+Paged backends (NIXL, and gloo channels on CPUs) move the KV straight out of this
+worker's blocks, which the engine holds (``hold_kv`` + ``keep_blocks``) until the decode
+worker has answered: NIXL's reader pulls them, gloo's push sends them (a backend without
+a send does nothing on ``push``). With ``pipeline`` on, the blocks of every finished
+chunk are offered at once (``receive_kv_part``, pinned until read), so that the decode
+worker reads them while later chunks compute and only the last chunk's blocks wait for
+the first token. Other backends get the prompt's KV packed into one K and one V tensor,
+which the transfer pushes.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class PrefillWorker(WorkerBase):
             num_tokens=len(prompt_token_ids) + len(resume_output),
             dst_endpoint=reservation.endpoint,
             deadline=reservation.deadline,
+            dst_blocks=tuple(reservation.block_ids),  # each send takes its stretch of them
         )
         held = reservation.held_blocks  # already on the decode side: never sent
         parts = _Parts(asyncio.get_running_loop(), held) if self.backend.paged and self.transfer.pipeline else None
@@ -159,7 +162,7 @@ class PrefillWorker(WorkerBase):
             try:
                 if landed is not None and not parts.abandoned:
                     part = dataclasses.replace(
-                        meta, transfer_id=f"{meta.transfer_id}.{first}", num_blocks=len(block_ids),
+                        _stretch(meta, first, len(block_ids)), transfer_id=f"{meta.transfer_id}.{first}",
                         num_tokens=len(block_ids) * self.layout.block_size,
                     )
                     ok = await self._send_part(part, decode_worker, block_ids, first)
@@ -171,7 +174,8 @@ class PrefillWorker(WorkerBase):
     async def _send_part(self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int) -> bool:
         payload = self.backend.prepare_blocks(meta, block_ids)
         try:
-            answer = decode_worker.receive_kv_part.remote(meta, payload, first)
+            answer = asyncio.ensure_future(decode_worker.receive_kv_part.remote(meta, payload, first))
+            await self._push_until_answered(meta, None, None, payload, answer)
             return TransferState(await asyncio.wait_for(answer, timeout=self.transfer.lease_s)) == TransferState.DONE
         except Exception as e:  # the decode worker died or never answered
             self._count_failure(e)
@@ -188,12 +192,12 @@ class PrefillWorker(WorkerBase):
         try:
             if self.backend.paged:
                 blocks = final.kv_blocks[landed:]
-                meta = dataclasses.replace(meta, num_blocks=len(blocks))
+                meta = _stretch(meta, landed, len(blocks))
                 payload = self.backend.prepare_blocks(meta, blocks)
             else:
                 if landed:  # the decode side holds the leading blocks
                     k, v = k[:, landed:].contiguous(), v[:, landed:].contiguous()
-                meta = dataclasses.replace(meta, num_blocks=k.shape[1])
+                meta = _stretch(meta, landed, k.shape[1])
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(
@@ -231,6 +235,11 @@ class PrefillWorker(WorkerBase):
             if not ack.done():
                 raise
             # The receiver's answer says what happened; the push's own error adds nothing.
+
+
+def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:
+    """The transfer of the reservation's blocks ``first`` to ``first + num_blocks``."""
+    return dataclasses.replace(meta, num_blocks=num_blocks, dst_blocks=meta.dst_blocks[first : first + num_blocks])
 
 
 class _Parts:

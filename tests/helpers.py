@@ -113,6 +113,32 @@ def assert_blocks_freed(service, within_s: float = PATIENCE_S) -> float:
 # -- programs the tests run --------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def paged_pair(make_backend: Callable[[], object], layout, src_blocks: int, dst_blocks: int) -> Iterator[tuple]:
+    """Two transfer backends with paged caches attached: (sender, its cache of random KV,
+    receiver, its cache of zeros); both closed at the end."""
+    import torch
+
+    from kv_transfer.peer import make_kv
+
+    sender, receiver = make_backend(), make_backend()
+    src = make_kv(layout, src_blocks, seed=3)
+    dst = tuple(torch.zeros(layout.packed_shape(dst_blocks), dtype=src[0].dtype) for _ in range(2))
+    sender.attach_cache(*src)
+    receiver.attach_cache(*dst)
+    try:
+        yield sender, src, receiver, dst
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def cache_blocks(cache: tuple, ids: list[int]) -> tuple:
+    """K and V of blocks ``ids`` of a paged cache (``[layers, blocks, ...]`` each)."""
+    k, v = cache
+    return k[:, ids], v[:, ids]
+
+
 def require_tool(name: str, source: str, *, allow_module_level: bool = False) -> None:
     """Skip unless the program ``name`` (from ``source``) is on PATH; under ``CI=true`` fail.
 

@@ -106,12 +106,13 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
             assert not errors, f"request {i} failed: {errors}"
             assert tokens == expected, f"request {i}: {tokens} != single engine {expected}"
         stats = cluster.stats()
+        # A prompt split over several steps goes in parts with paged backends (pipelined).
         sent = sum(s["transfer"]["sent"] for w, s in stats.items() if w.startswith("prefill"))
-        assert sent == NUM_REQUESTS, f"expected {NUM_REQUESTS} KV transfers, saw {sent}"
+        assert sent >= NUM_REQUESTS, f"expected at least {NUM_REQUESTS} KV transfers, saw {sent}"
         # Identical tokens alone would not tell a working receive path from local recomputes.
         decode = {w: s for w, s in stats.items() if w.startswith("decode")}
         received = sum(s["transfer"]["received"] for s in decode.values())
-        assert received == NUM_REQUESTS, f"decode workers received {received} of {NUM_REQUESTS} transfers"
+        assert received == sent, f"decode workers received {received} of the {sent} transfers sent"
         failures = {w: (s["transfer_failures"], s["transfer"]["failures"]) for w, s in decode.items()}
         assert all(n == 0 and not f for n, f in failures.values()), f"transfers failed or recomputed: {failures}"
         if prefill == 2:
@@ -122,9 +123,11 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
         cluster.shutdown()
 
 
-@NEEDS_NIXL
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_model, pipeline):
+@pytest.mark.parametrize(
+    "backend,pipeline",
+    [pytest.param("nixl", True, marks=NEEDS_NIXL), pytest.param("nixl", False, marks=NEEDS_NIXL), ("collective", True)],
+)
+def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_model, backend, pipeline):
     """With a 32-token chunk budget a 100-300 token prompt takes 4-10 steps; pipelined, the
     decode worker reads the blocks of each finished chunk while the next computes, and the
     tokens are the single engine's either way. Sent again, each prompt's full blocks are
@@ -135,7 +138,7 @@ def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_mo
     want = [o.token_ids for o in LLM(model=tiny_model, num_kv_blocks=256).generate(prompts, _params(8))]
     cfg = ClusterConfig.from_dict({
         "model": tiny_model, "prefill_workers": 1, "decode_workers": 1, "restart_workers": False,
-        "transfer": {"backend": "nixl", "pipeline": pipeline},
+        "transfer": {"backend": backend, "pipeline": pipeline},
         "engine": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
     })
     cluster = TandemCluster(cfg).start()

@@ -10,6 +10,7 @@ import pytest
 from kv_transfer import KVLayout, TransferError, TransferMeta
 from kv_transfer.nixl import unavailable_reason
 from kv_transfer.peer import checksum, make_kv
+from tests.helpers import cache_blocks, paged_pair
 
 NIXL_MISSING = unavailable_reason()
 pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl unavailable: {NIXL_MISSING}")
@@ -116,37 +117,17 @@ def test_close_deregisters_everything_and_a_later_transfer_starts_afresh():
 SRC_BLOCKS, DST_BLOCKS = 48, 64
 
 
-def _cache(num_blocks: int, seed: int | None):
-    import torch
-
-    shape = (LAYOUT.num_layers, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g).to(torch.bfloat16), torch.randn(shape, generator=g).to(torch.bfloat16))
-
-
 @pytest.fixture(scope="module")
 def paged():
     """(sender backend, its cache, receiver backend, its cache), caches attached."""
     from kv_transfer.nixl import NixlBackend
 
-    sender, receiver = NixlBackend(), NixlBackend()
-    src, dst = _cache(SRC_BLOCKS, seed=3), _cache(DST_BLOCKS, seed=None)
-    sender.attach_cache(*src)
-    receiver.attach_cache(*dst)
-    yield sender, src, receiver, dst
-    sender.close()
-    receiver.close()
-
-
-def _blocks(cache, ids):
-    k, v = cache
-    return k[:, ids], v[:, ids]
+    with paged_pair(NixlBackend, LAYOUT, SRC_BLOCKS, DST_BLOCKS) as pair:
+        yield pair
 
 
 def test_contiguous_runs_merge_stretches_that_rise_together_on_both_sides():
-    from kv_transfer.nixl import contiguous_runs
+    from kv_transfer.base import contiguous_runs
 
     src, dst = contiguous_runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8])
     assert src.tolist() == [[4, 3], [9, 2], [2, 1]]
@@ -156,12 +137,12 @@ def test_contiguous_runs_merge_stretches_that_rise_together_on_both_sides():
 def test_blocks_land_in_the_reserved_blocks_and_nowhere_else(paged):
     sender, src, receiver, dst = paged
     src_ids, dst_ids = [7, 8, 9, 30, 2, 3], [40, 41, 12, 13, 14, 60]
-    before = _blocks(dst, [i for i in range(DST_BLOCKS) if i not in dst_ids])
+    before = cache_blocks(dst, [i for i in range(DST_BLOCKS) if i not in dst_ids])
     meta = _meta("p0", len(src_ids))
     payload = sender.prepare_blocks(meta, src_ids)
     receiver.pull_blocks(meta, payload, dst_ids)
-    assert checksum(*_blocks(dst, dst_ids)) == checksum(*_blocks(src, src_ids)), "the blocks read differ"
-    after = _blocks(dst, [i for i in range(DST_BLOCKS) if i not in dst_ids])
+    assert checksum(*cache_blocks(dst, dst_ids)) == checksum(*cache_blocks(src, src_ids)), "the blocks read differ"
+    after = cache_blocks(dst, [i for i in range(DST_BLOCKS) if i not in dst_ids])
     assert checksum(*after) == checksum(*before), "a read wrote outside its reserved blocks"
     sender.release(meta, payload)
 
@@ -178,7 +159,7 @@ def test_concurrent_block_reads_each_fill_their_own_blocks(paged):
         payload = sender.prepare_blocks(meta, src_ids)
         receiver.pull_blocks(meta, payload, dst_ids)
         sender.release(meta, payload)
-        return checksum(*_blocks(dst, dst_ids)) == checksum(*_blocks(src, src_ids))
+        return checksum(*cache_blocks(dst, dst_ids)) == checksum(*cache_blocks(src, src_ids))
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(16)))
