@@ -23,9 +23,10 @@ in a decode worker's cache (raw gloo receives straight into its buffer);
 
 It also times one request at low load through a 1 prefill + 1 decode cluster and
 splits its TTFT into reserve, prefill (queue included), transfer and first delivery;
-then, with NIXL, a long prompt prefilled in chunks (``--long-prompt`` tokens, budget
-``--chunk``), its blocks read chunk by chunk during the prefill (``pipeline``) and
-all after it, where ``transfer_s`` is what the transfer adds after the prefill.
+then, with each paged backend (gloo channels, and NIXL where installed), a long prompt
+prefilled in chunks (``--long-prompt`` tokens, budget ``--chunk``), its blocks moved
+chunk by chunk during the prefill (``pipeline``) and all after it, where
+``transfer_s`` is what the transfer adds after the prefill.
 
     python -m bench.transfer [--sizes 16 256] [--repeats 5] [--long-prompt 2000 --chunk 256]
         [--out bench-results/transfer.json]
@@ -197,13 +198,16 @@ def ttft_breakdown(model: str | None, prompt_len: int = 512, chunk_tokens: int |
         cluster.shutdown()
 
 
-def chunked_ttft(model: str | None, prompt_len: int, chunk_tokens: int) -> dict:
-    """A long prompt prefilled in chunks, read with NIXL: pipelined, and whole after the prefill."""
+def chunked_ttft(model: str | None, prompt_len: int, chunk_tokens: int, backends: list[str]) -> dict:
+    """A long prompt prefilled in chunks, moved by each paged backend: pipelined, and
+    whole after the prefill."""
     result = {}
-    for pipeline in (True, False):
-        key = f"ttft_{prompt_len}_tokens_chunk_{chunk_tokens}_nixl_{'pipelined' if pipeline else 'whole'}"
-        result[key] = ttft_breakdown(model, prompt_len, chunk_tokens, TransferConfig(backend="nixl", pipeline=pipeline))
-        print(f"{key} (s):", json.dumps(result[key]), flush=True)
+    for backend in backends:
+        for pipeline in (True, False):
+            key = f"ttft_{prompt_len}_tokens_chunk_{chunk_tokens}_{backend}_{'pipelined' if pipeline else 'whole'}"
+            config = TransferConfig(backend=backend, pipeline=pipeline)
+            result[key] = ttft_breakdown(model, prompt_len, chunk_tokens, config)
+            print(f"{key} (s):", json.dumps(result[key]), flush=True)
     return result
 
 
@@ -265,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             ray.kill(a)
     result["ttft_breakdown_512_tokens"] = ttft_breakdown(args.model)
     print("TTFT breakdown (s):", json.dumps(result["ttft_breakdown_512_tokens"], indent=1))
-    if nixl_missing is None:
-        result.update(chunked_ttft(args.model, args.long_prompt, args.chunk))
+    paged = ["collective"] + (["nixl"] if nixl_missing is None else [])
+    result.update(chunked_ttft(args.model, args.long_prompt, args.chunk, paged))
     write_result(args.out, result)
     return 0
 

@@ -30,6 +30,9 @@ Cancellation (the consumer stops iterating) aborts the request on both workers, 
 does ``abort(request_id)`` from another task (a gRPC Abort), which also ends the stream
 with finish_reason "abort".
 With no prefill workers the decode workers run requests whole (colocated).
+Beyond affinities, a request goes to the decode worker that was last sent its prompt's
+leading blocks (its prefix cache likely holds them: colocated, they are not computed
+again; disaggregated, they are not sent again) unless that worker is much busier.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class DispatchConfig:
     placement: str = "load"  # "load": the load-aware policies; "round_robin": the baseline
     prefix_affinity: bool = True
     max_imbalance_tokens: int = 4096  # how much busier an affine prefill worker may be
+    max_imbalance_requests: int = 8  # how many more requests an affine decode worker may run
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -215,7 +219,8 @@ class Dispatcher:
         self._loads_at = float("-inf")  # event-loop time of the last load reports
         self._refreshing: asyncio.Future | None = None
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
-        self._prefixes = PrefixIndex()
+        self._prefixes = PrefixIndex()  # prefill workers' prompts, by worker id
+        self._decode_prefixes = PrefixIndex()  # decode workers' prompts, by incarnation
         self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}")
 
     # -- load reports ----------------------------------------------------------
@@ -250,8 +255,11 @@ class Dispatcher:
 
     # -- placement -------------------------------------------------------------
 
-    def _choose_decode(self, blocks: int, exclude: set[str], affinity: Affinity | None = None) -> WorkerRef | None:
-        """A decode worker with room; with an ``affinity``, its worker first."""
+    def _choose_decode(
+        self, blocks: int, exclude: set[str], affinity: Affinity | None = None, hashes: Sequence[int] = (),
+    ) -> WorkerRef | None:
+        """A decode worker with room; with an ``affinity``, its worker first. ``hashes``:
+        the prompt's block hashes, to prefer a worker whose prefix cache holds its start."""
         workers = [w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_blocks.get(w.worker_id, 0) for w in workers]
@@ -261,12 +269,16 @@ class Dispatcher:
         if i is None and self.config.placement == "round_robin":
             i = round_robin(len(workers), next(self._decode_ties), room)
         elif i is None:
-            i = pick_decode(loads, blocks, cap, pending, next(self._decode_ties))
+            cached = [self._decode_prefixes.matched_blocks(w.key, hashes) for w in workers] if hashes else ()
+            i = pick_decode(loads, blocks, cap, pending, next(self._decode_ties), cached,
+                            self.config.max_imbalance_requests)
         if i is None:
             return None
         if affinity is not None and affinity.decode is None:
             affinity.decode = workers[i].key
         self._pending_blocks[workers[i].worker_id] = pending[i] + blocks
+        if hashes:
+            self._decode_prefixes.record(workers[i].key, hashes)
         return workers[i]
 
     def _choose_prefill(self, prompt: list[int], affinity: Affinity | None = None) -> WorkerRef | None:
@@ -361,6 +373,7 @@ class Dispatcher:
             except (WorkerDied, RayActorError):
                 failed.add(decode.key)
                 self._loads.pop(decode.worker_id, None)
+                self._decode_prefixes.forget(decode.key)
             except BaseException:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
                 self._abort_everywhere(rid)
@@ -402,12 +415,14 @@ class Dispatcher:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.capacity_wait_s
+        # A decode worker's prefix cache holds a prompt's blocks once a request of that
+        # prompt has run there (colocated) or its KV has come (disaggregated: then only
+        # the blocks after them are sent): requests go where their prefix is, if not much busier.
+        affine = self.config.placement != "round_robin" and self.config.prefix_affinity
+        hashes = prefix_hashes(prompt, self.config.block_size) if affine else []
         while True:
             await self._fresh_loads()
-            # The decode worker's prefix cache holds the prompt's blocks once the first request
-            # of the prompt has run (colocated) or its KV has come (disaggregated: then only the
-            # blocks after them are sent).
-            decode = self._choose_decode(blocks, exclude, affinity)
+            decode = self._choose_decode(blocks, exclude, affinity, hashes)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, rid, inbox)
                 try:
@@ -422,6 +437,7 @@ class Dispatcher:
                     self.subscriptions.close(decode, rid)
                     exclude.add(decode.key)
                     self._loads.pop(decode.worker_id, None)
+                    self._decode_prefixes.forget(decode.key)
                     continue
                 except BaseException:
                     self.subscriptions.close(decode, rid)

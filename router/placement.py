@@ -64,8 +64,7 @@ def pick_prefill(
 
 def decode_has_room(load: DecodeLoadLike, blocks_needed: int, max_running: int, pending_blocks: int = 0) -> bool:
     """Whether the worker can take a request needing ``blocks_needed`` blocks now."""
-    active = load.running + load.waiting + load.waiting_for_kv
-    return load.free_blocks - pending_blocks >= blocks_needed and active < max_running
+    return load.free_blocks - pending_blocks >= blocks_needed and _active(load) < max_running
 
 
 def pick_decode(
@@ -74,20 +73,31 @@ def pick_decode(
     max_running: int,
     pending_blocks: Sequence[int] = (),
     tie_break: int = 0,
+    cached_blocks: Sequence[int] = (),
+    max_imbalance_requests: int = 8,
 ) -> int | None:
-    """The worker with the most free KV blocks among those under the running cap.
+    """The worker with the most free KV blocks among those under the running cap, or the
+    one holding the longest prefix of the prompt in its prefix cache.
 
-    None when no worker has room for ``blocks_needed`` blocks right now.
+    ``cached_blocks``: how many leading prompt blocks each worker has cached. The affine
+    worker wins unless it has more than ``max_imbalance_requests`` requests (running,
+    waiting or receiving KV) beyond the least busy worker with room. None when no worker
+    has room for ``blocks_needed`` blocks right now.
     """
-    best, best_free = None, -1
-    for i in _rotated(len(loads), tie_break):
-        pending = pending_blocks[i] if i < len(pending_blocks) else 0
-        if not decode_has_room(loads[i], blocks_needed, max_running, pending):
-            continue
-        free = loads[i].free_blocks - pending
-        if free > best_free:
-            best, best_free = i, free
+    pending = [pending_blocks[i] if i < len(pending_blocks) else 0 for i in range(len(loads))]
+    room = [i for i in _rotated(len(loads), tie_break) if decode_has_room(loads[i], blocks_needed, max_running, pending[i])]
+    if not room:
+        return None
+    best = max(room, key=lambda i: loads[i].free_blocks - pending[i])  # the first of equals: ties rotate
+    cached = [cached_blocks[i] if i < len(cached_blocks) else 0 for i in range(len(loads))]
+    affine = max(room, key=lambda i: (cached[i], loads[i].free_blocks - pending[i]))
+    if cached[affine] > 0 and _active(loads[affine]) - min(_active(loads[i]) for i in room) <= max_imbalance_requests:
+        return affine
     return best
+
+
+def _active(load: DecodeLoadLike) -> int:
+    return load.running + load.waiting + load.waiting_for_kv
 
 
 def pick_affine(keys: Sequence[str], key: str | None, room: Sequence[bool] = ()) -> int | None:

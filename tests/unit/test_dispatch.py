@@ -371,3 +371,30 @@ def test_an_affinity_sends_a_prompt_back_to_the_prefill_worker_that_computed_it(
     affinity.prefill = "prefill-gone"
     assert dispatcher._choose_prefill([1] * 40, affinity).worker_id in {"prefill-0", "prefill-1"}, \
         "a worker no longer listed is passed over"
+
+
+def test_requests_sharing_a_prefix_go_to_the_decode_worker_that_ran_it():
+    async def main(prefix_affinity: bool) -> list[str]:
+        workers = [_FakeColocated(f"decode-{i}") for i in range(2)]
+        dispatcher = _colocated_dispatcher(*workers, prefix_affinity=prefix_affinity)
+        system = list(range(100, 132))  # two full blocks of 16
+        placed = []
+        for i, prompt in enumerate([system + [1], system + [2], list(range(500, 540)), system + [3]]):
+            rid = f"r{i}"
+
+            async def run(prompt=prompt, rid=rid):
+                async for _ in dispatcher.generate(prompt, SamplingParams(max_tokens=1), rid):
+                    pass
+
+            task = asyncio.create_task(run())
+            await _until(lambda: any(rid in w.submitted for w in workers), f"{rid} to be placed")
+            worker = next(w for w in workers if rid in w.submitted)
+            worker.step((rid, [4], "x", True))
+            await task
+            placed.append(worker.worker_id)
+        dispatcher.close()
+        return placed
+
+    placed = asyncio.run(main(prefix_affinity=True))
+    assert placed[1] == placed[0] and placed[3] == placed[0], f"the shared prefix must stay where it ran: {placed}"
+    assert len(set(asyncio.run(main(prefix_affinity=False)))) == 2, "without affinity, ties rotate over the workers"

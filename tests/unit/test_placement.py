@@ -127,3 +127,31 @@ def test_pick_affine_follows_the_named_worker_only_while_it_is_listed_and_has_ro
     assert pick_affine(keys, "decode-1") == 1
     assert pick_affine(keys, "decode-1", room=[True, False, True]) is None, "a full worker is passed over"
     assert pick_affine(keys, "decode-9") is None and pick_affine(keys, None) is None
+
+
+def test_decode_prefers_the_worker_caching_the_prefix_while_it_is_not_much_busier():
+    loads = [D(90), D(50, running=4), D(80)]
+    assert pick_decode(loads, 5, 32, cached_blocks=[0, 3, 1]) == 1, "the longest cached prefix wins"
+    busy = [D(90), D(50, running=9), D(80)]
+    assert pick_decode(busy, 5, 32, cached_blocks=[0, 3, 0], max_imbalance_requests=8) == 0, "too busy: most free"
+    full = [D(90), D(4), D(80)]
+    assert pick_decode(full, 5, 32, cached_blocks=[0, 3, 2]) == 2, "no room: the next longest prefix"
+    assert pick_decode(loads, 5, 32, cached_blocks=[0, 0, 0]) == 0, "no prefix anywhere: most free"
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 100), st.integers(0, 20), st.integers(0, 4)), min_size=1, max_size=8),
+    st.integers(1, 20),
+    st.integers(0, 12),
+)
+def test_an_affine_decode_choice_has_room_and_is_never_much_busier(workers, need, imbalance):
+    loads = [D(free, running=run) for free, run, _ in workers]
+    cached = [c for _, _, c in workers]
+    i = pick_decode(loads, need, 21, cached_blocks=cached, max_imbalance_requests=imbalance)
+    room = [w for w in loads if w.free_blocks >= need and w.running < 21]
+    if not room:
+        assert i is None
+        return
+    assert loads[i].free_blocks >= need and loads[i].running < 21
+    if loads[i].free_blocks != max(w.free_blocks for w in room):  # an affine choice
+        assert cached[i] > 0 and loads[i].running - min(w.running for w in room) <= imbalance
