@@ -346,6 +346,16 @@ class CollectiveBackend(KVTransferBackend):
         self.stats.bytes_received += sum(t.nbytes for t in body)
         self.stats.seconds_receiving += time.perf_counter() - t0
 
+    async def push_async(self, meta: TransferMeta, k, v, payload: dict) -> None:
+        """``push`` off the event loop. A paged push reads the sender's blocks, which are
+        freed once it returns: it is awaited to its end (its sends have the transfer's
+        deadline, and one that fails closes the channel, so no later byte can reach the
+        receiver), never given up on while it may still read them."""
+        if "blocks" in payload:
+            await self._submit(self.push, meta, k, v, payload)
+        else:
+            await super().push_async(meta, k, v, payload)
+
     async def pull_blocks_async(self, meta: TransferMeta, payload: dict, block_ids: list[int]) -> None:
         """``pull_blocks`` off the event loop, awaited to its end: its receives have the
         transfer's deadline, and the caller may reuse the blocks only once none can write."""

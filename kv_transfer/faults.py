@@ -51,6 +51,9 @@ class FaultyBackend(KVTransferBackend):
     def push(self, meta, k, v, payload) -> None:
         self.inner.push(meta, k, v, payload)
 
+    async def push_async(self, meta, k, v, payload) -> None:
+        await self.inner.push_async(meta, k, v, payload)  # the inner backend's deadline rules
+
     def pull(self, meta: TransferMeta, payload):
         if self.faults.delay_s:
             time.sleep(self.faults.delay_s)
