@@ -211,6 +211,20 @@ def chunked_ttft(model: str | None, prompt_len: int, chunk_tokens: int, backends
     return result
 
 
+def _summary(size_mib: int, rows: dict[str, list[float]]) -> dict:
+    """Each row's median and GiB/s, and every backend's speed over raw gloo's."""
+    layout, blocks = _layout_for(size_mib)
+    nbytes = layout.nbytes(blocks)
+    summary = {}
+    for name, times in rows.items():
+        med = statistics.median(times)
+        summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
+    for name in rows:
+        if name not in ("raw_gloo", "object_store", "inprocess_copy"):
+            summary[f"{name}_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary[name]["median_s"]
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[16, 256], help="MiB of K+V per request")
@@ -248,17 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = time_paged(paged_a, paged_b, size, args.repeats, scattered)
             for actor in (paged_a, paged_b):
                 ray.kill(actor)
-        layout, blocks = _layout_for(size)
-        nbytes = layout.nbytes(blocks)
-        summary = {}
-        for name, times in rows.items():
-            med = statistics.median(times)
-            summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
-        summary["collective_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary["collective"]["median_s"]
-        for name in ("nixl", "nixl_read", "nixl_paged", "collective_paged", "collective_paged_scattered"):
-            if name in summary:
-                summary[f"{name}_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary[name]["median_s"]
-        result["results"][f"{size}MiB"] = summary
+        summary = result["results"][f"{size}MiB"] = _summary(size, rows)
         print(f"{size} MiB: " + ", ".join(
             f"{k} {v['median_s'] * 1e3:.1f} ms ({v['GiB_per_s']:.2f} GiB/s)" for k, v in summary.items() if isinstance(v, dict)
         ) + "; " + ", ".join(

@@ -41,7 +41,7 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -345,7 +345,7 @@ class Dispatcher:
     ) -> AsyncIterator[StreamDelta]:
         sent: list[int] = []  # tokens that reached the client
         failed: set[str] = set()  # worker keys this request died on
-        reruns = migrations = 0
+        tries = Counter()  # "reruns" (died before any token) and "migrations" (after)
         while True:
             blocks = -(-(len(prompt) + len(sent) + 1) // self.config.block_size)
             try:
@@ -371,36 +371,46 @@ class Dispatcher:
                     if item.finished:
                         return
             except (WorkerDied, RayActorError):
-                failed.add(decode.key)
-                self._loads.pop(decode.worker_id, None)
-                self._decode_prefixes.forget(decode.key)
+                self._decode_died(decode, failed)
             except BaseException:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
                 self._abort_everywhere(rid)
                 raise
             finally:
                 self.subscriptions.close(decode, rid)
-            if sent:
-                migrations += 1
-                if migrations > self.config.max_migrations:
-                    yield StreamDelta.failure(
-                        rid, ErrorKind.WORKER_FAILED,
-                        f"decode worker {decode.worker_id} died after {len(sent)} tokens were sent, and the "
-                        f"stream had already moved {self.config.max_migrations} times (max_migrations)",
-                    )
-                    return
-                log.warning("decode worker %s died; moving %s on after %d tokens", decode.worker_id, rid, len(sent))
-                self.num_migrations += 1
-                if self.metrics is not None:
-                    self.metrics.on_migrated()
-            else:
-                reruns += 1
-                if reruns > self.config.max_retries:
-                    yield StreamDelta.failure(
-                        rid, ErrorKind.WORKER_FAILED, f"request failed after {reruns} attempts (max_retries)"
-                    )
-                    return
-                log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, reruns + 1)
+            if (failure := self._next_attempt(rid, decode, sent, tries)) is not None:
+                yield failure
+                return
+
+    def _decode_died(self, decode: WorkerRef, exclude: set[str]) -> None:
+        """``decode`` is gone: place nothing there again, and forget what it held."""
+        exclude.add(decode.key)
+        self._loads.pop(decode.worker_id, None)
+        self._decode_prefixes.forget(decode.key)
+
+    def _next_attempt(self, rid: str, decode: WorkerRef, sent: list[int], tries: Counter) -> StreamDelta | None:
+        """After ``decode`` died under the request: count a migration (tokens had reached
+        the client) or a re-run; the request's failure once past its bound, else None."""
+        if sent:
+            tries["migrations"] += 1
+            if tries["migrations"] > self.config.max_migrations:
+                return StreamDelta.failure(
+                    rid, ErrorKind.WORKER_FAILED,
+                    f"decode worker {decode.worker_id} died after {len(sent)} tokens were sent, and the "
+                    f"stream had already moved {self.config.max_migrations} times (max_migrations)",
+                )
+            log.warning("decode worker %s died; moving %s on after %d tokens", decode.worker_id, rid, len(sent))
+            self.num_migrations += 1
+            if self.metrics is not None:
+                self.metrics.on_migrated()
+            return None
+        tries["reruns"] += 1
+        if tries["reruns"] > self.config.max_retries:
+            return StreamDelta.failure(
+                rid, ErrorKind.WORKER_FAILED, f"request failed after {tries['reruns']} attempts (max_retries)"
+            )
+        log.warning("decode worker %s died; re-running %s (attempt %d)", decode.worker_id, rid, tries["reruns"] + 1)
+        return None
 
     async def _start(
         self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None,
@@ -435,9 +445,7 @@ class Dispatcher:
                 except RayActorError:
                     # Died before taking the request: place it elsewhere.
                     self.subscriptions.close(decode, rid)
-                    exclude.add(decode.key)
-                    self._loads.pop(decode.worker_id, None)
-                    self._decode_prefixes.forget(decode.key)
+                    self._decode_died(decode, exclude)
                     continue
                 except BaseException:
                     self.subscriptions.close(decode, rid)

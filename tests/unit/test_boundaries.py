@@ -65,3 +65,25 @@ def test_attention_backends_share_the_step_layout_without_importing_each_other()
     loaded = _loaded_after(["engine.triton_attention"])
     assert "engine.step_layout" in loaded
     assert "engine.attention" not in loaded, "engine.triton_attention must not import engine.attention"
+
+
+PROJECT_PACKAGES = ("bench", "cluster", "decode_worker", "engine", "kv_transfer", "prefill_worker", "router", "workers")
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_function_outside_triton_kernels_is_over_60_lines():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    long = []
+    for package in PROJECT_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                kernel = any("jit" in ast.unparse(d) for d in node.decorator_list)
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES and not kernel:
+                    long.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
