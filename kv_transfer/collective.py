@@ -160,9 +160,11 @@ class _Outgoing:
     next_tag: int = 0  # each transfer takes tags from here on (``take_tags``)
     store: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # serializes building
+    tag_lock: threading.Lock = field(default_factory=threading.Lock)  # never held while building
 
     def take_tags(self, count: int) -> int:
-        with self.lock:
+        """Tags for one transfer; called on the event loop, so never behind a build."""
+        with self.tag_lock:
             first, self.next_tag = self.next_tag, self.next_tag + count
         return first
 
