@@ -158,7 +158,6 @@ class _Outgoing:
     epoch: int = 0
     channel: Channel | None = None
     next_tag: int = 0  # each transfer takes tags from here on (``take_tags``)
-    store: object = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # serializes building
     tag_lock: threading.Lock = field(default_factory=threading.Lock)  # never held while building
 
@@ -229,7 +228,7 @@ class CollectiveBackend(KVTransferBackend):
     def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: dict) -> None:
         t0 = time.perf_counter()
         out = self._outgoing(meta.dst_endpoint)
-        channel = self._send_channel(meta.dst_endpoint, out, payload["epoch"])
+        channel = self._send_channel(meta.dst_endpoint, out, meta, payload["epoch"])
         if "blocks" in payload:  # paged: out of this worker's blocks
             messages, nbytes = self._push_blocks(meta, payload)
         else:
@@ -244,24 +243,23 @@ class CollectiveBackend(KVTransferBackend):
         self.stats.bytes_sent += nbytes
         self.stats.seconds_sending += time.perf_counter() - t0
 
-    def _send_channel(self, endpoint: str, out: _Outgoing, epoch: int) -> Channel:
+    def _send_channel(self, endpoint: str, out: _Outgoing, meta: TransferMeta, epoch: int) -> Channel:
+        """The channel to ``endpoint`` on ``epoch``, built if need be within the transfer's
+        time (a receiver that gave up or died fails it by then, not 30 s later)."""
         with out.lock:
             if out.epoch != epoch:
                 raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
             if out.channel is None:
-                from torch.distributed import TCPStore
-
+                timeout_s = self._connect_timeout(meta)
+                if timeout_s <= 0:
+                    out.epoch += 1  # the receiver may have given up on building this one
+                    raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
                 host, port = endpoint.rsplit(":", 1)
                 try:
-                    if out.store is None:
-                        out.store = TCPStore(
-                            host, int(port), is_master=False, wait_for_workers=False,
-                            timeout=datetime.timedelta(seconds=self.connect_timeout_s),
-                        )
-                    out.channel = Channel(out.store, f"{self.sender_id}/{epoch}", 0, self.connect_timeout_s)
+                    store = _client(host, int(port), timeout_s)
+                    out.channel = Channel(store, f"{self.sender_id}/{epoch}", 0, timeout_s)
                 except Exception as e:
                     out.epoch += 1  # a half-built rendezvous must not be joined again
-                    out.store = None
                     raise TransferError("connect", f"no channel to {endpoint}: {e}") from e
             return out.channel
 
@@ -438,11 +436,11 @@ class CollectiveBackend(KVTransferBackend):
                     return self._in[key]
                 if key in self._closed_in:  # its build failed while this transfer waited
                     raise TransferError("channel_closed", f"no channel from {sender}: its build failed")
-            timeout_s = min(self.connect_timeout_s, meta.time_left()) if meta.deadline else self.connect_timeout_s
+            timeout_s = self._connect_timeout(meta)
             try:
                 if timeout_s <= 0:
                     raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
-                channel = Channel(_client(store, timeout_s), f"{sender}/{epoch}", 1, timeout_s)
+                channel = Channel(_client("127.0.0.1", store.port, timeout_s), f"{sender}/{epoch}", 1, timeout_s)
             except Exception as e:
                 with self._lock:
                     self._closed_in.add(key)
@@ -481,17 +479,19 @@ class CollectiveBackend(KVTransferBackend):
         for c in channels:
             c.close()
 
+    def _connect_timeout(self, meta: TransferMeta) -> float:
+        return min(self.connect_timeout_s, meta.time_left()) if meta.deadline else self.connect_timeout_s
+
     def _op_timeout(self, meta: TransferMeta) -> float:
         return min(self.op_timeout_s, meta.time_left()) if meta.deadline else self.op_timeout_s
 
 
-def _client(store, timeout_s: float):
-    """A client of this process's own rendezvous store whose waits end at ``timeout_s``
-    (the store object itself is shared by every build, each with its own deadline)."""
+def _client(host: str, port: int, timeout_s: float):
+    """A client of a rendezvous store whose waits end at ``timeout_s``: one per channel
+    build, as each has its own deadline."""
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _as_transfer_error(e: Exception) -> TransferError:
