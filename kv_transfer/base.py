@@ -111,6 +111,9 @@ class KVTransferBackend(ABC):
 
     name: str = "abstract"
     paged: bool = False
+    # Whether the sender's ``push`` moves the bytes; if not, the receiver reads them (or
+    # they travel in the payload) and the sender has nothing to push.
+    sends: bool = False
 
     def __init__(self) -> None:
         self.stats = TransferStats()

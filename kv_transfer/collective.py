@@ -170,6 +170,7 @@ class _Outgoing:
 
 class CollectiveBackend(KVTransferBackend):
     name = "collective"
+    sends = True
 
     def __init__(self, op_timeout_s: float = 60.0, connect_timeout_s: float = 30.0) -> None:
         super().__init__()

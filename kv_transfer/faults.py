@@ -70,6 +70,10 @@ class FaultyBackend(KVTransferBackend):
     def paged(self) -> bool:
         return self.inner.paged
 
+    @property
+    def sends(self) -> bool:
+        return self.inner.sends
+
     def attach_cache(self, k, v) -> None:
         self.inner.attach_cache(k, v)
 

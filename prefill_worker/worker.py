@@ -223,7 +223,10 @@ class PrefillWorker(WorkerBase):
         return reason
 
     async def _push_until_answered(self, meta: TransferMeta, k, v, payload, ack: asyncio.Future) -> None:
-        """Push the bytes; stop early if the receiver answers that it will not take them."""
+        """Push the bytes; stop early if the receiver answers that it will not take them.
+        Nothing to do where the receiver reads them (no transfer thread is taken)."""
+        if not self.backend.sends:
+            return
         push = asyncio.ensure_future(self.backend.push_async(meta, k, v, payload))
         await asyncio.wait([ack, push], return_when=asyncio.FIRST_COMPLETED)
         if not push.done() and (ack.exception() is not None or ack.result() != TransferState.DONE):
