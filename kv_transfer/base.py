@@ -100,6 +100,14 @@ def contiguous_runs(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndar
     return np.stack([s[firsts], counts], axis=1), np.stack([d[firsts], counts], axis=1)
 
 
+def check_attachable(attached: object, k: torch.Tensor, v: torch.Tensor) -> None:
+    """A paged backend's ``attach_cache`` checks: once only, one contiguous K and V."""
+    if attached is not None:
+        raise RuntimeError("a paged cache is already attached")
+    if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.dtype == v.dtype):
+        raise ValueError("the paged K and V must be contiguous tensors of one shape and dtype")
+
+
 class KVTransferBackend(ABC):
     """One way of moving packed KV from a sender process to a receiver process.
 

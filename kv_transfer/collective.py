@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, contiguous_runs
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, check_attachable, contiguous_runs
 
 
 def advertised_host() -> str:
@@ -279,10 +279,7 @@ class CollectiveBackend(KVTransferBackend):
     # -- paged: from the sender's blocks into the receiver's ---------------------------
 
     def attach_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._cache is not None:
-            raise RuntimeError("a paged cache is already attached")
-        if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.dtype == v.dtype):
-            raise ValueError("the paged K and V must be contiguous tensors of one shape and dtype")
+        check_attachable(self._cache, k, v)
         self._cache = (k, v)
 
     def _attached(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, contiguous_runs
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, check_attachable, contiguous_runs
 
 INSTALL_HINT = (
     "kv transfer backend 'nixl' needs the nixl packages: "
@@ -241,10 +241,7 @@ class NixlBackend(KVTransferBackend):
     # -- paged: both roles register their cache once ------------------------------
 
     def attach_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self._cache is not None:
-            raise RuntimeError("a paged cache is already attached")
-        if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape and k.dtype == v.dtype):
-            raise ValueError("the paged K and V must be contiguous tensors of one shape and dtype")
+        check_attachable(self._cache, k, v)
         agent = self._agent()
         registration = agent.register_memory([k, v])
         metadata = agent.get_partial_agent_metadata(registration, inc_conn_info=True)
