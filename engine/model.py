@@ -104,6 +104,25 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+# oneDNN builds a primitive per input row count and keeps it, with memory that is never
+# handed back: prefill steps, whose token counts take any value, grew a worker by about
+# 10 MiB per 100 requests without end. Row counts are therefore rounded up to a few
+# buckets (under 25% padding, 9% on average), and longer inputs run in pieces of
+# MAX_PACKED_ROWS.
+EXACT_ROWS = 16
+MAX_PACKED_ROWS = 512
+
+
+def packed_rows(rows: int) -> int:
+    """The row count a ``PackedLinear`` runs ``rows`` rows (<= MAX_PACKED_ROWS) as:
+    ``rows`` up to EXACT_ROWS, then the next multiple of an eighth of the next power of
+    two (17 -> 20, 33 -> 40, 257 -> 320): 36 shapes in all."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
 class PackedLinear(nn.Module):
     """A float32 ``nn.Linear`` on the CPU, its weight reordered once into oneDNN's
     blocked layout (the packed copy replaces the weight).
@@ -111,7 +130,8 @@ class PackedLinear(nn.Module):
     At 2-32 rows ``F.linear``'s GEMM runs far below the memory roofline here; packed,
     SmolLM2's decode steps are 1.1-1.2x faster from 2 requests on, and 15-25% slower for
     a lone request (oneDNN's fixed cost per call against MKL's matrix-vector product;
-    ``python -m bench.steps --unpacked``). The products agree to float rounding.
+    ``python -m bench.steps --unpacked``). The products agree to float rounding. Inputs
+    run as one of a bounded set of row counts (``packed_rows``).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -122,8 +142,19 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > MAX_PACKED_ROWS:
+            out = torch.cat([self._product(piece) for piece in rows.split(MAX_PACKED_ROWS)])
+        else:
+            out = self._product(rows)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        padding = packed_rows(n) - n
+        rows = F.pad(rows, (0, 0, 0, padding)) if padding else rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out[:n] if padding else out
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

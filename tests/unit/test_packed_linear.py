@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from engine.loader import load_model
-from engine.model import PackedLinear
+from engine.model import MAX_PACKED_ROWS, PackedLinear, packed_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
@@ -18,10 +18,18 @@ def test_a_packed_projection_gives_the_linear_product(bias):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
     packed = PackedLinear(linear)
-    for rows in (1, 7, 64):
+    for rows in (1, 7, 17, 64, 300, MAX_PACKED_ROWS + 77):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     assert packed(torch.randn(4, 192)[:, ::2]).shape == (4, 160), "non-contiguous input rows are taken too"
+
+
+def test_row_counts_run_as_a_few_shapes_so_onednn_keeps_a_bounded_set_of_primitives():
+    # oneDNN keeps memory per row count it has seen: prefill token counts take any value.
+    shapes = {packed_rows(n) for n in range(1, MAX_PACKED_ROWS + 1)}
+    assert len(shapes) <= 40 and max(shapes) == MAX_PACKED_ROWS
+    assert all(n <= packed_rows(n) < 1.25 * n for n in range(1, MAX_PACKED_ROWS + 1))
+    assert [packed_rows(n) for n in (1, 16, 17, 33, 257)] == [1, 16, 20, 40, 320]
 
 
 def test_a_float32_cpu_model_packs_every_layer_projection_and_keeps_its_weight_bytes(default_model):
