@@ -40,10 +40,14 @@ class KVCache:
         # left in unused memory would turn that into NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Swap space is empty, not zeros: swap_out writes a block before swap_in reads
+        # it, and on the CPU pages never touched take no memory, so the swap space
+        # (EngineConfig.swap_space, 0.5 GiB by default) costs nothing until preemption
+        # uses it.
         cpu_shape = (shape[0], num_cpu_blocks, *shape[2:])
         pin = torch.device(device).type == "cuda"
-        self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
-        self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+        self.cpu_k = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)
+        self.cpu_v = torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
