@@ -212,12 +212,15 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def pack_linears(self) -> None:
-        """Each layer's four projections as ``PackedLinear`` (see ``can_pack``); the LM
-        head stays as it is (tied to the embedding in many checkpoints)."""
+        """Each layer's four projections and the LM head as ``PackedLinear`` (see
+        ``can_pack``). A head tied to the embedding is packed as a copy (the lookup
+        needs the plain rows): vocabulary x hidden more bytes, for a head product
+        1.4-2.4x faster at 1-64 rows (SmolLM2: 113 MB, 5-13% of a decode step)."""
         for layer in self.layers:
             for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                  (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
                 setattr(module, name, PackedLinear(getattr(module, name)))
+        self.lm_head = PackedLinear(self.lm_head)
 
     def weight_bytes(self) -> int:
         """What the weights take in memory, packed projections included."""

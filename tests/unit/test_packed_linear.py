@@ -37,9 +37,19 @@ def test_a_float32_cpu_model_packs_every_layer_projection_and_keeps_its_weight_b
     for layer in model.layers:
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         assert all(isinstance(p, PackedLinear) for p in projections)
-    assert isinstance(model.lm_head, nn.Linear), "the head stays (it is the embedding in tied checkpoints)"
+    assert isinstance(model.lm_head, PackedLinear)
     saved = load_file(default_model / "model.safetensors")
     assert model.weight_bytes() == 4 * sum(t.numel() for t in saved.values()), "packing holds no second copy"
+
+
+def test_a_head_tied_to_the_embedding_is_packed_as_a_copy_and_the_lookup_keeps_its_rows(tmp_path, default_model):
+    from tests.helpers import build_hf_checkpoint
+
+    path = build_hf_checkpoint(tmp_path, "qwen2", default_model)  # tied embeddings
+    model = load_model(path)
+    assert isinstance(model.lm_head, PackedLinear) and model.embed_tokens.weight.shape[0] == model.config.vocab_size
+    hidden = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(model.logits(hidden), hidden @ model.embed_tokens.weight.T, rtol=1e-4, atol=1e-4)
 
 
 def test_half_precision_models_stay_unpacked(default_model):
