@@ -43,8 +43,10 @@ def gemm_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats)
 
 
-def step_cost(cfg: ModelConfig, batch: int, context: int, weight_bytes: int, elem: int = 4) -> dict:
-    """Bytes read and FLOPs of one decode step of ``batch`` requests at ``context`` tokens."""
+def step_cost(cfg: ModelConfig, batch: int, context: int, elem: int = 4) -> dict:
+    """Bytes read and FLOPs of one decode step of ``batch`` requests at ``context`` tokens:
+    every matmul weight once (the layers' and the head's, however they are stored or
+    copied; the embedding lookup reads only its rows) and each request's KV."""
     kv_dim = cfg.num_kv_heads * cfg.head_dim
     q_dim = cfg.num_heads * cfg.head_dim
     per_layer = cfg.hidden_size * (q_dim + 2 * kv_dim) + q_dim * cfg.hidden_size
@@ -52,7 +54,7 @@ def step_cost(cfg: ModelConfig, batch: int, context: int, weight_bytes: int, ele
     matmul_weights = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size  # + lm_head
     attention = 2 * 2 * context * q_dim * cfg.num_layers  # QK^T and PV, per request
     kv_bytes = batch * context * 2 * kv_dim * cfg.num_layers * elem
-    return {"bytes": weight_bytes + kv_bytes, "flops": batch * (2 * matmul_weights + attention)}
+    return {"bytes": matmul_weights * elem + kv_bytes, "flops": batch * (2 * matmul_weights + attention)}
 
 
 def roofline_s(cost: dict, bandwidth: float, flops: float) -> tuple[float, str]:
@@ -99,7 +101,7 @@ def decode_table(model_dir: str, batches: Sequence[int], context: int, steps: in
     hf = hf_step_times(hf_model, batches, context, steps) if hf_model is not None else {}
     for row in rows:
         b = row["batch"]
-        floor, bound = roofline_s(step_cost(cfg, b, context, weight_bytes), bandwidth, flops)
+        floor, bound = roofline_s(step_cost(cfg, b, context), bandwidth, flops)
         row.update(roofline_ms=round(floor * 1000, 2), bound=bound,
                    step_over_roofline=round(row["step_ms"] / 1000 / floor, 2))  # fmt: skip
         if b in hf:

@@ -16,11 +16,11 @@ CFG = ModelConfig.from_dict({
 
 
 def test_a_step_reads_the_weights_once_and_each_requests_kv_and_does_two_flops_per_weight():
-    one, four = step_cost(CFG, 1, 10, weight_bytes=1_000_000), step_cost(CFG, 4, 10, weight_bytes=1_000_000)
+    one, four = step_cost(CFG, 1, 10), step_cost(CFG, 4, 10)
     kv_per_request = 10 * 2 * (2 * 16) * 2 * 4  # context x (K, V) x kv dim x layers x fp32
-    assert one["bytes"] == 1_000_000 + kv_per_request
-    assert four["bytes"] == 1_000_000 + 4 * kv_per_request
-    matmul = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128) + 1000 * 64
+    matmul = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128) + 1000 * 64  # the layers', the head
+    assert one["bytes"] == 4 * matmul + kv_per_request
+    assert four["bytes"] == 4 * matmul + 4 * kv_per_request
     assert one["flops"] == 2 * matmul + 2 * 2 * 10 * 64 * 2
     assert four["flops"] == 4 * one["flops"]
 
