@@ -40,7 +40,7 @@ BURST = 10 * K
 MAX_TOKENS = 24
 MIB = 1 << 20
 # RSS growth allowed per process over 6 bursts, once both transports have been warmed up.
-# Measured on the tiny model (2 CPUs): +1 to +12 MiB per process, the most in the prefill
+# Measured on the tiny model (2 CPUs): +1 to +21 MiB per process, the most in the prefill
 # worker, whose oneDNN projections keep memory per row-count bucket they first meet
 # (engine.model.packed_rows); before row counts were bucketed it grew 30-48 MiB.
 RSS_GROWTH_BOUND = 48 * MIB
