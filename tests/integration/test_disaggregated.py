@@ -72,10 +72,14 @@ def _start(model, prefill=1, decode=1, backend="collective", name="tandem", **tr
     return TandemCluster(cfg).start()
 
 
-async def _collect(cluster, prompt, n):
+async def _collect(cluster, prompt, n, progress: list[int] | None = None, index: int = 0):
+    """A request's (tokens, errors, finish reason); ``progress[index]``, if given,
+    follows how many tokens it has streamed so far."""
     tokens, errors, finish = [], [], None
     async for delta in cluster.dispatcher.generate(prompt, _params(n)):
         tokens += delta.token_ids
+        if progress is not None:
+            progress[index] = len(tokens)
         if delta.error:
             errors.append(delta.error)
         finish = delta.finish_reason
@@ -248,14 +252,21 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
     try:
         victim = cluster.decode_refs()[0]
 
+        progress = [0] * len(prompts)  # tokens streamed so far, per request
+
         async def main():
-            jobs = [asyncio.ensure_future(_collect(cluster, p, n)) for p, n in zip(prompts, lengths)]
-            for _ in range(600):  # until the victim streams several requests, none finished
+            jobs = [asyncio.ensure_future(_collect(cluster, p, n, progress, i))
+                    for i, (p, n) in enumerate(zip(prompts, lengths))]  # fmt: skip
+            # Until the victim runs several requests and every stream has had tokens:
+            # only a stream whose tokens reached the router is moved (a migration); one
+            # that had none is re-run.
+            for _ in range(600):
                 load = await victim.handle.load.remote()
-                if load.running >= 3:
+                if load.running >= 3 and all(progress):
                     break
                 await asyncio.sleep(0.05)
-            assert load.running >= 3 and not any(j.done() for j in jobs), "the kill must land mid-stream"
+            assert load.running >= 3 and all(progress), f"the kill must land mid-stream: {load}, {progress}"
+            assert not any(j.done() for j in jobs), "the kill must land mid-stream"
             ray.kill(victim.handle, no_restart=True)
             return await asyncio.wait_for(asyncio.gather(*jobs), 120)  # none may hang
 
