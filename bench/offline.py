@@ -4,7 +4,9 @@ Workload (fixed by seed): N requests, random-token prompts of uniform length and
 uniform output lengths, greedy with ignore_eos, so every system produces exactly the
 same number of useful tokens. Measured in one run:
 
-* ``tandem``: ``LLM.generate`` over all requests (continuous batching);
+* ``tandem``: ``LLM.generate`` over all requests (continuous batching), and the share
+  of the compute roofline it reached: the workload's FLOPs (``bench.roofline.
+  workload_flops``) over the fp32 GEMM rate measured in the same run;
 * ``hf_static``: transformers ``generate`` in static batches (left padding); a batch
   runs until its longest request is done, and only requested tokens count;
 * ``hf_continuous``: transformers' own continuous batching (``init_continuous_batching``), when installed and asked for;
@@ -137,6 +139,18 @@ def run_hf_continuous(model_dir: str, prompts, outputs) -> dict:
     return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed}
 
 
+def compute_roofline(model_dir: str, prompts, outputs, seconds: float) -> dict:
+    """The workload's FLOPs over this machine's fp32 GEMM rate (measured now, on the
+    same threads): the least time it could take, and the share of it a run reached."""
+    from bench.roofline import gemm_flops, workload_flops
+    from engine.model_config import ModelConfig
+
+    flops = workload_flops(ModelConfig.from_pretrained(model_dir), [len(p) for p in prompts], outputs)
+    rate = gemm_flops()
+    return {"workload_flops": flops, "gemm_gflop_s": round(rate / 1e9, 1),
+            "roofline_s": flops / rate, "fraction_of_roofline": flops / rate / seconds}
+
+
 def time_schedule(num_running: int, iters: int = 200) -> dict:
     """Median and mean cost of schedule() with ``num_running`` requests decoding (no model)."""
     from engine.block_pool import KVCacheManager
@@ -191,6 +205,9 @@ def _throughput(args: argparse.Namespace, model_dir: str, vocab: int, result: di
     print(f"tandem: {args.num_requests} requests ...", flush=True)
     tandem = run_tandem(model_dir, prompts, outputs)
     print(f"  {tandem['output_tokens_per_s']:.0f} output tok/s in {tandem['seconds']:.1f} s", flush=True)
+    tandem.update(compute_roofline(model_dir, prompts, outputs, tandem["seconds"]))
+    print(f"  compute roofline {tandem['roofline_s']:.1f} s ({tandem['gemm_gflop_s']} GFLOP/s): "
+          f"{tandem['fraction_of_roofline']:.0%} of it", flush=True)
     if not args.skip_hf:
         print(f"hf static batches of {args.hf_batch_size} ...", flush=True)
         hf = run_hf_static(model_dir, prompts, outputs, args.hf_batch_size)

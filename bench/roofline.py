@@ -43,16 +43,35 @@ def gemm_flops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / _best_of(lambda: torch.mm(a, b), repeats)
 
 
+def _matmul_weights(cfg: ModelConfig) -> tuple[int, int]:
+    """Weights multiplied per token: (all layers', the head's)."""
+    kv_dim = cfg.num_kv_heads * cfg.head_dim
+    q_dim = cfg.num_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q_dim + 2 * kv_dim) + q_dim * cfg.hidden_size
+    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * per_layer, cfg.vocab_size * cfg.hidden_size
+
+
+def workload_flops(cfg: ModelConfig, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> int:
+    """FLOPs a workload needs at least: every prompt and output token through the layers
+    (2 per weight), the head once per output token, and causal attention (QK^T and PV
+    over the tokens before each one)."""
+    layers, head = _matmul_weights(cfg)
+    attention_per_pair = 2 * 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    total = 0
+    for p, o in zip(prompt_lens, output_lens):
+        n = p + o
+        total += 2 * layers * n + 2 * head * o + attention_per_pair * n * (n + 1) // 2
+    return total
+
+
 def step_cost(cfg: ModelConfig, batch: int, context: int, elem: int = 4) -> dict:
     """Bytes read and FLOPs of one decode step of ``batch`` requests at ``context`` tokens:
     every matmul weight once (the layers' and the head's, however they are stored or
     copied; the embedding lookup reads only its rows) and each request's KV."""
     kv_dim = cfg.num_kv_heads * cfg.head_dim
-    q_dim = cfg.num_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q_dim + 2 * kv_dim) + q_dim * cfg.hidden_size
-    per_layer += 3 * cfg.hidden_size * cfg.intermediate_size
-    matmul_weights = cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size  # + lm_head
-    attention = 2 * 2 * context * q_dim * cfg.num_layers  # QK^T and PV, per request
+    matmul_weights = sum(_matmul_weights(cfg))
+    attention = 2 * 2 * context * cfg.num_heads * cfg.head_dim * cfg.num_layers  # QK^T and PV, per request
     kv_bytes = batch * context * 2 * kv_dim * cfg.num_layers * elem
     return {"bytes": matmul_weights * elem + kv_bytes, "flops": batch * (2 * matmul_weights + attention)}
 

@@ -1,4 +1,5 @@
-"""``tandem bench offline``'s decode step table: roofline arithmetic and one small run."""
+"""``tandem bench offline``: roofline arithmetic, the decode step table and the throughput
+run on small models."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from bench.roofline import roofline_s, step_cost
+from bench.roofline import roofline_s, step_cost, workload_flops
 from engine.model_config import ModelConfig
 
 CFG = ModelConfig.from_dict({
@@ -23,6 +24,15 @@ def test_a_step_reads_the_weights_once_and_each_requests_kv_and_does_two_flops_p
     assert four["bytes"] == 4 * matmul + 4 * kv_per_request
     assert one["flops"] == 2 * matmul + 2 * 2 * 10 * 64 * 2
     assert four["flops"] == 4 * one["flops"]
+
+
+def test_a_workloads_flops_count_every_token_through_the_layers_the_head_per_output_and_causal_attention():
+    layers = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128)
+    head = 1000 * 64
+    attention_per_pair = 2 * 2 * 64 * 2  # QK^T and PV, q dim, layers
+    one = workload_flops(CFG, [3], [2])
+    assert one == 2 * layers * 5 + 2 * head * 2 + attention_per_pair * (1 + 2 + 3 + 4 + 5)
+    assert workload_flops(CFG, [3, 3], [2, 2]) == 2 * one
 
 
 def test_the_roofline_is_the_slower_of_memory_and_compute():
@@ -46,6 +56,19 @@ def test_the_decode_table_runs_against_transformers_on_a_small_model(tmp_path, d
         # The table's ms are rounded to 0.01; the ratios are of the unrounded times.
         assert row["step_over_roofline"] == pytest.approx(row["step_ms"] / row["roofline_ms"], rel=0.02), row
         assert row["speedup_vs_hf"] == pytest.approx(row["hf_step_ms"] / row["step_ms"], rel=0.02), row
+
+
+def test_the_throughput_run_reports_its_share_of_the_compute_roofline(tmp_path, default_model):
+    from bench.offline import main
+
+    out = tmp_path / "offline.json"
+    argv = ["--model", str(default_model), "--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "2", "4",
+            "--skip-hf", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    tandem = json.loads(out.read_text())["tandem"]
+    assert tandem["roofline_s"] == pytest.approx(tandem["workload_flops"] / 1e9 / tandem["gemm_gflop_s"], rel=0.01)
+    assert tandem["fraction_of_roofline"] == pytest.approx(tandem["roofline_s"] / tandem["seconds"])
+    assert 0 < tandem["fraction_of_roofline"] < 1.5, tandem
 
 
 def test_the_hf_reference_emits_the_eos_token_as_the_engine_does_under_ignore_eos(tmp_path, default_model):
