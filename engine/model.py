@@ -127,11 +127,11 @@ class PackedLinear(nn.Module):
     """A float32 ``nn.Linear`` on the CPU, its weight reordered once into oneDNN's
     blocked layout (the packed copy replaces the weight).
 
-    At 2-32 rows ``F.linear``'s GEMM runs far below the memory roofline here; packed,
-    SmolLM2's decode steps are 1.1-1.2x faster from 2 requests on, and 15-25% slower for
-    a lone request (oneDNN's fixed cost per call against MKL's matrix-vector product;
-    ``python -m bench.steps --unpacked``). The products agree to float rounding. Inputs
-    run as one of a bounded set of row counts (``packed_rows``).
+    At 2-32 rows ``F.linear``'s GEMM runs far below the memory roofline here; with the
+    projections and the head packed, SmolLM2's decode steps are 1.3-1.65x faster from 2
+    requests on and as fast for a lone request (``python -m bench.steps --unpacked``).
+    The products agree to float rounding. Inputs run as one of a bounded set of row
+    counts (``packed_rows``).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
