@@ -4,11 +4,14 @@ What an empty seat in a batch costs decides how much continuous batching gains o
 static batching: if a step's time grew in proportion to its batch, an empty seat
 would cost nothing. This measures it:
 
-    python -m bench.steps [--model DIR] [--context 128] [--batches 1,2,4,8,16,32] [--unpacked]
+    python -m bench.steps [--model DIR] [--context 128] [--batches 1,2,4,8,16,32]
+                          [--baseline unpacked|torch-attention]
 
-``--unpacked`` also times each batch size on a second engine whose projections are
-plain ``nn.Linear`` (``pack_weights=False``), alternating with the packed one, and
-reports the ratio (unpacked step time / packed).
+``--baseline`` also times each batch size on a second engine, alternating with the
+default one, and reports the ratio (baseline step time / default): ``unpacked`` (also
+``--unpacked``) has plain ``nn.Linear`` projections (``pack_weights=False``),
+``torch-attention`` gathers K/V and calls SDPA (``attention_backend="torch"``) where the
+default reads the paged cache in place (``cpu``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from collections.abc import Sequence
 import torch
 
 from engine import LLMEngine, SamplingParams
+
+# The second engine's settings for each --baseline.
+BASELINES = {"unpacked": {"pack_weights": False}, "torch-attention": {"attention_backend": "torch"}}
 
 
 def step_times(engine: LLMEngine, batches: Sequence[int], context: int, steps: int) -> list[dict]:
@@ -48,22 +54,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,2,4,8,16,32")
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per batch size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (workers use 1)")
-    ap.add_argument("--unpacked", action="store_true", help="compare with plain nn.Linear projections")
+    ap.add_argument("--baseline", choices=sorted(BASELINES), help="compare with a second engine")
+    ap.add_argument("--unpacked", dest="baseline", action="store_const", const="unpacked", help="--baseline unpacked")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     num_kv_blocks = max(batches) * (args.context // 16 + 8) + 64
     engines = [LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks)]
-    if args.unpacked:
-        engines.append(LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks, pack_weights=False))
+    if args.baseline:
+        engines.append(LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks, **BASELINES[args.baseline]))
+    name = args.baseline
     rows = []
     for b in batches:  # the engines alternate, so a slow spell of the machine hits both
         row, *base = (step_times(e, [b], args.context, args.steps)[0] for e in engines)
         if base:
-            row["unpacked_step_ms"] = base[0]["step_ms"]
-            row["unpacked_over_packed"] = round(base[0]["step_ms"] / row["step_ms"], 2)
+            row[f"{name}_step_ms"] = base[0]["step_ms"]
+            row[f"{name}_over_default"] = round(base[0]["step_ms"] / row["step_ms"], 2)
         rows.append(row)
-        extra = f", unpacked {row['unpacked_step_ms']:7.2f} ms ({row['unpacked_over_packed']:.2f}x)" if base else ""
+        extra = f", {name} {row[f'{name}_step_ms']:7.2f} ms ({row[f'{name}_over_default']:.2f}x)" if base else ""
         print(f"batch {b:4d}: decode step {row['step_ms']:7.2f} ms, {row['tokens_per_s']:8.1f} tokens/s{extra}")
     print(json.dumps(rows))
     assert all(e.stats().num_blocks_in_use == 0 for e in engines)

@@ -13,7 +13,8 @@ Backends: the model runner describes each step as a ``StepLayout`` (plain intege
 ``engine/step_layout.py``, which every backend imports without importing another)
 and its ``AttentionBackend`` turns that into the metadata its kernels need; the
 layers call the backend through a ``StepAttention``. ``TorchAttention`` here is the
-reference; ``engine.triton_attention.TritonAttention`` is the GPU one.
+reference; ``engine.cpu_attention.CpuAttention`` reads decode rows in place on a
+CPU, ``engine.triton_attention.TritonAttention`` is the GPU one.
 ``create_attention_backend`` makes the choice once, when the engine is built.
 """
 
@@ -112,6 +113,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
     workspace: GatherWorkspace | None = None
+    paged_decode: Any = None  # engine.cpu_attention.PagedDecode: decode rows for its kernel
 
 
 def write_kv(
@@ -169,8 +171,13 @@ class TorchAttention:
     ) -> torch.Tensor:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
+        self._attend_decodes(q, k_cache, v_cache, meta, scale, out)
+        self._attend_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k.shape[1]
+        num_kv_heads = k_cache.shape[2]
         for g in meta.decodes:
             b = g.q_end - g.q_start
             # One query per row: fold each KV head's query group into the query axis,
@@ -180,6 +187,8 @@ class TorchAttention:
             vd = _gather(v_cache, g.block_tables, meta.workspace, 1)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
             out[g.q_start : g.q_end] = od.reshape(b, num_heads, head_dim)
+
+    def _attend_chunks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
         for c in meta.prefills:
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if c.mask is None:
@@ -196,7 +205,6 @@ class TorchAttention:
                     qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=True
                 )
             out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
-        return out
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decode rows (sorted by length) where padding would pass ~1.5x the data."""
@@ -233,10 +241,17 @@ class TorchAttention:
         return PrefillChunk(chunk.row0, chunk.row0 + n, start, block_table, mask)
 
 
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
-    """``auto`` is triton on a CUDA device when triton imports, torch otherwise."""
+def resolve_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """``auto``: triton on a CUDA device when triton imports; on the CPU, the C kernel
+    (``cpu``) for float32 when it builds here; torch otherwise."""
     if name != "auto":
         return name
+    if torch.device(device).type == "cpu":
+        if dtype != torch.float32:
+            return "torch"
+        from engine.cpu_attention import kernel_available
+
+        return "cpu" if kernel_available() else "torch"
     if torch.device(device).type != "cuda":
         return "torch"
     try:
@@ -247,15 +262,21 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> str:
 
 
 def create_attention_backend(
-    name: str, device: torch.device | str, block_size: int, head_dim: int
+    name: str, device: torch.device | str, block_size: int, head_dim: int, dtype: torch.dtype = torch.float32
 ) -> AttentionBackend:
     """The engine's one attention backend, chosen from the ``attention_backend`` setting."""
     device = torch.device(device)
-    resolved = resolve_attention_backend(name, device)
+    resolved = resolve_attention_backend(name, device, dtype)
     if resolved == "torch":
         return TorchAttention(block_size, device)
+    # Imported here: these backends build on this module's types.
+    if resolved == "cpu":
+        from engine.cpu_attention import CpuAttention
+
+        if dtype != torch.float32:
+            raise ValueError(f"attention_backend='cpu' runs float32, got dtype {dtype}")
+        return CpuAttention(block_size, device)
     if resolved == "triton":
-        # Imported here: the Triton backend builds on this module's types.
         from engine.triton_attention import TritonAttention
 
         return TritonAttention(block_size, device, head_dim)

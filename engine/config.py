@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from engine.scheduler import check_modes
 
 GiB = 1 << 30
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def check_at_least(config: object, **minimums: int) -> None:
@@ -24,8 +24,10 @@ class EngineConfig:
 
     KV memory comes from ``num_kv_blocks`` when given, else from ``kv_cache_memory``
     bytes; ``swap_space`` bytes of CPU memory hold swapped-out blocks.
-    ``attention_backend``: ``torch`` (reference, any device), ``triton`` (paged
-    kernels, CUDA), or ``auto`` (triton on a CUDA device when triton imports).
+    ``attention_backend``: ``torch`` (reference, any device), ``cpu`` (float32 decode
+    straight out of the paged cache, a C kernel built on first use), ``triton`` (paged
+    kernels, CUDA), or ``auto`` (triton on a CUDA device when triton imports; cpu for
+    float32 on a CPU when the kernel builds; torch otherwise).
     ``pack_weights``: a float32 model on the CPU runs its layer projections on
     oneDNN-packed weights (``engine.model.PackedLinear``); off, on plain ``nn.Linear``.
     """

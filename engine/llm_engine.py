@@ -186,7 +186,7 @@ class LLMEngine:
             self.kv_manager,
         )
         self.attention = create_attention_backend(
-            config.attention_backend, device, config.block_size, self.model_config.head_dim
+            config.attention_backend, device, config.block_size, self.model_config.head_dim, dtype
         )
         # The logits' width, not the tokenizer's size: ids past the tokenizer are masked too.
         self.structured = StructuredOutputs(

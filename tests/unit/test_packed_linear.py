@@ -69,4 +69,4 @@ def test_an_engine_can_keep_plain_projections_and_bench_steps_compares_the_two(d
                  "--unpacked"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["batch"] for r in rows] == [1, 2]
-    assert all(r["step_ms"] > 0 and r["unpacked_step_ms"] > 0 and r["unpacked_over_packed"] > 0 for r in rows)
+    assert all(r["step_ms"] > 0 and r["unpacked_step_ms"] > 0 and r["unpacked_over_default"] > 0 for r in rows)

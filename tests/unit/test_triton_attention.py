@@ -27,10 +27,9 @@ pytest.importorskip(
 
 from engine import LLM, SamplingParams, triton_attention  # noqa: E402
 from engine.attention import TorchAttention, resolve_attention_backend, write_kv  # noqa: E402
-from engine.step_layout import ChunkLayout, StepLayout  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.triton_attention import TritonAttention  # noqa: E402
-from tests.helpers import build_hf_checkpoint  # noqa: E402
+from tests.helpers import build_hf_checkpoint, random_step_layout  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # fp32 is exact up to summation order; fp16/bf16 round the output (and on a GPU the
@@ -42,33 +41,6 @@ TOLERANCE = {
 }
 DTYPES = list(TOLERANCE)
 NUM_BLOCKS = 96
-
-
-def _layout(
-    block_size: int, decode_lens: list[int], chunks: list[tuple[int, int]], rng
-) -> StepLayout:
-    """Decode rows then (start, num_tokens) chunks, each request on shuffled blocks."""
-    free = list(range(1, NUM_BLOCKS))
-    rng.shuffle(free)
-    layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
-
-    def blocks(ctx: int) -> list[int]:
-        return [free.pop() for _ in range(-(-ctx // block_size))]
-
-    for ctx in decode_lens:
-        table = blocks(ctx)
-        layout.decode_block_ids.append(table)
-        layout.decode_context_lens.append(ctx)
-        layout.slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
-    row = len(decode_lens)
-    for start, n in chunks:
-        table = blocks(start + n)
-        layout.chunks.append(ChunkLayout(row, n, start, table))
-        layout.slots.extend(
-            table[p // block_size] * block_size + p % block_size for p in range(start, start + n)
-        )
-        row += n
-    return layout
 
 
 def _compare(
@@ -84,7 +56,7 @@ def _compare(
 ) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    layout = _layout(block_size, decode_lens, chunks, rng)
+    layout = random_step_layout(block_size, decode_lens, chunks, rng, NUM_BLOCKS)
     rows = len(layout.slots)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -132,7 +104,7 @@ def test_decode_within_one_partition_skips_the_reduce_and_matches_torch(dtype):
 
 def test_split_k_buffers_are_made_once_per_step_and_every_layer_stays_right():
     block_size, heads, kv_heads, head_dim = 16, 8, 2, 32
-    layout = _layout(block_size, [20, 70, 100], [], random.Random(0))
+    layout = random_step_layout(block_size, [20, 70, 100], [], random.Random(0), NUM_BLOCKS)
     backend = TritonAttention(block_size, DEVICE, head_dim, partition_size=32)
     meta = backend.build_metadata(layout)
     ref = TorchAttention(block_size, DEVICE)
@@ -198,9 +170,10 @@ def test_unknown_attention_backend_is_rejected_naming_the_field():
         EngineConfig(attention_backend="flash")
 
 
-def test_auto_is_triton_on_cuda_and_torch_elsewhere():
+def test_auto_is_triton_on_cuda_and_not_on_a_cpu():
     assert resolve_attention_backend("auto", "cuda") == "triton"
-    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", "cpu", torch.bfloat16) == "torch"
+    assert resolve_attention_backend("auto", "cpu") in ("cpu", "torch")  # cpu: the C kernel
 
 
 def test_triton_backend_without_triton_says_what_to_install(monkeypatch):
