@@ -54,9 +54,6 @@ class DecodeWorker(WorkerBase):
     async def ready(self) -> dict:
         return {**await super().ready(), "layout": self.layout}
 
-    async def load(self) -> DecodeLoad:
-        return await self.runtime.call(self._load)
-
     def _load(self) -> DecodeLoad:
         load = self.engine.load()
         return DecodeLoad(

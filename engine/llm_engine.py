@@ -273,9 +273,9 @@ class LLMEngine:
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
+        *,
         request_id: str | None = None,
         priority: int = 0,
-        arrival_time: float | None = None,
         resume_output: Sequence[int] = (),
     ) -> tuple[list[int], int] | None:
         """Decode role: reserve blocks for a prompt whose KV another worker sends.
@@ -286,7 +286,7 @@ class LLMEngine:
         this engine's prefix cache already holds (the sender sends only the others), or
         None when the pool has no room now (nothing is kept; try again later or elsewhere).
         """
-        request = self._make_request(prompt, params, request_id, priority, arrival_time)
+        request = self._make_request(prompt, params, request_id, priority, arrival_time=None)  # arrives now
         request.output_token_ids = list(resume_output)
         reserved = self.scheduler.add_remote(request)
         if reserved is not None:

@@ -40,9 +40,6 @@ class PrefillWorker(WorkerBase):
         self._watched: dict[str, _Parts] = {}  # pipelined prefills (touched on the step thread only)
         self.runtime.add_periodic(self._offer_finished_blocks)
 
-    async def load(self) -> PrefillLoad:
-        return await self.runtime.call(self._load)
-
     def _load(self) -> PrefillLoad:
         load = self.engine.load()
         return PrefillLoad(

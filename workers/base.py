@@ -65,6 +65,10 @@ class WorkerBase:
         self.backend = transfer.configure(self.backend)
         self.transfer = transfer
 
+    async def load(self):
+        """This worker's load for placement (each role's ``_load``, run on the step thread)."""
+        return await self.runtime.call(self._load)
+
     async def stats(self) -> dict:
         stats = (await self.runtime.call(self.engine.stats)).__dict__
         stats["transfer"] = self.backend.stats.as_dict()
