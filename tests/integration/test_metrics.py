@@ -70,6 +70,10 @@ def test_scrape_counts_every_request_and_token(service, metrics_dir, tiny_model)
     assert _delta(before, after, "tandem:e2e_request_latency_seconds_count", **router) == n
     assert _delta(before, after, "tandem:prompt_tokens_total", **router) == sum(u[0] for u in usages)
     assert _delta(before, after, "tandem:generation_tokens_total", **router) == generated
+    # One gap per token after each request's first (fewer when a delta carried several);
+    # gathered in memory, they are written at the latest when their request finishes.
+    gaps = _delta(before, after, "tandem:inter_token_latency_seconds_count", **router)
+    assert 0 < gaps <= generated - n
     # Worker-side views of the same requests.
     assert _delta(before, after, "tandem:kv_transfer_bytes_total", role="decode") > 0
     assert _delta(before, after, "tandem:request_queue_time_seconds_count", role="prefill") == n
