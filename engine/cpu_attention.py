@@ -135,6 +135,8 @@ def paged_decode(
 ) -> None:
     """Decode attention of ``q`` ([B, Hq, D]) over the paged caches into ``out`` (both
     float32 and contiguous; the caches' new K/V already written)."""
+    if not all(t.is_contiguous() for t in (q, k_cache, v_cache, out)):
+        raise ValueError("CPU paged attention reads raw memory: q, the caches and out must be contiguous")
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     status = load_kernel()(

@@ -119,3 +119,14 @@ def test_bench_steps_times_the_kernel_against_torch_attention(default_model, cap
                  "--baseline", "torch-attention"]) == 0
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["step_ms"] > 0 and row["torch-attention_step_ms"] > 0
+
+
+def test_tensors_that_are_not_contiguous_are_refused_before_the_kernel_reads_them():
+    from engine.cpu_attention import PagedDecode, paged_decode
+
+    cache = torch.zeros(4, 16, 2, 8)
+    rows = PagedDecode(block_tables=torch.tensor([[1]]), context_lens=torch.tensor([3]))
+    q, out = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode(q, cache.transpose(1, 2), cache, rows, 1.0, out)
+    paged_decode(q, cache, cache, rows, 1.0, out)  # the same call on contiguous tensors runs
