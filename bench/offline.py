@@ -111,6 +111,25 @@ def run_hf_static(model_dir: str, prompts, outputs, batch_size: int) -> dict:
     }
 
 
+def explain_differences(model, prompts, ours, reference) -> list[dict]:
+    """For each output that differs from the reference: where it first differs, and by
+    how much the reference model's own logits there prefer its token over ours (one
+    unpadded forward pass). A gap of a few 1e-6 is a tie in float32, which any other
+    summation order may break the other way; a large one is a real difference."""
+    found = []
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        if a == b:
+            continue
+        p = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
+        row = {"request": i, "position": p}
+        if p < min(len(a), len(b)):
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompts[i] + a[:p]])).logits[0, -1].float()
+            row.update(ours=a[p], reference=b[p], logit_gap=float(logits[b[p]] - logits[a[p]]))
+        found.append(row)
+    return found
+
+
 def run_hf_continuous(model_dir: str, prompts, outputs) -> dict:
     """transformers' own continuous batching: one manager, per-request output lengths."""
     from transformers import GenerationConfig
@@ -212,11 +231,18 @@ def _throughput(args: argparse.Namespace, model_dir: str, vocab: int, result: di
         print(f"hf static batches of {args.hf_batch_size} ...", flush=True)
         hf = run_hf_static(model_dir, prompts, outputs, args.hf_batch_size)
         print(f"  {hf['output_tokens_per_s']:.0f} output tok/s in {hf['seconds']:.1f} s", flush=True)
-        same = sum(a == b for a, b in zip(tandem["token_ids"], hf.pop("token_ids")))
+        reference = hf.pop("token_ids")
+        same = sum(a == b for a, b in zip(tandem["token_ids"], reference))
         result["hf_static"] = hf
         result["ratio_vs_hf_static"] = tandem["output_tokens_per_s"] / hf["output_tokens_per_s"]
         result["greedy_outputs_identical_to_hf"] = f"{same}/{args.num_requests}"
         print(f"  ratio {result['ratio_vs_hf_static']:.2f}x; identical outputs {same}/{args.num_requests}")
+        if same < args.num_requests:
+            diffs = result["greedy_output_differences"] = explain_differences(
+                hf_model(model_dir), prompts, tandem["token_ids"], reference)
+            for d in diffs:
+                print(f"  request {d['request']} differs from token {d['position']}: transformers' logits prefer "
+                      f"its token by {d.get('logit_gap', float('nan')):.2g}")
     if args.hf_continuous:
         print("hf continuous batching ...", flush=True)
         hfc = run_hf_continuous(model_dir, prompts, outputs)

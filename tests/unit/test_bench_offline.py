@@ -87,3 +87,23 @@ def test_the_hf_reference_emits_the_eos_token_as_the_engine_does_under_ignore_eo
         path.write_text(json.dumps({**cfg, "eos_token_id": eos}))
     assert run_tandem(str(ckpt), prompts, outputs, num_kv_blocks=64)["token_ids"] == engine_ids
     assert run_hf_static(str(ckpt), prompts, outputs, batch_size=1)["token_ids"] == engine_ids
+
+
+def test_a_differing_output_is_located_and_its_logit_gap_read_from_the_reference(default_model):
+    import torch
+
+    from bench.offline import explain_differences, hf_model
+
+    model = hf_model(str(default_model))
+    prompt = [5, 6, 7, 8, 9]
+    with torch.inference_mode():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        logits = model(torch.tensor([prompt + greedy[:3]])).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    ours = greedy[:3] + [runner_up, 1, 2]  # the reference's second choice at position 3
+    (found,) = explain_differences(model, [prompt, prompt], [greedy, ours], [greedy, greedy])
+    assert found["request"] == 1 and found["position"] == 3
+    assert found["ours"] == runner_up and found["reference"] == greedy[3]
+    want = float(logits[greedy[3]] - logits[runner_up])
+    assert found["logit_gap"] == pytest.approx(want, abs=1e-5) and found["logit_gap"] > 0
