@@ -367,15 +367,20 @@ class Dispatcher:
                     if isinstance(item, WorkerDied):
                         raise item
                     sent += item.token_ids
-                    yield item
                     if item.finished:
-                        return
+                        break
+                    yield item
             except (WorkerDied, RayActorError):
                 self._decode_died(decode, failed)
             except BaseException:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
                 self._abort_everywhere(rid)
                 raise
+            else:
+                # The request is over on every worker: a consumer that stops here (the
+                # stream closed at its last delta) has nothing left to abort.
+                yield item
+                return
             finally:
                 self.subscriptions.close(decode, rid)
             if (failure := self._next_attempt(rid, decode, sent, tries)) is not None:

@@ -329,6 +329,25 @@ def test_abort_ends_the_stream_with_abort_and_frees_the_request_on_the_worker():
     assert deltas[-1].finish_reason == "abort" and deltas[-1].num_output_tokens == 1
 
 
+def test_a_stream_closed_at_its_finished_delta_sends_no_abort():
+    async def main():
+        worker = _FakeColocated("decode-0")
+        dispatcher = _colocated_dispatcher(worker)
+        stream = dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=1), "r0")
+        first = asyncio.ensure_future(stream.__anext__())
+        await _until(lambda: worker.submitted == ["r0"], "r0 to reach the worker")
+        worker.step(("r0", [4], "x", True))
+        last = await first
+        await stream.aclose()  # as a consumer that stops at the last delta does
+        await asyncio.sleep(0.05)  # an abort would be fire-and-forget
+        dispatcher.close()
+        return worker, last
+
+    worker, last = asyncio.run(main())
+    assert last.finished
+    assert worker.aborted == [], "a finished request must not be aborted on its worker"
+
+
 # -- affinity: the choices of one prompt go where its blocks are -----------------------
 
 
