@@ -9,9 +9,9 @@ New K/V are written into the cache through the slot mapping before attention rea
 it, so a chunk sees the blocks that other requests in the same step just wrote.
 This path runs anywhere torch runs (CPU, or a GPU through torch ops).
 
-Backends: the model runner describes each step as a ``StepLayout`` (plain integers,
-``engine/step_layout.py``, which every backend imports without importing another)
-and its ``AttentionBackend`` turns that into the metadata its kernels need; the
+Backends: the model runner describes each step as a ``StepLayout`` (plain integers)
+and its ``AttentionBackend`` turns that into the metadata its kernels need (both in
+``engine/step_layout.py``, which every backend imports without importing another); the
 layers call the backend through a ``StepAttention``. ``TorchAttention`` here is the
 reference; ``engine.cpu_attention.CpuAttention`` reads decode rows in place on a
 CPU, ``engine.triton_attention.TritonAttention`` is the GPU one.
@@ -21,34 +21,13 @@ CPU, ``engine.triton_attention.TritonAttention`` is the GPU one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import ATTENTION_BACKENDS
-from engine.step_layout import ChunkLayout, StepLayout
-
-
-class AttentionBackend(Protocol):
-    """Builds a step's metadata once, then runs attention on it for every layer."""
-
-    name: str
-
-    def build_metadata(self, layout: StepLayout) -> Any: ...
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: Any,
-        scale: float,
-    ) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Writes k/v into
-        the caches at the step's slots, then returns the attention output [T, Hq, D]."""
+from engine.step_layout import AttentionBackend, ChunkLayout, StepLayout, padded_rows
 
 
 @dataclass(frozen=True)
@@ -141,10 +120,11 @@ def _gather(
     return g.transpose(-3, -2)
 
 
-class TorchAttention:
+class TorchAttention(AttentionBackend):
     """The reference backend: gathers K/V per decode group or chunk and calls SDPA."""
 
     name = "torch"
+    write_kv = staticmethod(write_kv)
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -159,21 +139,9 @@ class TorchAttention:
             workspace=self._workspace,
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
         self._attend_decodes(q, k_cache, v_cache, meta, scale, out)
         self._attend_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
-        return out
 
     def _attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -213,10 +181,9 @@ class TorchAttention:
         for i in range(1, len(lens) + 1):
             if i < len(lens) and lens[i] <= 1.5 * lens[start] + 4 * bs:
                 continue
-            width = -(-lens[i - 1] // bs)
-            rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables[start:i]]
+            rows = padded_rows(tables[start:i], lens[start:i], bs)
             lengths = torch.tensor(lens[start:i], device=self.device)
-            keys = torch.arange(width * bs, device=self.device)
+            keys = torch.arange(len(rows[0]) * bs, device=self.device)
             groups.append(
                 DecodeGroup(
                     q_start=start,

@@ -33,7 +33,7 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.model_registry import tandem_home
-from engine.step_layout import StepLayout
+from engine.step_layout import StepLayout, padded_rows
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,11 @@ def paged_decode(
 ) -> None:
     """Decode attention of ``q`` ([B, Hq, D]) over the paged caches into ``out`` (both
     float32 and contiguous; the caches' new K/V already written)."""
-    if not all(t.is_contiguous() for t in (q, k_cache, v_cache, out)):
+    tensors = (q, k_cache, v_cache, out)
+    if not all(t.is_contiguous() for t in tensors):
         raise ValueError("CPU paged attention reads raw memory: q, the caches and out must be contiguous")
+    if any(t.dtype != torch.float32 for t in tensors):
+        raise ValueError(f"CPU paged attention runs float32, got {sorted({str(t.dtype) for t in tensors})}")
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     status = load_kernel()(
@@ -161,15 +164,14 @@ class CpuAttention(TorchAttention):
         super().__init__(block_size, device)
 
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
-        tables, lens = layout.decode_block_ids, layout.decode_context_lens
-        width = max((-(-n // self.block_size) for n in lens), default=0)
+        lens = layout.decode_context_lens
         return AttentionMetadata(
             slot_mapping=torch.tensor(layout.slots, dtype=torch.long),
             decodes=[],
             prefills=[self._chunk(c) for c in layout.chunks],
             workspace=self._workspace,
             paged_decode=PagedDecode(
-                block_tables=torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long),
+                block_tables=torch.tensor(padded_rows(layout.decode_block_ids, lens, self.block_size), dtype=torch.long),
                 context_lens=torch.tensor(lens, dtype=torch.long),
             ) if lens else None,
         )  # fmt: skip
@@ -179,6 +181,4 @@ class CpuAttention(TorchAttention):
         if rows is None:
             return
         b = rows.context_lens.shape[0]
-        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
-            raise ValueError(f"attention_backend='cpu' runs float32, got {q.dtype}")
         paged_decode(q[:b].contiguous(), k_cache, v_cache, rows, scale, out[:b])

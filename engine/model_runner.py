@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import AttentionBackend, StepAttention
+from engine.attention import StepAttention
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.request import Request
 from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_layout import AttentionBackend
 from engine.step_layout import ChunkLayout, StepLayout
 from engine.structured_output import StructuredOutputs
 

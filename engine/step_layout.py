@@ -1,10 +1,13 @@
-"""One step's flattened batch as plain integers: what the model runner hands an
-attention backend, whichever it is (``engine/attention.py``,
-``engine/triton_attention.py``)."""
+"""One step's flattened batch as plain integers, and the interface of the attention
+backends that turn it into their kernels' metadata (``engine/attention.py``,
+``engine/cpu_attention.py``, ``engine/triton_attention.py``). Every backend imports
+this module and none imports another's."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -29,3 +32,39 @@ class StepLayout:
     decode_block_ids: list[list[int]]
     decode_context_lens: list[int]
     chunks: list[ChunkLayout]
+
+
+def padded_rows(tables: list[list[int]], context_lens: list[int], block_size: int) -> list[list[int]]:
+    """The rows of a rectangular block-table tensor: each table cut to the blocks of the
+    longest context and padded with block 0 (which a kernel masks by context length)."""
+    width = max((-(-n // block_size) for n in context_lens), default=0)
+    return [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+
+
+class AttentionBackend(ABC):
+    """Builds a step's metadata once, then runs attention on it for every layer.
+
+    ``forward`` is the one call a layer makes; a backend supplies how new K/V enter the
+    cache (``write_kv``) and the attention itself (``attend``).
+    """
+
+    name: str
+
+    @abstractmethod
+    def build_metadata(self, layout: StepLayout) -> Any: ...
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float):
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Writes k/v into
+        the caches at the step's slots, then returns the attention output [T, Hq, D]."""
+        self.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = q.new_empty(q.shape)
+        self.attend(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    @abstractmethod
+    def write_kv(self, k_cache, v_cache, k, v, slots) -> None:
+        """Scatter the step's new K/V rows ([T, Hkv, D]) into one layer's cache by slot."""
+
+    @abstractmethod
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale: float, out) -> None:
+        """Attention of every row of ``q`` into ``out``; the cache already holds this step's K/V."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.step_layout import StepLayout
+from engine.step_layout import AttentionBackend, StepLayout, padded_rows
 
 try:
     import triton
@@ -346,9 +346,8 @@ def _padded_tables(
     tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
 ) -> torch.Tensor:
     """[len(tables), max blocks] int32 block ids, cut to each context and padded with 0."""
-    width = max((-(-n // block_size) for n in lens), default=0)
-    rows = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(rows), width)
+    rows = padded_rows(tables, lens, block_size)
+    return torch.tensor(rows, dtype=torch.int32, device=device).view(len(rows), len(rows[0]) if rows else 0)
 
 
 def _dot_dtype(dtype: torch.dtype) -> "tl.dtype":
@@ -453,10 +452,11 @@ def prefill_attention(
     )  # fmt: skip
 
 
-class TritonAttention:
+class TritonAttention(AttentionBackend):
     """The Triton backend: paged decode (split-K) and prefill kernels, no K/V gathering."""
 
     name = "triton"
+    write_kv = staticmethod(write_kv)
 
     def __init__(
         self, block_size: int, device: torch.device | str, head_dim: int, partition_size: int = 512
@@ -510,18 +510,7 @@ class TritonAttention:
             max_chunk_len=max((c.num_tokens for c in chunks), default=0),
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TritonMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+    def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, out) -> None:
         if meta.num_decodes:
             n = meta.num_decodes
             meta.split_buffers = decode_attention(
@@ -534,4 +523,3 @@ class TritonAttention:
                 q, k_cache, v_cache, out, meta.prefill_block_tables, meta.prefill_query_start,
                 meta.prefill_context_start, meta.max_chunk_len, scale,
             )  # fmt: skip
-        return out

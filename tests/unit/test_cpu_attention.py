@@ -121,7 +121,7 @@ def test_bench_steps_times_the_kernel_against_torch_attention(default_model, cap
     assert row["step_ms"] > 0 and row["torch-attention_step_ms"] > 0
 
 
-def test_tensors_that_are_not_contiguous_are_refused_before_the_kernel_reads_them():
+def test_tensors_the_kernel_cannot_read_are_refused_before_it_reads_them():
     from engine.cpu_attention import PagedDecode, paged_decode
 
     cache = torch.zeros(4, 16, 2, 8)
@@ -129,4 +129,6 @@ def test_tensors_that_are_not_contiguous_are_refused_before_the_kernel_reads_the
     q, out = torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)
     with pytest.raises(ValueError, match="contiguous"):
         paged_decode(q, cache.transpose(1, 2), cache, rows, 1.0, out)
-    paged_decode(q, cache, cache, rows, 1.0, out)  # the same call on contiguous tensors runs
+    with pytest.raises(ValueError, match="float32.*bfloat16"):
+        paged_decode(q, cache.bfloat16(), cache, rows, 1.0, out)
+    paged_decode(q, cache, cache, rows, 1.0, out)  # the same call on contiguous float32 tensors runs
