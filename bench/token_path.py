@@ -77,7 +77,7 @@ class StepWorker:
             if finished:
                 del self.active[rid]
         for subscriber, items in messages.items():
-            self.queues[subscriber].put_nowait(items)
+            self.queues[subscriber].put_nowait((self._load(), items))
 
 
 class _Subscribe:

@@ -178,7 +178,7 @@ def ttft_breakdown(model: str | None, prompt_len: int = 512, chunk_tokens: int |
             pref = prefill.prefill.remote(rid, prompt, params, decode, res)
             marks = []
             async for ref in stream:  # one message per step: this request's deltas
-                (delta,) = await ref
+                _, (delta,) = await ref
                 marks.append(time.perf_counter())
                 if delta[3]:  # finished
                     break

@@ -10,7 +10,9 @@ A disaggregated request's lifecycle here::
 Each router replica holds one ``subscribe(subscriber)`` stream (a Ray streaming
 generator) per decode worker; ``reserve`` (disaggregated) or ``submit`` (colocated: the
 whole request runs here, no transfer) routes a request's deltas to it. The stream
-carries one message per engine step with the deltas of all that subscriber's requests.
+carries one message per engine step with the deltas of all that subscriber's requests
+and the worker's load after the step, so a router that streams from a worker never
+has to poll its load.
 Blocks are freed when a request finishes, is aborted, or its subscriber goes away.
 """
 
@@ -48,6 +50,7 @@ class DecodeWorker(WorkerBase):
         self._landed: dict[str, int] = {}  # pipelined prefill: blocks already read, in order
         self._pin_lock = threading.Lock()
         self.num_transfer_failures = 0
+        self.runtime.step_report = self._load  # rides on every step message (``subscribe``)
 
     # -- health and load -------------------------------------------------------
 
@@ -277,8 +280,9 @@ class DecodeWorker(WorkerBase):
     async def subscribe(self, subscriber: str):
         """Stream, per engine step, the deltas of every request routed to ``subscriber``.
 
-        One message (a ``StepDeltas`` list of plain tuples) per step that produced
-        anything for the subscriber, however many of its requests ran in the step. When
+        One message (a ``StepMessage``: this worker's load after the step, and a list of
+        plain delta tuples) per step that produced anything for the subscriber, however
+        many of its requests ran in the step. When
         the subscriber goes away (its stream is cancelled or dropped), its unfinished
         requests are aborted and their blocks freed.
         """
@@ -286,7 +290,7 @@ class DecodeWorker(WorkerBase):
         reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
         try:
             while (pending := await outbox.take(reader)) is not None:
-                yield [_wire(rid, items) for rid, items in pending.items()]
+                yield outbox.report, [_wire(rid, items) for rid, items in pending.items()]
                 if self.stream_interval_s:
                     # Tokens of the steps meanwhile merge into the next message.
                     await asyncio.sleep(self.stream_interval_s)

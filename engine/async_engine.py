@@ -21,7 +21,9 @@ handing a step to the event loop, and the number of messages a worker sends, fol
 the number of subscribers, not the batch size. An outbox's lifecycle: ``open_outbox``
 (by its reader or by the first request routed to it), filled per step, read by one
 consumer with ``take``, ``close_outbox`` when the reader goes (its requests are
-returned so the caller can abort them).
+returned so the caller can abort them). With a ``step_report`` (the worker's load),
+each step that touches outboxes also leaves the report on them, computed once on the
+step thread, so the messages that carry the tokens carry the load too.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Outbox:
         self._ready = asyncio.Event()
         self._signalled = False
         self.reader = 0  # the current reader's token; a new reader supersedes the old one
+        self.report = None  # the step thread's latest ``step_report`` with these outputs
 
     def claim(self) -> int:
         """Become the outbox's only reader; an earlier reader's ``take`` returns None."""
@@ -139,6 +142,7 @@ class AsyncEngine:
         self._routes: dict[str, Outbox] = {}  # request id -> the outbox its outputs go to
         self._idle_poll_s = idle_poll_s
         self._periodic: list[Callable[[float], None]] = []
+        self.step_report: Callable[[], Any] | None = None  # run after each step that feeds outboxes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.step_error: BaseException | None = None
@@ -234,6 +238,10 @@ class AsyncEngine:
             outbox = self._put(out)
             if outbox is not None:
                 touched[id(outbox)] = outbox
+        if touched and self.step_report is not None:
+            report = self.step_report()
+            for outbox in touched.values():
+                outbox.report = report
         for outbox in touched.values():
             outbox.signal()
 

@@ -6,7 +6,8 @@ not load a tensor library to do so. Workers build them; the router reads them.
 
 Token deltas travel as plain tuples in ``StreamDelta``'s field order, one list of them
 per engine step and subscriber (``StepDeltas``): a tuple pickles several times faster
-than any class instance, and this is the path every streamed token takes.
+than any class instance, and this is the path every streamed token takes. Each such
+message also carries the decode worker's load after the step (``StepMessage``).
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ class DecodeLoad:
     running: int
     waiting: int
     waiting_for_kv: int
+
+
+# What a decode worker's ``subscribe`` stream sends per engine step: its load after the
+# step (None from a worker that reports none), then the subscriber's deltas.
+StepMessage = tuple[DecodeLoad | None, StepDeltas]
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ Tokens come back over one ``subscribe`` stream per decode worker (``Subscription
 each message holds one engine step's deltas for all of this dispatcher's requests on
 that worker, which the dispatcher hands to each request's ``Inbox``. So the Ray
 messages per step do not grow with the batch, and an abort is just one more item in
-the request's inbox.
+the request's inbox. Each message also carries the worker's load after the step, so
+placement polls only the workers this dispatcher hears nothing from (prefill workers,
+idle decode workers), and only at placement.
 
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
 apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -117,8 +120,9 @@ class Subscriptions:
     or from another event loop) never shares a worker-side outbox with an old one.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_load: Callable[[str, object], None] = lambda worker_id, load: None) -> None:
         self.name = name
+        self._on_load = on_load  # (worker id, DecodeLoad) from each step message
         self._streams = itertools.count()
         self._inboxes: dict[str, dict[str, Inbox]] = {}  # worker key -> request id -> inbox
         self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # worker key -> (reader, subscriber)
@@ -148,7 +152,10 @@ class Subscriptions:
         try:
             stream = worker.handle.subscribe.options(num_returns="streaming").remote(subscriber)
             async for ref in stream:
-                for item in await ref:
+                load, items = await ref
+                if load is not None:
+                    self._on_load(worker.worker_id, load)
+                for item in items:
                     inbox = inboxes.get(item[0])
                     if inbox is not None:
                         inbox.put(make(item))
@@ -210,45 +217,59 @@ class Dispatcher:
         self.config = config or DispatchConfig()
         self.metrics = metrics  # an ``engine.metrics.RouterMetrics``, or None
         self.num_migrations = 0
-        self._loads: dict[str, object] = {}
+        self._loads: dict[str, object] = {}  # worker id -> its latest load report
+        self._load_times: dict[str, float] = {}  # worker id -> event-loop time of that report
         self._pending_blocks: dict[str, int] = {}
         self._pending_tokens: dict[str, int] = {}
         self._ids = itertools.count()
         self._decode_ties = itertools.count()  # separate counters, so ties rotate within each pool
         self._prefill_ties = itertools.count()
-        self._loads_at = float("-inf")  # event-loop time of the last load reports
         self._refreshing: asyncio.Future | None = None
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._prefixes = PrefixIndex()  # prefill workers' prompts, by worker id
         self._decode_prefixes = PrefixIndex()  # decode workers' prompts, by incarnation
-        self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}")
+        self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}", self._note_load)
 
     # -- load reports ----------------------------------------------------------
 
-    async def refresh_loads(self) -> None:
-        """Ask every worker for its load now (one refresh at a time; callers share it)."""
+    async def refresh_loads(self, workers: Sequence[WorkerRef] | None = None) -> None:
+        """Ask ``workers`` (default: every one) for their load now. One poll runs at a
+        time; callers that come meanwhile share it."""
         if self._refreshing is not None and not self._refreshing.done():
             return await asyncio.shield(self._refreshing)
-        self._refreshing = asyncio.ensure_future(self._refresh())
+        workers = [*self._prefill(), *self._decode()] if workers is None else workers
+        self._refreshing = asyncio.ensure_future(self._refresh(workers))
         await asyncio.shield(self._refreshing)
 
-    async def _refresh(self) -> None:
-        workers = [*self._prefill(), *self._decode()]
+    async def _refresh(self, workers: Sequence[WorkerRef]) -> None:
         results = await asyncio.gather(
             *(w.handle.load.remote() for w in workers), return_exceptions=True
         )
         for w, r in zip(workers, results):
             if isinstance(r, BaseException):
-                self._loads.pop(w.worker_id, None)
+                self._forget_load(w.worker_id)
             else:
-                self._loads[w.worker_id] = r
-        self._loads_at = asyncio.get_running_loop().time()
+                self._note_load(w.worker_id, r)
+
+    def _note_load(self, worker_id: str, load) -> None:
+        self._loads[worker_id] = load
+        self._load_times[worker_id] = asyncio.get_running_loop().time()
+
+    def _forget_load(self, worker_id: str) -> None:
+        self._loads.pop(worker_id, None)
+        self._load_times.pop(worker_id, None)
 
     async def _fresh_loads(self) -> None:
-        """Load reports no older than ``load_poll_s``. Asked for at placement only: an
-        idle router sends no polls (polling every 50 ms cost more CPU than the tokens)."""
-        if asyncio.get_running_loop().time() - self._loads_at > self.config.load_poll_s:
-            await self.refresh_loads()
+        """Load reports no older than ``load_poll_s``. Decode workers streaming to this
+        dispatcher report with every step; the rest are asked, at placement only (an
+        idle router sends no polls: polling every 50 ms cost more CPU than the tokens)."""
+        now, limit = asyncio.get_running_loop().time(), self.config.load_poll_s
+        stale = [
+            w for w in (*self._prefill(), *self._decode())
+            if now - self._load_times.get(w.worker_id, -math.inf) > limit
+        ]
+        if stale:
+            await self.refresh_loads(stale)
 
     def close(self) -> None:
         self.subscriptions.stop()
@@ -390,7 +411,7 @@ class Dispatcher:
     def _decode_died(self, decode: WorkerRef, exclude: set[str]) -> None:
         """``decode`` is gone: place nothing there again, and forget what it held."""
         exclude.add(decode.key)
-        self._loads.pop(decode.worker_id, None)
+        self._forget_load(decode.worker_id)
         self._decode_prefixes.forget(decode.key)
 
     def _next_attempt(self, rid: str, decode: WorkerRef, sent: list[int], tries: Counter) -> StreamDelta | None:
@@ -483,7 +504,7 @@ class Dispatcher:
                 await ref
             except Exception:
                 # The prefill worker died or broke: don't make the decode side wait out the deadline.
-                self._loads.pop(prefill.worker_id, None)
+                self._forget_load(prefill.worker_id)
                 self._prefixes.forget(prefill.worker_id)
                 decode.handle.transfer_failed.remote(rid)
             finally:

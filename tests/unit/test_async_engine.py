@@ -113,3 +113,37 @@ def test_engine_calls_from_the_event_loop_do_not_hold_back_streamed_tokens(engin
     assert sum(sizes) == 6 * n
     assert sum(s == 1 for s in sizes) >= 3 * n, f"tokens arrived in clumps: {sizes}"
     assert engine.stats().num_blocks_in_use == 0
+
+
+def test_a_step_report_is_made_once_per_step_and_left_on_every_outbox_the_step_fed(engine, monkeypatch):
+    runtime = AsyncEngine(engine)
+    steps, reports = [], []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    runtime.step_report = lambda: reports.append(engine.load().num_running) or len(reports)
+
+    async def drain(box, reader) -> list[int]:
+        """The report seen with each take, until the box's request finished."""
+        seen = []
+        while True:
+            pending = await box.take(reader)
+            seen.append(box.report)
+            if any(out.finished for outs in pending.values() for out in outs):
+                return seen
+
+    async def main():
+        boxes = [runtime.open_outbox(name) for name in ("a", "b")]
+        readers = [box.claim() for box in boxes]
+        for rid, name in (("x", "a"), ("y", "b")):
+            runtime.route(rid, name)
+        await runtime.call(lambda: [engine.add_request([5, 6, 7], _params(4), rid) for rid in ("x", "y")])
+        return await asyncio.wait_for(
+            asyncio.gather(*(drain(box, r) for box, r in zip(boxes, readers))), PATIENCE_S
+        )
+
+    seen_a, seen_b = asyncio.run(main())
+    runtime.shutdown()
+    assert len(reports) == len(steps), "one report per step, however many outboxes it fed"
+    assert reports[0] == 2, "the report is made after the step, on the engine's state then"
+    assert seen_a[-1] == seen_b[-1] == len(reports), "each outbox holds the latest report"
+    assert engine.stats().num_blocks_in_use == 0

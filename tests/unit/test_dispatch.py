@@ -166,6 +166,7 @@ class _FakeColocated:
         self.resumed: list[list[int]] = []
         self.priorities: list[int] = []
         self.aborted: list[str] = []
+        self.polls = 0  # load() calls
         self.load = _Method(self._load)
         self.submit = _Method(self._submit)
         self.abort = _Method(self._abort)
@@ -176,7 +177,11 @@ class _FakeColocated:
         return _Stream(self.messages)
 
     async def _load(self):
-        return DecodeLoad(self.worker_id, free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
+        self.polls += 1
+        return self.report(free_blocks=100)
+
+    def report(self, free_blocks: int) -> DecodeLoad:
+        return DecodeLoad(self.worker_id, free_blocks=free_blocks, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
     async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
         self.submitted.append(rid)
@@ -186,12 +191,14 @@ class _FakeColocated:
     async def _abort(self, rid):
         self.aborted.append(rid)
 
-    def step(self, *deltas: tuple) -> None:
-        """One engine step's message: (request id, token ids, text, finished) per request."""
-        self.messages.put_nowait(
+    def step(self, *deltas: tuple, load: DecodeLoad | None = None) -> None:
+        """One engine step's message: (request id, token ids, text, finished) per request,
+        and the worker's ``load`` after the step (None: the message carries none)."""
+        self.messages.put_nowait((
+            load,
             [(rid, ids, text, done, "length" if done else None, 3, 0, 0, None, None, None, None)
-             for rid, ids, text, done in deltas]
-        )
+             for rid, ids, text, done in deltas],
+        ))
 
 
 def _colocated_dispatcher(*workers: _FakeColocated, **config) -> Dispatcher:
@@ -346,6 +353,34 @@ def test_a_stream_closed_at_its_finished_delta_sends_no_abort():
     worker, last = asyncio.run(main())
     assert last.finished
     assert worker.aborted == [], "a finished request must not be aborted on its worker"
+
+
+def test_placement_uses_the_load_on_step_messages_and_polls_only_workers_not_heard_from():
+    from engine.messages import ErrorKind
+
+    async def main():
+        worker = _FakeColocated("decode-0")
+        # reports stay fresh for the whole test; no capacity wait: a full worker refuses at once
+        dispatcher = _colocated_dispatcher(worker, load_poll_s=60.0, capacity_wait_s=0.0)
+        task, out = await _started(dispatcher, worker)  # nothing heard yet: one poll
+        worker.step(("r0", [4], "x", False), load=worker.report(free_blocks=0))
+        await _until(lambda: _tokens_received(out, "r0") == 1, "r0's first token")
+        full: dict = {}
+        await asyncio.wait_for(_collect(dispatcher, "r1", full), PATIENCE_S)  # the step said: no room
+        worker.step(("r0", [5], "y", True), load=worker.report(free_blocks=100))
+        await task
+        later = asyncio.create_task(_collect(dispatcher, "r2", {}))  # the step said: room again
+        await _until(lambda: worker.submitted == ["r0", "r2"], "r2 to reach decode-0")
+        worker.step(("r2", [6], "z", True))
+        await later
+        dispatcher.close()
+        return worker, full
+
+    worker, full = asyncio.run(main())
+    assert worker.polls == 1, "a worker that reports on its step messages must not be polled"
+    (refused,) = full["r1"]
+    assert refused.error_kind == ErrorKind.NO_CAPACITY, refused
+    assert worker.submitted == ["r0", "r2"]
 
 
 # -- affinity: the choices of one prompt go where its blocks are -----------------------
