@@ -12,6 +12,8 @@ Example YAML::
     engine: {dtype: bfloat16, max_num_batched_tokens: 4096}   # both roles
     decode_engine: {kv_cache_memory: 40000000000}            # one role only
     stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)
+    token_channel: tcp        # step messages to routers over TCP (ray: Ray streaming)
+    token_channel_host: 0.0.0.0   # where it listens (default 127.0.0.1: routers on the same node)
     start_timeout_s: 600      # placing the pools and loading the model, at most; then it fails
 """
 
@@ -61,6 +63,14 @@ class ClusterConfig:
     # meanwhile go out together. Each message costs the worker about a millisecond of
     # CPU (serialising, Ray), which on a few cores competes with the engine.
     stream_interval_s: float = 0.0
+    # How decode workers stream step messages to routers: "tcp", each worker's token
+    # channel (engine/token_channel.py), a tenth of Ray's CPU per message; "ray", Ray
+    # streaming generators. The channel listens on token_channel_host (any free port):
+    # 127.0.0.1 serves routers on the worker's own node only; 0.0.0.0 (the Helm chart's
+    # setting) serves any, advertising the node's IP. A router that cannot connect
+    # streams over Ray instead.
+    token_channel: str = "tcp"
+    token_channel_host: str = "127.0.0.1"
     placement_strategy: str = "PACK"
     health_check_s: float = 1.0
     restart_workers: bool = True
@@ -76,6 +86,8 @@ class ClusterConfig:
         check_at_least(self, prefill_workers=0, decode_workers=1, max_retries=0, max_migrations=0)
         if not 0 <= self.stream_interval_s <= 10:
             raise ValueError(f"stream_interval_s must be in [0, 10] seconds, got {self.stream_interval_s}")
+        if self.token_channel not in ("tcp", "ray"):
+            raise ValueError(f"token_channel must be 'tcp' or 'ray', got {self.token_channel!r}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"start_timeout_s must be > 0 seconds, got {self.start_timeout_s}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

@@ -62,6 +62,8 @@ def add_service_flags(
         "--stream-interval-s", type=float, default=None,
         help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
     )  # fmt: skip
+    parser.add_argument("--token-channel", default=None, choices=("tcp", "ray"),
+                        help="how decode workers stream to routers: TCP (default), or Ray streaming")  # fmt: skip
     parser.add_argument("--ingress", default=None, choices=INGRESSES,
                         help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")  # fmt: skip
     cpus = defaults.get("num_cpus") or "all"
@@ -98,6 +100,7 @@ def cluster_config(args: argparse.Namespace):
         "prefill_workers": args.prefill_workers,
         "decode_workers": args.decode_workers,
         "stream_interval_s": getattr(args, "stream_interval_s", None),
+        "token_channel": getattr(args, "token_channel", None),
         "transfer": {"backend": args.kv_transfer_backend} if args.kv_transfer_backend is not None else None,
         "engine": engine or None,
     }

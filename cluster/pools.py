@@ -176,7 +176,10 @@ class TandemCluster:
         resources: Resources = cfg.prefill_resources if slot.role == "prefill" else cfg.decode_resources
         worker_id = f"{slot.role}-{slot.index}"
         name = f"{cfg.name}-{worker_id}-{next(self._names)}"
-        extra = {} if slot.role == "prefill" else {"stream_interval_s": cfg.stream_interval_s}
+        extra = {} if slot.role == "prefill" else {
+            "stream_interval_s": cfg.stream_interval_s,
+            "token_channel_host": cfg.token_channel_host if cfg.token_channel == "tcp" else None,
+        }
         handle = (
             ray.remote(cls)
             .options(

@@ -7,8 +7,9 @@ A disaggregated request's lifecycle here::
                         ├─ transfer failed / deadline passed, policy recompute ─▶ WAITING (local prefill)
                         └─ policy fail ─▶ finished with an error
 
-Each router replica holds one ``subscribe(subscriber)`` stream (a Ray streaming
-generator) per decode worker; ``reserve`` (disaggregated) or ``submit`` (colocated: the
+Each router replica holds one stream per decode worker: the worker's token channel
+(``engine/token_channel.py``, a TCP connection) or the ``subscribe(subscriber)`` Ray
+streaming generator; ``reserve`` (disaggregated) or ``submit`` (colocated: the
 whole request runs here, no transfer) routes a request's deltas to it. The stream
 carries one message per engine step with the deltas of all that subscriber's requests
 and the worker's load after the step, so a router that streams from a worker never
@@ -22,10 +23,14 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import aclosing
+
+import ray
 
 from engine.async_engine import merge_outputs
 from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
+from engine.token_channel import ChannelAddress, ChannelServer
 from kv_transfer import TransferError, TransferMeta
 from workers.base import WorkerBase
 
@@ -35,9 +40,15 @@ log = logging.getLogger(__name__)
 class DecodeWorker(WorkerBase):
     role = "decode"
 
-    def __init__(self, *args, stream_interval_s: float = 0.0, **kwargs) -> None:
-        """``WorkerBase``'s arguments; ``stream_interval_s``: at most one message per stream per interval."""
+    def __init__(
+        self, *args, stream_interval_s: float = 0.0, token_channel_host: str | None = None, **kwargs
+    ) -> None:
+        """``WorkerBase``'s arguments; ``stream_interval_s``: at most one message per stream
+        per interval; ``token_channel_host``: where the token channel listens (None: none,
+        subscribers use the Ray stream)."""
         super().__init__(*args, **kwargs)
+        self._channel_host = token_channel_host
+        self._channel = None if token_channel_host is None else ChannelServer(self._serve_channel)
         self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)
@@ -55,6 +66,10 @@ class DecodeWorker(WorkerBase):
     # -- health and load -------------------------------------------------------
 
     async def ready(self) -> dict:
+        if self._channel is not None:  # on the actor's event loop, where its outboxes live
+            wildcard = self._channel_host in ("0.0.0.0", "::", "")
+            node_ip = ray.util.get_node_ip_address() if wildcard else None
+            await self._channel.start(self._channel_host, advertise=node_ip)
         return {**await super().ready(), "layout": self.layout}
 
     def _load(self) -> DecodeLoad:
@@ -282,10 +297,24 @@ class DecodeWorker(WorkerBase):
 
         One message (a ``StepMessage``: this worker's load after the step, and a list of
         plain delta tuples) per step that produced anything for the subscriber, however
-        many of its requests ran in the step. When
-        the subscriber goes away (its stream is cancelled or dropped), its unfinished
-        requests are aborted and their blocks freed.
+        many of its requests ran in the step. When the subscriber goes away (its stream
+        is cancelled or dropped), its unfinished requests are aborted and their blocks
+        freed. The token channel (``token_channel``) carries the same messages over TCP.
         """
+        async with aclosing(self._step_messages(subscriber)) as messages:
+            async for message in messages:
+                yield message
+
+    async def token_channel(self) -> ChannelAddress | None:
+        """Where this worker's token channel listens (None: only ``subscribe``)."""
+        return None if self._channel is None else self._channel.address
+
+    async def _serve_channel(self, subscriber: str, send) -> None:
+        async with aclosing(self._step_messages(subscriber)) as messages:
+            async for message in messages:
+                await send(message)
+
+    async def _step_messages(self, subscriber: str):
         outbox = await self.runtime.call(self.runtime.open_outbox, subscriber)
         reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
         try:

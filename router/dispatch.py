@@ -5,7 +5,8 @@ A disaggregated request's way through the dispatcher::
     pick decode worker ─▶ reserve blocks ─▶ pick prefill worker ─▶ prefill (async)
         ─▶ stream deltas from the decode worker ─▶ finished / error / cancelled
 
-Tokens come back over one ``subscribe`` stream per decode worker (``Subscriptions``):
+Tokens come back over one stream per decode worker (``Subscriptions``: the worker's
+token channel, a TCP connection, or where that cannot be reached its Ray ``subscribe``):
 each message holds one engine step's deltas for all of this dispatcher's requests on
 that worker, which the dispatcher hands to each request's ``Inbox``. So the Ray
 messages per step do not grow with the batch, and an abort is just one more item in
@@ -44,12 +45,14 @@ import itertools
 import logging
 import math
 import uuid
+from contextlib import aclosing
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
 
+from engine import token_channel
 from engine.messages import ErrorKind, StreamDelta
 from engine.sampling_params import SamplingParams
 from router.placement import (
@@ -111,7 +114,7 @@ class Inbox:
 
 
 class Subscriptions:
-    """This dispatcher's ``subscribe`` stream to each decode worker, and who waits on it.
+    """This dispatcher's stream from each decode worker, and who waits on it.
 
     A stream is opened on the first request to a worker and kept; each message (one
     engine step's deltas) is fanned out to the requests' inboxes. When the stream
@@ -150,9 +153,7 @@ class Subscriptions:
         make = StreamDelta._make
         error: BaseException = WorkerDied(f"decode worker {worker.worker_id} ended its stream")
         try:
-            stream = worker.handle.subscribe.options(num_returns="streaming").remote(subscriber)
-            async for ref in stream:
-                load, items = await ref
+            async for load, items in self._messages(worker, subscriber):
                 if load is not None:
                     self._on_load(worker.worker_id, load)
                 for item in items:
@@ -161,13 +162,32 @@ class Subscriptions:
                         inbox.put(make(item))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # RayActorError above all: the worker is gone
+        except Exception as e:  # RayActorError, or the channel's connection ended: the worker is gone
             error = WorkerDied(f"decode worker {worker.worker_id} died: {type(e).__name__}")
         finally:
             self._readers.pop(worker.key, None)
             dropped = self._inboxes.pop(worker.key, {})
             for inbox in dropped.values():
                 inbox.put(error)
+
+    async def _messages(self, worker: WorkerRef, subscriber: str) -> AsyncIterator:
+        """The worker's step messages for ``subscriber``: over its token channel when it
+        has one this process can reach, else over Ray (``subscribe``)."""
+        ask = getattr(worker.handle, "token_channel", None)
+        address = None if ask is None else await ask.remote()
+        if address is not None:
+            try:
+                messages = await token_channel.connect(address, subscriber)
+            except OSError as e:
+                log.warning("cannot reach decode worker %s's token channel at %s:%d (%s); streaming over Ray",
+                            worker.worker_id, address.host, address.port, e)
+            else:
+                async with aclosing(messages):
+                    async for message in messages:
+                        yield message
+                return
+        async for ref in worker.handle.subscribe.options(num_returns="streaming").remote(subscriber):
+            yield await ref
 
     def stop(self) -> None:
         for task, _ in self._readers.values():

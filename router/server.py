@@ -596,15 +596,16 @@ class Router:
                 yield opening
             while True:
                 if delta.error:
-                    yield sse(_server_error(delta).body())
+                    last = sse(_server_error(delta).body())
                     break
-                yield _sse_event(env, acc, delta, chat)
+                last = _sse_event(env, acc, delta, chat)
                 if delta.finished:
                     break
+                yield last
                 delta = await anext(deltas)
         if prepared.include_usage:
-            yield sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
-        yield sse("[DONE]")
+            last += sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
+        yield last + sse("[DONE]")  # the stream's last events in one write
 
     async def _sse_tools(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest):
         """The event stream of a chat completion that may call tools: content as it comes

@@ -6,6 +6,7 @@ import asyncio
 
 from engine.messages import DecodeLoad, PrefillLoad
 from engine.sampling_params import SamplingParams
+from engine.token_channel import ChannelServer
 from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
 from tests.helpers import PATIENCE_S, async_wait_for
 
@@ -297,6 +298,63 @@ def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
     deltas = out["r0"]
     assert [t for d in deltas for t in d.token_ids] == [4, 5, 6, 7] and not any(d.error for d in deltas)
     assert deltas[-1].finished
+
+
+class _ChannelColocated(_FakeColocated):
+    """A colocated worker that serves its step messages over a token channel; an
+    exception among them closes the connection, as the worker's death would."""
+
+    def __init__(self, worker_id: str, alive: bool = True) -> None:
+        super().__init__(worker_id, alive)
+        self.server = ChannelServer(self._serve)
+        self.channel_subscribers: list[str] = []
+        self.token_channel = _Method(self.server.start)
+
+    async def _serve(self, subscriber, send) -> None:
+        self.channel_subscribers.append(subscriber)
+        while not isinstance(message := await self.messages.get(), BaseException):
+            await send(message)
+
+
+def test_step_messages_come_over_a_token_channel_and_its_closing_moves_the_stream():
+    async def main():
+        doomed, spare = _ChannelColocated("decode-0"), _FakeColocated("decode-1", alive=False)
+        dispatcher = _colocated_dispatcher(doomed, spare)
+        task, out = await _started(dispatcher, doomed)
+        doomed.step(("r0", [4], "x", False))
+        await _until(lambda: _tokens_received(out, "r0") == 1, "the first token to come over the channel")
+        doomed.alive, spare.alive = False, True
+        await dispatcher.refresh_loads()
+        doomed.messages.put_nowait(ConnectionResetError())  # the connection closes
+        await _until(lambda: spare.submitted == ["r0"], "the request to move to the spare")
+        spare.step(("r0", [7], "!", True))
+        await task
+        dispatcher.close()
+        doomed.server.close()
+        return doomed, spare, out
+
+    doomed, spare, out = asyncio.run(main())
+    assert len(doomed.channel_subscribers) == 1 and doomed.subscribers == [], "the channel, not Ray, must carry them"
+    assert spare.resumed == [[4]], "a closed channel must count as the worker's death"
+    assert [t for d in out["r0"] for t in d.token_ids] == [4, 7] and not any(d.error for d in out["r0"])
+
+
+def test_a_token_channel_the_router_cannot_reach_leaves_the_stream_on_ray():
+    async def main():
+        worker = _ChannelColocated("decode-0")
+        await worker.server.start()
+        worker.server.close()  # it advertises an address where nothing listens
+        await worker.server._server.wait_closed()
+        dispatcher = _colocated_dispatcher(worker)
+        task, out = await _started(dispatcher, worker)
+        worker.step(("r0", [4, 5], "ok", True))
+        await task
+        dispatcher.close()
+        return worker, out
+
+    worker, out = asyncio.run(main())
+    assert len(worker.subscribers) == 1 and worker.channel_subscribers == []
+    assert [(d.token_ids, d.error) for d in out["r0"]] == [([4, 5], None)]
 
 
 def test_a_stream_that_outlives_max_migrations_ends_with_an_error():
