@@ -60,11 +60,11 @@ class ClusterConfig:
     decode_engine: dict = field(default_factory=dict)
     torch_threads: int = 1
     # The least time between two messages of one request's stream; tokens produced
-    # meanwhile go out together. Each message costs the worker about a millisecond of
-    # CPU (serialising, Ray), which on a few cores competes with the engine.
+    # meanwhile go out together. Each message costs the worker CPU (serialising, and
+    # over Ray about a millisecond), which on a few cores competes with the engine.
     stream_interval_s: float = 0.0
     # How decode workers stream step messages to routers: "tcp", each worker's token
-    # channel (engine/token_channel.py), a tenth of Ray's CPU per message; "ray", Ray
+    # channel (engine/token_channel.py), about 1 ms of CPU less per message; "ray", Ray
     # streaming generators. The channel listens on token_channel_host (any free port):
     # 127.0.0.1 serves routers on the worker's own node only; 0.0.0.0 (the Helm chart's
     # setting) serves any, advertising the node's IP. A router that cannot connect

@@ -49,6 +49,7 @@ class DecodeWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self._channel_host = token_channel_host
         self._channel = None if token_channel_host is None else ChannelServer(self._serve_channel)
+        self._streams = {"channel": 0, "ray": 0}  # subscriber streams opened so far, by path
         self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)
@@ -84,7 +85,8 @@ class DecodeWorker(WorkerBase):
         )
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "transfer_failures": self.num_transfer_failures}
+        return {**await super().stats(), "transfer_failures": self.num_transfer_failures,
+                "streams": dict(self._streams)}
 
     # -- disaggregated requests ------------------------------------------------
 
@@ -301,6 +303,7 @@ class DecodeWorker(WorkerBase):
         is cancelled or dropped), its unfinished requests are aborted and their blocks
         freed. The token channel (``token_channel``) carries the same messages over TCP.
         """
+        self._streams["ray"] += 1
         async with aclosing(self._step_messages(subscriber)) as messages:
             async for message in messages:
                 yield message
@@ -310,6 +313,7 @@ class DecodeWorker(WorkerBase):
         return None if self._channel is None else self._channel.address
 
     async def _serve_channel(self, subscriber: str, send) -> None:
+        self._streams["channel"] += 1
         async with aclosing(self._step_messages(subscriber)) as messages:
             async for message in messages:
                 await send(message)

@@ -57,7 +57,7 @@ def _set_transfer(cluster, **settings):
     cluster.set_transfer(TransferConfig.from_dict({"backend": cluster.config.transfer.backend, **settings}))
 
 
-def _start(model, prefill=1, decode=1, backend="collective", name="tandem", **transfer):
+def _start(model, prefill=1, decode=1, backend="collective", name="tandem", token_channel="tcp", **transfer):
     cfg = ClusterConfig.from_dict(
         {
             "name": name,
@@ -67,6 +67,7 @@ def _start(model, prefill=1, decode=1, backend="collective", name="tandem", **tr
             "transfer": {"backend": backend, **transfer},
             "engine": {"num_kv_blocks": 512},
             "restart_workers": False,
+            "token_channel": token_channel,
         }
     )
     return TandemCluster(cfg).start()
@@ -117,6 +118,8 @@ def test_disaggregated_greedy_matches_single_engine(ray_cluster, tiny_model, ref
         decode = {w: s for w, s in stats.items() if w.startswith("decode")}
         received = sum(s["transfer"]["received"] for s in decode.values())
         assert received == sent, f"decode workers received {received} of the {sent} transfers sent"
+        streams = {w: s["streams"] for w, s in decode.items()}
+        assert all(s["channel"] > 0 and s["ray"] == 0 for s in streams.values()), f"not all on channels: {streams}"
         failures = {w: (s["transfer_failures"], s["transfer"]["failures"]) for w, s in decode.items()}
         assert all(n == 0 and not f for n, f in failures.values()), f"transfers failed or recomputed: {failures}"
         if prefill == 2:
@@ -287,13 +290,18 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
         cluster.shutdown()
 
 
-def test_colocated_workers_match_single_engine(ray_cluster, tiny_model, reference):
+@pytest.mark.parametrize("channel", ["tcp", "ray"])
+def test_colocated_workers_match_single_engine(ray_cluster, tiny_model, reference, channel):
     prompts, lengths, want = reference
-    cluster = _start(tiny_model, prefill=0, decode=2)
+    cluster = _start(tiny_model, prefill=0, decode=2, token_channel=channel)
     try:
         results = _run_all(cluster, prompts, lengths)
         assert [r[0] for r in results] == want, "colocated workers must give the single engine's tokens"
-        assert set(cluster.stats()) == {"colocated-0", "colocated-1"}
+        stats = cluster.stats()
+        assert set(stats) == {"colocated-0", "colocated-1"}
+        used, unused = ("channel", "ray") if channel == "tcp" else ("ray", "channel")
+        streams = {w: s["streams"] for w, s in stats.items()}
+        assert all(s[used] > 0 and s[unused] == 0 for s in streams.values()), f"not all over {used}: {streams}"
         assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()
