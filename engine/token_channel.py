@@ -105,9 +105,12 @@ class ChannelServer:
         serving = asyncio.current_task()
 
         async def watch() -> None:
-            while await reader.read(4096):  # the subscriber sends nothing more after its hello
+            try:
+                while await reader.read(4096):  # the subscriber sends nothing more after its hello
+                    pass
+            except ConnectionError:
                 pass
-            serving.cancel()  # it hung up
+            serving.cancel()  # it hung up (a reset too)
 
         watcher = asyncio.get_running_loop().create_task(watch())
 

@@ -2,6 +2,8 @@
 
 import asyncio
 import dataclasses
+import socket
+import struct
 
 import pytest
 
@@ -108,6 +110,23 @@ def test_a_wildcard_listener_advertises_the_address_routers_should_use():
         assert address.host == "127.0.0.1"
         messages = await token_channel.connect(address, "router-3")
         await messages.aclose()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_subscriber_that_resets_its_connection_is_dropped_too():
+    async def main():
+        worker = Worker()
+        server = ChannelServer(worker.serve)
+        address = await server.start()
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(f"{address.secret} router-4\n".encode())
+        await _until(lambda: worker.served == ["router-4"])
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+        writer.transport.abort()
+        await _until(lambda: worker.left == ["router-4"])
         server.close()
 
     asyncio.run(main())
