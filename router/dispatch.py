@@ -8,7 +8,7 @@ A disaggregated request's way through the dispatcher::
 Tokens come back over one stream per decode worker (``Subscriptions``: the worker's
 token channel, a TCP connection, or where that cannot be reached its Ray ``subscribe``):
 each message holds one engine step's deltas for all of this dispatcher's requests on
-that worker, which the dispatcher hands to each request's ``Inbox``. So the Ray
+that worker, which the dispatcher hands to each request's ``Inbox``. So the
 messages per step do not grow with the batch, and an abort is just one more item in
 the request's inbox. Each message also carries the worker's load after the step, so
 placement polls only the workers this dispatcher hears nothing from (prefill workers,
@@ -45,9 +45,9 @@ import itertools
 import logging
 import math
 import uuid
-from contextlib import aclosing
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
