@@ -71,7 +71,8 @@ def workload(tiny_model):
 
     rng = random.Random(7)
     words = ["alpha", "beta", "gamma", "delta", "kv", "block", "stream", "token", "prefill", "decode"]
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([8, 30, 120]))) for _ in range(N)]
+    # About 2 tokens a word: the longest take 6 prefill chunks of CHUNK_BUDGET tokens.
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([8, 30, 180]))) for _ in range(N)]
     lengths = [rng.randint(12, 40) for _ in range(N)]
     llm = LLM(model=tiny_model, num_kv_blocks=512)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
@@ -265,14 +266,20 @@ def service(services):
 
 def test_prefill_worker_killed_mid_chunked_prefill(service, tiny_model, workload):
     async def chaos(progress):
-        (victim, *_), _ = _workers(service)
+        prefill, _ = _workers(service)
+        victims = []
 
         async def prefilling():
-            load = await victim.handle.load.remote()
-            return progress["finished"] >= 5 and load.running_chunks > 0 and load.queued_prefill_tokens > CHUNK_BUDGET
+            # Either prefill worker will do: the one caught with chunks of a prompt still to run.
+            if progress["finished"] < 5:
+                return False
+            loads = await asyncio.gather(*(w.handle.load.remote() for w in prefill))
+            victims[:] = [w for w, load in zip(prefill, loads)
+                          if load.running_chunks > 0 and load.queued_prefill_tokens > CHUNK_BUDGET]
+            return victims
 
         await _until(prefilling, "a prefill worker mid chunked prefill, after 5 requests")
-        await _kill(victim.handle)
+        await _kill(victims[0].handle)
 
     outcomes = asyncio.run(_load(service.http_url, _model_name(tiny_model), workload, chaos))
     _judge("prefill killed mid chunked prefill", outcomes, workload, service, may_fail=False)
