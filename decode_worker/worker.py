@@ -20,6 +20,7 @@ Blocks are freed when a request finishes, is aborted, or its subscriber goes awa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelAddress, ChannelServer
 from kv_transfer import TransferError, TransferMeta
+from kv_transfer.handoff import Ended, HandoffError, Receiver
 from workers.base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -53,14 +55,9 @@ class DecodeWorker(WorkerBase):
         self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)
-        self._deadlines: dict[str, float] = {}
-        # Paged transfers write into reserved blocks from a reader thread. Each reservation
-        # pins its blocks (one more reference) so that nothing else can take them, even if
-        # the request ends meanwhile, until no read can write into them any more.
-        self._pins: dict[str, list] = {}
-        self._reading: set[str] = set()
-        self._landed: dict[str, int] = {}  # pipelined prefill: blocks already read, in order
-        self._pin_lock = threading.Lock()
+        # One hand-off record per reservation; read threads and the step thread both ask it.
+        self.handoff = Receiver()
+        self._handoff_lock = threading.Lock()
         self.num_transfer_failures = 0
         self.runtime.step_report = self._load  # rides on every step message (``subscribe``)
 
@@ -108,58 +105,47 @@ class DecodeWorker(WorkerBase):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
         resume_output=(), priority: int = 0,
     ) -> Reservation | None:
+        if request_id in self.handoff:  # a quarantined read may outlive its request
+            raise ValueError(f"request_id {request_id!r} is already in use")
         reserved = self.engine.add_remote_request(
             prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )
         if reserved is None:
-            self.runtime.abort_now(request_id)
             return None
         blocks, held = reserved
         self.runtime.route(request_id, subscriber)
-        if self.backend.paged:
-            with self._pin_lock:
-                self._pins[request_id] = self.engine.pin_blocks(request_id)
-                if held:  # reads start after the blocks already here
-                    self._landed[request_id] = held
-        deadline = time.time() + self.transfer.timeout_s
-        self._deadlines[request_id] = deadline
-        return Reservation(request_id, blocks, self.layout, self._endpoint, deadline, held)
+        # Paged transfers write into the reserved blocks from a reader thread: one more
+        # reference each keeps them out of the pool, whatever happens to the request,
+        # until the hand-off record gives them back.
+        pins = self.engine.pin_blocks(request_id) if self.backend.paged else None
+        with self._handoff_lock:
+            self.handoff.reserve(request_id, blocks, held, time.monotonic() + self.transfer.timeout_s, pins)
+        return Reservation(request_id, blocks, self.layout, self._endpoint, time.time() + self.transfer.timeout_s, held)
 
     async def receive_kv(
         self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0,
         prompt_logprobs=None,
     ) -> int:
-        """Pull the prompt's KV into the reserved blocks; returns the TransferState.
+        """Read the rest of the prompt's KV into the reserved blocks and start decoding;
+        returns the TransferState. The read must end at the reservation's last block.
 
         ``num_cached_tokens``: the prompt tokens the prefill worker found in its prefix
         cache, reported in the request's usage. ``prompt_logprobs``: the prompt's, when the
         request asked for them; they go out with the first token.
         """
-        rid = meta.request_id
-        if self.backend.paged:
-            return await self._receive_in_place(
-                meta, payload, first_token, first_logprobs, num_cached_tokens, prompt_logprobs
-            )
-        try:
-            if meta.layout != self.layout:
-                raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
-            t0 = time.perf_counter()
-            k, v = await self.backend.pull_async(meta, payload)
-            self.metrics.on_transfer(time.perf_counter() - t0, k.nbytes + v.nbytes)
-        except Exception as e:  # any failure ends this transfer; the policy decides what follows
-            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
+        ok, kv = await self._read(meta, payload, None, last=True)
+        if not ok:
             return int(TransferState.FAILED)
+        k, v = kv or (None, None)
         try:
             await self.runtime.call(
-                self._kv_arrived, rid, first_token, k, v, first_logprobs, num_cached_tokens, prompt_logprobs
+                self._kv_arrived, meta.request_id, first_token, k, v, first_logprobs, num_cached_tokens,
+                prompt_logprobs,
             )
-        except Exception:
-            # The hand-over ran and failed: recycle anyway, as a backend (nixl) holds its
-            # receive buffers until then. Not on cancellation: the step thread may still
-            # be about to copy from them.
-            self.backend.recycle(k, v)
-            raise
-        self.backend.recycle(k, v)
+        finally:
+            # Not on cancellation: the step thread may still be about to copy from them.
+            if k is not None:
+                self.backend.recycle(k, v)
         return int(TransferState.DONE)
 
     async def receive_kv_part(self, meta: TransferMeta, payload, first_block: int) -> int:
@@ -167,76 +153,78 @@ class DecodeWorker(WorkerBase):
         has finished, from the ``first_block``-th of the reservation on, while its next
         chunks compute. Parts come in order; ``receive_kv`` brings the rest and the first
         token. Returns the TransferState; a failure applies the policy at once."""
-        rid = meta.request_id
-        with self._pin_lock:
-            landed = self._landed.get(rid, 0)
-        if first_block != landed:
-            e = TransferError("layout", f"transfer {meta.transfer_id}: part at block {first_block}, "
-                                        f"{landed} blocks landed so far")
-            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
-            return int(TransferState.FAILED)
-        if not await self._read_in_place(meta, payload, first_block):
-            return int(TransferState.FAILED)
-        with self._pin_lock:
-            self._reading.discard(rid)  # until the next part: the deadline may expire it meanwhile
-            self._landed[rid] = first_block + meta.num_blocks
-        return int(TransferState.DONE)
+        ok, _ = await self._read(meta, payload, first_block, last=False)
+        return int(TransferState.DONE if ok else TransferState.FAILED)
 
-    async def _receive_in_place(
-        self, meta: TransferMeta, payload, first_token, first_logprobs, num_cached_tokens, prompt_logprobs
-    ):
-        """Paged backends: read the sender's blocks straight into the reserved ones (those
-        a pipelined prefill's parts did not bring already)."""
-        with self._pin_lock:
-            landed = self._landed.pop(meta.request_id, 0)
-        if not await self._read_in_place(meta, payload, landed):
-            return int(TransferState.FAILED)
-        await self.runtime.call(
-            self._kv_arrived, meta.request_id, first_token, None, None, first_logprobs, num_cached_tokens,
-            prompt_logprobs,
-        )
-        return int(TransferState.DONE)
-
-    async def _read_in_place(self, meta: TransferMeta, payload, first_block: int) -> bool:
-        """Read ``meta.num_blocks`` blocks into the reservation's from ``first_block`` on.
-        False when it failed (the failure policy has run). On success the request stays
-        marked as reading, so that no deadline ends it before the caller hands it on."""
+    async def _read(self, meta: TransferMeta, payload, first: int | None, last: bool) -> tuple[bool, tuple | None]:
+        """Read ``meta.num_blocks`` blocks of the reservation from ``first`` on (None:
+        where the last part ended), as its hand-off record allows. Returns whether they
+        landed, and the packed K and V (backends that do not read in place). On failure
+        the record has ended and the failure policy has run."""
         rid = meta.request_id
-        with self._pin_lock:
-            blocks = self._pins.get(rid)
-            if blocks is not None:
-                self._reading.add(rid)
-        if blocks is None:  # the reservation ended (aborted, expired) before the KV came
-            await self.runtime.call(self._transfer_failed, rid, "expired")
-            return False
-        targets = [b.block_id for b in blocks[first_block : first_block + meta.num_blocks]]
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
-            if len(targets) != meta.num_blocks:
-                raise TransferError("layout", f"transfer {meta.transfer_id}: {meta.num_blocks} blocks from block "
-                                              f"{first_block} do not fit a reservation of {len(blocks)}")
-            if targets:
-                t0 = time.perf_counter()
+            with self._handoff_lock:
+                receipt = self.handoff.get(rid)
+                start = receipt.landed if first is None and receipt is not None else first or 0
+                targets = self.handoff.begin_read(
+                    rid, start, meta.num_blocks, time.monotonic(), last=last, sender=meta.sender
+                )
+                time_left = receipt.deadline - time.monotonic()
+        except (TransferError, HandoffError) as e:
+            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
+            return False, None
+        # The backend waits by this side's clock: the deadline the record keeps.
+        meta = dataclasses.replace(meta, deadline=time.time() + time_left)
+        error, stuck, kv = "", False, None
+        try:
+            if meta.dst_blocks and tuple(targets) != meta.dst_blocks:
+                raise TransferError("order", f"transfer {meta.transfer_id} offers blocks for another place "
+                                             f"in the reservation than block {start}")
+            t0 = time.perf_counter()
+            if not self.backend.paged:
+                kv = await self.backend.pull_async(meta, payload)
+            elif targets:
                 await self.backend.pull_blocks_async(meta, payload, targets)
-                self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
-        except Exception as e:
-            # A read that could not be stopped may still write into the blocks: keep them.
-            unpin = getattr(e, "reason", None) != "stuck"
-            if not unpin:
-                log.error("transfer %s: %s; its %d blocks stay out of use", meta.transfer_id, e, len(blocks))
-            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e), unpin)
-            return False
-        return True
+            self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
+        except Exception as e:  # any failure ends this attempt; the policy decides what follows
+            error = self._failure_reason(e)
+            stuck = error == "stuck"
+            if stuck:  # it may still write into the blocks: they stay out of use until it settles
+                log.error("transfer %s: %s; its %d blocks stay out of use", meta.transfer_id, e, len(targets))
+                self._when_settled(e, rid)
+        with self._handoff_lock:
+            ended = self.handoff.end_read(rid, error, stuck=stuck)
+        if ended is not None:
+            if kv is not None:
+                self.backend.recycle(*kv)
+            await self.runtime.call(self._ended, ended)
+            return False, None
+        return not error, kv
 
-    def _unpin(self, rid: str) -> None:
-        """On the step thread: the reservation's blocks may go back to the pool."""
-        with self._pin_lock:
-            self._reading.discard(rid)
-            self._landed.pop(rid, None)
-            blocks = self._pins.pop(rid, None)
-        if blocks is not None:
-            self.engine.unpin_blocks(blocks)
+    def _when_settled(self, error: BaseException, rid: str) -> None:
+        """A stuck read's blocks come back once the read is known to have ended (a backend
+        that can tell hands a future with its error)."""
+        settled = getattr(error, "settled", None)
+        if settled is not None:
+            settled.add_done_callback(lambda _: self.runtime.submit(self._settle, rid))
+
+    def _settle(self, rid: str) -> None:
+        with self._handoff_lock:
+            ended = self.handoff.settled(rid)
+        if ended is not None:
+            self._ended(ended)
+
+    async def sender_gone(self, sender: str) -> None:
+        """A prefill worker is gone: nothing it was read from can land any more."""
+        await self.runtime.call(self._sender_gone, sender)
+
+    def _sender_gone(self, sender: str) -> None:
+        with self._handoff_lock:
+            ended = self.handoff.sender_gone(sender)
+        for e in ended:
+            self._ended(e)
 
     def _failure_reason(self, e: BaseException) -> str:
         reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
@@ -247,50 +235,64 @@ class DecodeWorker(WorkerBase):
     def _kv_arrived(
         self, rid: str, first_token: int, k, v, first_logprobs, num_cached_tokens: int, prompt_logprobs=None
     ) -> None:
-        self._unpin(rid)
-        self._deadlines.pop(rid, None)
+        """On the step thread: the whole reservation has landed; the request runs."""
+        try:
+            with self._handoff_lock:
+                ended = self.handoff.complete(rid)
+        except HandoffError:
+            return  # it ended meanwhile (aborted, expired): that end has been handled
+        self._ended(ended)
         out = self.engine.remote_kv_arrived(
             rid, first_token, k, v, first_logprobs, num_cached_tokens, prompt_logprobs
         )
         if out is not None:
             self.runtime.deliver(out)
 
-    async def transfer_failed(self, request_id: str) -> None:
-        """The KV will not come (the sender or the router says so)."""
-        await self.runtime.call(self._transfer_failed, request_id)
-
-    def _transfer_failed(self, request_id: str, reason: str = "", unpin: bool = True) -> None:
-        """On the step thread: recompute the prompt here, or fail the request."""
-        with self._pin_lock:
-            if request_id in self._reading and not reason:
-                # Told by the sender or the router while a read still runs: its own end decides.
-                return
-        if unpin:
-            self._unpin(request_id)
-        self._deadlines.pop(request_id, None)
-        if not self.engine.is_waiting_for_kv(request_id):
+    def _ended(self, ended: Ended) -> None:
+        """On the step thread: a hand-off record ended; give its blocks back, and apply
+        the failure policy if the KV will not come."""
+        if ended.pins is not None:
+            self.engine.unpin_blocks(ended.pins)
+        if not ended.failed or not self.engine.is_waiting_for_kv(ended.attempt_id):
             return
         self.num_transfer_failures += 1
-        out = self.engine.remote_kv_failed(request_id, self.transfer.failure_policy == "recompute")
+        out = self.engine.remote_kv_failed(ended.attempt_id, self.transfer.failure_policy == "recompute")
         if out is not None:
             self.runtime.deliver(out)
 
-    def _expire_reservations(self, now: float) -> None:
-        expired = [rid for rid, d in self._deadlines.items() if d < now and rid not in self._reading]
-        for rid in expired:  # a read in progress ends by the same deadline and reports itself
-            self.backend.stats.failures["timeout"] += 1
-            self.metrics.on_transfer_failure("timeout")
-            self._transfer_failed(rid, "timeout")
-        if self._pins:
-            self._drop_stale_pins()
+    async def transfer_failed(self, request_id: str) -> None:
+        """The KV will not come (the sender or the router says so). A read in flight
+        decides for itself."""
+        await self.runtime.call(self._transfer_failed, request_id, "sender")
 
-    def _drop_stale_pins(self) -> None:
-        """Unpin reservations that ended (aborted, finished) without a read in progress."""
+    def _transfer_failed(self, request_id: str, reason: str) -> None:
+        with self._handoff_lock:
+            ended = self.handoff.fail(request_id, reason)
+        if ended is not None:
+            self._ended(ended)
+
+    def _expire_reservations(self, now: float) -> None:
+        """Periodic, on the step thread: reservations past their deadline apply the
+        policy; those whose request ended some other way give their blocks back."""
+        if not len(self.handoff):
+            return
         waiting = self.engine.is_waiting_for_kv
-        with self._pin_lock:
-            stale = [rid for rid in self._pins if not waiting(rid) and rid not in self._reading]
-            for rid in stale:
-                self.engine.unpin_blocks(self._pins.pop(rid))
+        with self._handoff_lock:
+            ended = self.handoff.expire(now)
+            stale = [rid for rid, r in self.handoff.records.items() if r.state.live and not waiting(rid)]
+            ended += [e for e in map(self.handoff.abort, stale) if e is not None]
+        for e in ended:
+            if e.reason == "timeout":
+                self.backend.stats.failures["timeout"] += 1
+                self.metrics.on_transfer_failure("timeout")
+            self._ended(e)
+
+    def abort_now(self, request_id: str) -> None:
+        with self._handoff_lock:
+            ended = self.handoff.abort(request_id)
+        if ended is not None:
+            self._ended(ended)
+        super().abort_now(request_id)
 
     # -- streaming -------------------------------------------------------------
 
@@ -332,8 +334,7 @@ class DecodeWorker(WorkerBase):
 
     def _drop_subscriber(self, subscriber: str, reader: int) -> None:
         for rid in self.runtime.close_outbox(subscriber, reader):
-            self._deadlines.pop(rid, None)
-            self.runtime.abort_now(rid)
+            self.abort_now(rid)
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
@@ -347,18 +348,13 @@ class DecodeWorker(WorkerBase):
         )
 
     def _submit(self, request_id, prompt_token_ids, params, subscriber: str, resume_output, priority: int) -> None:
+        # Added before it is routed: a refused id must not take over the route of the
+        # request that holds it. (On the step thread: no step runs in between.)
+        self.engine.add_request(
+            prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
+        )
         self.runtime.route(request_id, subscriber)
-        try:
-            self.engine.add_request(
-                prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
-            )
-        except BaseException:
-            self.runtime.unroute(request_id)
-            raise
 
-    async def abort(self, request_id: str) -> None:
-        self.runtime.submit(self._deadlines.pop, request_id, None)  # on the step thread, like the rest
-        await super().abort(request_id)
 
 
 class ColocatedWorker(DecodeWorker):

@@ -160,7 +160,8 @@ class AsyncEngine:
         self._wake.set()
 
     def add_periodic(self, fn: Callable[[float], None]) -> None:
-        """Run ``fn(now)`` on the step thread on every loop turn (deadlines, leases)."""
+        """Run ``fn(now)`` on the step thread on every loop turn (deadlines, leases);
+        ``now`` is ``time.monotonic()``."""
         self._periodic.append(fn)
 
     async def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -272,7 +273,12 @@ class AsyncEngine:
             stream.put(error)
 
     async def generate(self, prompt, params, request_id: str, **kwargs) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its (merged) outputs until it finishes; aborts on exit."""
+        """Add a request and yield its (merged) outputs until it finishes; aborts on exit.
+
+        An id that already has a stream here is refused (ValueError) and that stream
+        left alone."""
+        if request_id in self._streams or request_id in self._routes:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self.open_stream(request_id)
         try:
             await self.call(self.engine.add_request, prompt, params, request_id=request_id, **kwargs)
@@ -317,7 +323,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._run_calls()
-            now = time.time()
+            now = time.monotonic()
             for fn in self._periodic:
                 fn(now)
             busy = self.engine.has_schedulable_work()

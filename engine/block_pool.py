@@ -195,6 +195,10 @@ class KVCacheManager:
 
     # -- queries ---------------------------------------------------------------
 
+    def has_table(self, request_id: str) -> bool:
+        """The request holds blocks (on the device or in swap space)."""
+        return request_id in self._tables or request_id in self._cpu_blocks
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a copy), in token order."""
         table = self._tables.get(request_id)

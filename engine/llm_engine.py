@@ -258,6 +258,7 @@ class LLMEngine:
         outputs carry only what comes after them.
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
+        self._check_fits(request, resume_output)
         request.hold_kv = hold_kv
         request.keep_blocks = hold_kv and keep_blocks
         request.output_token_ids = list(resume_output)
@@ -369,11 +370,21 @@ class LLMEngine:
             return None
         return self._finish_output(request)
 
+    def _check_fits(self, request: Request, resume_output: Sequence[int]) -> None:
+        """A migrated stream's prompt and output together must fit the pool (the prompt
+        alone was checked): else it would be preempted for good and end early."""
+        total = request.num_prompt_tokens + len(resume_output)
+        if resume_output and not self.fits(total + 1):
+            raise ValueError(
+                f"prompt and resumed output have {total} tokens, more than the KV cache holds "
+                f"({self.kv_manager.pool.num_usable_blocks} blocks of {self.config.block_size})"
+            )
+
     def _make_request(self, prompt, params, request_id, priority, arrival_time) -> Request:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._tracked:
+        if self.holds(rid):
             raise ValueError(f"request_id {rid!r} is already in use")
         if params.structured_output is not None:
             check_structured_output(params.structured_output)  # cached: cheap after the first time
@@ -434,6 +445,22 @@ class LLMEngine:
         self._tracked.pop(rid, None)
         self._arrivals.pop(rid, None)
         self.structured.remove(rid)
+
+    def fits(self, num_tokens: int) -> bool:
+        """``num_tokens`` tokens' KV fits this engine's pool when it holds nothing else."""
+        return self.kv_manager.fits_in_pool(num_tokens)
+
+    def holds(self, request_id: str) -> bool:
+        """Anything here still goes by ``request_id``: a request queued, running or
+        compiling its grammar, one finished whose blocks are held for a transfer, or a
+        block table. Such an id is refused: a second request under it would share the
+        first one's blocks, stream or hand-off."""
+        return (
+            request_id in self._tracked
+            or request_id in self.scheduler.requests
+            or request_id in self.scheduler.held
+            or self.kv_manager.has_table(request_id)
+        )
 
     def request_ids(self) -> list[str]:
         """Every request the engine holds (scheduled or waiting for its grammar)."""
@@ -575,7 +602,8 @@ class LLMEngine:
             finished=finished,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            num_cached_tokens=request.num_cached_tokens,
+            # A moved stream's cache hits may cover its earlier output too; usage counts the prompt's.
+            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
             logprobs=list(lps) if lps is not None and finished else None,
             new_logprobs=new_lps,
             prompt_logprobs=prompt_lps,

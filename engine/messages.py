@@ -55,6 +55,24 @@ class StreamDelta(NamedTuple):
 StepDeltas = list[tuple]
 
 
+def attempt_id(request_id: str, router: str, attempt: int) -> str:
+    """The id one attempt of a request goes by on the workers.
+
+    Every placement of a request (the first, a re-run after a decode worker died, a
+    migration) is a new attempt with its own id, unique across router replicas and
+    attempts: an attempt still held somewhere (a prefill worker finishing a transfer for
+    a dead reader, say) never shares worker-side state with the next one, and a router
+    aborting its own attempt never touches another replica's request of the same
+    client id. ``request_of`` recovers the client's id.
+    """
+    return f"{request_id}@{router}.{attempt}"
+
+
+def request_of(attempt: str) -> str:
+    """The client's request id of a worker-side ``attempt_id`` (itself if it is none)."""
+    return attempt.rpartition("@")[0] or attempt
+
+
 class TransferState(enum.IntEnum):
     FAILED = 0
     BOOTSTRAPPING = 1

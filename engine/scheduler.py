@@ -180,7 +180,7 @@ class Scheduler:
     # -- intake ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING
@@ -237,7 +237,7 @@ class Scheduler:
         The request waits in WAITING_FOR_REMOTE_KV, outside the token budget, until
         ``remote_arrived`` or ``remote_failed``.
         """
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         hit, num_hit = self.kv_manager.get_computed_blocks(request)
         # The prompt (+ a migrated stream's output); at least its last block is sent.

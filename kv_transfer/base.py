@@ -63,6 +63,7 @@ class TransferMeta:
     # Paged transfers: the receiver's blocks this one fills, in prompt order (a backend
     # that sends splits its messages by them; the receiver checks they are its own).
     dst_blocks: tuple[int, ...] = ()
+    sender: str = ""  # the sending worker's id: a receiver waiting on its reads learns when it is gone
 
     def time_left(self) -> float:
         return self.deadline - time.time()

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from kv_transfer.faults import FaultConfig
 
 FAILURE_POLICIES = ("recompute", "fail")
+# How much longer a sender keeps what it offered than a receiver may take to read it: a
+# read may run a little past its deadline before it is given up (nixl's STUCK_GRACE_S),
+# and the two sides' clocks are read at different moments.
+LEASE_MARGIN_S = 10.0
 
 
 def default_backend() -> str:
@@ -40,9 +44,11 @@ class TransferConfig:
         for name in ("timeout_s", "lease_s", "op_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.lease_s < self.timeout_s:
+        if self.lease_s < self.timeout_s + LEASE_MARGIN_S:
             # A receiver may read until the deadline: what it reads must still be there.
-            raise ValueError(f"lease_s ({self.lease_s}) must be at least timeout_s ({self.timeout_s})")
+            raise ValueError(
+                f"lease_s ({self.lease_s}) must be at least timeout_s ({self.timeout_s}) + {LEASE_MARGIN_S}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransferConfig":

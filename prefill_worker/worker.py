@@ -26,6 +26,7 @@ import time
 from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState
 from kv_transfer import TransferMeta
+from kv_transfer.handoff import Sender
 from workers.base import WorkerBase
 
 
@@ -37,7 +38,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self._transfer_ids = itertools.count()
         self._sending = 0
-        self._watched: dict[str, _Parts] = {}  # pipelined prefills (touched on the step thread only)
+        self.offers = Sender()  # one hand-off record per attempt being prefilled or sent
         self.runtime.add_periodic(self._offer_finished_blocks)
 
     def _load(self) -> PrefillLoad:
@@ -73,31 +74,25 @@ class PrefillWorker(WorkerBase):
         goes first).
         """
         t0 = time.perf_counter()
-        meta = TransferMeta(
-            transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
-            request_id=request_id,
-            layout=self.layout,  # the receiver checks it against its own
-            num_blocks=0,  # each send says how many it carries
-            num_tokens=len(prompt_token_ids) + len(resume_output),
-            dst_endpoint=reservation.endpoint,
-            deadline=reservation.deadline,
-            dst_blocks=tuple(reservation.block_ids),  # each send takes its stretch of them
-        )
+        num_tokens = len(prompt_token_ids) + len(resume_output)
+        meta = self._transfer_meta(request_id, reservation, num_tokens)
         held = reservation.held_blocks  # already on the decode side: never sent
         parts = _Parts(asyncio.get_running_loop(), held) if self.backend.paged and self.transfer.pipeline else None
-        final, landed, t_done = await self._compute(
-            meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held
-        )
-        self._sending += 1
+        self.offers.begin(request_id, held, parts)  # refuses an attempt already here, touching nothing
+        state = TransferState.FAILED
         try:
-            num_blocks = (len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]) - held
-            if landed is None:  # a part failed: the decode side has applied its failure policy
-                state, error = TransferState.FAILED, "a pipelined part of the transfer failed"
-            else:
-                state, error = await self._send(meta, decode_worker, final, landed)
+            if not self.engine.fits(num_tokens + 1):
+                # A migrated stream's prompt and output may outgrow this pool, not the
+                # decode worker's: recomputed there, the text is the same.
+                decode_worker.transfer_failed.remote(request_id)
+                return _refused(request_id, num_tokens, self.engine)
+            final, landed, t_done = await self._compute(
+                meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held
+            )
+            state, error = await self._hand_over(meta, decode_worker, final, landed)
         finally:
-            self._sending -= 1
-            if self.backend.paged:  # read in place: the blocks stay held until the receiver answered
+            if self.offers.end(request_id, state) is not None and self.backend.paged:
+                # Read in place: the blocks stayed held until the receiver answered.
                 self.runtime.submit(self.engine.release_held, request_id)
         return PrefillResult(
             request_id=request_id,
@@ -107,9 +102,35 @@ class PrefillWorker(WorkerBase):
             queue_s=0.0,
             prefill_s=t_done - t0,
             transfer_s=time.perf_counter() - t_done,
-            kv_bytes=self.layout.nbytes(num_blocks),
+            kv_bytes=self.layout.nbytes(
+                (len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]) - held
+            ),
             error=error,
         )
+
+    def _transfer_meta(self, request_id: str, reservation, num_tokens: int) -> TransferMeta:
+        """The whole transfer of one attempt; each send takes its stretch (``_stretch``)."""
+        return TransferMeta(
+            transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
+            request_id=request_id,
+            layout=self.layout,  # the receiver checks it against its own
+            num_blocks=0,  # each send says how many it carries
+            num_tokens=num_tokens,
+            dst_endpoint=reservation.endpoint,
+            deadline=reservation.deadline,
+            dst_blocks=tuple(reservation.block_ids),
+            sender=self.worker_id,
+        )
+
+    async def _hand_over(self, meta: TransferMeta, decode_worker, final, landed: int | None):
+        """Send what the parts did not (``landed``: None once one failed) and the first token."""
+        if landed is None:  # the decode side has applied its failure policy
+            return TransferState.FAILED, "a pipelined part of the transfer failed"
+        self._sending += 1
+        try:
+            return await self._send(meta, decode_worker, final, landed)
+        finally:
+            self._sending -= 1
 
     async def _compute(
         self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority, held: int
@@ -120,7 +141,6 @@ class PrefillWorker(WorkerBase):
         first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
         paged, rid = self.backend.paged, meta.request_id
         if parts is not None:
-            await self.runtime.call(self._watched.__setitem__, rid, parts)
             sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts))
         final = None
         try:
@@ -136,19 +156,27 @@ class PrefillWorker(WorkerBase):
         finally:
             t_done = time.perf_counter()
             if parts is not None:
-                await self.runtime.call(self._watched.pop, rid, None)  # nothing is offered after this
+                await self.runtime.call(self._unwatch, rid)  # nothing is offered after this
                 parts.queue.put_nowait(None)
         return final, (await sender if parts is not None else held), t_done
 
     def _offer_finished_blocks(self, now: float) -> None:
         """On the step thread: hand each pipelined prefill's newly computed blocks, pinned
         until their read is answered, to its sender."""
-        for rid, parts in self._watched.items():
-            blocks = self.engine.computed_blocks(rid)
-            if len(blocks) > parts.offered:
-                item = (parts.offered, blocks[parts.offered :], self.engine.pin_blocks(rid))
-                parts.offered = len(blocks)
+        for offer in list(self.offers.records.values()):
+            parts = offer.watch
+            if parts is None:
+                continue
+            blocks = self.engine.computed_blocks(offer.attempt_id)
+            if len(blocks) > offer.offered:
+                item = (offer.offered, blocks[offer.offered :], self.engine.pin_blocks(offer.attempt_id))
+                offer.offered = len(blocks)
                 parts.loop.call_soon_threadsafe(parts.queue.put_nowait, item)
+
+    def _unwatch(self, rid: str) -> None:
+        offer = self.offers.records.get(rid)
+        if offer is not None:
+            offer.watch = None
 
     async def _send_parts(self, meta: TransferMeta, decode_worker, parts: "_Parts") -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
@@ -237,6 +265,16 @@ class PrefillWorker(WorkerBase):
             # The receiver's answer says what happened; the push's own error adds nothing.
 
 
+def _refused(request_id: str, num_tokens: int, engine) -> PrefillResult:
+    """The result of a prefill this worker's KV pool cannot hold."""
+    return PrefillResult(
+        request_id=request_id, first_token=-1, num_cached_tokens=0, state=int(TransferState.FAILED),
+        queue_s=0.0, prefill_s=0.0, transfer_s=0.0, kv_bytes=0,
+        error=f"{num_tokens} tokens do not fit this prefill worker's KV cache "
+              f"({engine.kv_manager.pool.num_usable_blocks} blocks of {engine.config.block_size})",
+    )
+
+
 def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:
     """The transfer of the reservation's blocks ``first`` to ``first + num_blocks``."""
     return dataclasses.replace(meta, num_blocks=num_blocks, dst_blocks=meta.dst_blocks[first : first + num_blocks])
@@ -249,6 +287,5 @@ class _Parts:
     def __init__(self, loop: asyncio.AbstractEventLoop, first: int = 0) -> None:
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.first = first  # the blocks before it are on the decode side already
-        self.offered = first  # blocks queued (or held) so far
+        self.first = first  # the blocks before it are on the decode side already (the offer counts on)
         self.abandoned = False  # the prefill failed: unpin what comes, send nothing

@@ -14,13 +14,20 @@ the request's inbox. Each message also carries the worker's load after the step,
 placement polls only the workers this dispatcher hears nothing from (prefill workers,
 idle decode workers), and only at placement.
 
+Each placement of a request is an attempt, which the workers know by its own id
+(``engine.messages.attempt_id``: the client's id, this dispatcher's tag and a count):
+nothing a worker still holds for an earlier attempt (a prefill finishing for a dead
+reader, blocks kept for its transfer) is ever mistaken for the next one's, and a
+dispatcher's aborts reach only its own attempts.
+
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
 apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
 reached the client is retried on another worker (up to ``max_retries``). One that dies
 after tokens were delivered has its stream moved (up to ``max_migrations``): a
 prefill worker computes the KV of the prompt plus the tokens already sent (the
 prompt's usually from its prefix cache), another decode worker takes it and goes on
-from there (colocated, that decode worker recomputes them itself). The client sees one
+from there (colocated, that decode worker recomputes them itself). Either way the dead
+worker's attempt is aborted on the prefill workers first. The client sees one
 unbroken stream: greedy output is unchanged, and a seeded request keeps its random
 stream, which is indexed by output position. Past
 the bound the client gets an error delta, never a silently cut stream.
@@ -53,7 +60,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError
 
 from engine import token_channel
-from engine.messages import ErrorKind, StreamDelta
+from engine.messages import ErrorKind, StreamDelta, attempt_id
 from engine.sampling_params import SamplingParams
 from router.placement import (
     PrefixIndex,
@@ -89,13 +96,17 @@ _ABORTED = object()
 
 
 class Inbox:
-    """One request's deltas as the subscription delivers them (a minimal async queue)."""
+    """One request's deltas as the subscription delivers them (a minimal async queue).
 
-    __slots__ = ("_items", "_waiter")
+    Workers know the request by its attempt's id; its deltas go out under
+    ``request_id``, the client's."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_items", "_waiter", "request_id")
+
+    def __init__(self, request_id: str = "") -> None:
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
+        self.request_id = request_id
 
     def put(self, item) -> None:
         self._items.append(item)
@@ -131,7 +142,8 @@ class Subscriptions:
         self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # worker key -> (reader, subscriber)
 
     def open(self, worker: WorkerRef, request_id: str, inbox: Inbox) -> str:
-        """Register a request before it is sent to ``worker``; starts the stream if needed.
+        """Register a request (by the id the worker knows it by: its attempt's) before it
+        is sent to ``worker``; starts the stream if needed.
 
         Returns the subscriber name to route the request to.
         """
@@ -159,7 +171,7 @@ class Subscriptions:
                 for item in items:
                     inbox = inboxes.get(item[0])
                     if inbox is not None:
-                        inbox.put(make(item))
+                        inbox.put(make((inbox.request_id, *item[1:])))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # RayActorError, or the channel's connection ended: the worker is gone
@@ -248,7 +260,9 @@ class Dispatcher:
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._prefixes = PrefixIndex()  # prefill workers' prompts, by worker id
         self._decode_prefixes = PrefixIndex()  # decode workers' prompts, by incarnation
-        self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}", self._note_load)
+        self._tag = uuid.uuid4().hex[:12]  # in every attempt id: unique to this dispatcher
+        self._attempts = itertools.count()
+        self.subscriptions = Subscriptions(f"router-{self._tag}", self._note_load)
 
     # -- load reports ----------------------------------------------------------
 
@@ -359,7 +373,7 @@ class Dispatcher:
         if rid in self._inflight:
             yield StreamDelta.failure(rid, ErrorKind.INVALID, f"request_id {rid!r} is already in flight")
             return
-        inbox = self._inflight[rid] = Inbox()
+        inbox = self._inflight[rid] = Inbox(rid)
         try:
             async for delta in self._run(rid, prompt_token_ids, params, inbox, affinity, priority):
                 yield delta
@@ -376,7 +390,9 @@ class Dispatcher:
         """
         inbox = self._inflight.get(request_id)
         if inbox is None:
-            self._abort_everywhere(request_id)  # not ours: free whatever the workers hold
+            # Not ours (another router replica runs it): every attempt of that id, anywhere.
+            for w in [*self._prefill(), *self._decode()]:
+                _quietly(w.handle.abort_request.remote, request_id)
         else:
             inbox.put(_ABORTED)  # its stream's task aborts it everywhere
         return inbox is not None
@@ -389,20 +405,21 @@ class Dispatcher:
         tries = Counter()  # "reruns" (died before any token) and "migrations" (after)
         while True:
             blocks = -(-(len(prompt) + len(sent) + 1) // self.config.block_size)
+            aid = attempt_id(rid, self._tag, next(self._attempts))  # what the workers call it
             try:
-                decode = await self._start(rid, prompt, params, blocks, failed, inbox, sent, affinity, priority)
+                decode = await self._start(aid, prompt, params, blocks, failed, inbox, sent, affinity, priority)
             except NoCapacityError as e:
                 yield StreamDelta.failure(rid, ErrorKind.NO_CAPACITY, str(e))
                 return
             except BaseException:
                 # Cancelled while placing: a reservation may already hold blocks.
-                self._abort_everywhere(rid)
+                self._abort_everywhere(aid)
                 raise
             try:
                 while True:
                     item = await inbox.get()
                     if item is _ABORTED:
-                        self._abort_everywhere(rid)
+                        self._abort_everywhere(aid)
                         yield aborted_delta(rid, len(prompt), len(sent))
                         return
                     if isinstance(item, WorkerDied):
@@ -413,9 +430,13 @@ class Dispatcher:
                     yield item
             except (WorkerDied, RayActorError):
                 self._decode_died(decode, failed)
+                # Its prefill may still run or hold blocks for the dead reader: end it
+                # now, rather than when its transfer fails.
+                for w in self._prefill():
+                    _quietly(w.handle.abort.remote, aid)
             except BaseException:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
-                self._abort_everywhere(rid)
+                self._abort_everywhere(aid)
                 raise
             else:
                 # The request is over on every worker: a consumer that stops here (the
@@ -423,7 +444,7 @@ class Dispatcher:
                 yield item
                 return
             finally:
-                self.subscriptions.close(decode, rid)
+                self.subscriptions.close(decode, aid)
             if (failure := self._next_attempt(rid, decode, sent, tries)) is not None:
                 yield failure
                 return
@@ -459,10 +480,10 @@ class Dispatcher:
         return None
 
     async def _start(
-        self, rid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None,
+        self, aid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None,
         priority: int,
     ) -> WorkerRef:
-        """Place the request on a decode worker, its deltas routed to ``inbox``.
+        """Place attempt ``aid`` of a request on a decode worker, its deltas routed to ``inbox``.
 
         ``resume``: tokens already streamed (a migrated request). A prefill worker computes
         their KV with the prompt's (its prefix cache usually holds the prompt) and the
@@ -480,29 +501,29 @@ class Dispatcher:
             await self._fresh_loads()
             decode = self._choose_decode(blocks, exclude, affinity, hashes)
             if decode is not None:
-                subscriber = self.subscriptions.open(decode, rid, inbox)
+                subscriber = self.subscriptions.open(decode, aid, inbox)
                 try:
                     if not self._prefill():
-                        await decode.handle.submit.remote(rid, prompt, params, subscriber, list(resume), priority)
+                        await decode.handle.submit.remote(aid, prompt, params, subscriber, list(resume), priority)
                         return decode
                     reservation = await decode.handle.reserve.remote(
-                        rid, prompt, params, subscriber, list(resume), priority
+                        aid, prompt, params, subscriber, list(resume), priority
                     )
                 except RayActorError:
                     # Died before taking the request: place it elsewhere.
-                    self.subscriptions.close(decode, rid)
+                    self.subscriptions.close(decode, aid)
                     self._decode_died(decode, exclude)
                     continue
                 except BaseException:
-                    self.subscriptions.close(decode, rid)
+                    self.subscriptions.close(decode, aid)
                     raise
                 finally:
                     # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
-                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume), affinity, priority)
+                    self._start_prefill(aid, prompt, params, decode, reservation, list(resume), affinity, priority)
                     return decode
-                self.subscriptions.close(decode, rid)
+                self.subscriptions.close(decode, aid)
             if loop.time() > deadline:
                 raise NoCapacityError(
                     f"no decode worker had room for {blocks} KV blocks within {self.config.capacity_wait_s}s"
@@ -510,14 +531,14 @@ class Dispatcher:
             await asyncio.sleep(self.config.load_poll_s)
 
     def _start_prefill(
-        self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
+        self, aid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
         priority: int,
     ) -> None:
         prefill = self._choose_prefill(prompt + resume, affinity)
         if prefill is None:
-            decode.handle.transfer_failed.remote(rid)  # no prefill worker: policy decides
+            decode.handle.transfer_failed.remote(aid)  # no prefill worker: policy decides
             return
-        ref = prefill.handle.prefill.remote(rid, prompt, params, decode.handle, reservation, resume, priority)
+        ref = prefill.handle.prefill.remote(aid, prompt, params, decode.handle, reservation, resume, priority)
 
         async def watch() -> None:
             try:
@@ -526,18 +547,23 @@ class Dispatcher:
                 # The prefill worker died or broke: don't make the decode side wait out the deadline.
                 self._forget_load(prefill.worker_id)
                 self._prefixes.forget(prefill.worker_id)
-                decode.handle.transfer_failed.remote(rid)
+                decode.handle.transfer_failed.remote(aid)
             finally:
                 self._pending_tokens[prefill.worker_id] -= len(prompt) + len(resume)
 
         asyncio.get_running_loop().create_task(watch())
 
-    def _abort_everywhere(self, rid: str) -> None:
+    def _abort_everywhere(self, aid: str) -> None:
+        """Abort attempt ``aid`` on every worker."""
         for w in [*self._prefill(), *self._decode()]:
-            try:
-                w.handle.abort.remote(rid)
-            except Exception:  # a dead worker has nothing left to free
-                pass
+            _quietly(w.handle.abort.remote, aid)
+
+
+def _quietly(call, *args) -> None:
+    try:
+        call(*args)
+    except Exception:  # a dead worker has nothing left to free
+        pass
 
 
 def aborted_delta(rid: str, num_prompt_tokens: int, num_output_tokens: int) -> StreamDelta:

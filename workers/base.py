@@ -15,6 +15,7 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.messages import request_of
 from engine.metrics import EngineMetrics
 from kv_transfer.base import KVLayout
 from kv_transfer.config import TransferConfig
@@ -75,4 +76,19 @@ class WorkerBase:
         return stats
 
     async def abort(self, request_id: str) -> None:
-        self.runtime.abort(request_id)
+        """Abort one attempt (the id the router placed it under)."""
+        self.runtime.submit(self.abort_now, request_id)
+
+    async def abort_request(self, request_id: str) -> None:
+        """Abort every attempt of the client's ``request_id`` held here (an Abort that
+        reached a router replica not running the request)."""
+        self.runtime.submit(self._abort_attempts_of, request_id)
+
+    def _abort_attempts_of(self, request_id: str) -> None:
+        for aid in self.engine.request_ids():
+            if request_of(aid) == request_id:
+                self.abort_now(aid)
+
+    def abort_now(self, request_id: str) -> None:
+        """On the step thread: abort one attempt now (each role adds what it holds)."""
+        self.runtime.abort_now(request_id)

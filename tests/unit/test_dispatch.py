@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.messages import DecodeLoad, PrefillLoad
+from engine.messages import DecodeLoad, PrefillLoad, request_of
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelServer
 from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
@@ -22,6 +22,9 @@ class _Method:
 
     def options(self, **_):
         return self
+
+
+# The fakes record requests by the client's id (``request_of`` the attempt id they get).
 
 
 class _FakeDecode:
@@ -46,13 +49,13 @@ class _FakeDecode:
     async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0):
         self.reserve_started.set()
         await self.release_reserve.wait()
-        self.reserved.add(rid)
-        self.priorities[rid] = priority
-        return f"reservation-{rid}" if self.room else None  # None: the dispatcher waits and tries again
+        self.reserved.add(request_of(rid))
+        self.priorities[request_of(rid)] = priority
+        return f"reservation-{request_of(rid)}" if self.room else None  # None: the dispatcher waits and tries again
 
     async def _abort(self, rid):
-        self.aborted.append(rid)
-        self.reserved.discard(rid)
+        self.aborted.append(request_of(rid))
+        self.reserved.discard(request_of(rid))
 
 
 class _FakePrefill:
@@ -64,13 +67,13 @@ class _FakePrefill:
         self.abort = _Method(self._abort)
 
     async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0):
-        self.prefilled[rid] = (reservation, priority)
+        self.prefilled[request_of(rid)] = (reservation, priority)
 
     async def _load(self):
         return PrefillLoad("prefill-0", 0, 0, 0, 0, 0)
 
     async def _abort(self, rid):
-        self.aborted.append(rid)
+        self.aborted.append(request_of(rid))
 
 
 def test_a_request_cancelled_while_its_blocks_are_being_reserved_is_aborted_on_every_worker():
@@ -164,6 +167,8 @@ class _FakeColocated:
         self.messages: asyncio.Queue = asyncio.Queue()
         self.subscribers: list[str] = []
         self.submitted: list[str] = []
+        self.attempts: list[str] = []  # the ids the requests came under, in order
+        self.aborted_attempts: list[str] = []
         self.resumed: list[list[int]] = []
         self.priorities: list[int] = []
         self.aborted: list[str] = []
@@ -185,19 +190,22 @@ class _FakeColocated:
         return DecodeLoad(self.worker_id, free_blocks=free_blocks, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
     async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
-        self.submitted.append(rid)
+        self.submitted.append(request_of(rid))
+        self.attempts.append(rid)
         self.resumed.append(list(resume_output))
         self.priorities.append(priority)
 
     async def _abort(self, rid):
-        self.aborted.append(rid)
+        self.aborted.append(request_of(rid))
+        self.aborted_attempts.append(rid)
 
     def step(self, *deltas: tuple, load: DecodeLoad | None = None) -> None:
         """One engine step's message: (request id, token ids, text, finished) per request,
         and the worker's ``load`` after the step (None: the message carries none)."""
+        attempt = {request_of(aid): aid for aid in self.attempts}  # each request's latest here
         self.messages.put_nowait((
             load,
-            [(rid, ids, text, done, "length" if done else None, 3, 0, 0, None, None, None, None)
+            [(attempt[rid], ids, text, done, "length" if done else None, 3, 0, 0, None, None, None, None)
              for rid, ids, text, done in deltas],
         ))
 
@@ -276,6 +284,7 @@ def test_a_worker_dying_before_any_token_reruns_the_request_elsewhere():
 
     out = asyncio.run(main())
     assert [(d.token_ids, d.error) for d in out["r0"]] == [([4, 5], None)], "the re-run must finish cleanly"
+    assert {d.request_id for d in out["r0"]} == {"r0"}, "deltas go out under the client's id"
 
 
 def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
@@ -294,6 +303,7 @@ def test_a_worker_dying_mid_stream_moves_the_stream_on_with_the_tokens_sent():
 
     doomed, spare, out = asyncio.run(main())
     assert spare.resumed == [[4, 5, 6]], "the new worker must recompute the tokens already sent"
+    assert doomed.attempts[0] != spare.attempts[0], "the moved stream is a new attempt, with its own id"
     assert doomed.priorities == spare.priorities == [-2], "the moved stream must keep its priority"
     deltas = out["r0"]
     assert [t for d in deltas for t in d.token_ids] == [4, 5, 6, 7] and not any(d.error for d in deltas)
@@ -510,3 +520,104 @@ def test_requests_sharing_a_prefix_go_to_the_decode_worker_that_ran_it():
     placed = asyncio.run(main(prefix_affinity=True))
     assert placed[1] == placed[0] and placed[3] == placed[0], f"the shared prefix must stay where it ran: {placed}"
     assert len(set(asyncio.run(main(prefix_affinity=False)))) == 2, "without affinity, ties rotate over the workers"
+
+
+class _DyingDecode(_FakeDecode):
+    """A decode worker that reserves at once and streams from a queue the test controls."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(room=True)
+        self.worker_id = worker_id
+        self.release_reserve.set()
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self.attempts: list[str] = []
+        self.subscribe = _StreamingMethod(lambda subscriber: _Stream(self.messages))
+        self.transfer_failed = _Method(self._noop)
+
+    async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0):
+        self.attempts.append(rid)
+        return await super()._reserve(rid, prompt, params, subscriber, resume, priority)
+
+    async def _load(self):
+        return DecodeLoad(self.worker_id, free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
+
+    async def _noop(self, *args):
+        pass
+
+
+class _AttemptPrefill(_FakePrefill):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attempts: list[str] = []  # ids prefilled, and aborted, as the worker sees them
+        self.aborted_attempts: list[str] = []
+
+    async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0):
+        self.attempts.append(rid)
+        await super()._prefill(rid, prompt, params, decode_worker, reservation, resume, priority)
+        await asyncio.Event().wait()  # still prefilling (or holding blocks) when its reader dies
+
+    async def _abort(self, rid):
+        self.aborted_attempts.append(rid)
+        await super()._abort(rid)
+
+
+def test_a_decode_death_aborts_its_attempt_on_the_prefill_worker_and_the_rerun_gets_a_new_id():
+    """A re-run must never share worker-side state with the attempt it replaces: the old
+    attempt is aborted on the prefill worker, and the new one goes by another id."""
+    from ray.exceptions import RayActorError
+
+    async def main():
+        prefill, doomed, spare = _AttemptPrefill(), _DyingDecode("decode-0"), _DyingDecode("decode-1")
+        alive = {"decode-0": True, "decode-1": False}
+        refs = [WorkerRef("decode-0", doomed), WorkerRef("decode-1", spare)]
+        dispatcher = Dispatcher(
+            lambda: [WorkerRef("prefill-0", prefill)],
+            lambda: [r for r in refs if alive[r.worker_id]],
+            DispatchConfig(),
+        )
+        out: dict = {}
+        task = asyncio.create_task(_collect(dispatcher, "r0", out))
+        await _until(lambda: len(prefill.attempts) == 1, "the first attempt to reach the prefill worker")
+        alive["decode-1"] = True
+        await dispatcher.refresh_loads()
+        doomed.messages.put_nowait(RayActorError())
+        await _until(lambda: len(prefill.attempts) == 2, "the re-run to reach the prefill worker")
+        spare.messages.put_nowait((None, [(spare.attempts[0], [4], "x", True, "length", 3, 1, 0,
+                                           None, None, None, None)]))
+        await task
+        dispatcher.close()
+        return prefill, doomed, spare, out
+
+    prefill, doomed, spare, out = asyncio.run(main())
+    first, rerun = prefill.attempts
+    assert first != rerun and request_of(first) == request_of(rerun) == "r0"
+    assert doomed.attempts == [first] and spare.attempts == [rerun]
+    assert prefill.aborted_attempts[0] == first, "the dead reader's attempt must be aborted on the prefill worker"
+    assert rerun not in prefill.aborted_attempts, "the re-run must not be aborted along with it"
+    assert [d.token_ids for d in out["r0"]] == [[4]] and out["r0"][-1].request_id == "r0"
+
+
+def test_two_dispatchers_with_the_same_client_id_never_abort_each_others_attempts():
+    """Client-chosen ids may repeat across router replicas: one's cancellation must not
+    end the other's request."""
+
+    async def main():
+        worker = _FakeColocated("decode-0")
+        one, two = _colocated_dispatcher(worker), _colocated_dispatcher(worker)
+        out: dict = {}
+        task_one = asyncio.create_task(_collect(one, "same", out))
+        await _until(lambda: len(worker.attempts) == 1, "the first router's request to reach the worker")
+        task_two = asyncio.create_task(_collect(two, "same", {}))
+        await _until(lambda: len(worker.attempts) == 2, "the second router's request to reach the worker")
+        task_two.cancel()
+        await asyncio.gather(task_two, return_exceptions=True)
+        await _until(lambda: worker.aborted, "the cancelled request's abort to reach the worker")
+        task_one.cancel()
+        one.close()
+        two.close()
+        return worker
+
+    worker = asyncio.run(main())
+    assert worker.attempts[0] != worker.attempts[1]
+    assert worker.aborted == ["same"]
+    assert worker.aborted_attempts == [worker.attempts[1]], "only the cancelled router's attempt is aborted"

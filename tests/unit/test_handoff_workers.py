@@ -1,0 +1,227 @@
+"""The KV hand-off on workers built in this process (no Ray), with scripted transfer
+backends: each test is one of the ways a request could get KV that is not its own, or
+blocks freed while a read may still write into them. Every test ends with the worker's
+KV blocks all free."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.messages import TransferState
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
+from kv_transfer.config import TransferConfig
+from tests.helpers import PATIENCE_S
+
+PROMPT = list(range(5, 45))  # 40 tokens: 3 blocks of 16
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+class _ScriptedPaged(KVTransferBackend):
+    """A paged backend whose reads do what the test says (nothing is moved)."""
+
+    name = "inprocess"
+    paged = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[list[int]] = []  # the block ids of each read begun
+        self.error: BaseException | None = None  # what the next read raises
+
+    def prepare(self, meta, k, v):
+        raise AssertionError("paged: nothing is packed")
+
+    def pull(self, meta, payload):
+        raise AssertionError("paged: nothing is packed")
+
+    def attach_cache(self, k, v) -> None:
+        pass
+
+    async def pull_blocks_async(self, meta: TransferMeta, payload, block_ids: list[int]) -> None:
+        self.reads.append(list(block_ids))
+        if self.error is not None:
+            raise self.error
+
+
+def _decode_worker(model: str, policy: str = "recompute"):
+    from decode_worker.worker import DecodeWorker
+
+    config = EngineConfig(model=model, num_kv_blocks=32, block_size=16)
+    worker = DecodeWorker("decode-0", config, TransferConfig(backend="inprocess", failure_policy=policy))
+    worker.backend = _ScriptedPaged()
+    return worker
+
+
+def _meta(worker, reservation, first: int, num_blocks: int) -> TransferMeta:
+    return TransferMeta(
+        transfer_id=f"t{first}", request_id=reservation.request_id, layout=worker.layout, num_blocks=num_blocks,
+        num_tokens=len(PROMPT), dst_blocks=tuple(reservation.block_ids[first : first + num_blocks]),
+        sender="prefill-0",
+    )
+
+
+async def _blocks_in_use(worker) -> int:
+    return await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
+
+
+def test_a_final_transfer_short_of_its_reservation_is_refused_and_the_prompt_recomputed(tiny_model):
+    """A sender that sends fewer blocks than were reserved (a prefill cut short) must
+    not have its request run on the blocks never written: the failure policy runs
+    (``fail`` here, so that the request's end shows it)."""
+    worker = _decode_worker(tiny_model, policy="fail")
+
+    async def main():
+        reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
+        assert len(reservation.block_ids) == 3
+        state = await worker.receive_kv(_meta(worker, reservation, 0, 2), None, first_token=7)
+        running = await worker.runtime.call(lambda: "a" in worker.engine.scheduler.requests)
+        in_use = await _blocks_in_use(worker)
+        worker.runtime.shutdown()
+        return state, running, in_use
+
+    state, running, in_use = asyncio.run(main())
+    assert state == TransferState.FAILED, "a final part that leaves blocks unwritten must fail the transfer"
+    assert worker.backend.reads == [], "it is refused before anything is read"
+    assert not running and worker.num_transfer_failures == 1, "the request must end by the failure policy"
+    assert in_use == 0, f"{in_use} blocks still in use"
+
+
+def test_a_read_that_could_not_be_stopped_keeps_its_blocks_until_it_settles(tiny_model):
+    """A stuck read may still write into its blocks: they stay out of use after the
+    request has moved on, and come back once the backend says the read has ended."""
+    worker = _decode_worker(tiny_model)
+    settled = concurrent.futures.Future()
+    error = TransferError("stuck", "a read could not be cancelled")
+    error.settled = settled
+    worker.backend.error = error
+
+    async def main():
+        reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
+        state = await worker.receive_kv(_meta(worker, reservation, 0, 3), None, first_token=7)
+        await worker.abort("a")  # the request ends (it was recomputing)
+        await worker.runtime.call(lambda: None)
+        held_while_stuck = await _blocks_in_use(worker)
+        quarantined = worker.handoff.num_quarantined
+        settled.set_result(None)
+        await worker.runtime.call(lambda: None)  # the settle callback queues on the step thread
+        await worker.runtime.call(lambda: None)
+        in_use = await _blocks_in_use(worker)
+        worker.runtime.shutdown()
+        return state, held_while_stuck, quarantined, in_use
+
+    state, held_while_stuck, quarantined, in_use = asyncio.run(main())
+    assert state == TransferState.FAILED
+    assert quarantined == 1 and held_while_stuck == 3, "the stuck read's 3 blocks must stay out of use"
+    assert in_use == 0, f"{in_use} blocks still in use after the read settled"
+
+
+def test_a_request_id_whose_blocks_are_still_held_for_a_transfer_is_refused(tiny_model):
+    """A prefill engine holds a finished request's blocks until its reader is done; a
+    second request under that id must not be let in (its block table would be appended
+    to the first one's, and one release would free blocks still being read)."""
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32, block_size=16))
+    engine.add_request(PROMPT, SamplingParams(max_tokens=1), request_id="a", hold_kv=True, keep_blocks=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    held = engine.kv_manager.block_ids("a")
+    assert held, "the finished request's blocks are held for the transfer"
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(PROMPT[:20], SamplingParams(max_tokens=1), request_id="a", hold_kv=True, keep_blocks=True)
+    assert engine.kv_manager.block_ids("a") == held, "the held request's block table must be untouched"
+    engine.release_held("a")
+    assert engine.stats().num_blocks_in_use == 0
+
+
+def test_a_duplicate_generate_leaves_the_running_request_and_its_stream_alone(tiny_model):
+    """The prefill role's ``generate`` under an id already streaming is refused without
+    taking the first request's stream (which would then never finish)."""
+    from engine.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32, block_size=16))
+    runtime = AsyncEngine(engine)
+
+    async def main():
+        first = runtime.generate(PROMPT, GREEDY, "a")
+        out = await first.__anext__()
+        stream = runtime._streams.get("a")
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in runtime.generate(PROMPT, GREEDY, "a"):
+                pass
+        kept = runtime._streams.get("a") is stream
+
+        async def rest():
+            return [o async for o in first]
+
+        outs = [out] + await asyncio.wait_for(rest(), PATIENCE_S)  # a dropped stream never ends
+        in_use = await runtime.call(lambda: engine.stats().num_blocks_in_use)
+        runtime.shutdown()
+        return kept, outs, in_use
+
+    kept, outs, in_use = asyncio.run(main())
+    assert kept, "the refused duplicate must not drop the running request's stream"
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == GREEDY.max_tokens
+    assert in_use == 0
+
+
+class _Recorder:
+    """A Ray method stand-in that records its calls."""
+
+    def __init__(self, result=None) -> None:
+        self.calls: list[tuple] = []
+        self.result = result
+
+    def remote(self, *args):
+        self.calls.append(args)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.result)
+        return future
+
+
+class _FakeDecodeHandle:
+    def __init__(self) -> None:
+        self.transfer_failed = _Recorder()
+        self.receive_kv = _Recorder(int(TransferState.DONE))
+        self.receive_kv_part = _Recorder(int(TransferState.DONE))
+
+
+def test_a_prefill_worker_refuses_a_moved_stream_that_outgrows_its_pool_before_computing(tiny_model):
+    """Prompt plus the stream's output so far over the prefill worker's pool: refused at
+    once (the decode worker, told, recomputes with the room it has), never computed in
+    part and sent as if whole."""
+    from engine.messages import Reservation
+    from prefill_worker.worker import PrefillWorker
+
+    config = EngineConfig(model=tiny_model, num_kv_blocks=4, block_size=16)  # 3 usable blocks: 48 tokens
+    worker = PrefillWorker("prefill-0", config, TransferConfig(backend="inprocess"))
+    decode = _FakeDecodeHandle()
+    resume = list(range(50, 70))  # 40 + 20 tokens
+
+    async def main():
+        reservation = Reservation("a", [1, 2, 3, 4], worker.layout, "", 0.0)
+        result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation, resume)
+        steps = await worker.runtime.call(lambda: worker.engine.stats().num_steps)
+        in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
+        worker.runtime.shutdown()
+        return result, steps, in_use
+
+    result, steps, in_use = asyncio.run(main())
+    assert result.state == TransferState.FAILED and "60 tokens do not fit" in result.error, result.error
+    assert decode.transfer_failed.calls == [("a",)], "the decode worker must be told at once"
+    assert decode.receive_kv.calls == [] and steps == 0, "nothing may be computed or sent"
+    assert len(worker.offers) == 0 and in_use == 0
+
+
+def test_cached_tokens_in_the_usage_never_exceed_the_prompt(tiny_model):
+    """A moved stream's prefix hits may cover its earlier output too; the usage reports
+    cached prompt tokens only."""
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32, block_size=16))
+    assert engine.add_remote_request(PROMPT, GREEDY, request_id="a", resume_output=[3, 4, 5]) is not None
+    out = engine.remote_kv_arrived("a", 7, None, None, num_cached_tokens=len(PROMPT) + 3)
+    assert out.num_cached_tokens == len(PROMPT)
+    engine.abort("a")
+    assert engine.stats().num_blocks_in_use == 0
