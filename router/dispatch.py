@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError
 
 from engine import token_channel
+from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
 from engine.messages import ErrorKind, StreamDelta
 from engine.sampling_params import SamplingParams
 from router.placement import (
@@ -61,7 +62,6 @@ from router.placement import (
     pick_affine,
     pick_decode,
     pick_prefill,
-    prefix_hashes,
     round_robin,
 )
 
@@ -206,10 +206,16 @@ class DispatchConfig:
     prefix_affinity: bool = True
     max_imbalance_tokens: int = 4096  # how much busier an affine prefill worker may be
     max_imbalance_requests: int = 8  # how many more requests an affine decode worker may run
+    # The prompt hashes of the prefix indexes (engine.block_hash). They need not match
+    # the engines' (each side compares only its own), but one setting names both.
+    prefix_hash_algo: str = DEFAULT_HASH_ALGO
+    prefix_hash_seed: str | int | None = None  # None: a random one per dispatcher
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        check_hash_algo(self.prefix_hash_algo)
+        check_hash_seed(self.prefix_hash_seed)
 
 
 @dataclass
@@ -248,6 +254,7 @@ class Dispatcher:
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._prefixes = PrefixIndex()  # prefill workers' prompts, by worker id
         self._decode_prefixes = PrefixIndex()  # decode workers' prompts, by incarnation
+        self._hasher = BlockHasher(self.config.prefix_hash_algo, self.config.prefix_hash_seed)
         self.subscriptions = Subscriptions(f"router-{uuid.uuid4().hex[:12]}", self._note_load)
 
     # -- load reports ----------------------------------------------------------
@@ -296,8 +303,12 @@ class Dispatcher:
 
     # -- placement -------------------------------------------------------------
 
+    def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks, as the prefix indexes key them."""
+        return self._hasher.hash_blocks(prompt, self.config.block_size)
+
     def _choose_decode(
-        self, blocks: int, exclude: set[str], affinity: Affinity | None = None, hashes: Sequence[int] = (),
+        self, blocks: int, exclude: set[str], affinity: Affinity | None = None, hashes: Sequence[bytes] = (),
     ) -> WorkerRef | None:
         """A decode worker with room; with an ``affinity``, its worker first. ``hashes``:
         the prompt's block hashes, to prefer a worker whose prefix cache holds its start."""
@@ -328,7 +339,7 @@ class Dispatcher:
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_tokens.get(w.worker_id, 0) for w in workers]
         load_aware = self.config.placement != "round_robin"
-        hashes = prefix_hashes(prompt, self.config.block_size) if load_aware and self.config.prefix_affinity else []
+        hashes = self.prefix_hashes(prompt) if load_aware and self.config.prefix_affinity else []
         i = None if affinity is None else pick_affine([w.worker_id for w in workers], affinity.prefill)
         if i is None and not load_aware:
             i = round_robin(len(workers), next(self._prefill_ties))
@@ -475,7 +486,7 @@ class Dispatcher:
         # prompt has run there (colocated) or its KV has come (disaggregated: then only
         # the blocks after them are sent): requests go where their prefix is, if not much busier.
         affine = self.config.placement != "round_robin" and self.config.prefix_affinity
-        hashes = prefix_hashes(prompt, self.config.block_size) if affine else []
+        hashes = self.prefix_hashes(prompt) if affine else []
         while True:
             await self._fresh_loads()
             decode = self._choose_decode(blocks, exclude, affinity, hashes)
