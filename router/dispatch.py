@@ -304,7 +304,10 @@ class Dispatcher:
     # -- placement -------------------------------------------------------------
 
     def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        """The chained hashes of the prompt's full blocks, as the prefix indexes key them."""
+        """The chained hashes of the prompt's full blocks, as the prefix indexes key them;
+        none when placement ignores prefixes."""
+        if self.config.placement == "round_robin" or not self.config.prefix_affinity:
+            return []
         return self._hasher.hash_blocks(prompt, self.config.block_size)
 
     def _choose_decode(
@@ -333,13 +336,17 @@ class Dispatcher:
             self._decode_prefixes.record(workers[i].key, hashes)
         return workers[i]
 
-    def _choose_prefill(self, prompt: list[int], affinity: Affinity | None = None) -> WorkerRef | None:
-        """The prefill worker for ``prompt``; with an ``affinity``, its worker first."""
+    def _choose_prefill(
+        self, prompt: list[int], affinity: Affinity | None = None, hashes: Sequence[bytes] | None = None,
+    ) -> WorkerRef | None:
+        """The prefill worker for ``prompt``; with an ``affinity``, its worker first.
+        ``hashes``: the prompt's ``prefix_hashes`` when the caller has them already."""
         workers = [w for w in self._prefill() if w.worker_id in self._loads]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_tokens.get(w.worker_id, 0) for w in workers]
         load_aware = self.config.placement != "round_robin"
-        hashes = self.prefix_hashes(prompt) if load_aware and self.config.prefix_affinity else []
+        if hashes is None:
+            hashes = self.prefix_hashes(prompt)
         i = None if affinity is None else pick_affine([w.worker_id for w in workers], affinity.prefill)
         if i is None and not load_aware:
             i = round_robin(len(workers), next(self._prefill_ties))
@@ -485,8 +492,7 @@ class Dispatcher:
         # A decode worker's prefix cache holds a prompt's blocks once a request of that
         # prompt has run there (colocated) or its KV has come (disaggregated: then only
         # the blocks after them are sent): requests go where their prefix is, if not much busier.
-        affine = self.config.placement != "round_robin" and self.config.prefix_affinity
-        hashes = self.prefix_hashes(prompt) if affine else []
+        hashes = self.prefix_hashes(prompt)
         while True:
             await self._fresh_loads()
             decode = self._choose_decode(blocks, exclude, affinity, hashes)
@@ -511,7 +517,10 @@ class Dispatcher:
                     # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
-                    self._start_prefill(rid, prompt, params, decode, reservation, list(resume), affinity, priority)
+                    self._start_prefill(
+                        rid, prompt, params, decode, reservation, list(resume), affinity, priority,
+                        None if resume else hashes,  # a migration's prefill prompt is longer
+                    )
                     return decode
                 self.subscriptions.close(decode, rid)
             if loop.time() > deadline:
@@ -522,9 +531,9 @@ class Dispatcher:
 
     def _start_prefill(
         self, rid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
-        priority: int,
+        priority: int, hashes: Sequence[bytes] | None = None,
     ) -> None:
-        prefill = self._choose_prefill(prompt + resume, affinity)
+        prefill = self._choose_prefill(prompt + resume, affinity, hashes)
         if prefill is None:
             decode.handle.transfer_failed.remote(rid)  # no prefill worker: policy decides
             return
