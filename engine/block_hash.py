@@ -26,10 +26,11 @@ prompt, where ``hash()`` took 0.4 us a block.
 The seed: what must agree with what. Hashes are only compared within one process: an
 engine looks its cache up with hashes it computed itself, and a router matches its
 index against hashes it computed itself (the index is only a placement hint; the
-engine's cache is what serves KV). So the default, no seed, draws a random one per
-hasher, i.e. per process. A configured seed (``prefix_hash_seed``, any string) gives
-every process the same hashes, for reproducing a run; hashes of different seeds or
-algorithms never match, which is harmless here (a cold cache, not a wrong one).
+engine's cache is what serves KV; no hash crosses a process). So the default, no seed,
+draws a random one per hasher: one per engine, one per dispatcher. A configured seed
+(``prefix_hash_seed``, a string or an integer) gives every process the same hashes, for
+reproducing a run; hashes of different seeds or algorithms never match, which is
+harmless here (a cold cache, not a wrong one).
 
 Pure: hashlib and array, no torch. It lives in ``engine`` beside the cache it keys;
 the router can import it because ``engine/__init__.py`` loads its torch parts lazily.
