@@ -107,6 +107,19 @@ class ClusterConfig:
         except TypeError as e:
             raise ValueError(f"unknown engine setting in {role} config: {e}") from e
 
+    def dispatch_settings(self) -> dict:
+        """The ``router.dispatch.DispatchConfig`` fields the deployment sets: the decode
+        engine's block size, running cap and prefix-hash settings, and the re-run bounds."""
+        engine = self.engine_config("decode")
+        return {
+            "block_size": engine.block_size,
+            "max_running_per_decode": engine.max_num_seqs,
+            "max_retries": self.max_retries,
+            "max_migrations": self.max_migrations,
+            "prefix_hash_algo": engine.prefix_hash_algo,
+            "prefix_hash_seed": engine.prefix_hash_seed,
+        }
+
     @classmethod
     def from_dict(cls, d: dict) -> "ClusterConfig":
         d = dict(d)

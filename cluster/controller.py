@@ -150,14 +150,8 @@ class ClusterController:
         return self._model_info
 
     def dispatch_settings(self) -> dict:
-        """The ``DispatchConfig`` fields that must agree with the workers' engines."""
-        engine = self.config.engine_config("decode")
-        return {
-            "block_size": engine.block_size,
-            "max_running_per_decode": engine.max_num_seqs,
-            "max_retries": self.config.max_retries,
-            "max_migrations": self.config.max_migrations,
-        }
+        """The ``DispatchConfig`` fields the deployment sets (``ClusterConfig.dispatch_settings``)."""
+        return self.config.dispatch_settings()
 
     def workers(self) -> tuple[list, list]:
         """The live (prefill, decode) ``WorkerRef``s."""

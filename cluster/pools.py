@@ -100,17 +100,8 @@ class TandemCluster:
         except BaseException:
             self._release()
             raise
-        engine = cfg.engine_config("decode")
-        self.dispatcher = Dispatcher(
-            self.prefill_refs,
-            self.decode_refs,
-            DispatchConfig(
-                block_size=engine.block_size,
-                max_running_per_decode=engine.max_num_seqs,
-                max_retries=cfg.max_retries,
-                max_migrations=cfg.max_migrations,
-            ),
-        )
+        dispatch = DispatchConfig(**cfg.dispatch_settings())
+        self.dispatcher = Dispatcher(self.prefill_refs, self.decode_refs, dispatch)
         if cfg.restart_workers:
             self._health = threading.Thread(target=self._watch, name="tandem-health", daemon=True)
             self._health.start()

@@ -13,8 +13,8 @@ Block lifecycle::
 
 Block 0 is the null block: never handed out, used to pad block tables.
 Full blocks are identified by a chained hash (the parent block's hash and this
-block's token ids), so equal hashes mean equal prefixes, and a prefix hit is the
-longest run of leading blocks whose hashes are cached.
+block's token ids: ``engine.block_hash``), so equal hashes mean equal prefixes, and a
+prefix hit is the longest run of leading blocks whose hashes are cached.
 """
 
 from __future__ import annotations
@@ -23,25 +23,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.block_hash import BlockHash, BlockHasher
 from engine.request import Request
 
 NULL_BLOCK_ID = 0
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained hash of one full block. Deterministic across processes for int tuples."""
-    return hash((parent_hash, tuple(token_ids)))
-
-
-def hash_blocks(
-    token_ids: Sequence[int], block_size: int, parent: int | None = None, start_block: int = 0
-) -> list[int]:
-    """Hashes of the full blocks of ``token_ids`` from ``start_block`` on."""
-    hashes = []
-    for b in range(start_block, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class KVBlock:
@@ -52,10 +37,11 @@ class KVBlock:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        digest = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={digest})"
 
 
 class BlockPool:
@@ -71,7 +57,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:]
         )
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -121,10 +107,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def lookup(self, block_hash: int) -> KVBlock | None:
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
-    def cache(self, block: KVBlock, block_hash: int) -> None:
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its prefix hash (the first copy wins)."""
         if not self.enable_caching or block.block_hash is not None:
             return
@@ -172,6 +158,8 @@ class KVCacheManager:
 
     A block table is a list of block ids (what every step hands the runner); the pool's
     ``blocks`` list turns an id back into its ``KVBlock`` when references change.
+    ``hasher`` names full blocks in the prefix cache; by default a ``BlockHasher`` of
+    the default algorithm with a random seed of its own.
     """
 
     def __init__(
@@ -180,6 +168,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         num_cpu_blocks: int = 0,
+        hasher: BlockHasher | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -187,9 +176,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
         self.enable_caching = enable_caching
+        self.hasher = hasher or BlockHasher()
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[int]] = {}
-        self._hashes: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered
         self._cpu_blocks: dict[str, list[int]] = {}
 
@@ -214,14 +204,14 @@ class KVCacheManager:
     def fits_in_pool(self, num_tokens: int) -> bool:
         return self.num_blocks_needed(num_tokens) <= self.pool.num_usable_blocks
 
-    def _block_hashes(self, request: Request) -> list[int]:
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Chained hashes of the request's full blocks, extended as tokens arrive."""
         hashes = self._hashes.setdefault(request.request_id, [])
         n_full = request.num_tokens // self.block_size
         if len(hashes) < n_full:
             tokens = request.token_slice(len(hashes) * self.block_size, n_full * self.block_size)
             hashes.extend(
-                hash_blocks(tokens, self.block_size, hashes[-1] if hashes else None)
+                self.hasher.hash_blocks(tokens, self.block_size, hashes[-1] if hashes else None)
             )
         return hashes
 

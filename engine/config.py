@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
 from engine.scheduler import check_modes
 
 GiB = 1 << 30
@@ -30,6 +31,9 @@ class EngineConfig:
     float32 on a CPU when the kernel builds; torch otherwise).
     ``pack_weights``: a float32 model on the CPU runs its layer projections on
     oneDNN-packed weights (``engine.model.PackedLinear``); off, on plain ``nn.Linear``.
+    ``prefix_hash_algo`` (``blake2b`` | ``sha256``) and ``prefix_hash_seed`` (None: a
+    random seed per process) name prefix-cache blocks; see ``engine.block_hash``. The
+    router's placement index takes the decode engine's.
     """
 
     model: str | None = None
@@ -50,6 +54,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     pack_weights: bool = True
     seed: int = 0
+    prefix_hash_algo: str = DEFAULT_HASH_ALGO
+    prefix_hash_seed: str | int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,6 +70,8 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_modes(self.preemption_mode, self.policy, self.batching)
+        check_hash_algo(self.prefix_hash_algo)
+        check_hash_seed(self.prefix_hash_seed)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import create_attention_backend
+from engine.block_hash import BlockHasher
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.gguf_checkpoint import is_gguf, open_gguf
@@ -168,7 +169,8 @@ class LLMEngine:
             self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks
         )
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
+            BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed),
         )
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:

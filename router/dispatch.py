@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from ray.exceptions import RayActorError
 
 from engine import token_channel
+from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
 from engine.messages import ErrorKind, StreamDelta, attempt_id
 from engine.sampling_params import SamplingParams
 from router.placement import (
@@ -68,7 +69,6 @@ from router.placement import (
     pick_affine,
     pick_decode,
     pick_prefill,
-    prefix_hashes,
     round_robin,
 )
 
@@ -218,10 +218,16 @@ class DispatchConfig:
     prefix_affinity: bool = True
     max_imbalance_tokens: int = 4096  # how much busier an affine prefill worker may be
     max_imbalance_requests: int = 8  # how many more requests an affine decode worker may run
+    # The prompt hashes of the prefix indexes (engine.block_hash). They need not match
+    # the engines' (each side compares only its own), but one setting names both.
+    prefix_hash_algo: str = DEFAULT_HASH_ALGO
+    prefix_hash_seed: str | int | None = None  # None: a random one per dispatcher
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        check_hash_algo(self.prefix_hash_algo)
+        check_hash_seed(self.prefix_hash_seed)
 
 
 @dataclass
@@ -260,6 +266,7 @@ class Dispatcher:
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._prefixes = PrefixIndex()  # prefill workers' prompts, by worker id
         self._decode_prefixes = PrefixIndex()  # decode workers' prompts, by incarnation
+        self._hasher = BlockHasher(self.config.prefix_hash_algo, self.config.prefix_hash_seed)
         self._tag = uuid.uuid4().hex[:12]  # in every attempt id: unique to this dispatcher
         self._attempts = itertools.count()
         self.subscriptions = Subscriptions(f"router-{self._tag}", self._note_load)
@@ -310,8 +317,15 @@ class Dispatcher:
 
     # -- placement -------------------------------------------------------------
 
+    def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks, as the prefix indexes key them;
+        none when placement ignores prefixes."""
+        if self.config.placement == "round_robin" or not self.config.prefix_affinity:
+            return []
+        return self._hasher.hash_blocks(prompt, self.config.block_size)
+
     def _choose_decode(
-        self, blocks: int, exclude: set[str], affinity: Affinity | None = None, hashes: Sequence[int] = (),
+        self, blocks: int, exclude: set[str], affinity: Affinity | None = None, hashes: Sequence[bytes] = (),
     ) -> WorkerRef | None:
         """A decode worker with room; with an ``affinity``, its worker first. ``hashes``:
         the prompt's block hashes, to prefer a worker whose prefix cache holds its start."""
@@ -336,13 +350,17 @@ class Dispatcher:
             self._decode_prefixes.record(workers[i].key, hashes)
         return workers[i]
 
-    def _choose_prefill(self, prompt: list[int], affinity: Affinity | None = None) -> WorkerRef | None:
-        """The prefill worker for ``prompt``; with an ``affinity``, its worker first."""
+    def _choose_prefill(
+        self, prompt: list[int], affinity: Affinity | None = None, hashes: Sequence[bytes] | None = None,
+    ) -> WorkerRef | None:
+        """The prefill worker for ``prompt``; with an ``affinity``, its worker first.
+        ``hashes``: the prompt's ``prefix_hashes`` when the caller has them already."""
         workers = [w for w in self._prefill() if w.worker_id in self._loads]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_tokens.get(w.worker_id, 0) for w in workers]
         load_aware = self.config.placement != "round_robin"
-        hashes = prefix_hashes(prompt, self.config.block_size) if load_aware and self.config.prefix_affinity else []
+        if hashes is None:
+            hashes = self.prefix_hashes(prompt)
         i = None if affinity is None else pick_affine([w.worker_id for w in workers], affinity.prefill)
         if i is None and not load_aware:
             i = round_robin(len(workers), next(self._prefill_ties))
@@ -495,8 +513,7 @@ class Dispatcher:
         # A decode worker's prefix cache holds a prompt's blocks once a request of that
         # prompt has run there (colocated) or its KV has come (disaggregated: then only
         # the blocks after them are sent): requests go where their prefix is, if not much busier.
-        affine = self.config.placement != "round_robin" and self.config.prefix_affinity
-        hashes = prefix_hashes(prompt, self.config.block_size) if affine else []
+        hashes = self.prefix_hashes(prompt)
         while True:
             await self._fresh_loads()
             decode = self._choose_decode(blocks, exclude, affinity, hashes)
@@ -521,7 +538,10 @@ class Dispatcher:
                     # From here the worker's own load reports count the request.
                     self._pending_blocks[decode.worker_id] -= blocks
                 if reservation is not None:
-                    self._start_prefill(aid, prompt, params, decode, reservation, list(resume), affinity, priority)
+                    self._start_prefill(
+                        aid, prompt, params, decode, reservation, list(resume), affinity, priority,
+                        None if resume else hashes,  # a migration's prefill prompt is longer
+                    )
                     return decode
                 self.subscriptions.close(decode, aid)
             if loop.time() > deadline:
@@ -532,9 +552,9 @@ class Dispatcher:
 
     def _start_prefill(
         self, aid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
-        priority: int,
+        priority: int, hashes: Sequence[bytes] | None = None,
     ) -> None:
-        prefill = self._choose_prefill(prompt + resume, affinity)
+        prefill = self._choose_prefill(prompt + resume, affinity, hashes)
         if prefill is None:
             decode.handle.transfer_failed.remote(aid)  # no prefill worker: policy decides
             return

@@ -5,8 +5,9 @@ below) and return an index into them, or None when no worker can take the reques
 
 - Prefill: fewest queued tokens, with prefix affinity. ``PrefixIndex`` is the router's
   picture of each prefill worker's prefix cache (the chained hashes of the full prompt
-  blocks it sent there, least recently used dropped first); a request goes to the
-  worker holding its longest cached prefix unless that worker is much busier.
+  blocks it sent there, from ``engine.block_hash`` as the engines' own, least recently
+  used dropped first); a request goes to the worker holding its longest cached prefix
+  unless that worker is much busier.
 - Decode: most free KV blocks under a cap on running requests.
 - Affinity: requests sharing a prompt follow the first one's worker (``pick_affine``).
 - ``round_robin``: the baseline the others are measured against.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
+
+from engine.block_hash import BlockHash
 
 
 class PrefillLoadLike(Protocol):
@@ -120,15 +123,6 @@ def round_robin(num_workers: int, counter: int, eligible: Sequence[bool] = ()) -
     return None
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks: equal hashes mean equal prefixes."""
-    hashes, prev = [], 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start : start + block_size])))
-        hashes.append(prev)
-    return hashes
-
-
 class PrefixIndex:
     """Which prompt blocks each worker has seen lately: a guess at its prefix cache.
 
@@ -137,9 +131,9 @@ class PrefixIndex:
 
     def __init__(self, capacity_blocks: int = 65536) -> None:
         self.capacity_blocks = capacity_blocks
-        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
 
-    def matched_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
+    def matched_blocks(self, worker_id: str, hashes: Sequence[BlockHash]) -> int:
         """How many of the leading ``hashes`` the worker holds."""
         seen = self._blocks.get(worker_id)
         if not seen:
@@ -151,7 +145,7 @@ class PrefixIndex:
             n += 1
         return n
 
-    def record(self, worker_id: str, hashes: Sequence[int]) -> None:
+    def record(self, worker_id: str, hashes: Sequence[BlockHash]) -> None:
         """The worker was sent a prompt with these block hashes."""
         seen = self._blocks.setdefault(worker_id, OrderedDict())
         for h in hashes:

@@ -155,7 +155,8 @@ class RouterCore:
         self.metrics = RouterMetrics(self.model.name, f"router-{os.getpid()}")
         self._prefill, self._decode = workers
         self._refresher: asyncio.Task | None = None
-        # Block size and running cap must match the workers' engines: the controller knows them.
+        # Block size and running cap must match the workers' engines, and the prefix hash
+        # follows the deployment's setting: the controller knows them.
         dispatch = dataclasses.replace(config.dispatch, **dispatch_settings)
         self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch, self.metrics)
         self.grammars = GrammarChecker()

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import NULL_BLOCK_ID, BlockPool, CpuBlockPool, KVCacheManager, hash_blocks
+from engine.block_hash import BlockHasher
+from engine.block_pool import NULL_BLOCK_ID, BlockPool, CpuBlockPool, KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -174,14 +175,15 @@ def test_eviction_drops_the_hash():
 
 def test_block_hashes_are_chained_over_the_prefix():
     same_tail = [5, 6, 7, 8]
-    a = hash_blocks([1, 2, 3, 4] + same_tail, BS)
-    b = hash_blocks([9, 9, 9, 9] + same_tail, BS)
+    hasher = BlockHasher(seed="s")
+    a = hasher.hash_blocks([1, 2, 3, 4] + same_tail, BS)
+    b = hasher.hash_blocks([9, 9, 9, 9] + same_tail, BS)
     assert a[1] != b[1], "equal block tokens after different prefixes must hash differently"
-    assert a == hash_blocks([1, 2, 3, 4] + same_tail + [1, 2], BS), (
+    assert a == hasher.hash_blocks([1, 2, 3, 4] + same_tail + [1, 2], BS), (
         "equal prefixes hash equally, and a partial trailing block is not hashed"
     )
 
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    kv = KVCacheManager(num_blocks=8, block_size=BS, hasher=hasher)
     _compute(kv, _request("a", [1, 2, 3, 4] + same_tail))
     hit, num_hit = kv.get_computed_blocks(_request("b", [9, 9, 9, 9] + same_tail + [1]))
     assert num_hit == 0, "a request with a different first block must not hit the second block"

@@ -43,8 +43,8 @@ def test_imports_point_down_from_the_workers_to_kv_transfer_to_the_engine():
 
 @pytest.mark.parametrize(
     "module",
-    ["engine.scheduler", "engine.request_queues", "engine.block_pool", "router.placement", "router.admission",
-     "engine.messages"],
+    ["engine.scheduler", "engine.request_queues", "engine.block_pool", "engine.block_hash", "router.placement",
+     "router.admission", "engine.messages"],
 )
 def test_pure_parts_import_no_torch_ray_or_network_library(module):
     loaded = _loaded_after([module])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from unittest import mock
 
 from engine.messages import DecodeLoad, PrefillLoad, request_of
 from engine.sampling_params import SamplingParams
@@ -102,15 +103,20 @@ def test_a_request_cancelled_while_its_blocks_are_being_reserved_is_aborted_on_e
     assert not decode.reserved, "the reservation must not outlive the request"
 
 
-def test_priority_reaches_the_decode_reservation_and_the_prefill():
+def _placed_once(prompt: list[int], priority: int = 0, wrap_hasher: bool = False):
+    """Run one request on a prefill and a decode stand-in until its prefill is sent, then
+    abort it. Returns (dispatcher, decode, prefill); ``wrap_hasher`` counts hash calls."""
+
     async def main():
         decode, prefill = _FakeDecode(room=True), _FakePrefill()
         dispatcher = Dispatcher(
             lambda: [WorkerRef("prefill-0", prefill)], lambda: [WorkerRef("decode-0", decode)], DispatchConfig()
         )
+        if wrap_hasher:
+            dispatcher._hasher = mock.Mock(wraps=dispatcher._hasher)
 
         async def consume():
-            async for _ in dispatcher.generate([1, 2, 3], SamplingParams(max_tokens=4), "r1", priority=-7):
+            async for _ in dispatcher.generate(prompt, SamplingParams(max_tokens=4), "r1", priority=priority):
                 pass
 
         task = asyncio.create_task(consume())
@@ -119,11 +125,25 @@ def test_priority_reaches_the_decode_reservation_and_the_prefill():
         assert dispatcher.abort("r1")
         await task
         dispatcher.close()
-        return decode, prefill
+        return dispatcher, decode, prefill
 
-    decode, prefill = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_priority_reaches_the_decode_reservation_and_the_prefill():
+    _, decode, prefill = _placed_once([1, 2, 3], priority=-7)
     assert decode.priorities == {"r1": -7}, "the decode worker must reserve with the request's priority"
     assert prefill.prefilled == {"r1": ("reservation-r1", -7)}, "the prefill worker must run it with it too"
+
+
+def test_a_prompt_is_hashed_once_for_both_placements():
+    prompt = list(range(40))
+    dispatcher, _, _ = _placed_once(prompt, wrap_hasher=True)
+    calls = dispatcher._hasher.hash_blocks.call_count
+    assert calls == 1, f"the prompt should be hashed once for the decode and the prefill placement, not {calls} times"
+    hashes = dispatcher.prefix_hashes(prompt)
+    assert dispatcher._prefixes.matched_blocks("prefill-0", hashes) == 2, "the prefill index records its 2 blocks"
+    assert dispatcher._decode_prefixes.matched_blocks("decode-0", hashes) == 2, "and so does the decode index"
 
 
 # -- token delivery over the per-worker subscription -------------------------------

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.placement import PrefixIndex, pick_affine, pick_decode, pick_prefill, prefix_hashes, round_robin
+from engine.block_hash import BlockHasher
+from router.placement import PrefixIndex, pick_affine, pick_decode, pick_prefill, round_robin
 
 
 @dataclass
@@ -80,12 +81,8 @@ def test_round_robin_skips_workers_without_room():
     assert round_robin(3, 1, [False, False, False]) is None
 
 
-def test_prefix_hashes_cover_only_full_blocks_and_chain():
-    a = prefix_hashes(list(range(40)), 16)
-    b = prefix_hashes(list(range(32)) + [99] * 8, 16)
-    c = prefix_hashes([1] + list(range(1, 40)), 16)
-    assert len(a) == 2 and a == b, "only full blocks count, equal prefixes hash equal"
-    assert c[0] != a[0] and c[1] != a[1], "a change in block 0 changes every later hash"
+def prefix_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    return BlockHasher(seed="placement").hash_blocks(tokens, block_size)
 
 
 def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest():
