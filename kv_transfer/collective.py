@@ -46,7 +46,8 @@ Each payload names the sender's live epochs (``live``); the receiver closes that
 sender's older channels not among them. Deadlines: ``TransferMeta.deadline`` is wall-clock
 (``time.time()``) and the two sides compare it on their own clocks, so skew between
 hosts moves one side's give-up against the other's; the waits themselves (builds,
-sends, receives) are relative timeouts on the monotonic clock, taken from the time left.
+sends, receives, and a transfer's wait for a build another transfer started) are
+relative timeouts on the monotonic clock, taken from the time left.
 
 On CPUs the backend is paged: each worker attaches its paged cache, and a transfer goes
 from the sender's blocks straight into the receiver's reserved ones, with neither a
@@ -73,6 +74,7 @@ import time
 import uuid
 import zlib
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -367,7 +369,10 @@ class CollectiveBackend(KVTransferBackend):
     def _send_channel(self, endpoint: str, out: _Outgoing, meta: TransferMeta, epoch: int) -> Channel:
         """The channel to ``endpoint`` on ``epoch``, built if need be within the transfer's
         time (a receiver that gave up or died fails it by then, not 30 s later)."""
-        with out.building:
+        with out.state:
+            if out.live.get(epoch) is not None:
+                return out.live[epoch]
+        with self._within(out.building, meta):
             with out.state:
                 if epoch not in out.live:
                     raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
@@ -594,11 +599,13 @@ class CollectiveBackend(KVTransferBackend):
         with self._lock:
             if key in self._closed_in:
                 raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
-            for old in [k for k in self._in if k[0] == sender and k[1] < epoch and k[1] not in live]:
-                self._closed_in.add(old)
-                self._in.pop(old).close()
+            given_up = [k for k in self._in if k[0] == sender and k[1] < epoch and k[1] not in live]
+            self._closed_in.update(given_up)
+            given_up = [self._in.pop(k) for k in given_up]
             building = self._in_building.setdefault(key, threading.Lock())
-        with building:
+        for channel in given_up:
+            channel.close()
+        with self._within(building, meta):
             with self._lock:
                 if key in self._in:
                     return self._in[key]
@@ -624,6 +631,17 @@ class CollectiveBackend(KVTransferBackend):
                 self._in[key] = channel
                 self._in_building.pop(key, None)
             return channel
+
+    @contextmanager
+    def _within(self, lock: threading.Lock, meta: TransferMeta):
+        """Hold a build lock, which another transfer's build may hold for that one's time,
+        waiting no longer than this transfer's own."""
+        if not lock.acquire(timeout=max(self._connect_timeout(meta), 0.0)):
+            raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline waiting for a channel build")
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _store_or_fail(self):
         if self._store is None:

@@ -182,12 +182,17 @@ class _FreshStore:
 
 
 class _BlockedBuild:
-    """A channel build that holds on until the test lets it finish."""
+    """A channel build that holds on until the test lets it finish (or 5 s pass)."""
 
-    started = threading.Event()
-    release = threading.Event()
+    started: threading.Event
+    release: threading.Event
     building = False
     closed = 0
+
+    @classmethod
+    def reset(cls) -> type:
+        cls.started, cls.release, cls.building, cls.closed = threading.Event(), threading.Event(), False, 0
+        return cls
 
     def __init__(self, store, prefix, rank, timeout_s) -> None:
         type(self).building = True
@@ -200,13 +205,26 @@ class _BlockedBuild:
         type(self).closed += 1
 
 
-def test_abandon_never_waits_for_a_channel_build(monkeypatch):
+@pytest.fixture
+def blocked_build(monkeypatch):
+    """A packed sender whose channel builds block (``_BlockedBuild``), and a way to make
+    the metas, K and V of its transfers."""
     monkeypatch.setattr(collective, "_client", lambda host, port, timeout_s: _FreshStore())
-    monkeypatch.setattr(collective, "Channel", _BlockedBuild)
+    monkeypatch.setattr(collective, "Channel", _BlockedBuild.reset())
     sender = CollectiveBackend(op_timeout_s=20)
     sender.paged = False  # packed KV: no cache to attach
-    meta = TransferMeta("t", "t", LAYOUT, 1, LAYOUT.block_size, dst_endpoint="127.0.0.1:1", deadline=time.time() + 30)
     k = v = collective.torch.zeros(LAYOUT.packed_shape(1))
+
+    def meta(tid: str, deadline_s: float = 30) -> TransferMeta:
+        return TransferMeta(tid, tid, LAYOUT, 1, LAYOUT.block_size, dst_endpoint="127.0.0.1:1",
+                            deadline=time.time() + deadline_s)
+
+    return sender, meta, k, v
+
+
+def test_abandon_never_waits_for_a_channel_build(blocked_build):
+    sender, make_meta, k, v = blocked_build
+    meta = make_meta("t")
     payload = sender.prepare(meta, k, v)
     with ThreadPoolExecutor(1) as pool:
         push = pool.submit(sender.push, meta, k, v, payload)
@@ -241,3 +259,19 @@ def test_a_push_on_an_epoch_whose_build_the_receiver_gave_up_fails_at_once(pair)
     after_payload = _move(sender, receiver, _meta("after", receiver, [2, 3]), [4, 5])
     assert after_payload["epoch"] > late_payload["epoch"], "the next transfer goes on a new epoch"
     assert _arrived(src, dst, [4, 5], [2, 3])
+
+
+def test_a_push_waiting_for_another_transfers_build_fails_by_its_own_deadline(blocked_build):
+    sender, make_meta, k, v = blocked_build
+    slow, quick = make_meta("slow-build"), make_meta("quick", deadline_s=0.5)
+    slow_payload, quick_payload = sender.prepare(slow, k, v), sender.prepare(quick, k, v)
+    with ThreadPoolExecutor(1) as pool:
+        build = pool.submit(sender.push, slow, k, v, slow_payload)
+        assert _BlockedBuild.started.wait(10), "the first push never began building its channel"
+        with pytest.raises(TransferError) as info:
+            sender.push(quick, k, v, quick_payload)  # waits for the same build
+        still_building = _BlockedBuild.building
+        _BlockedBuild.release.set()
+        build.exception(timeout=30)
+    assert still_building, "the push waited for the other transfer's build past its own deadline"
+    assert info.value.reason == "timeout"
