@@ -17,15 +17,37 @@ posts the K and V receives only when it matches what it expects, so no byte land
 a transfer that is not the one announced, and a receive never meets a larger message
 (gloo aborts the process on that).
 
-A channel that fails (peer gone, deadline passed, receiver refused) is closed on the
-side that saw it, which makes the peer's pending operations on it fail too; the
-sender then moves to the next epoch, and the receiver refuses payloads of an epoch it
-has closed. The next transfer builds a fresh channel; nothing else is touched.
+A transfer that fails for its own reasons fails alone, and the pair's other transfers
+go on over the same channel: its deadline passed before it sent (the push posts nothing),
+the receiver refused its header (the receiver drains its messages into scratch memory, so
+the sends end and no byte reaches the blocks), or the receiver gave it up before its push
+posted (``abandon``; the push then posts nothing). A channel that fails (peer gone, a
+gloo error, a send or receive whose wait timed out, a push abandoned after it posted) is
+closed on the side that saw it, which makes the peer's pending operations on it fail
+too; the sender then moves to the next epoch, and the receiver refuses payloads of an
+epoch it has closed. The next transfer builds a fresh channel; nothing else is touched.
+
+What gloo allows sets that line. Sends are matched by (peer, tag) and wait for their
+receive; a posted operation cannot be withdrawn (torch's ``Work`` has no abort); a wait
+that times out closes every pair of its group (gloo's own rule); and a message that
+arrives for an operation whose buffer was freed stalls the pair's socket for good. So a
+failure after an operation was posted and before it matched closes the channel, and
+nothing else does. Tags are never reused on a channel: a late message can only match
+its own transfer's operation.
 
 Channel lifecycle (sender view)::
 
-    first push to endpoint ─▶ build(epoch) ─▶ open ─▶ send, send, ... ─▶ a failure
+    first push to endpoint ─▶ build(epoch) ─▶ open ─▶ send, send, ... ─▶ a channel failure
        ─▶ close, epoch += 1 ─▶ next push builds(epoch) ...
+    open ─▶ tags would pass TAG_LIMIT ─▶ epoch += 1 (tags from 0); the old channel stays
+       open for the transfers prepared on it and closes when the last is released
+
+Each payload names the sender's live epochs (``live``); the receiver closes that
+sender's older channels not among them. Deadlines: ``TransferMeta.deadline`` is wall-clock
+(``time.time()``) and the two sides compare it on their own clocks, so skew between
+hosts moves one side's give-up against the other's; the waits themselves (builds,
+sends, receives, and a transfer's wait for a build another transfer started) are
+relative timeouts on the monotonic clock, taken from the time left.
 
 On CPUs the backend is paged: each worker attaches its paged cache, and a transfer goes
 from the sender's blocks straight into the receiver's reserved ones, with neither a
@@ -51,7 +73,8 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -72,6 +95,16 @@ def advertised_host() -> str:
 
 HEADER_MAGIC = 0x54414E44454D  # "TANDEM"
 TAGS_PER_TRANSFER = 4  # packed: header, K, V, and one spare
+# torch passes a gloo tag as a C int: a channel whose tags would pass TAG_LIMIT moves to
+# a new epoch (``_Outgoing``), a fresh channel whose tags start again at 0. The top one is
+# no transfer's: ``Channel.close`` waits on it.
+TAG_LIMIT = 2**31 - 1
+CLOSE_TAG = TAG_LIMIT
+# A receiver that refuses a transfer's header receives its messages into scratch memory
+# instead (``_drain``), so that the sender's sends end and the channel stays whole; past
+# these sizes it closes the channel instead.
+MAX_DRAIN_MESSAGES = 1 << 16
+MAX_DRAIN_BYTES = 256 << 20
 # A paged transfer goes as one message per layer and stretch of consecutive blocks (K
 # and V) when that makes at most MAX_MESSAGES, or messages of MIN_MESSAGE_BYTES or more;
 # else packed. Measured here: some 50 us a message, against a gather and a scatter at
@@ -140,32 +173,94 @@ class Channel:
             w.wait(datetime.timedelta(seconds=left))
 
     def close(self) -> None:
-        """Fail pending operations here; dropping the group closes the peer's sockets.
+        """Fail the pending operations on both sides: a receive nobody sends to, whose
+        wait times out, closes the group's pairs (gloo's rule for a timed-out wait), and
+        with them the peer's side. torch's ``abort`` alone leaves them waiting (measured:
+        a posted send waited out its whole timeout). Takes some 10 ms.
 
         Once it returns (on any thread that called it), no receive posted on the channel
         writes another byte: gloo closes the pairs under the locks their reads hold."""
         self.closed = True
         with self._closing:
             pg, self._pg = self._pg, None
-            if pg is not None:
-                pg.abort()
+            if pg is None:
+                return
+            try:
+                never = pg.recv([torch.zeros(1, dtype=torch.uint8)], self.peer, CLOSE_TAG)
+                never.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # the timeout is the point; a pair already closed raises too
+                pass
+            pg.abort()
 
 
-@dataclass
 class _Outgoing:
-    """The sender's state towards one receiver endpoint."""
+    """The sender's state towards one receiver endpoint: its live epochs (each with its
+    channel once built), the next tag of the current one, and its transfers by state.
 
-    epoch: int = 0
-    channel: Channel | None = None
-    next_tag: int = 0  # each transfer takes tags from here on (``take_tags``)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # serializes building
-    tag_lock: threading.Lock = field(default_factory=threading.Lock)  # never held while building
+    Epoch lifecycle::
 
-    def take_tags(self, count: int) -> int:
-        """Tags for one transfer; called on the event loop, so never behind a build."""
-        with self.tag_lock:
+        current ─▶ (tags would pass TAG_LIMIT) rotated: its transfers finish, no new ones
+                       ─▶ its last transfer released ─▶ closed
+        current or rotated ─▶ (a push failed on it, or was abandoned mid-send) dropped,
+                       closed at once; a new current epoch if it was the current one
+
+    Every transfer takes its tags from its epoch's own count, so a tag is never reused on
+    a channel: gloo matches a message by (peer, tag), and a receive posted for an older
+    transfer would take a newer one's bytes. ``state`` guards all of it and is never held
+    while a channel builds or closes (``building`` serializes builds), so ``take``,
+    ``abandon`` and ``drop``, which run on event loops, never wait for a build.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.next_tag = 0
+        self.live: dict[int, Channel | None] = {0: None}
+        self.outstanding: Counter = Counter()  # epoch -> transfers prepared, not released
+        self.posted: set[tuple[int, int]] = set()  # (epoch, first tag) of pushes whose sends are posted
+        self.abandoned: set[tuple[int, int]] = set()  # abandoned before their push posted
+        self.building = threading.Lock()
+        self.state = threading.Lock()
+
+    def take(self, count: int) -> tuple[dict, list[Channel]]:
+        """Epoch and tags for one transfer (a payload's part), and channels to close."""
+        if count > TAG_LIMIT:
+            raise TransferError("layout", f"a transfer of {count} messages passes the {TAG_LIMIT} tags of a channel")
+        closing = []
+        with self.state:
+            if self.next_tag + count > TAG_LIMIT:
+                # Rather than wrap: a receive of an older transfer may still be posted
+                # (or be posted later) on any tag of this channel.
+                old, self.epoch, self.next_tag = self.epoch, self.epoch + 1, 0
+                self.live[self.epoch] = None
+                closing = self._retire_if_done(old)
             first, self.next_tag = self.next_tag, self.next_tag + count
-        return first
+            self.outstanding[self.epoch] += 1
+            part = {"epoch": self.epoch, "tag": first, "live": tuple(sorted(self.live))}
+        return part, closing
+
+    def release(self, epoch: int, tag: int) -> list[Channel]:
+        with self.state:
+            self.abandoned.discard((epoch, tag))
+            if self.outstanding[epoch] > 0:
+                self.outstanding[epoch] -= 1
+            return self._retire_if_done(epoch)
+
+    def _retire_if_done(self, epoch: int) -> list[Channel]:
+        if epoch == self.epoch or self.outstanding[epoch] > 0 or epoch not in self.live:
+            return []
+        del self.outstanding[epoch]
+        channel = self.live.pop(epoch)
+        return [channel] if channel is not None else []
+
+    def drop(self, epoch: int) -> list[Channel]:
+        """The epoch's channel failed or cannot be trusted: closed, never used again."""
+        with self.state:
+            channel = self.live.pop(epoch, None)
+            self.outstanding.pop(epoch, None)
+            if epoch == self.epoch:
+                self.epoch, self.next_tag = self.epoch + 1, 0
+                self.live[self.epoch] = None
+        return [channel] if channel is not None else []
 
 
 class CollectiveBackend(KVTransferBackend):
@@ -209,7 +304,13 @@ class CollectiveBackend(KVTransferBackend):
     @property
     def num_channels(self) -> int:
         with self._lock:
-            return sum(o.channel is not None for o in self._out.values()) + len(self._in)
+            outgoing = list(self._out.values())
+        built = 0
+        for out in outgoing:
+            with out.state:
+                built += sum(c is not None for c in out.live.values())
+        with self._lock:
+            return built + len(self._in)
 
     # -- sender ---------------------------------------------------------------------
 
@@ -219,27 +320,48 @@ class CollectiveBackend(KVTransferBackend):
         expected = meta.layout.nbytes(meta.num_blocks)
         if k.nbytes + v.nbytes != expected:
             raise TransferError("layout", f"KV holds {k.nbytes + v.nbytes} bytes, its layout says {expected}")
-        out = self._outgoing(meta.dst_endpoint)
-        return {"sender": self.sender_id, "epoch": out.epoch, "tag": out.take_tags(TAGS_PER_TRANSFER)}
+        return self._offer(meta, TAGS_PER_TRANSFER)
+
+    def _offer(self, meta: TransferMeta, count: int) -> dict:
+        """The payload's channel part: sender, epoch, first of ``count`` tags, and the
+        epochs of this sender still live (its older ones the receiver may close)."""
+        part, closing = self._outgoing(meta.dst_endpoint).take(count)
+        _close_soon(closing)  # an epoch rotated out with nothing in flight; on the event loop here
+        return {"sender": self.sender_id, **part}
 
     def _outgoing(self, endpoint: str) -> _Outgoing:
         with self._lock:
             return self._out.setdefault(endpoint, _Outgoing())
 
     def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: dict) -> None:
+        """Send the transfer's messages. A failure before they are posted (deadline passed,
+        abandoned, the epoch gone) is the transfer's alone; once posted, a send cannot be
+        withdrawn (gloo has no cancel, and one that outlives its buffer stalls the pair),
+        so a failure then closes the channel."""
         t0 = time.perf_counter()
         out = self._outgoing(meta.dst_endpoint)
-        channel = self._send_channel(meta.dst_endpoint, out, meta, payload["epoch"])
+        epoch, key = payload["epoch"], (payload["epoch"], payload["tag"])
+        channel = self._send_channel(meta.dst_endpoint, out, meta, epoch)
         if "blocks" in payload:  # paged: out of this worker's blocks
             messages, nbytes = self._push_blocks(meta, payload)
         else:
             messages = [transfer_header(meta, k.nbytes, v.nbytes), _host_bytes(k), _host_bytes(v)]
             nbytes = k.nbytes + v.nbytes
+        timeout_s = self._op_timeout(meta)
+        with out.state:
+            if key in out.abandoned:
+                raise TransferError("abandoned", f"transfer {meta.transfer_id}: the receiver gave it up")
+            if timeout_s <= 0:
+                raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
+            out.posted.add(key)
         try:
-            channel.exchange("send", messages, payload["tag"], self._op_timeout(meta))
+            channel.exchange("send", messages, payload["tag"], timeout_s)
         except Exception as e:
-            self._drop_outgoing(out, payload["epoch"])
+            self._drop_outgoing(out, epoch)
             raise _as_transfer_error(e) from e
+        finally:
+            with out.state:
+                out.posted.discard(key)
         self.stats.sent += 1
         self.stats.bytes_sent += nbytes
         self.stats.seconds_sending += time.perf_counter() - t0
@@ -247,34 +369,65 @@ class CollectiveBackend(KVTransferBackend):
     def _send_channel(self, endpoint: str, out: _Outgoing, meta: TransferMeta, epoch: int) -> Channel:
         """The channel to ``endpoint`` on ``epoch``, built if need be within the transfer's
         time (a receiver that gave up or died fails it by then, not 30 s later)."""
-        with out.lock:
-            if out.epoch != epoch:
-                raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
-            if out.channel is None:
-                timeout_s = self._connect_timeout(meta)
-                if timeout_s <= 0:
-                    out.epoch += 1  # the receiver may have given up on building this one
-                    raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
-                host, port = endpoint.rsplit(":", 1)
-                try:
-                    store = _client(host, int(port), timeout_s)
-                    out.channel = Channel(store, f"{self.sender_id}/{epoch}", 0, timeout_s)
-                except Exception as e:
-                    out.epoch += 1  # a half-built rendezvous must not be joined again
-                    raise TransferError("connect", f"no channel to {endpoint}: {e}") from e
-            return out.channel
+        with out.state:
+            if out.live.get(epoch) is not None:
+                return out.live[epoch]
+        with self._within(out.building, meta):
+            with out.state:
+                if epoch not in out.live:
+                    raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
+                channel = out.live[epoch]
+            if channel is not None:
+                return channel
+            timeout_s = self._connect_timeout(meta)
+            if timeout_s <= 0:
+                # Its own failure: others may be waiting for this build. Should the
+                # receiver have given it up, the next build finds that in the store, and
+                # drops the epoch then.
+                raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
+            host, port = endpoint.rsplit(":", 1)
+            try:
+                store = _client(host, int(port), timeout_s)
+                if store.check([_given_up(self.sender_id, epoch)]):
+                    raise TransferError("channel_closed", f"epoch {epoch}'s channel is closed: "
+                                                          "the receiver gave up building it")
+                channel = Channel(store, f"{self.sender_id}/{epoch}", 0, timeout_s)
+            except Exception as e:
+                self._drop_outgoing(out, epoch)  # a half-built rendezvous must not be joined again
+                if isinstance(e, TransferError):
+                    raise
+                raise TransferError("connect", f"no channel to {endpoint}: {e}") from e
+            with out.state:
+                if epoch in out.live:
+                    out.live[epoch] = channel
+                    return channel
+        channel.close()  # dropped while it was built
+        raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
 
     def _drop_outgoing(self, out: _Outgoing, epoch: int) -> None:
-        with out.lock:
-            if out.epoch == epoch:
-                if out.channel is not None:
-                    out.channel.close()
-                out.channel = None
-                out.epoch += 1
+        for channel in out.drop(epoch):
+            channel.close()
 
     def abandon(self, meta: TransferMeta, payload: dict) -> None:
-        """The receiver gave up on this transfer: close its channel, so the send fails now."""
-        self._drop_outgoing(self._outgoing(meta.dst_endpoint), payload["epoch"])
+        """The receiver gave up on this transfer: its push must not wait for a receive that
+        never comes. Runs on the event loop, so it waits for nothing: neither a channel
+        build nor a close. A push not yet posted then fails alone when it comes to post;
+        one whose sends are posted can only be stopped by closing the channel (gloo cannot
+        withdraw a send, and a send's wait that times out closes the channel anyway),
+        which a thread of its own does; one that ended is left be."""
+        out = self._outgoing(meta.dst_endpoint)
+        key = (payload["epoch"], payload["tag"])
+        with out.state:
+            posted = key in out.posted
+            if not posted:
+                out.abandoned.add(key)  # until ``release``
+        if posted:
+            _close_soon(out.drop(payload["epoch"]))
+
+    def release(self, meta: TransferMeta, payload: dict) -> None:
+        """The transfer is over for the sender: a rotated epoch closes with its last one."""
+        if isinstance(payload, dict) and "epoch" in payload:
+            _close_soon(self._outgoing(meta.dst_endpoint).release(payload["epoch"], payload["tag"]))
 
     # -- paged: from the sender's blocks into the receiver's ---------------------------
 
@@ -297,9 +450,7 @@ class CollectiveBackend(KVTransferBackend):
                           f"{len(meta.dst_blocks)} receiving blocks",
             )
         plan = BlockPlan(block_ids, list(meta.dst_blocks), self._attached()[0])
-        out = self._outgoing(meta.dst_endpoint)
-        return {"sender": self.sender_id, "epoch": out.epoch, "tag": out.take_tags(1 + plan.num_messages),
-                "blocks": tuple(block_ids)}
+        return {**self._offer(meta, 1 + plan.num_messages), "blocks": tuple(block_ids)}
 
     def _push_blocks(self, meta: TransferMeta, payload: dict) -> tuple[list[torch.Tensor], int]:
         """The sender's messages of a paged transfer (header first) and their bytes."""
@@ -327,9 +478,14 @@ class CollectiveBackend(KVTransferBackend):
             shape = (k_cache.shape[0], len(block_ids), *k_cache.shape[2:])
             body = [_host_bytes(self._staging.take(shape, k_cache.dtype, "cpu")) for _ in range(2)]
         key = (payload["sender"], payload["epoch"])
-        channel = self._recv_channel(key, meta)
+        channel = self._recv_channel(key, meta, payload.get("live", (key[1],)))
         try:
             self._receive_checked(channel, meta, payload["tag"], expected, body)
+        except TransferRefused:
+            if not plan.direct:
+                for staged in body:
+                    self._staging.give(staged)
+            raise
         except Exception as e:
             # Closed, the channel writes nothing more into the blocks (or staging buffers).
             self._drop_incoming(key)
@@ -381,21 +537,37 @@ class CollectiveBackend(KVTransferBackend):
 
     def _receive_checked(self, channel: Channel, meta: TransferMeta, tag: int, expected: torch.Tensor,
                          body: list[torch.Tensor]) -> None:
-        """The header first; the body's receives are posted only once it matches."""
+        """The header first; the body's receives are posted only once it matches. Raises
+        ``TransferRefused`` when the header differs and the channel is left whole."""
         header = torch.zeros_like(expected)
         channel.exchange("recv", [header], tag, self._op_timeout(meta))
         if not torch.equal(header, expected):
-            raise TransferError(
+            self._drain(channel, header, tag)
+            raise TransferRefused(
                 "header", f"transfer {meta.transfer_id}: header mismatch, the sender announced {header.tolist()}, "
                 f"expected {expected.tolist()} (id hash, blocks, K bytes, V bytes, messages)",
             )
         channel.exchange("recv", body, tag + 1, self._op_timeout(meta))
 
+    def _drain(self, channel: Channel, header: torch.Tensor, tag: int) -> None:
+        """Receive a refused transfer's messages into scratch memory: its sends end, and
+        nothing stays posted on its tags (gloo cannot withdraw a send, and a send's or
+        receive's wait that times out closes the channel). Its messages are at most as
+        large as its K or V bytes, the header says. A header of another kind, or one
+        too large to drain, raises and the caller closes the channel instead."""
+        magic, _, _, nbytes_k, nbytes_v, messages, *_ = header.tolist()
+        largest = max(nbytes_k, nbytes_v)
+        if magic != HEADER_MAGIC or not 0 < messages <= MAX_DRAIN_MESSAGES or not 0 <= largest <= MAX_DRAIN_BYTES:
+            raise TransferError("header", f"a header this side cannot drain: {header.tolist()}")
+        scratch = torch.empty(max(largest, 1), dtype=torch.uint8)
+        # Its own time, not the transfer's: the sender posted every message with the header.
+        channel.exchange("recv", [scratch] * messages, tag + 1, self.op_timeout_s)
+
     def pull(self, meta: TransferMeta, payload: dict) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         self.check_deadline(meta)
         key = (payload["sender"], payload["epoch"])
-        channel = self._recv_channel(key, meta)
+        channel = self._recv_channel(key, meta, payload.get("live", (key[1],)))
         dtype = getattr(torch, meta.layout.dtype)
         shape = meta.layout.packed_shape(meta.num_blocks)
         k = self._staging.take(shape, dtype, "cpu")
@@ -403,6 +575,9 @@ class CollectiveBackend(KVTransferBackend):
         expected = transfer_header(meta, k.nbytes, v.nbytes)
         try:
             self._receive_checked(channel, meta, payload["tag"], expected, [_host_bytes(k), _host_bytes(v)])
+        except TransferRefused:
+            self.recycle(k, v)  # never posted
+            raise
         except Exception as e:
             # A receive that gave up may still be posted: the buffers stay out of the pool.
             self._drop_incoming(key)
@@ -414,21 +589,23 @@ class CollectiveBackend(KVTransferBackend):
             k, v = k.cuda(non_blocking=True), v.cuda(non_blocking=True)
         return k, v
 
-    def _recv_channel(self, key: tuple[str, int], meta: TransferMeta) -> Channel:
+    def _recv_channel(self, key: tuple[str, int], meta: TransferMeta, live: tuple[int, ...]) -> Channel:
         """The channel from this sender and epoch, built if need be within the transfer's
         time: a sender that died before building its side fails the transfer by its
-        deadline, and every transfer waiting on the same build fails with it."""
+        deadline, and every transfer waiting on the same build fails with it.
+        ``live``: the sender's epochs still in use; it gave up the older ones not among them."""
         sender, epoch = key
         store = self._store_or_fail()
         with self._lock:
             if key in self._closed_in:
                 raise TransferError("channel_closed", "the channel this transfer was prepared on closed")
-            # A newer epoch from the same sender means it has given up on the older ones.
-            for old in [k for k in self._in if k[0] == sender and k[1] < epoch]:
-                self._closed_in.add(old)
-                self._in.pop(old).close()
+            given_up = [k for k in self._in if k[0] == sender and k[1] < epoch and k[1] not in live]
+            self._closed_in.update(given_up)
+            given_up = [self._in.pop(k) for k in given_up]
             building = self._in_building.setdefault(key, threading.Lock())
-        with building:
+        for channel in given_up:
+            channel.close()
+        with self._within(building, meta):
             with self._lock:
                 if key in self._in:
                     return self._in[key]
@@ -443,6 +620,10 @@ class CollectiveBackend(KVTransferBackend):
                 with self._lock:
                     self._closed_in.add(key)
                     self._in_building.pop(key, None)
+                try:  # the sender's next build on this epoch then fails at once, and moves on
+                    store.set(_given_up(sender, epoch), "1")
+                except Exception:  # this process's own store; without the mark, that build fails by its deadline
+                    pass
                 if isinstance(e, TransferError):
                     raise
                 raise TransferError("connect", f"no channel from {sender}: {e}") from e
@@ -450,6 +631,17 @@ class CollectiveBackend(KVTransferBackend):
                 self._in[key] = channel
                 self._in_building.pop(key, None)
             return channel
+
+    @contextmanager
+    def _within(self, lock: threading.Lock, meta: TransferMeta):
+        """Hold a build lock, which another transfer's build may hold for that one's time,
+        waiting no longer than this transfer's own."""
+        if not lock.acquire(timeout=max(self._connect_timeout(meta), 0.0)):
+            raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline waiting for a channel build")
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _store_or_fail(self):
         if self._store is None:
@@ -471,9 +663,14 @@ class CollectiveBackend(KVTransferBackend):
     def close(self) -> None:
         """Close every channel (worker shutdown)."""
         with self._lock:
-            channels = [o.channel for o in self._out.values() if o.channel] + list(self._in.values())
+            outgoing = list(self._out.values())
+            channels = list(self._in.values())
             self._out.clear()
             self._in.clear()
+        for out in outgoing:
+            with out.state:
+                channels += [c for c in out.live.values() if c is not None]
+                out.live.clear()
         for c in channels:
             c.close()
 
@@ -482,6 +679,21 @@ class CollectiveBackend(KVTransferBackend):
 
     def _op_timeout(self, meta: TransferMeta) -> float:
         return min(self.op_timeout_s, meta.time_left()) if meta.deadline else self.op_timeout_s
+
+
+class TransferRefused(TransferError):
+    """The receiver refused this transfer and drained its messages: the channel is whole."""
+
+
+def _close_soon(channels: list[Channel]) -> None:
+    """Close these channels on a thread of their own: the caller is an event loop."""
+    if channels:
+        threading.Thread(target=lambda: [c.close() for c in channels], name="kv-channel-close", daemon=True).start()
+
+
+def _given_up(sender: str, epoch: int) -> str:
+    """The receiver's store key saying it gave up building this sender's epoch."""
+    return f"given-up/{sender}/{epoch}"
 
 
 def _client(host: str, port: int, timeout_s: float):
