@@ -66,7 +66,7 @@ PEAK_TBPS = [
 ]
 
 HEADS = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-DECODE = dict(batch=64, context=4096, **HEADS)
+DECODE = dict(batch=64, context=4096, partition_size=512, **HEADS)
 # Further decode shapes for the profile table (the headline one above is measured first).
 DECODE_SWEEP = [(1, 1024), (1, 4096), (16, 1024), (16, 4096), (64, 1024)]
 PREFILL = dict(chunks=8, chunk_len=2048, **HEADS)
@@ -88,8 +88,14 @@ def table_peak_tbps(name: str) -> float | None:
     return next((tbps for key, tbps in PEAK_TBPS if key in name), None)
 
 
-def cuda_time_ms(fn, iters: int, warmup: int = 3) -> float:
-    """Median time of ``fn`` in milliseconds, by CUDA events around each call."""
+def time_ms(fn, iters: int, device: str = "cuda", warmup: int = 3) -> float:
+    """Median time of ``fn`` in milliseconds, by CUDA events around each call. On CPU,
+    where only the tests run these functions (small sizes, Triton's interpreter), one
+    call by the clock."""
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
     times = []
@@ -108,11 +114,11 @@ def profile_row(op: str, dtype: str, params: dict, ms: float, throughput: float,
     return {"op": op, "dtype": dtype, "params": params, "ms": ms, "throughput": throughput, "unit": unit}
 
 
-def copy_bandwidth(nbytes: int = 2 << 30) -> dict:
+def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
     """A large device-to-device copy: bytes read plus bytes written, per second."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), iters=20)
+    ms = time_ms(lambda: dst.copy_(src), iters=20, device=device)
     del src, dst
     tbps = 2 * nbytes / (ms * 1e-3) / 1e12
     return {"tbps": tbps, "row": profile_row("copy", "uint8", {"bytes": nbytes}, ms, tbps, "TB/s")}
@@ -157,17 +163,21 @@ def paged_tensors(layout, num_blocks: int, shape: dict, dtype: torch.dtype, devi
     return caches, rand(rows, hq, d), [rand(rows, hkv, d) for _ in range(2)]
 
 
-def bench_decode(copy_tbps: float, table_tbps: float | None) -> dict:
-    """The headline decode shape against the copy's bandwidth, then the sweep's shapes."""
+def bench_decode(
+    copy_tbps: float, table_tbps: float | None, device: str = "cuda",
+    shape: dict = DECODE, sweep: list[tuple[int, int]] = DECODE_SWEEP,
+) -> dict:  # fmt: skip
+    """The headline decode ``shape`` against the copy's bandwidth, then the ``sweep``'s
+    (batch, context) pairs."""
     from engine.attention import TorchAttention
     from engine.triton_attention import TritonAttention, decode_attention
 
     def one(batch: int, context: int, torch_too: bool = False) -> dict:
-        c = {**DECODE, "batch": batch, "context": context}
+        c = {**shape, "batch": batch, "context": context}
         layout, num_blocks = paged_layout([context] * batch, [], c["block_size"], seed=0)
-        (k_cache, v_cache), q, (k, v) = paged_tensors(layout, num_blocks, c, torch.bfloat16, "cuda")
+        (k_cache, v_cache), q, (k, v) = paged_tensors(layout, num_blocks, c, torch.bfloat16, device)
         scale = c["head_dim"] ** -0.5
-        backend = TritonAttention(c["block_size"], "cuda", c["head_dim"])
+        backend = TritonAttention(c["block_size"], device, c["head_dim"], c["partition_size"])
         meta = backend.build_metadata(layout)
         out = torch.empty_like(q)
 
@@ -177,7 +187,7 @@ def bench_decode(copy_tbps: float, table_tbps: float | None) -> dict:
                 meta.max_decode_len, scale, backend.partition_size,
             )  # fmt: skip
 
-        ms = cuda_time_ms(kernels, iters=50)
+        ms = time_ms(kernels, iters=50, device=device)
         elem = q.element_size()
         moved = 2 * batch * context * c["num_kv_heads"] * c["head_dim"] * elem + 2 * q.numel() * elem
         tbps = moved / (ms * 1e-3) / 1e12
@@ -187,20 +197,20 @@ def bench_decode(copy_tbps: float, table_tbps: float | None) -> dict:
                  "fraction_of_table_peak": tbps / table_tbps if table_tbps else None,
                  "row": profile_row("decode_attention", "bfloat16", params, ms, tbps, "TB/s")}  # fmt: skip
         if torch_too:
-            ref = TorchAttention(c["block_size"], torch.device("cuda"))
+            ref = TorchAttention(c["block_size"], torch.device(device))
             ref_meta = ref.build_metadata(layout)
-            found["torch_backend_step_ms"] = cuda_time_ms(
-                lambda: ref.forward(q, k, v, k_cache, v_cache, ref_meta, scale), iters=10
+            found["torch_backend_step_ms"] = time_ms(
+                lambda: ref.forward(q, k, v, k_cache, v_cache, ref_meta, scale), 10, device
             )
-            found["triton_backend_step_ms"] = cuda_time_ms(
-                lambda: backend.forward(q, k, v, k_cache, v_cache, meta, scale), iters=50
+            found["triton_backend_step_ms"] = time_ms(
+                lambda: backend.forward(q, k, v, k_cache, v_cache, meta, scale), 50, device
             )
             found["speedup_vs_torch"] = found["torch_backend_step_ms"] / found["triton_backend_step_ms"]
         return found
 
-    result = one(DECODE["batch"], DECODE["context"], torch_too=True)
-    torch.cuda.empty_cache()
-    result["sweep"] = [one(b, n)["row"] for b, n in DECODE_SWEEP]
+    result = one(shape["batch"], shape["context"], torch_too=True)
+    _empty_cache(device)
+    result["sweep"] = [one(b, n)["row"] for b, n in sweep]
     return result
 
 
@@ -209,15 +219,18 @@ def causal_flops(chunk_len: int, num_heads: int, head_dim: int) -> int:
     return 4 * head_dim * num_heads * chunk_len * (chunk_len + 1) // 2
 
 
-def bench_prefill() -> dict:
-    """Fresh chunks through the prefill kernel, in TFLOP/s; the headline shape first."""
+def bench_prefill(
+    device: str = "cuda", shape: dict = PREFILL, sweep: list[tuple[int, int]] = PREFILL_SWEEP
+) -> dict:
+    """Fresh chunks through the prefill kernel, in TFLOP/s: the headline ``shape``, then
+    the ``sweep``'s (chunks, chunk_len) pairs."""
     from engine.triton_attention import TritonAttention, prefill_attention
 
     def one(chunks: int, chunk_len: int) -> dict:
-        c = {**PREFILL, "chunks": chunks, "chunk_len": chunk_len}
+        c = {**shape, "chunks": chunks, "chunk_len": chunk_len}
         layout, num_blocks = paged_layout([], [(0, chunk_len)] * chunks, c["block_size"], seed=0)
-        (k_cache, v_cache), q, _ = paged_tensors(layout, num_blocks, c, torch.bfloat16, "cuda")
-        backend = TritonAttention(c["block_size"], "cuda", c["head_dim"])
+        (k_cache, v_cache), q, _ = paged_tensors(layout, num_blocks, c, torch.bfloat16, device)
+        backend = TritonAttention(c["block_size"], device, c["head_dim"])
         meta = backend.build_metadata(layout)
         out = torch.empty_like(q)
         scale = c["head_dim"] ** -0.5
@@ -228,16 +241,16 @@ def bench_prefill() -> dict:
                 meta.prefill_context_start, meta.max_chunk_len, scale,
             )  # fmt: skip
 
-        ms = cuda_time_ms(kernel, iters=20)
+        ms = time_ms(kernel, iters=20, device=device)
         flops = chunks * causal_flops(chunk_len, c["num_heads"], c["head_dim"])
         tflops = flops / (ms * 1e-3) / 1e12
         row = profile_row("prefill_attention", "bfloat16", c, ms, tflops, "TFLOP/s")
         return {"shape": {**c, "dtype": "bfloat16"}, "flops": flops, "kernel_ms": ms,
                 "achieved_tflops": tflops, "row": row}  # fmt: skip
 
-    result = one(PREFILL["chunks"], PREFILL["chunk_len"])
-    torch.cuda.empty_cache()
-    result["sweep"] = [one(n, length)["row"] for n, length in PREFILL_SWEEP]
+    result = one(shape["chunks"], shape["chunk_len"])
+    _empty_cache(device)
+    result["sweep"] = [one(n, length)["row"] for n, length in sweep]
     return result
 
 
@@ -258,10 +271,12 @@ def build_llama_05b(out_dir: Path, dtype: torch.dtype) -> Path:
     return out_dir
 
 
-def engine_settings(backend: str, num_requests: int, kv_cache_memory: int = 16 << 30) -> dict:
+def engine_settings(
+    backend: str, num_requests: int, kv_cache_memory: int = 16 << 30, device: str = "cuda"
+) -> dict:
     """The benchmarked engine: prefix caching off, so the warm-up cannot shorten the run."""
     return dict(
-        device="cuda", dtype="bfloat16", attention_backend=backend,
+        device=device, dtype="bfloat16", attention_backend=backend,
         kv_cache_memory=kv_cache_memory, max_num_seqs=num_requests, enable_prefix_caching=False,
     )  # fmt: skip
 
@@ -332,27 +347,36 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_transfer(model_dir: Path, num_requests: int, prompt_len: int, output_len: int) -> dict:
-    """1P+1D on one device (``handoff``), checked against one engine's run."""
-    from engine import LLM, LLMEngine, SamplingParams
+def _empty_cache(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
-    settings = engine_settings("triton", num_requests, kv_cache_memory=4 << 30)
+
+def bench_transfer(
+    model_dir: Path, num_requests: int, prompt_len: int, output_len: int, device: str = "cuda",
+    **settings,
+) -> dict:  # fmt: skip
+    """1P+1D on one device (``handoff``), checked against one engine's run; ``settings``
+    override the engines' (``engine_settings``)."""
+    from engine import LLM, LLMEngine, SamplingParams
+    from engine.model_config import ModelConfig
+
+    m = ModelConfig.from_pretrained(model_dir)
+    settings = {**engine_settings("triton", num_requests, 4 << 30, device), **settings}
     prefill, decode = LLMEngine(model=str(model_dir), **settings), LLMEngine(model=str(model_dir), **settings)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    warmup, prompts = bench_prompts(num_requests, prompt_len, LLAMA_05B["vocab_size"], warmup_requests=2)
-    handoff(prefill, decode, warmup, params, "cuda")  # first compiles, first allocations
-    found = handoff(prefill, decode, prompts, params, "cuda")
+    warmup, prompts = bench_prompts(num_requests, prompt_len, m.vocab_size, warmup_requests=2)
+    handoff(prefill, decode, warmup, params, device)  # first compiles, first allocations
+    found = handoff(prefill, decode, prompts, params, device)
     del prefill, decode
-    torch.cuda.empty_cache()
+    _empty_cache(device)
     alone = LLM(model=str(model_dir), **settings).generate(prompts, params)
     # bf16 in another batch composition may break a near-tie the other way: a share, not a
     # pass/fail (tests/unit/test_bench_gpu.py checks the hand-off itself in fp32).
     same = sum(a == o.token_ids for a, o in zip(found["tokens"], alone))
     gbps = found["kv_bytes"] / found["handoff_s"] / 1e9
-    m = LLAMA_05B
-    shape = {"requests": num_requests, "prompt_len": prompt_len, "layers": m["num_hidden_layers"],
-             "num_kv_heads": m["num_key_value_heads"], "block_size": 16,
-             "head_dim": m["hidden_size"] // m["num_attention_heads"]}  # fmt: skip
+    shape = {"requests": num_requests, "prompt_len": prompt_len, "layers": m.num_layers,
+             "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim, "block_size": 16}  # fmt: skip
     return {
         "workload": {"num_requests": num_requests, "prompt_len": prompt_len, "output_len": output_len},
         "kv_bytes": found["kv_bytes"],
