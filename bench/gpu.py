@@ -40,6 +40,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -405,8 +406,13 @@ def profile_table(result: dict) -> dict:
     return {"format": PROFILE_FORMAT, "device": result["device"], "versions": result["versions"], "rows": rows}
 
 
+DECODE_BAR = 0.7  # the decode kernel's share of the copy bandwidth a good run reaches
+
+
 def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
-    """Every measurement in order, ``save``-ing the result after each."""
+    """Every measurement in order, ``save``-ing the result after each. A measurement that
+    raises is recorded under "errors" (its traceback printed) and the next one runs: on a
+    one-off GPU lease, a failing engine run must not cost the transfer's numbers."""
     import triton
 
     name = torch.cuda.get_device_name()
@@ -419,35 +425,44 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
             "python": platform.python_version(),
         },
         "table_peak_tbps": table_peak_tbps(name),
+        "errors": {},
     }
-    result["copy"] = copy_bandwidth()
-    result["copy_tbps"] = result["copy"]["tbps"]
-    save(result)
-    result["decode"] = bench_decode(result["copy_tbps"], result["table_peak_tbps"])
-    save(result)
-    result["prefill"] = bench_prefill()
-    save(result)
-    torch.cuda.empty_cache()
+
+    def measure(section: str, fn: Callable[[], dict]) -> None:
+        try:
+            result[section] = fn()
+        except Exception:  # noqa: BLE001 -- recorded and printed, the next section runs
+            result["errors"][section] = traceback.format_exc()
+            print(f"bench.gpu: {section} failed\n{result['errors'][section]}", flush=True)
+        torch.cuda.empty_cache()
+        save(result)
+
+    measure("copy", copy_bandwidth)
+    copy_tbps = result.get("copy", {}).get("tbps")
+    if copy_tbps:
+        measure("decode", lambda: bench_decode(copy_tbps, result["table_peak_tbps"]))
+    measure("prefill", bench_prefill)
     if args.skip_engine and args.skip_transfer:
         return result
     workload = dict(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
     with tempfile.TemporaryDirectory(prefix="tandem-llama-05b-") as tmp:
         model_dir = build_llama_05b(Path(tmp), torch.bfloat16)
         if not args.skip_engine:
-            runs = {b: bench_engine(model_dir, b, **workload) for b in ("triton", "torch")}
-            result["engine"] = {
-                "model": {**LLAMA_05B, "dtype": "bfloat16"},
-                "workload": workload,
-                **runs,
-                "speedup_vs_torch": runs["triton"]["output_tokens_per_s"]
-                / runs["torch"]["output_tokens_per_s"],
-            }
-            save(result)
-            torch.cuda.empty_cache()
+            measure("engine", lambda: engine_section(model_dir, workload))
         if not args.skip_transfer:
-            result["transfer"] = bench_transfer(model_dir, **TRANSFER)
-            save(result)
+            measure("transfer", lambda: bench_transfer(model_dir, **TRANSFER))
     return result
+
+
+def engine_section(model_dir: Path, workload: dict) -> dict:
+    """Engine tokens/s on the triton and the torch backend, and their ratio."""
+    runs = {b: bench_engine(model_dir, b, **workload) for b in ("triton", "torch")}
+    return {
+        "model": {**LLAMA_05B, "dtype": "bfloat16"},
+        "workload": workload,
+        **runs,
+        "speedup_vs_torch": runs["triton"]["output_tokens_per_s"] / runs["torch"]["output_tokens_per_s"],
+    }
 
 
 def saver(out: Path, profile: Path | None) -> Callable[[dict], None]:
@@ -461,7 +476,8 @@ def saver(out: Path, profile: Path | None) -> Callable[[dict], None]:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps(data, indent=2) + "\n")
             tmp.replace(path)
-        print(f"bench.gpu: saved {', '.join(k for k in result if k not in ('device', 'versions'))}", flush=True)
+        saved = [k for k in result if k not in ("device", "versions", "errors")]
+        print(f"bench.gpu: saved {', '.join(saved)}", flush=True)
 
     return save
 
@@ -479,12 +495,14 @@ def summary(result: dict) -> dict:
         "copy_tbps": get("copy", "tbps"),
         "decode_tbps": get("decode", "achieved_tbps"),
         "decode_fraction_of_copy": get("decode", "fraction_of_copy_peak"),
+        f"decode_at_least_{DECODE_BAR:.0%}_of_copy": (get("decode", "fraction_of_copy_peak") or 0) >= DECODE_BAR,
         "decode_speedup_vs_torch": get("decode", "speedup_vs_torch"),
         "prefill_tflops": get("prefill", "achieved_tflops"),
         "engine_tokens_per_s": get("engine", "triton", "output_tokens_per_s"),
         "engine_speedup_vs_torch": get("engine", "speedup_vs_torch"),
         "handoff_gbps": get("transfer", "handoff_gbps"),
         "handoff_requests_equal_to_one_engine": get("transfer", "requests_equal_to_one_engine"),
+        "failed": sorted(result["errors"]),
     }
 
 
@@ -506,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA device (torch.cuda.is_available() is False)")
     result = run(args, saver(args.out, args.profile))
     print(json.dumps(summary(result), indent=2))
-    return 0
+    return 1 if result["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -81,3 +81,33 @@ def copy_row() -> dict:
 def test_causal_flops_count_each_query_key_pair_once():
     # 3 queries see 1, 2 and 3 keys: 6 pairs, 4 x head_dim flops each per head.
     assert causal_flops(3, num_heads=2, head_dim=8) == 6 * 4 * 8 * 2
+
+
+def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypatch, tmp_path):
+    import argparse
+
+    import torch
+
+    import bench.gpu as gpu
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gpu, "copy_bandwidth", copy_row)
+    row = profile_row("decode_attention", "bfloat16", {"batch": 64}, 0.5, 3.0, "TB/s")
+    monkeypatch.setattr(gpu, "bench_decode", lambda copy, table: {"row": row, "sweep": [], "achieved_tbps": 3.0,
+                                                                  "fraction_of_copy_peak": 0.75})  # fmt: skip
+    monkeypatch.setattr(gpu, "bench_prefill", lambda: 1 / 0)
+    monkeypatch.setattr(gpu, "build_llama_05b", lambda path, dtype: path)
+    monkeypatch.setattr(gpu, "engine_section", lambda model_dir, workload: {}["no such key"])
+    handoff_row = profile_row("kv_handoff", "bfloat16", {}, 1.0, 50.0, "GB/s")
+    monkeypatch.setattr(gpu, "bench_transfer", lambda model_dir, **kw: {"row": handoff_row, "handoff_gbps": 50.0})
+    out, profile = tmp_path / "bench.json", tmp_path / "profile.json"
+    args = argparse.Namespace(skip_engine=False, skip_transfer=False, num_requests=2, prompt_len=8, output_len=2)
+    result = gpu.run(args, saver(out, profile))
+    assert sorted(result["errors"]) == ["engine", "prefill"], result["errors"]
+    assert "ZeroDivisionError" in result["errors"]["prefill"]
+    saved = json.loads(out.read_text())
+    assert saved["transfer"]["handoff_gbps"] == 50.0, "the transfer ran after the engine failed"
+    assert [r["op"] for r in json.loads(profile.read_text())["rows"]] == ["copy", "decode_attention", "kv_handoff"]
+    headline = gpu.summary(result)
+    assert headline["decode_at_least_70%_of_copy"] is True and headline["failed"] == ["engine", "prefill"]
