@@ -124,7 +124,8 @@ def explain_differences(model, prompts, ours, reference) -> list[dict]:
         row = {"request": i, "position": p}
         if p < min(len(a), len(b)):
             with torch.inference_mode():
-                logits = model(torch.tensor([prompts[i] + a[:p]])).logits[0, -1].float()
+                ids = torch.tensor([prompts[i] + a[:p]], device=model.device)
+                logits = model(ids).logits[0, -1].float()
             row.update(ours=a[p], reference=b[p], logit_gap=float(logits[b[p]] - logits[a[p]]))
         found.append(row)
     return found

@@ -13,27 +13,30 @@ already takes from a Hugging Face checkpoint:
   rows undone (its converter interleaves each head's rotary halves), for ``engine.loader``.
 
 Architectures, quantization types and tokenizers outside what is listed here are refused
-with an error that names them. Importing this module loads neither torch nor transformers
-(the router builds its tokenizer through it).
+with an error that names them. Importing this module loads neither torch, transformers
+nor gguf (the router builds its tokenizer through it, and the GPU image has no gguf):
+the ``gguf`` package is imported when a file is opened.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from engine.optional import optional_import
+
 # llama.cpp's architecture name -> the Hugging Face class it stands for.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# Types the loader dequantizes (every one tested against transformers' GGUF loader).
-_Q = gguf.GGMLQuantizationType
+# Types the loader dequantizes, by gguf.GGMLQuantizationType name (every one tested
+# against transformers' GGUF loader).
 SUPPORTED_TYPES = frozenset(
-    _Q[n] for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+    ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 )
 # Architectures whose converter permuted the Q/K rows (convert_hf_to_gguf.py, LlamaModel).
 _PERMUTED_QK = {"llama"}
@@ -100,8 +103,15 @@ def open_gguf(path: "str | Path | GGUFFile") -> "GGUFFile":
     return path if isinstance(path, GGUFFile) else GGUFFile(path)
 
 
-class FastReader(gguf.GGUFReader):
-    """gguf's reader over a plain ndarray view of its memory map.
+def gguf_package():
+    """The ``gguf`` package; an ImportError that names it where it is not installed."""
+    return optional_import("gguf", "reading GGUF files")
+
+
+@functools.cache
+def fast_reader():
+    """gguf's reader over a plain ndarray view of its memory map (a class, built on first
+    use because gguf is imported then).
 
     The reader slices the metadata one value at a time (a 49k-token vocabulary and its
     merges: about 250k slices), and each slice of an ``np.memmap`` runs the subclass's
@@ -109,13 +119,16 @@ class FastReader(gguf.GGUFReader):
     same pages reads the same bytes (tensors stay memory-mapped) in 1.5 s.
     """
 
-    @property
-    def data(self) -> np.ndarray:
-        return self._data
+    class FastReader(gguf_package().GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
 
-    @data.setter
-    def data(self, value: np.ndarray) -> None:  # the base class assigns its np.memmap here
-        self._data = value.view(np.ndarray)
+        @data.setter
+        def data(self, value: np.ndarray) -> None:  # the base class assigns its np.memmap here
+            self._data = value.view(np.ndarray)
+
+    return FastReader
 
 
 class GGUFFile:
@@ -124,7 +137,7 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
-            self._reader = FastReader(self.path)
+            self._reader = fast_reader()(self.path)
         except (ValueError, OSError) as e:
             raise ValueError(f"cannot read GGUF file {self.path}: {e}") from e
         self.architecture = self._get("general.architecture")
@@ -206,12 +219,13 @@ class GGUFFile:
         """Every weight under its Hugging Face name, dequantized into torch ``dtype``."""
         import torch
 
-        unsupported = sorted({t.tensor_type.name for t in self._reader.tensors} - {t.name for t in SUPPORTED_TYPES})
+        unsupported = sorted({t.tensor_type.name for t in self._reader.tensors} - SUPPORTED_TYPES)
         if unsupported:
             raise ValueError(
                 f"GGUF file {self.path.name}: unsupported tensor type(s) {unsupported}; "
-                f"supported: {sorted(t.name for t in SUPPORTED_TYPES)}"
+                f"supported: {sorted(SUPPORTED_TYPES)}"
             )
+        gguf = gguf_package()
         out: dict[str, torch.Tensor] = {}
         for t in self._reader.tensors:
             name = _hf_name(t.name, self.path.name)

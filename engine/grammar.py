@@ -17,6 +17,7 @@ import functools
 import json
 import re
 
+from engine.optional import optional_import
 from engine.sampling_params import StructuredOutput
 
 # The request field each kind comes from, for error messages.
@@ -49,14 +50,18 @@ def _ebnf_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def xgrammar_package():
+    """The ``xgrammar`` package; an ImportError that names it where it is not installed."""
+    return optional_import("xgrammar", "structured output (JSON schema, regex, grammar)")
+
+
 def parse_grammar(so: StructuredOutput):
     """The constraint as an ``xgrammar.Grammar``; raises on a spec that does not parse.
 
     JSON is compact (no whitespace between tokens): small models otherwise tend to fill
     their token budget with blanks, and the JSON means the same.
     """
-    import xgrammar as xgr
-
+    xgr = xgrammar_package()
     if so.kind == "json":
         grammar = xgr.Grammar.from_json_schema(so.spec, any_whitespace=False)
         text = str(grammar)

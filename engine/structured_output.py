@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.grammar import MAX_CACHED_GRAMMARS, parse_grammar
+from engine.grammar import MAX_CACHED_GRAMMARS, parse_grammar, xgrammar_package
 from engine.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
@@ -113,8 +113,7 @@ class StructuredOutputs:
         return future
 
     def _compile(self, so: StructuredOutput) -> xgr.CompiledGrammar:
-        import xgrammar as xgr
-
+        xgr = xgrammar_package()  # the first use: later ones import it plainly
         t0 = time.perf_counter()
         if self._compiler is None:
             info = tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)

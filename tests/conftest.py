@@ -39,6 +39,21 @@ torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 os.environ.setdefault(MIN_DRAIN_S, "0.3")
 
 
+# -- tests/gpu ---------------------------------------------------------------------------
+
+_GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/gpu runs where it is named (``scripts/gpu-check``, ``pytest tests/gpu``). A run
+    of the whole suite runs it once, not twice: in ``tests/unit/test_gpu_image_imports.py``,
+    on CPU, with only the GPU image's packages importable."""
+    if collection_path != _GPU_TESTS:
+        return None
+    named = [Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args]
+    return None if any(p == _GPU_TESTS or _GPU_TESTS in p.parents for p in named) else True
+
+
 # -- checkpoints -------------------------------------------------------------------------
 
 

@@ -7,7 +7,8 @@ cases run in Triton's interpreter at small sizes: GQA 8 at head_dim 32, partitio
 64 tokens so that contexts of a few hundred still split. The reference runs in fp32 on
 the same (rounded) inputs, so the tolerance covers only the kernel's own 16-bit rounding.
 
-Decode rows are laid out shortest first, as the model runner lays them out.
+Decode rows are laid out shortest first, as the model runner lays them out
+(``bench.gpu.paged_layout``, which the GPU benchmark times the same kernels on).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import random
 import pytest
 import torch
 
+from bench.gpu import paged_layout, paged_tensors
 from engine.attention import TorchAttention
-from engine.step_layout import ChunkLayout, StepLayout
 from tests.gpu.device import DEVICE, ON_GPU, sync
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
@@ -37,44 +38,12 @@ else:
 TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
 
 
-def _layout(
-    decode_lens: list[int], chunks: list[tuple[int, int]], seed: int
-) -> tuple[StepLayout, int]:
-    """Requests on shuffled blocks; returns the layout and the number of blocks it needs."""
-    need = sum(-(-n // BLOCK_SIZE) for n in decode_lens) + sum(
-        -(-(s + n) // BLOCK_SIZE) for s, n in chunks
-    )
-    free = list(range(1, need + 1))
-    random.Random(seed).shuffle(free)
-    layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
-    for ctx in sorted(decode_lens):
-        table = [free.pop() for _ in range(-(-ctx // BLOCK_SIZE))]
-        layout.decode_block_ids.append(table)
-        layout.decode_context_lens.append(ctx)
-        layout.slots.append(table[(ctx - 1) // BLOCK_SIZE] * BLOCK_SIZE + (ctx - 1) % BLOCK_SIZE)
-    row = len(decode_lens)
-    for start, n in chunks:
-        table = [free.pop() for _ in range(-(-(start + n) // BLOCK_SIZE))]
-        layout.chunks.append(ChunkLayout(row, n, start, table))
-        layout.slots.extend(
-            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)
-        )
-        row += n
-    return layout, need + 1
-
-
 def _compare(dtype: torch.dtype, decode_lens: list[int], chunks: list[tuple[int, int]]) -> None:
     from engine.triton_attention import TritonAttention
 
-    layout, num_blocks = _layout(decode_lens, chunks, seed=0)
-    rows = len(layout.slots)
-    torch.manual_seed(0)
-    cache_shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(cache_shape, device=DEVICE, dtype=dtype)
-    v_cache = torch.randn(cache_shape, device=DEVICE, dtype=dtype)
-    q = torch.randn(rows, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
-    k = torch.randn(rows, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
-    v = torch.randn(rows, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=dtype)
+    layout, num_blocks = paged_layout(decode_lens, chunks, BLOCK_SIZE, seed=0)
+    heads = dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE)
+    (k_cache, v_cache), q, (k, v) = paged_tensors(layout, num_blocks, heads, dtype, DEVICE)
     scale = HEAD_DIM**-0.5
 
     ref = TorchAttention(BLOCK_SIZE, torch.device(DEVICE))

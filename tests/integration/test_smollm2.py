@@ -81,7 +81,7 @@ def reference(smollm2, prompts) -> list[list[int]]:
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from engine.gguf_checkpoint import FastReader
+    from engine.gguf_checkpoint import fast_reader
 
     path = Path(smollm2)
     with pytest.MonkeyPatch.context() as mp:
@@ -89,7 +89,7 @@ def reference(smollm2, prompts) -> list[list[int]]:
         # (read-only) name map of the architecture again for each of its ~400 modules:
         # our reader sees the same fields and bytes (tests/unit/test_gguf.py), and one
         # map serves every module: the same weights, loaded in 5 s instead of 30.
-        mp.setattr(gguf, "GGUFReader", FastReader)
+        mp.setattr(gguf, "GGUFReader", fast_reader())
         mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     width, config = max(map(len, prompts)), model.generation_config

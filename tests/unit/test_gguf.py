@@ -17,7 +17,7 @@ from tests.helpers import build_gguf, build_hf_checkpoint
 
 # Rows of 256 (the K-quants' block) so that every type can store every matrix.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4)
-TYPES = sorted(t.name for t in SUPPORTED_TYPES)
+TYPES = sorted(SUPPORTED_TYPES)
 
 
 @pytest.fixture(scope="module")

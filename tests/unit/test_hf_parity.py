@@ -43,17 +43,17 @@ def _workload(vocab: int, seed: int, shared_prefix: int = 0):
     return prompts, lengths
 
 
-def _hf_model(model_dir):
+def _hf_model(model_dir, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def _hf_greedy(model, prompts, lengths):
     outs = []
     with torch.inference_mode():
         for prompt, n in zip(prompts, lengths):
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=model.device)
             gen = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -75,7 +75,8 @@ def _first_departures(model, prompts, outputs):
     departures = []
     with torch.inference_mode():
         for prompt, out in zip(prompts, outputs):
-            logits = model(torch.tensor([prompt + out[:-1]])).logits[0, len(prompt) - 1 :]
+            ids = torch.tensor([prompt + out[:-1]], device=model.device)
+            logits = model(ids).logits[0, len(prompt) - 1 :]
             picks = logits.argmax(-1).tolist()
             departures.append(next((i for i, (a, b) in enumerate(zip(picks, out)) if a != b), None))
     return departures
@@ -91,9 +92,18 @@ def _assert_outputs_depend_on_attention(model, prompts, outputs):
         f"{same} of {len(prompts)} outputs are unchanged with attention zeroed: "
         "the checkpoint is too weak for parity to catch attention or KV bugs"
     )
+    _assert_not_degenerate(prompts, outputs)
+
+
+def _assert_not_degenerate(prompts, outputs, min_distinct_share: float = 0.5):
+    """Outputs that vary: many distinct tokens, few that repeat the token before them."""
+    total = sum(len(o) for o in outputs)
+    distinct = len({t for o in outputs for t in o})
+    assert distinct >= min_distinct_share * total, (
+        f"{distinct} distinct tokens in {total} generated: the model repeats a few tokens"
+    )
     previous = [[p[-1]] + o[:-1] for p, o in zip(prompts, outputs)]
     repeats = sum(t == q for o, prev in zip(outputs, previous) for t, q in zip(o, prev))
-    total = sum(len(o) for o in outputs)
     assert repeats <= total // 10, (
         f"{repeats} of {total} generated tokens repeat the token before them: "
         "the model mostly echoes its input"
