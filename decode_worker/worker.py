@@ -15,6 +15,11 @@ carries one message per engine step with the deltas of all that subscriber's req
 and the worker's load after the step, so a router that streams from a worker never
 has to poll its load.
 Blocks are freed when a request finishes, is aborted, or its subscriber goes away.
+
+The request id here is the router's attempt id. Each reservation has a hand-off record
+(``kv_transfer.handoff.Receiver``) that says which read may run, when the KV is whole
+and when the reserved blocks' pins come back; read threads and the step thread ask it
+under one lock.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from engine.async_engine import merge_outputs
 from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelAddress, ChannelServer
-from kv_transfer import TransferError, TransferMeta
+from kv_transfer import TransferError, TransferMeta, checksum
 from kv_transfer.handoff import Ended, HandoffError, Receiver
 from workers.base import WorkerBase
 
@@ -188,6 +193,8 @@ class DecodeWorker(WorkerBase):
             elif targets:
                 await self.backend.pull_blocks_async(meta, payload, targets)
             self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
+            if meta.checksums:
+                await self._check_sums(meta, kv, targets)
         except Exception as e:  # any failure ends this attempt; the policy decides what follows
             error = self._failure_reason(e)
             stuck = error == "stuck"
@@ -202,6 +209,13 @@ class DecodeWorker(WorkerBase):
             await self.runtime.call(self._ended, ended)
             return False, None
         return not error, kv
+
+    async def _check_sums(self, meta: TransferMeta, kv, targets: list[int]) -> None:
+        """The blocks read sum to what the sender sent (off the event loop)."""
+        k, v = kv or (self.engine.kv_cache.k, self.engine.kv_cache.v)
+        ids = list(range(k.shape[1])) if kv is not None else targets
+        got = await asyncio.get_running_loop().run_in_executor(None, checksum.block_checksums, k, v, ids)
+        checksum.check(meta, got)
 
     def _when_settled(self, error: BaseException, rid: str) -> None:
         """A stuck read's blocks come back once the read is known to have ended (a backend

@@ -346,6 +346,11 @@ class LLMEngine:
         """Free the blocks a finished ``keep_blocks`` request still holds (its KV was read)."""
         self.scheduler.release_held(request_id)
 
+    def wait_for_device(self) -> None:
+        """Return once the last step's KV writes have run on the device (before blocks it
+        computed are offered to another process)."""
+        self.runner.step_done.synchronize()
+
     def computed_blocks(self, request_id: str) -> list[int]:
         """Ids of a running request's blocks whose every token's KV is computed, in token
         order (a chunked prefill offers them before its last chunk). Empty for a request
@@ -573,6 +578,7 @@ class LLMEngine:
             # earlier output included): what the decode side reserved.
             ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_tokens - 1)]
             if request.keep_blocks:
+                self.wait_for_device()  # another process reads them next
                 out.kv_blocks = ids
             else:
                 out.packed_kv = self.kv_cache.gather(ids)

@@ -12,6 +12,11 @@ attention backend it was given turns that layout into its own metadata tensors.
 Rows of requests with a structured-output constraint get their grammar's token
 bitmask, which the sampler applies before anything else.
 
+A step that samples nothing (a prefill chunk short of its prompt's end) returns before
+the device has run it. ``step_done`` is an event recorded after its forward: whoever
+hands the KV it writes to another process waits on it first (on a CPU, where torch
+has finished when it returns, it is a no-op).
+
 A request that asks for its prompt's logprobs (``prompt_logprobs``) also has its
 prefill rows that predict a prompt token projected, chunk by chunk, until it has
 sampled its first token; no other request pays for them.
@@ -52,6 +57,29 @@ class PromptRows:
     first: int
     count: int
 
+class _Finished:
+    """A device event that has already happened: the CPU's (torch runs synchronously there)."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+FINISHED = _Finished()
+
+
+def _device_event(device: torch.device):
+    """A maker of events recorded on ``device``'s current stream (CUDA), or FINISHED."""
+    if device.type != "cuda":
+        return lambda: FINISHED
+
+    def record():
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    return record
+
+
 # Prompt rows projected to logits at a time: bounds the [rows, vocab] tensors of a long chunk.
 PROMPT_LOGPROBS_ROWS = 512
 
@@ -70,6 +98,8 @@ class ModelRunner:
         self.device = kv_cache.k.device
         self.attention = attention
         self.structured = structured  # the engine's grammar matchers
+        self.make_event = _device_event(self.device)
+        self.step_done = FINISHED  # the last step's forward, on the device
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -87,6 +117,7 @@ class ModelRunner:
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
         hidden = self.model(input_ids, positions, self.kv_cache.k, self.kv_cache.v, attn)
+        self.step_done = self.make_event()
         out = RunnerOutput()
         if prompt_rows:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows)

@@ -64,6 +64,7 @@ class TransferMeta:
     # that sends splits its messages by them; the receiver checks they are its own).
     dst_blocks: tuple[int, ...] = ()
     sender: str = ""  # the sending worker's id: a receiver waiting on its reads learns when it is gone
+    checksums: tuple[int, ...] = ()  # one per block sent, when the sender sums them (kv_transfer.checksum)
 
     def time_left(self) -> float:
         return self.deadline - time.time()

@@ -30,6 +30,9 @@ class TransferConfig:
     # Paged backends: the blocks of each finished prefill chunk are read while the next
     # chunks compute; the last chunk's blocks come with the first token.
     pipeline: bool = True
+    # The sender sums every block it sends and the receiver checks the sums before using
+    # the KV (kv_transfer.checksum): each side reads the blocks once more.
+    checksums: bool = False
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:

@@ -26,8 +26,11 @@ them, so no block is freed twice or while a read may still write into it.
 
 Sender (the prefill worker), one ``Offer`` per attempt::
 
-    begin ─▶ COMPUTING ─(parts offered while chunks compute)─▶ OFFERED ─▶ COMPLETE / FAILED
-          ─▶ released (the engine frees the blocks it held for the reader)
+    begin ─▶ RESERVED (computing; finished blocks offered as parts) ─computed─▶ LANDING
+          ─▶ end(COMPLETE / FAILED): the record leaves, and the engine frees the blocks
+             it held for the reader
+    RESERVED past its deadline ─expire─▶ EXPIRED (the receiver has given up: the prefill
+                                          is aborted before more of it is computed)
 
 A second attempt under an id whose record is still in either table is refused.
 """
@@ -35,6 +38,7 @@ A second attempt under an id whose record is still in either table is refused.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,6 +237,7 @@ class Offer:
     state: HandoffState = HandoffState.RESERVED
     offered: int = 0  # leading blocks offered to the receiver so far
     watch: Any = None  # the worker's handle on a pipelined prefill's parts
+    deadline: float = math.inf  # on the sender's monotonic clock: past it, the receiver has given up
 
 
 @dataclass
@@ -247,18 +252,27 @@ class Sender:
     def __len__(self) -> int:
         return len(self.records)
 
-    def begin(self, attempt_id: str, offered: int = 0, watch: Any = None) -> Offer:
+    def begin(self, attempt_id: str, offered: int = 0, watch: Any = None, deadline: float = math.inf) -> Offer:
         """A prefill for this attempt starts; ``offered``: leading blocks the receiver
         has already (its prefix cache)."""
         if attempt_id in self.records:
             raise ValueError(f"attempt {attempt_id!r} is already being prefilled or sent here")
-        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch)
+        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch, deadline=deadline)
         return offer
 
-    def offered(self, attempt_id: str, upto: int) -> None:
-        offer = self.records[attempt_id]
-        offer.offered = max(offer.offered, upto)
-        offer.state = HandoffState.LANDING
+    def expire(self, now: float) -> list[Offer]:
+        """Attempts still computing past their deadline: the receiver has given up on
+        them, so their work is dropped (each is returned once)."""
+        due = [o for o in self.records.values() if o.state == HandoffState.RESERVED and now > o.deadline]
+        for offer in due:
+            offer.state = HandoffState.EXPIRED
+        return due
+
+    def computed(self, attempt_id: str) -> None:
+        """The prefill finished: what is left is the hand-over itself."""
+        offer = self.records.get(attempt_id)
+        if offer is not None and offer.state == HandoffState.RESERVED:
+            offer.state = HandoffState.LANDING
 
     def end(self, attempt_id: str, state: HandoffState) -> Offer | None:
         """The receiver answered (or the transfer failed): the record leaves; the caller

@@ -26,6 +26,7 @@ import time
 from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState
 from kv_transfer import TransferMeta
+from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import Sender
 from workers.base import WorkerBase
 
@@ -39,7 +40,7 @@ class PrefillWorker(WorkerBase):
         self._transfer_ids = itertools.count()
         self._sending = 0
         self.offers = Sender()  # one hand-off record per attempt being prefilled or sent
-        self.runtime.add_periodic(self._offer_finished_blocks)
+        self.runtime.add_periodic(self._tend_offers)
 
     def _load(self) -> PrefillLoad:
         load = self.engine.load()
@@ -78,17 +79,21 @@ class PrefillWorker(WorkerBase):
         meta = self._transfer_meta(request_id, reservation, num_tokens)
         held = reservation.held_blocks  # already on the decode side: never sent
         parts = _Parts(asyncio.get_running_loop(), held) if self.backend.paged and self.transfer.pipeline else None
-        self.offers.begin(request_id, held, parts)  # refuses an attempt already here, touching nothing
+        # The receiver's deadline on this side's clock: past it, the work is dropped.
+        deadline = time.monotonic() + (reservation.deadline - time.time())
+        self.offers.begin(request_id, held, parts, deadline)  # refuses an attempt already here, touching nothing
         state = TransferState.FAILED
         try:
-            if not self.engine.fits(num_tokens + 1):
-                # A migrated stream's prompt and output may outgrow this pool, not the
-                # decode worker's: recomputed there, the text is the same.
-                decode_worker.transfer_failed.remote(request_id)
-                return _refused(request_id, num_tokens, self.engine)
+            if (refusal := self._refusal(num_tokens, deadline)) is not None:
+                decode_worker.transfer_failed.remote(request_id)  # it recomputes (or fails) at once
+                return _failed(request_id, refusal)
             final, landed, t_done = await self._compute(
                 meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held
             )
+            if final.finish_reason == "abort":  # by the router, or past the deadline
+                decode_worker.transfer_failed.remote(request_id)
+                return _failed(request_id, "the prefill was aborted")
+            self.offers.computed(request_id)
             state, error = await self._hand_over(meta, decode_worker, final, landed)
         finally:
             if self.offers.end(request_id, state) is not None and self.backend.paged:
@@ -107,6 +112,18 @@ class PrefillWorker(WorkerBase):
             ),
             error=error,
         )
+
+    def _refusal(self, num_tokens: int, deadline: float) -> str | None:
+        """Why this worker will not start a prefill, if it will not."""
+        if not self.engine.fits(num_tokens + 1):
+            # A migrated stream's prompt and output may outgrow this pool, not the decode
+            # worker's: recomputed there, the text is the same.
+            pool = self.engine.kv_manager.pool.num_usable_blocks
+            return (f"{num_tokens} tokens do not fit this prefill worker's KV cache "
+                    f"({pool} blocks of {self.engine.config.block_size})")
+        if time.monotonic() > deadline:
+            return "the reservation's deadline passed before the prefill began"
+        return None
 
     def _transfer_meta(self, request_id: str, reservation, num_tokens: int) -> TransferMeta:
         """The whole transfer of one attempt; each send takes its stretch (``_stretch``)."""
@@ -160,15 +177,21 @@ class PrefillWorker(WorkerBase):
                 parts.queue.put_nowait(None)
         return final, (await sender if parts is not None else held), t_done
 
-    def _offer_finished_blocks(self, now: float) -> None:
-        """On the step thread: hand each pipelined prefill's newly computed blocks, pinned
-        until their read is answered, to its sender."""
+    def _tend_offers(self, now: float) -> None:
+        """On the step thread: drop prefills past their deadline, and hand each pipelined
+        prefill's newly computed blocks, pinned until their read is answered, to its sender."""
+        for offer in self.offers.expire(now):
+            self.runtime.abort_now(offer.attempt_id)
+        synced = False
         for offer in list(self.offers.records.values()):
             parts = offer.watch
             if parts is None:
                 continue
             blocks = self.engine.computed_blocks(offer.attempt_id)
             if len(blocks) > offer.offered:
+                if not synced:  # counted computed is not yet written on a GPU: the step may still run
+                    self.engine.wait_for_device()
+                    synced = True
                 item = (offer.offered, blocks[offer.offered :], self.engine.pin_blocks(offer.attempt_id))
                 offer.offered = len(blocks)
                 parts.loop.call_soon_threadsafe(parts.queue.put_nowait, item)
@@ -197,6 +220,7 @@ class PrefillWorker(WorkerBase):
         return landed
 
     async def _send_part(self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int) -> bool:
+        meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, block_ids)
         payload = self.backend.prepare_blocks(meta, block_ids)
         try:
             answer = asyncio.ensure_future(decode_worker.receive_kv_part.remote(meta, payload, first))
@@ -218,11 +242,12 @@ class PrefillWorker(WorkerBase):
             if self.backend.paged:
                 blocks = final.kv_blocks[landed:]
                 meta = _stretch(meta, landed, len(blocks))
+                meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, blocks)
                 payload = self.backend.prepare_blocks(meta, blocks)
             else:
                 if landed:  # the decode side holds the leading blocks
                     k, v = k[:, landed:].contiguous(), v[:, landed:].contiguous()
-                meta = _stretch(meta, landed, k.shape[1])
+                meta = await self._summed(_stretch(meta, landed, k.shape[1]), k, v, list(range(k.shape[1])))
                 payload = self.backend.prepare(meta, k, v)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(
@@ -240,6 +265,14 @@ class PrefillWorker(WorkerBase):
         finally:
             if payload is not None:
                 self.backend.release(meta, payload)
+
+    async def _summed(self, meta: TransferMeta, k, v, block_ids: list[int]) -> TransferMeta:
+        """``meta`` with its blocks' checksums, when the setting asks for them (summed off
+        the event loop; the blocks are held or pinned, so nothing writes into them)."""
+        if not self.transfer.checksums:
+            return meta
+        sums = await asyncio.get_running_loop().run_in_executor(None, block_checksums, k, v, block_ids)
+        return dataclasses.replace(meta, checksums=sums)
 
     def _count_failure(self, e: BaseException) -> str:
         reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
@@ -265,13 +298,11 @@ class PrefillWorker(WorkerBase):
             # The receiver's answer says what happened; the push's own error adds nothing.
 
 
-def _refused(request_id: str, num_tokens: int, engine) -> PrefillResult:
-    """The result of a prefill this worker's KV pool cannot hold."""
+def _failed(request_id: str, error: str) -> PrefillResult:
+    """The result of a prefill refused or ended before its KV was offered."""
     return PrefillResult(
         request_id=request_id, first_token=-1, num_cached_tokens=0, state=int(TransferState.FAILED),
-        queue_s=0.0, prefill_s=0.0, transfer_s=0.0, kv_bytes=0,
-        error=f"{num_tokens} tokens do not fit this prefill worker's KV cache "
-              f"({engine.kv_manager.pool.num_usable_blocks} blocks of {engine.config.block_size})",
+        queue_s=0.0, prefill_s=0.0, transfer_s=0.0, kv_bytes=0, error=error,
     )
 
 

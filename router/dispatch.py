@@ -563,11 +563,13 @@ class Dispatcher:
         async def watch() -> None:
             try:
                 await ref
-            except Exception:
+            except Exception as e:
                 # The prefill worker died or broke: don't make the decode side wait out the deadline.
                 self._forget_load(prefill.worker_id)
                 self._prefixes.forget(prefill.worker_id)
                 decode.handle.transfer_failed.remote(aid)
+                if isinstance(e, RayActorError):  # its memory is gone: no read from it can still land
+                    _quietly(lambda: decode.handle.sender_gone.remote(prefill.worker_id))
             finally:
                 self._pending_tokens[prefill.worker_id] -= len(prompt) + len(resume)
 

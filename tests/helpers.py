@@ -507,7 +507,7 @@ def running_service(
         "model": model,
         "prefill_workers": prefill_workers,
         "decode_workers": decode_workers,
-        "transfer": {"backend": "object_store"},
+        "transfer": {"backend": "object_store", "checksums": True},  # tests check every block's sum
         "engine": {"num_kv_blocks": num_kv_blocks},
         "restart_workers": False,
         **cluster,

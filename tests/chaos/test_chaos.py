@@ -49,7 +49,8 @@ CHUNK_BUDGET = 64  # prefill tokens per step, so long prompts take several steps
 # within the test's patience (a dead peer fails its channel at once).
 SETTINGS = dict(prefill_workers=2, decode_workers=2, restart_workers=True,
                 engine={"num_kv_blocks": 512, "max_num_batched_tokens": CHUNK_BUDGET})
-DEADLINES = {"timeout_s": 5, "op_timeout_s": 10}
+# Checksums on: a block that is not what was sent fails its transfer instead of being served.
+DEADLINES = {"timeout_s": 5, "op_timeout_s": 10, "checksums": True}
 
 
 @dataclass

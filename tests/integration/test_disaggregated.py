@@ -64,7 +64,7 @@ def _start(model, prefill=1, decode=1, backend="collective", name="tandem", toke
             "model": model,
             "prefill_workers": prefill,
             "decode_workers": decode,
-            "transfer": {"backend": backend, **transfer},
+            "transfer": {"backend": backend, "checksums": True, **transfer},
             "engine": {"num_kv_blocks": 512},
             "restart_workers": False,
             "token_channel": token_channel,
@@ -145,7 +145,7 @@ def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_mo
     want = [o.token_ids for o in LLM(model=tiny_model, num_kv_blocks=256).generate(prompts, _params(8))]
     cfg = ClusterConfig.from_dict({
         "model": tiny_model, "prefill_workers": 1, "decode_workers": 1, "restart_workers": False,
-        "transfer": {"backend": backend, "pipeline": pipeline},
+        "transfer": {"backend": backend, "pipeline": pipeline, "checksums": True},
         "engine": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
     })
     cluster = TandemCluster(cfg).start()

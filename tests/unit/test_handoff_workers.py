@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import time
 
 import pytest
 
@@ -32,6 +34,7 @@ class _ScriptedPaged(KVTransferBackend):
         super().__init__()
         self.reads: list[list[int]] = []  # the block ids of each read begun
         self.error: BaseException | None = None  # what the next read raises
+        self.write = None  # called with the block ids of each read: the bytes landing
 
     def prepare(self, meta, k, v):
         raise AssertionError("paged: nothing is packed")
@@ -42,17 +45,23 @@ class _ScriptedPaged(KVTransferBackend):
     def attach_cache(self, k, v) -> None:
         pass
 
+    def prepare_blocks(self, meta, block_ids):
+        return None
+
     async def pull_blocks_async(self, meta: TransferMeta, payload, block_ids: list[int]) -> None:
         self.reads.append(list(block_ids))
         if self.error is not None:
             raise self.error
+        if self.write is not None:
+            self.write(block_ids)
 
 
 def _decode_worker(model: str, policy: str = "recompute"):
     from decode_worker.worker import DecodeWorker
 
     config = EngineConfig(model=model, num_kv_blocks=32, block_size=16)
-    worker = DecodeWorker("decode-0", config, TransferConfig(backend="inprocess", failure_policy=policy))
+    transfer = TransferConfig(backend="inprocess", failure_policy=policy, checksums=True)
+    worker = DecodeWorker("decode-0", config, transfer)
     worker.backend = _ScriptedPaged()
     return worker
 
@@ -225,3 +234,119 @@ def test_cached_tokens_in_the_usage_never_exceed_the_prompt(tiny_model):
     assert out.num_cached_tokens == len(PROMPT)
     engine.abort("a")
     assert engine.stats().num_blocks_in_use == 0
+
+
+def test_a_block_that_does_not_sum_to_what_was_sent_fails_its_transfer(tiny_model):
+    """With checksums on, the receiver sums the blocks it read: the right bytes pass, a
+    single changed word (or another request's block) fails the transfer, never served."""
+    import torch
+
+    from kv_transfer.checksum import block_checksums
+
+    worker = _decode_worker(tiny_model, policy="fail")
+    cache = worker.engine.kv_cache
+    sent = [torch.randn(cache.k[:, :3].shape) for _ in range(2)]  # the sender's 3 blocks, K and V
+    sums = block_checksums(*sent, [0, 1, 2])
+
+    def land(corrupt: bool):
+        def write(block_ids):
+            cache.k[:, block_ids] = sent[0]
+            cache.v[:, block_ids] = sent[1]
+            if corrupt:
+                cache.v[1, block_ids[2], 0, 0, 0] += 1.0
+        return write
+
+    async def main():
+        states = []
+        for rid, corrupt in (("good", False), ("bad", True)):
+            worker.backend.write = land(corrupt)
+            prompt = PROMPT if rid == "good" else [t + 100 for t in PROMPT]  # no prefix hit
+            reservation = await worker.reserve(rid, prompt, GREEDY, "sub")
+            meta = dataclasses.replace(_meta(worker, reservation, 0, 3), checksums=sums)
+            states.append(await worker.receive_kv(meta, None, first_token=7))
+        await worker.abort("good")
+        await worker.runtime.call(lambda: None)
+        in_use = await _blocks_in_use(worker)
+        worker.runtime.shutdown()
+        return states, in_use
+
+    states, in_use = asyncio.run(main())
+    assert states == [TransferState.DONE, TransferState.FAILED]
+    assert worker.backend.stats.failures["checksum"] == 1
+    assert in_use == 0, f"{in_use} blocks still in use"
+
+
+RESERVED = [1, 2, 3]  # the decode worker's blocks for PROMPT
+
+
+class _LateEvent:
+    """A device event that has happened only once someone waited for it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def _prefill_worker(model: str, **engine):
+    from prefill_worker.worker import PrefillWorker
+
+    config = EngineConfig(model=model, block_size=16, **{"num_kv_blocks": 32, **engine})
+    worker = PrefillWorker("prefill-0", config, TransferConfig(backend="inprocess"))
+    worker.backend = _ScriptedPaged()
+    return worker
+
+
+def test_pipelined_parts_are_offered_only_after_the_step_that_wrote_them_ran_on_the_device(tiny_model):
+    """On a GPU a step that samples nothing returns before its kernels ran: a block it
+    computed may be offered (and read by the decode worker) only once its step's event
+    has completed. Events here complete only when waited for."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model, max_num_batched_tokens=16)  # a block per step
+    events: list[_LateEvent] = []
+    worker.engine.runner.make_event = lambda: events.append(_LateEvent()) or events[-1]
+    offered: list[tuple[int, bool]] = []  # (last block of a part, whether its step had run)
+
+    def prepare_blocks(meta, block_ids):
+        if block_ids:  # block i of the prompt was computed by step i
+            last = RESERVED.index(meta.dst_blocks[-1])
+            offered.append((last, events[last].done))
+        return None
+
+    worker.backend.prepare_blocks = prepare_blocks
+    decode = _FakeDecodeHandle()
+
+    async def main():
+        reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 60)
+        result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation)
+        in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
+        worker.runtime.shutdown()
+        return result, in_use
+
+    result, in_use = asyncio.run(main())
+    assert result.state == TransferState.DONE
+    assert offered and all(ran for _, ran in offered), f"parts offered before their step ran: {offered}"
+    assert in_use == 0
+
+
+def test_a_prefill_whose_reservation_expired_is_dropped_before_it_is_computed(tiny_model):
+    """The decode worker has given up on a reservation past its deadline: computing its
+    prompt would be work for nobody."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model)
+    decode = _FakeDecodeHandle()
+
+    async def main():
+        reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() - 1)
+        result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation)
+        steps = await worker.runtime.call(lambda: worker.engine.stats().num_steps)
+        worker.runtime.shutdown()
+        return result, steps
+
+    result, steps = asyncio.run(main())
+    assert result.state == TransferState.FAILED and "deadline" in result.error
+    assert steps == 0 and decode.transfer_failed.calls == [("a",)]
+    assert len(worker.offers) == 0

@@ -1,0 +1,62 @@
+"""Per-block KV checksums (``kv_transfer.checksum``): what they must tell apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_transfer.base import TransferError, TransferMeta
+from kv_transfer.checksum import block_checksums, check
+from kv_transfer.config import TransferConfig
+from engine.messages import KVLayout
+
+
+def _cache(dtype=torch.float32, blocks: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (3, blocks, 4, 2, 8)  # [layers, blocks, block_size, kv_heads, head_dim]
+    return tuple(torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_sums_the_same_wherever_it_lies_and_in_any_order(dtype):
+    k, v = _cache(dtype)
+    packed = (k[:, [5, 1, 2]].contiguous(), v[:, [5, 1, 2]].contiguous())
+    assert block_checksums(k, v, [5, 1, 2]) == block_checksums(*packed, [0, 1, 2])
+    assert block_checksums(k, v, [2, 1, 5]) == tuple(reversed(block_checksums(k, v, [5, 1, 2])))
+
+
+@pytest.mark.parametrize("change", ["word", "layers swapped", "stretches swapped", "k and v swapped", "other block"])
+def test_what_a_transfer_can_get_wrong_changes_the_block_sum(change):
+    k, v = _cache()
+    before = block_checksums(k, v, [3])
+    k2, v2 = k.clone(), v.clone()
+    if change == "word":
+        k2[2, 3, 1, 0, 4] += 1e-6
+    elif change == "layers swapped":
+        k2[0, 3], k2[1, 3] = k[1, 3].clone(), k[0, 3].clone()
+    elif change == "stretches swapped":  # the first and last of the block's 16 stretches
+        flat = k2[1, 3].view(-1)
+        n = flat.numel() // 16
+        head, tail = flat[:n].clone(), flat[-n:].clone()
+        flat[:n], flat[-n:] = tail, head
+    elif change == "k and v swapped":
+        k2[:, 3], v2[:, 3] = v[:, 3].clone(), k[:, 3].clone()
+    else:
+        k2[:, 3], v2[:, 3] = k[:, 4], v[:, 4]
+    assert block_checksums(k2, v2, [3]) != before
+
+
+def test_check_names_the_blocks_that_differ():
+    layout = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+    meta = TransferMeta("t", "r", layout, num_blocks=3, num_tokens=12, checksums=(1, 2, 3))
+    check(meta, (1, 2, 3))
+    with pytest.raises(TransferError, match=r"blocks \[1\]") as e:
+        check(meta, (1, 5, 3))
+    assert e.value.reason == "checksum"
+    with pytest.raises(TransferError, match="3 checksums for 2 blocks"):
+        check(meta, (1, 2))
+
+
+def test_checksums_are_off_by_default_and_a_setting():
+    assert not TransferConfig().checksums
+    assert TransferConfig.from_dict({"checksums": True}).checksums
