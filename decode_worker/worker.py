@@ -178,6 +178,7 @@ class DecodeWorker(WorkerBase):
                 )
                 time_left = receipt.deadline - time.monotonic()
         except (TransferError, HandoffError) as e:
+            await self.backend.refuse_async(meta, payload)  # a push already on its way must end
             await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
             return False, None
         # The backend waits by this side's clock: the deadline the record keeps.
@@ -185,6 +186,7 @@ class DecodeWorker(WorkerBase):
         error, stuck, kv = "", False, None
         try:
             if meta.dst_blocks and tuple(targets) != meta.dst_blocks:
+                await self.backend.refuse_async(meta, payload)
                 raise TransferError("order", f"transfer {meta.transfer_id} offers blocks for another place "
                                              f"in the reservation than block {start}")
             t0 = time.perf_counter()

@@ -196,6 +196,16 @@ class KVTransferBackend(ABC):
     def abandon(self, meta: TransferMeta, payload: Any) -> None:
         """Sender: the receiver gave up on this transfer; stop a push that waits for it."""
 
+    def refuse(self, meta: TransferMeta, payload: Any) -> None:
+        """Receiver: it will not read this transfer (a check failed first). A backend whose
+        sender pushes takes the transfer's bytes off the way here, so that the push ends
+        and nothing else on the pair waits on it (blocking)."""
+
+    async def refuse_async(self, meta: TransferMeta, payload: Any) -> None:
+        """``refuse`` off the event loop."""
+        if self.sends:
+            await self._submit(self.refuse, meta, payload)
+
     def close(self) -> None:
         """Drop every channel and buffer (the worker is going away)."""
 

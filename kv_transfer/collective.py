@@ -104,6 +104,7 @@ CLOSE_TAG = TAG_LIMIT
 # instead (``_drain``), so that the sender's sends end and the channel stays whole; past
 # these sizes it closes the channel instead.
 MAX_DRAIN_MESSAGES = 1 << 16
+REFUSE_MARGIN_S = 1.0  # a refused transfer is drained only with this much of its deadline left
 MAX_DRAIN_BYTES = 256 << 20
 # A paged transfer goes as one message per layer and stretch of consecutive blocks (K
 # and V) when that makes at most MAX_MESSAGES, or messages of MIN_MESSAGE_BYTES or more;
@@ -562,6 +563,22 @@ class CollectiveBackend(KVTransferBackend):
         scratch = torch.empty(max(largest, 1), dtype=torch.uint8)
         # Its own time, not the transfer's: the sender posted every message with the header.
         channel.exchange("recv", [scratch] * messages, tag + 1, self.op_timeout_s)
+
+    def refuse(self, meta: TransferMeta, payload: dict) -> None:
+        """Receive a transfer this side will not use into scratch memory (its header,
+        then what it announces), so that its push ends and the pair's other transfers go
+        on. Only while its deadline is ahead: past it the sender posts nothing, and a
+        receive that nobody matches would close the channel when it timed out."""
+        if not isinstance(payload, dict) or "tag" not in payload or meta.time_left() < REFUSE_MARGIN_S:
+            return
+        key = (payload["sender"], payload["epoch"])
+        try:
+            channel = self._recv_channel(key, meta, payload.get("live", (key[1],)))
+            header = torch.zeros_like(transfer_header(meta, 0, 0))
+            channel.exchange("recv", [header], payload["tag"], self._op_timeout(meta))
+            self._drain(channel, header, payload["tag"])
+        except Exception:  # the channel was closed on the way: the push has failed already
+            self._drop_incoming(key)
 
     def pull(self, meta: TransferMeta, payload: dict) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()

@@ -102,6 +102,9 @@ class FaultyBackend(KVTransferBackend):
     def abandon(self, meta, payload) -> None:
         self.inner.abandon(meta, payload)
 
+    def refuse(self, meta, payload) -> None:
+        self.inner.refuse(meta, payload)
+
     def close(self) -> None:
         self.inner.close()
 

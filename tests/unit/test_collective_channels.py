@@ -275,3 +275,23 @@ def test_a_push_waiting_for_another_transfers_build_fails_by_its_own_deadline(bl
         build.exception(timeout=30)
     assert still_building, "the push waited for the other transfer's build past its own deadline"
     assert info.value.reason == "timeout"
+
+
+def test_a_transfer_the_receiver_refuses_unread_fails_alone(pair):
+    """A receiver that will not read a transfer at all (its reservation ended, a check
+    failed first) refuses it: the pushed bytes are taken off the channel, the push ends,
+    and the pair's other transfers go on over the same channel."""
+    sender, src, receiver, dst = pair
+    (good, good_payload), (bad, bad_payload) = _two(sender, receiver, "refused")
+    before = checksum(*cache_blocks(dst, [10, 11]))
+    with ThreadPoolExecutor(3) as pool:
+        good_pull = pool.submit(receiver.pull_blocks, good, good_payload, [0, 1])
+        bad_push = pool.submit(sender.push, bad, None, None, bad_payload)
+        receiver.refuse(bad, bad_payload)
+        bad_push.result(timeout=30)  # it ends: its messages were received into scratch memory
+        sender.push(good, None, None, good_payload)
+        good_pull.result(timeout=30)
+    assert _arrived(src, dst, [3, 4], [0, 1]), "the other transfer must arrive intact"
+    assert checksum(*cache_blocks(dst, [10, 11])) == before, "no byte of the refused one may land"
+    _move(sender, receiver, _meta("after", receiver, [20, 21]), [7, 8])  # the channel is whole
+    assert _arrived(src, dst, [7, 8], [20, 21])
