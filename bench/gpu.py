@@ -329,7 +329,7 @@ def handoff(prefill, decode, prompts, params, device: str) -> dict:
     for rid, prompt in zip(ids, prompts):
         if decode.add_remote_request(prompt, params, request_id=rid) is None:
             raise RuntimeError(f"the decode engine has no room for request {rid}")
-        k, v = firsts[rid].packed_kv
+        k, v = prefill.take_held_kv(rid, firsts[rid].kv_blocks)
         nbytes += k.nbytes + v.nbytes
         _sync(device)
         t0 = time.perf_counter()

@@ -19,6 +19,10 @@ actors, all in one run:
 
 both timed inside the receiver until the bytes sit in a resident buffer, as they must
 in a decode worker's cache (raw gloo receives straight into its buffer);
+* ``nixl_paged_checksums``, ``collective_paged_checksums``: the same reads with per-block
+  checksums on (``transfer.checksums``): the receiver's time includes checking every
+  block's sum, and ``checksums_sender`` is what summing them costs the sender first;
+  ``*_checksums_added`` is the share they add to the read;
 * ``inprocess_copy``: one ``torch`` copy of the same bytes in this process.
 
 It also times one request at low load through a 1 prefill + 1 decode cluster and
@@ -81,9 +85,12 @@ def time_backend(a, b, size_mib: int, repeats: int) -> list[float]:
     return times
 
 
-def time_paged(a, b, size_mib: int, repeats: int, scattered: bool = True) -> list[float]:
+def time_paged(a, b, size_mib: int, repeats: int, scattered: bool = True, sums: list | None = None) -> list[float]:
     """Blocks moved from one paged cache into blocks of another (``scattered``: in random
-    order, so no two are consecutive; else one stretch); bytes checked."""
+    order, so no two are consecutive; else one stretch); bytes checked. With ``sums`` (a
+    list), the sender sums every block as a worker with ``checksums`` on does (its
+    seconds are appended there) and the receiver's time includes checking them."""
+    import dataclasses
     import random
 
     layout, blocks = _layout_for(size_mib)
@@ -96,7 +103,10 @@ def time_paged(a, b, size_mib: int, repeats: int, scattered: bool = True) -> lis
         dst = rng.sample(range(2 * blocks), blocks) if scattered else list(range(blocks // 2, blocks // 2 + blocks))
         meta = TransferMeta(f"p{size_mib}-{i}", f"r{i}", layout, blocks, blocks * 16, endpoint, time.time() + 300,
                             tuple(dst))
-        payload, want = ray.get(a.prepare_blocks.remote(meta, src))
+        payload, want, block_sums, summed = ray.get(a.prepare_blocks.remote(meta, src, sums is not None))
+        meta = dataclasses.replace(meta, checksums=block_sums)
+        if i and sums is not None:
+            sums.append(summed)
         pull = b.pull_blocks.remote(meta, payload, dst)
         ray.get(a.push.remote(meta))  # a reader (NIXL) has nothing to push
         got, seconds = ray.get(pull)
@@ -199,13 +209,14 @@ def ttft_breakdown(model: str | None, prompt_len: int = 512, chunk_tokens: int |
 
 
 def chunked_ttft(model: str | None, prompt_len: int, chunk_tokens: int, backends: list[str]) -> dict:
-    """A long prompt prefilled in chunks, moved by each paged backend: pipelined, and
-    whole after the prefill."""
+    """A long prompt prefilled in chunks, moved by each paged backend: pipelined (with
+    per-block checksums off, then on), and whole after the prefill."""
     result = {}
     for backend in backends:
-        for pipeline in (True, False):
-            key = f"ttft_{prompt_len}_tokens_chunk_{chunk_tokens}_{backend}_{'pipelined' if pipeline else 'whole'}"
-            config = TransferConfig(backend=backend, pipeline=pipeline)
+        for pipeline, sums in ((True, False), (True, True), (False, False)):
+            mode = ("pipelined" if pipeline else "whole") + ("_checksums" if sums else "")
+            key = f"ttft_{prompt_len}_tokens_chunk_{chunk_tokens}_{backend}_{mode}"
+            config = TransferConfig(backend=backend, pipeline=pipeline, checksums=sums)
             result[key] = ttft_breakdown(model, prompt_len, chunk_tokens, config)
             print(f"{key} (s):", json.dumps(result[key]), flush=True)
     return result
@@ -220,8 +231,14 @@ def _summary(size_mib: int, rows: dict[str, list[float]]) -> dict:
         med = statistics.median(times)
         summary[name] = {"median_s": med, "GiB_per_s": nbytes / med / (1 << 30)}
     for name in rows:
-        if name not in ("raw_gloo", "object_store", "inprocess_copy"):
+        if name not in ("raw_gloo", "object_store", "inprocess_copy", "checksums_sender"):
             summary[f"{name}_vs_raw_gloo"] = summary["raw_gloo"]["median_s"] / summary[name]["median_s"]
+    for name in [n.removesuffix("_checksums") for n in rows if n.endswith("_checksums")]:
+        # What checking every block's sum adds to a read, and what summing them costs the sender.
+        base = summary[name]["median_s"]
+        summary[f"{name}_checksums_added"] = summary[f"{name}_checksums"]["median_s"] / base - 1
+        if "checksums_sender" in summary:
+            summary["checksums_sender_vs_read"] = summary["checksums_sender"]["median_s"] / base
     return summary
 
 
@@ -255,11 +272,16 @@ def main(argv: list[str] | None = None) -> int:
             rows["nixl_read"] = time_receive_only(nixl_a, nixl_b, size, args.repeats)
             paged_a, paged_b = _pair("nixl")  # a cache of its own for each size
             rows["nixl_paged"] = time_paged(paged_a, paged_b, size, args.repeats)
+            sender_sums: list[float] = []
+            rows["nixl_paged_checksums"] = time_paged(paged_a, paged_b, size, args.repeats, sums=sender_sums)
+            rows["checksums_sender"] = sender_sums
             for actor in (paged_a, paged_b):
                 ray.kill(actor)
         for name, scattered in (("collective_paged", False), ("collective_paged_scattered", True)):
             paged_a, paged_b = _pair("collective")
             rows[name] = time_paged(paged_a, paged_b, size, args.repeats, scattered)
+            if not scattered:
+                rows[f"{name}_checksums"] = time_paged(paged_a, paged_b, size, args.repeats, scattered, sums=[])
             for actor in (paged_a, paged_b):
                 ray.kill(actor)
         summary = result["results"][f"{size}MiB"] = _summary(size, rows)
@@ -267,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {v['median_s'] * 1e3:.1f} ms ({v['GiB_per_s']:.2f} GiB/s)" for k, v in summary.items() if isinstance(v, dict)
         ) + "; " + ", ".join(
             f"{k.removesuffix('_vs_raw_gloo')}/raw gloo = {v:.2f}" for k, v in summary.items() if k.endswith("_vs_raw_gloo")
+        ) + "; " + ", ".join(
+            f"{k} {v:+.1%}" for k, v in summary.items() if k.endswith("_checksums_added") or k.endswith("_vs_read")
         ), flush=True)
     for a in (gloo_a, gloo_b, store_a, store_b, nixl_a, nixl_b):
         if a is not None:

@@ -119,10 +119,10 @@ class DecodeWorker(WorkerBase):
             return None
         blocks, held = reserved
         self.runtime.route(request_id, subscriber)
-        # Paged transfers write into the reserved blocks from a reader thread: one more
-        # reference each keeps them out of the pool, whatever happens to the request,
-        # until the hand-off record gives them back.
-        pins = self.engine.pin_blocks(request_id) if self.backend.paged else None
+        # Transfers write into the reserved blocks from a reader thread: one more reference
+        # each keeps them out of the pool, whatever happens to the request, until the
+        # hand-off record gives them back.
+        pins = self.engine.pin_blocks(request_id)
         with self._handoff_lock:
             self.handoff.reserve(request_id, blocks, held, time.monotonic() + self.transfer.timeout_s, pins)
         return Reservation(request_id, blocks, self.layout, self._endpoint, time.time() + self.transfer.timeout_s, held)
@@ -138,34 +138,25 @@ class DecodeWorker(WorkerBase):
         cache, reported in the request's usage. ``prompt_logprobs``: the prompt's, when the
         request asked for them; they go out with the first token.
         """
-        ok, kv = await self._read(meta, payload, None, last=True)
-        if not ok:
+        if not await self._read(meta, payload, None, last=True):
             return int(TransferState.FAILED)
-        k, v = kv or (None, None)
-        try:
-            await self.runtime.call(
-                self._kv_arrived, meta.request_id, first_token, k, v, first_logprobs, num_cached_tokens,
-                prompt_logprobs,
-            )
-        finally:
-            # Not on cancellation: the step thread may still be about to copy from them.
-            if k is not None:
-                self.backend.recycle(k, v)
+        await self.runtime.call(
+            self._kv_arrived, meta.request_id, first_token, first_logprobs, num_cached_tokens, prompt_logprobs
+        )
         return int(TransferState.DONE)
 
     async def receive_kv_part(self, meta: TransferMeta, payload, first_block: int) -> int:
-        """Pipelined prefill (paged backends): read blocks whose KV a prefill still running
+        """Pipelined prefill: read blocks whose KV a prefill still running
         has finished, from the ``first_block``-th of the reservation on, while its next
         chunks compute. Parts come in order; ``receive_kv`` brings the rest and the first
         token. Returns the TransferState; a failure applies the policy at once."""
-        ok, _ = await self._read(meta, payload, first_block, last=False)
+        ok = await self._read(meta, payload, first_block, last=False)
         return int(TransferState.DONE if ok else TransferState.FAILED)
 
-    async def _read(self, meta: TransferMeta, payload, first: int | None, last: bool) -> tuple[bool, tuple | None]:
+    async def _read(self, meta: TransferMeta, payload, first: int | None, last: bool) -> bool:
         """Read ``meta.num_blocks`` blocks of the reservation from ``first`` on (None:
-        where the last part ended), as its hand-off record allows. Returns whether they
-        landed, and the packed K and V (backends that do not read in place). On failure
-        the record has ended and the failure policy has run."""
+        where the last part ended), as its hand-off record allows; whether they landed.
+        On failure the record has ended and the failure policy has run."""
         rid = meta.request_id
         try:
             if meta.layout != self.layout:
@@ -180,23 +171,21 @@ class DecodeWorker(WorkerBase):
         except (TransferError, HandoffError) as e:
             await self.backend.refuse_async(meta, payload)  # a push already on its way must end
             await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
-            return False, None
+            return False
         # The backend waits by this side's clock: the deadline the record keeps.
         meta = dataclasses.replace(meta, deadline=time.time() + time_left)
-        error, stuck, kv = "", False, None
+        error, stuck = "", False
         try:
             if meta.dst_blocks and tuple(targets) != meta.dst_blocks:
                 await self.backend.refuse_async(meta, payload)
                 raise TransferError("order", f"transfer {meta.transfer_id} offers blocks for another place "
                                              f"in the reservation than block {start}")
             t0 = time.perf_counter()
-            if not self.backend.paged:
-                kv = await self.backend.pull_async(meta, payload)
-            elif targets:
+            if targets:
                 await self.backend.pull_blocks_async(meta, payload, targets)
             self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
             if meta.checksums:
-                await self._check_sums(meta, kv, targets)
+                await self._check_sums(meta, targets)
         except Exception as e:  # any failure ends this attempt; the policy decides what follows
             error = self._failure_reason(e)
             stuck = error == "stuck"
@@ -206,17 +195,14 @@ class DecodeWorker(WorkerBase):
         with self._handoff_lock:
             ended = self.handoff.end_read(rid, error, stuck=stuck)
         if ended is not None:
-            if kv is not None:
-                self.backend.recycle(*kv)
             await self.runtime.call(self._ended, ended)
-            return False, None
-        return not error, kv
+            return False
+        return not error
 
-    async def _check_sums(self, meta: TransferMeta, kv, targets: list[int]) -> None:
+    async def _check_sums(self, meta: TransferMeta, targets: list[int]) -> None:
         """The blocks read sum to what the sender sent (off the event loop)."""
-        k, v = kv or (self.engine.kv_cache.k, self.engine.kv_cache.v)
-        ids = list(range(k.shape[1])) if kv is not None else targets
-        got = await asyncio.get_running_loop().run_in_executor(None, checksum.block_checksums, k, v, ids)
+        k, v = self.engine.kv_cache.k, self.engine.kv_cache.v
+        got = await asyncio.get_running_loop().run_in_executor(None, checksum.block_checksums, k, v, targets)
         checksum.check(meta, got)
 
     def _when_settled(self, error: BaseException, rid: str) -> None:
@@ -248,9 +234,7 @@ class DecodeWorker(WorkerBase):
         self.metrics.on_transfer_failure(reason)
         return reason
 
-    def _kv_arrived(
-        self, rid: str, first_token: int, k, v, first_logprobs, num_cached_tokens: int, prompt_logprobs=None
-    ) -> None:
+    def _kv_arrived(self, rid: str, first_token: int, first_logprobs, num_cached_tokens: int, prompt_logprobs) -> None:
         """On the step thread: the whole reservation has landed; the request runs."""
         try:
             with self._handoff_lock:
@@ -259,7 +243,7 @@ class DecodeWorker(WorkerBase):
             return  # it ended meanwhile (aborted, expired): that end has been handled
         self._ended(ended)
         out = self.engine.remote_kv_arrived(
-            rid, first_token, k, v, first_logprobs, num_cached_tokens, prompt_logprobs
+            rid, first_token, None, None, first_logprobs, num_cached_tokens, prompt_logprobs
         )
         if out is not None:
             self.runtime.deliver(out)

@@ -89,9 +89,8 @@ class RequestOutput:
     # the request's first output with a token only.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_output_tokens: int = 0
-    # Prefill role (``hold_kv``): the prompt's KV packed, [layers, blocks, block, Hkv, D] each;
-    # with ``keep_blocks``, the ids of the blocks that hold it instead (``release_held``).
-    packed_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Prefill role (``hold_kv``): the ids of the blocks that hold the prompt's KV, kept
+    # until ``release_held`` (a transfer reads them in place).
     kv_blocks: list[int] | None = None
     times: RequestTimes | None = None  # set on the final output
 
@@ -247,13 +246,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         hold_kv: bool = False,
         resume_output: Sequence[int] = (),
-        keep_blocks: bool = False,
     ) -> str:
         """Queue a request; returns its id.
 
-        ``hold_kv`` (prefill role): the final output carries the prompt's KV in ``packed_kv``;
-        with ``keep_blocks``, the ids of the blocks holding it in ``kv_blocks``, and the
-        blocks stay allocated until ``release_held`` (a transfer reads them in place).
+        ``hold_kv`` (prefill role): the final output carries the ids of the blocks holding
+        the prompt's KV in ``kv_blocks``, and the blocks stay allocated until
+        ``release_held`` (a transfer reads them in place; ``take_held_kv`` packs them).
         ``resume_output``: tokens this request already generated elsewhere (a migrated
         stream). They are recomputed with the prompt, as after a recompute preemption,
         and count towards ``max_tokens``, penalties and the seeded random stream; the
@@ -262,7 +260,6 @@ class LLMEngine:
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
         self._check_fits(request, resume_output)
         request.hold_kv = hold_kv
-        request.keep_blocks = hold_kv and keep_blocks
         request.output_token_ids = list(resume_output)
         self._track(request, resume_output)
         rid = request.request_id
@@ -343,8 +340,16 @@ class LLMEngine:
         return self._emit([request], {request_id: first_token}, logprobs)[0]
 
     def release_held(self, request_id: str) -> None:
-        """Free the blocks a finished ``keep_blocks`` request still holds (its KV was read)."""
+        """Free the blocks a finished ``hold_kv`` request still holds (its KV was read)."""
         self.scheduler.release_held(request_id)
+
+    def take_held_kv(self, request_id: str, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A finished ``hold_kv`` request's KV packed, [layers, blocks, block, Hkv, D] each,
+        from its ``kv_blocks``; its blocks are freed (an engine handing KV to another in
+        the same process)."""
+        k, v = self.kv_cache.gather(block_ids)
+        self.release_held(request_id)
+        return k, v
 
     def wait_for_device(self) -> None:
         """Return once the last step's KV writes have run on the device (before blocks it
@@ -576,13 +581,9 @@ class LLMEngine:
         if rid in self.scheduler.held:
             # The blocks of every token but the one just sampled (a migrated stream's
             # earlier output included): what the decode side reserved.
-            ids = self.kv_manager.block_ids(rid)[: self.kv_manager.num_blocks_needed(request.num_tokens - 1)]
-            if request.keep_blocks:
-                self.wait_for_device()  # another process reads them next
-                out.kv_blocks = ids
-            else:
-                out.packed_kv = self.kv_cache.gather(ids)
-                self.scheduler.release_held(rid)
+            held = self.kv_manager.num_blocks_needed(request.num_tokens - 1)
+            out.kv_blocks = self.kv_manager.block_ids(rid)[:held]
+            self.wait_for_device()  # another process reads them next
         self._forget(rid)
         return out
 

@@ -14,8 +14,8 @@ Lifecycle (``RequestStatus`` is ordered; everything past ``SWAPPED`` is finished
                           ──transfer failed──▶ WAITING (recompute) or FINISHED_ERROR
 
 In the prefill role a request is generated with ``max_tokens=1`` and ``hold_kv``:
-when it finishes, its blocks stay allocated until the engine has copied its KV out,
-or, with ``keep_blocks``, until the worker releases them after a transfer read them.
+when it finishes, its blocks stay allocated until the worker releases them after a
+transfer read them.
 """
 
 from __future__ import annotations
@@ -71,10 +71,9 @@ class Request:
     sampling_seed: int = 0
     # Monotonic order of arrival, used to break ties (set by the scheduler).
     seq_no: int = 0
-    # Prefill role: keep the blocks after finishing until the engine has packed the KV,
-    # or (``keep_blocks``) until the caller releases them (a transfer reads them in place).
+    # Prefill role: keep the blocks after finishing until the caller releases them (a
+    # transfer reads them in place).
     hold_kv: bool = False
-    keep_blocks: bool = False
     # Set by the engine (the scheduler never reads the clock), for latency metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

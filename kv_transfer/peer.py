@@ -13,6 +13,8 @@ import time
 import torch
 
 from kv_transfer import KVLayout, TransferError, TransferMeta
+from kv_transfer.checksum import block_checksums
+from kv_transfer.checksum import check as check_sums
 from kv_transfer.config import TransferConfig
 
 
@@ -95,19 +97,27 @@ class TransferPeer:
         self._paged = make_kv(layout, num_blocks, seed)
         self.backend.attach_cache(*self._paged)
 
-    def prepare_blocks(self, meta: TransferMeta, block_ids: list[int]):
-        """Offer blocks of the attached cache; returns (payload, checksum of those blocks)."""
+    def prepare_blocks(self, meta: TransferMeta, block_ids: list[int], sums: bool = False):
+        """Offer blocks of the attached cache; returns (payload, checksum of those blocks,
+        and with ``sums`` their per-block sums as a worker sends them and the seconds
+        those took)."""
+        k, v = self._paged
+        t0 = time.perf_counter()
+        block_sums = block_checksums(k, v, block_ids) if sums else ()
+        summed = time.perf_counter() - t0
         payload = self.backend.prepare_blocks(meta, block_ids)
         self._held[meta.transfer_id] = (None, None, payload)
-        k, v = self._paged
-        return payload, checksum(k[:, block_ids], v[:, block_ids])
+        return payload, checksum(k[:, block_ids], v[:, block_ids]), block_sums, summed
 
     async def pull_blocks(self, meta: TransferMeta, payload, block_ids: list[int]) -> tuple[str, float]:
-        """Read into ``block_ids`` of the attached cache: (their checksum, seconds)."""
+        """Read into ``block_ids`` of the attached cache, checking the per-block sums
+        when ``meta`` carries them, as a worker does: (their checksum, seconds)."""
         t0 = time.perf_counter()
         await self.backend.pull_blocks_async(meta, payload, block_ids)
-        elapsed = time.perf_counter() - t0
         k, v = self._paged
+        if meta.checksums:
+            check_sums(meta, block_checksums(k, v, block_ids))
+        elapsed = time.perf_counter() - t0
         return checksum(k[:, block_ids], v[:, block_ids]), elapsed
 
     # A bare two-rank gloo group sending into existing buffers: the benchmark's baseline.

@@ -4,16 +4,17 @@ A request's lifecycle here::
 
     prefill() ─▶ queued ─▶ chunks under the step budget ─▶ first token sampled
       ─▶ offer to the decode worker ─▶ it reads the KV ─▶ its answer, or lease expiry
-      ─▶ blocks (or the packed copy) released; the prefix cache keeps full blocks
+      ─▶ blocks released; the prefix cache keeps full blocks
 
-Paged backends (NIXL, and gloo channels on CPUs) move the KV straight out of this
-worker's blocks, which the engine holds (``hold_kv`` + ``keep_blocks``) until the decode
-worker has answered: NIXL's reader pulls them, gloo's push sends them (a backend without
-a send does nothing on ``push``). With ``pipeline`` on, the blocks of every finished
-chunk are offered at once (``receive_kv_part``, pinned until read), so that the decode
-worker reads them while later chunks compute and only the last chunk's blocks wait for
-the first token. Other backends get the prompt's KV packed into one K and one V tensor,
-which the transfer pushes.
+The KV moves straight out of this worker's blocks, which the engine holds (``hold_kv``)
+until the decode worker has answered: NIXL's reader pulls them, gloo's push sends them
+(a backend without a send does nothing on ``push``), and a packed backend sends a copy
+gathered when they are offered (``kv_transfer.packed``). With ``pipeline`` on, the
+blocks of every finished chunk are offered at once (``receive_kv_part``, pinned until
+read), so that the decode worker reads them while later chunks compute and only the
+last chunk's blocks wait for the first token. Each attempt has one hand-off record
+(``kv_transfer.handoff.Sender``): a second prefill of it is refused, and one past the
+reservation's deadline is dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
-from kv_transfer.handoff import Sender
+from kv_transfer.handoff import HandoffState, Sender
 from workers.base import WorkerBase
 
 
@@ -78,7 +79,7 @@ class PrefillWorker(WorkerBase):
         num_tokens = len(prompt_token_ids) + len(resume_output)
         meta = self._transfer_meta(request_id, reservation, num_tokens)
         held = reservation.held_blocks  # already on the decode side: never sent
-        parts = _Parts(asyncio.get_running_loop(), held) if self.backend.paged and self.transfer.pipeline else None
+        parts = _Parts(asyncio.get_running_loop(), held) if self.transfer.pipeline else None
         # The receiver's deadline on this side's clock: past it, the work is dropped.
         deadline = time.monotonic() + (reservation.deadline - time.time())
         self.offers.begin(request_id, held, parts, deadline)  # refuses an attempt already here, touching nothing
@@ -96,8 +97,9 @@ class PrefillWorker(WorkerBase):
             self.offers.computed(request_id)
             state, error = await self._hand_over(meta, decode_worker, final, landed)
         finally:
-            if self.offers.end(request_id, state) is not None and self.backend.paged:
-                # Read in place: the blocks stayed held until the receiver answered.
+            ended = HandoffState.COMPLETE if state == TransferState.DONE else HandoffState.FAILED
+            if self.offers.end(request_id, ended) is not None:
+                # The blocks stayed held until the receiver answered.
                 self.runtime.submit(self.engine.release_held, request_id)
         return PrefillResult(
             request_id=request_id,
@@ -107,9 +109,7 @@ class PrefillWorker(WorkerBase):
             queue_s=0.0,
             prefill_s=t_done - t0,
             transfer_s=time.perf_counter() - t_done,
-            kv_bytes=self.layout.nbytes(
-                (len(final.kv_blocks) if self.backend.paged else final.packed_kv[0].shape[1]) - held
-            ),
+            kv_bytes=self.layout.nbytes(len(final.kv_blocks) - held),
             error=error,
         )
 
@@ -156,13 +156,13 @@ class PrefillWorker(WorkerBase):
         final output, how many leading blocks are on the decode side (the ``held`` ones,
         and those the parts landed; None: a part failed) and when the prefill itself ended."""
         first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
-        paged, rid = self.backend.paged, meta.request_id
+        rid = meta.request_id
         if parts is not None:
             sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts))
         final = None
         try:
             async for out in self.runtime.generate(
-                prompt, first_params, rid, priority=priority, hold_kv=True, keep_blocks=paged,
+                prompt, first_params, rid, priority=priority, hold_kv=True,
                 resume_output=resume_output,
             ):
                 final = out
@@ -224,7 +224,7 @@ class PrefillWorker(WorkerBase):
         payload = self.backend.prepare_blocks(meta, block_ids)
         try:
             answer = asyncio.ensure_future(decode_worker.receive_kv_part.remote(meta, payload, first))
-            await self._push_until_answered(meta, None, None, payload, answer)
+            await self._push_until_answered(meta, payload, answer)
             return TransferState(await asyncio.wait_for(answer, timeout=self.transfer.lease_s)) == TransferState.DONE
         except Exception as e:  # the decode worker died or never answered
             self._count_failure(e)
@@ -237,24 +237,17 @@ class PrefillWorker(WorkerBase):
         """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
-        k, v = final.packed_kv or (None, None)
         try:
-            if self.backend.paged:
-                blocks = final.kv_blocks[landed:]
-                meta = _stretch(meta, landed, len(blocks))
-                meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, blocks)
-                payload = self.backend.prepare_blocks(meta, blocks)
-            else:
-                if landed:  # the decode side holds the leading blocks
-                    k, v = k[:, landed:].contiguous(), v[:, landed:].contiguous()
-                meta = await self._summed(_stretch(meta, landed, k.shape[1]), k, v, list(range(k.shape[1])))
-                payload = self.backend.prepare(meta, k, v)
+            blocks = final.kv_blocks[landed:]
+            meta = _stretch(meta, landed, len(blocks))
+            meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, blocks)
+            payload = self.backend.prepare_blocks(meta, blocks)
             ack = asyncio.ensure_future(
                 decode_worker.receive_kv.remote(
                     meta, payload, final.token_ids[-1], lp, final.num_cached_tokens, final.prompt_logprobs
                 )
             )
-            await self._push_until_answered(meta, k, v, payload, ack)
+            await self._push_until_answered(meta, payload, ack)
             state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
             return state, None if state == TransferState.DONE else "receiver reported failure"
         except Exception as e:  # any failure ends this transfer; the decode side recovers
@@ -280,12 +273,12 @@ class PrefillWorker(WorkerBase):
         self.metrics.on_transfer_failure(reason)
         return reason
 
-    async def _push_until_answered(self, meta: TransferMeta, k, v, payload, ack: asyncio.Future) -> None:
+    async def _push_until_answered(self, meta: TransferMeta, payload, ack: asyncio.Future) -> None:
         """Push the bytes; stop early if the receiver answers that it will not take them.
         Nothing to do where the receiver reads them (no transfer thread is taken)."""
         if not self.backend.sends:
             return
-        push = asyncio.ensure_future(self.backend.push_async(meta, k, v, payload))
+        push = asyncio.ensure_future(self.backend.push_async(meta, None, None, payload))
         await asyncio.wait([ack, push], return_when=asyncio.FIRST_COMPLETED)
         if not push.done() and (ack.exception() is not None or ack.result() != TransferState.DONE):
             # Refused or gave up: without this the push waits for a receive that never comes.

@@ -19,6 +19,7 @@ from engine.messages import request_of
 from engine.metrics import EngineMetrics
 from kv_transfer.base import KVLayout
 from kv_transfer.config import TransferConfig
+from kv_transfer.packed import as_paged, reconfigure
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -49,9 +50,9 @@ class WorkerBase:
         self.engine = LLMEngine(engine_config)
         self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
         self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
-        self.backend = transfer.make_backend()
-        if self.backend.paged:  # transfers read and write the paged cache itself
-            self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
+        # Transfers read and write the paged cache: packed backends through an adapter.
+        self.backend = as_paged(transfer.make_backend())
+        self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
         self.layout = kv_layout(self.engine)
 
     async def ready(self) -> dict:
@@ -63,7 +64,7 @@ class WorkerBase:
         """Take new transfer settings (deadlines, failure policy, injected faults) without
         a restart: drills and chaos tests switch faults on a running service. The backend
         stays; a transfer under way finishes under the settings it started with."""
-        self.backend = transfer.configure(self.backend)
+        self.backend = reconfigure(self.backend, transfer)
         self.transfer = transfer
 
     async def load(self):

@@ -156,7 +156,9 @@ def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_mo
         stats = cluster.stats()
         sent, received = stats["prefill-0"]["transfer"]["sent"], stats["decode-0"]["transfer"]["received"]
         assert sent == received, f"every offer read: {sent} sent, {received} received"
-        assert stats["decode-0"]["transfer_failures"] == 0 and not stats["decode-0"]["transfer"]["failures"]
+        assert stats["decode-0"]["transfer_failures"] == 0 and not stats["decode-0"]["transfer"]["failures"], (
+            stats["decode-0"]["transfer"]["failures"]
+        )
         if pipeline:  # at least one part per request beyond its final read
             assert received >= 2 * len(prompts), f"{received} reads for {len(prompts)} chunked prompts"
         else:

@@ -342,9 +342,10 @@ def test_a_stream_migrated_through_a_prefill_engine_continues_on_a_new_decode_en
             first = next((o for o in llm.engine.step() if o.finished), None)
         assert first.token_ids == full_ids[: k + 1], f"after {k} tokens the prefill engine sampled {first.token_ids}"
         assert first.num_cached_tokens >= 16, "the prompt's blocks came from the prefix cache"
-        assert first.packed_kv[0].shape[1] == -(-(len(prompt) + k) // 16), "the KV of the prompt and the resumed tokens"
+        kv = llm.engine.take_held_kv(rid, first.kv_blocks)
+        assert kv[0].shape[1] == -(-(len(prompt) + k) // 16), "the KV of the prompt and the resumed tokens"
         assert decode.add_remote_request(prompt, params, request_id=rid, resume_output=full_ids[:k]) is not None
-        outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], *first.packed_kv)]
+        outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], *kv)]
         while decode.has_unfinished_requests():
             outs += decode.step()
         ids = [t for o in outs if o is not None for t in o.new_token_ids]
@@ -371,7 +372,7 @@ def test_a_decode_engine_holds_the_blocks_of_a_prompt_it_received_before(llm, de
         while first is None:
             first = next((o for o in llm.engine.step() if o.finished), None)
         blocks, held = decode.add_remote_request(prompt, params, request_id=rid)
-        k, v = (t[:, held:] for t in first.packed_kv)  # what a prefill worker sends
+        k, v = (t[:, held:] for t in llm.engine.take_held_kv(rid, first.kv_blocks))  # what a prefill worker sends
         outs = [decode.remote_kv_arrived(rid, first.token_ids[-1], k, v)]
         while decode.has_unfinished_requests():
             outs += decode.step()

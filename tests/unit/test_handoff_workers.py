@@ -134,13 +134,13 @@ def test_a_request_id_whose_blocks_are_still_held_for_a_transfer_is_refused(tiny
     second request under that id must not be let in (its block table would be appended
     to the first one's, and one release would free blocks still being read)."""
     engine = LLMEngine(EngineConfig(model=tiny_model, num_kv_blocks=32, block_size=16))
-    engine.add_request(PROMPT, SamplingParams(max_tokens=1), request_id="a", hold_kv=True, keep_blocks=True)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=1), request_id="a", hold_kv=True)
     while engine.has_unfinished_requests():
         engine.step()
     held = engine.kv_manager.block_ids("a")
     assert held, "the finished request's blocks are held for the transfer"
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request(PROMPT[:20], SamplingParams(max_tokens=1), request_id="a", hold_kv=True, keep_blocks=True)
+        engine.add_request(PROMPT[:20], SamplingParams(max_tokens=1), request_id="a", hold_kv=True)
     assert engine.kv_manager.block_ids("a") == held, "the held request's block table must be untouched"
     engine.release_held("a")
     assert engine.stats().num_blocks_in_use == 0

@@ -139,7 +139,8 @@ def test_prompt_logprobs_travel_from_the_prefill_engine_to_the_decode_engines_fi
     _assert_matches_hf(hf, prompt, first.prompt_logprobs, top=2)
     decode = LLMEngine(model=str(checkpoint), num_kv_blocks=64)
     assert decode.add_remote_request(prompt, params, request_id="r") is not None
-    outs = [decode.remote_kv_arrived("r", first.token_ids[-1], *first.packed_kv, None, 0, first.prompt_logprobs)]
+    kv = prefill.take_held_kv("r", first.kv_blocks)
+    outs = [decode.remote_kv_arrived("r", first.token_ids[-1], *kv, None, 0, first.prompt_logprobs)]
     while decode.has_unfinished_requests():
         outs += decode.step()
     assert outs[0].prompt_logprobs is first.prompt_logprobs

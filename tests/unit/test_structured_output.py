@@ -226,7 +226,7 @@ def test_decode_engine_replays_the_first_token_sampled_by_the_prefill_engine(llm
         first = next((o for o in prefill.step() if o.finished), None)
     decode = LLMEngine(model=tiny_model, num_kv_blocks=64)
     assert decode.add_remote_request(prompt, params, request_id=rid) is not None
-    outs = [decode.remote_kv_arrived(rid, first.token_ids[0], *first.packed_kv)]
+    outs = [decode.remote_kv_arrived(rid, first.token_ids[0], *prefill.take_held_kv(rid, first.kv_blocks))]
     while decode.has_unfinished_requests():
         outs += decode.step()
     outs = [o for o in outs if o is not None]

@@ -123,7 +123,7 @@ def test_the_decode_engine_goes_on_under_the_controls_from_the_prefill_engines_f
         first = next((o for o in prefill.step() if o.finished), None)
     decode = LLMEngine(model=tiny_model, num_kv_blocks=64)
     assert decode.add_remote_request(PROMPTS[0], params, request_id=rid) is not None
-    outs = [decode.remote_kv_arrived(rid, first.token_ids[0], *first.packed_kv)]
+    outs = [decode.remote_kv_arrived(rid, first.token_ids[0], *prefill.take_held_kv(rid, first.kv_blocks))]
     while decode.has_unfinished_requests():
         outs += decode.step()
     tokens = [t for o in outs if o is not None for t in o.new_token_ids]
