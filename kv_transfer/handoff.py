@@ -28,6 +28,10 @@ Sender (the prefill worker), one ``Offer`` per attempt::
 
     begin ─▶ COMPUTING ─(parts offered while chunks compute)─▶ OFFERED ─▶ COMPLETE / FAILED
           ─▶ released (the engine frees the blocks it held for the reader)
+      any live state ──abort (the reader is dead or the client gone)──▶ FAILED ─▶ released
+          at once: the send stops waiting for the answer and the lease is not waited out
+
+Whoever ends the record (``end``, once) frees the blocks, so they are freed exactly once.
 
 A second attempt under an id whose record is still in either table is refused.
 """
@@ -233,6 +237,7 @@ class Offer:
     state: HandoffState = HandoffState.RESERVED
     offered: int = 0  # leading blocks offered to the receiver so far
     watch: Any = None  # the worker's handle on a pipelined prefill's parts
+    stop: Any = None  # the worker's handle that wakes its send when the record ends early (abort)
 
 
 @dataclass
@@ -247,12 +252,12 @@ class Sender:
     def __len__(self) -> int:
         return len(self.records)
 
-    def begin(self, attempt_id: str, offered: int = 0, watch: Any = None) -> Offer:
+    def begin(self, attempt_id: str, offered: int = 0, watch: Any = None, stop: Any = None) -> Offer:
         """A prefill for this attempt starts; ``offered``: leading blocks the receiver
         has already (its prefix cache)."""
         if attempt_id in self.records:
             raise ValueError(f"attempt {attempt_id!r} is already being prefilled or sent here")
-        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch)
+        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch, stop=stop)
         return offer
 
     def offered(self, attempt_id: str, upto: int) -> None:
