@@ -339,6 +339,7 @@ class PrefillWorker(WorkerBase):
                 raise
             # The receiver's answer (or the abort) says what happened; the push's own error adds nothing.
         if stop.done():
+            ack.cancel()  # nobody waits for a dead receiver's answer now
             raise _Aborted()
 
 
