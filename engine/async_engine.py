@@ -6,7 +6,10 @@ step thread runs queued calls between steps, so a caller waits at most one step 
 the event loop never blocks on the engine. (A lock the event loop took itself would
 stall the loop for whole steps, and the step thread, re-taking it at once, would
 starve it, holding back every token the worker streams.) The step thread runs
-``engine.step()`` while there is schedulable work and sleeps otherwise. Each
+``engine.step()`` while there is schedulable work and sleeps otherwise. Metrics are
+exported after each step, and the load gauges (KV usage, running, waiting) also after
+each run of queued calls and before sleeping, so that at idle they agree with the pool;
+a caller of ``call`` sees them updated for what its call did. Each
 request's outputs go to its ``RequestStream``; a consumer that falls behind gets the
 pending outputs merged into one delta, so a slow reader costs one message per read,
 not one per token.
@@ -178,6 +181,9 @@ class AsyncEngine:
         self._wake.set()
 
     def _run_calls(self) -> None:
+        if not self._calls:
+            return
+        done = []
         while self._calls:
             fn, args, kwargs, future = self._calls.popleft()
             try:
@@ -185,7 +191,17 @@ class AsyncEngine:
             except BaseException as e:  # handed to the caller, never raised here
                 result, error = None, e
             if future is not None:
-                self._loop.call_soon_threadsafe(_settle, future, result, error)
+                done.append((future, result, error))
+        # Calls free and reserve blocks between steps (a transfer's end, an abort, a
+        # reservation), and no step may follow to export that: the gauges catch up now,
+        # before any caller hears back, so what a call's caller reads next agrees.
+        self._export_load()
+        for future, result, error in done:
+            self._loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def _export_load(self) -> None:
+        if self.metrics is not None:
+            self.metrics.on_load(self.engine.load())  # writes only what changed
 
     def wake(self) -> None:
         self._wake.set()
@@ -337,6 +353,7 @@ class AsyncEngine:
                 if self.metrics is not None:
                     self.metrics.on_step(self.engine.stats())
             elif not self._calls:
+                self._export_load()  # what periodic functions (leases, deadlines) freed
                 self._wake.wait(self._idle_poll_s)
                 self._wake.clear()
 

@@ -11,7 +11,10 @@ the offline API) they live in this process's default registry.
 
 Recording stays off the hot path: the engine keeps plain counters and timestamps,
 and the recorders below turn them into metric updates once per step or per finished
-request, in bulk.
+request, in bulk. The load gauges (running, waiting, KV usage) are also set between
+steps (``EngineMetrics.on_load``, after queued calls and before the step thread sleeps):
+blocks released or reserved outside a step (a transfer's end, an abort, a reservation)
+would otherwise leave them stale until the next step, which at idle never comes.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class EngineMetrics:
         self._running = NUM_RUNNING.labels(*labels)
         self._waiting = NUM_WAITING.labels(*labels)
         self._usage = KV_CACHE_USAGE.labels(*labels)
+        self._gauged: tuple[int, int, int] | None = None  # (running, waiting, blocks in use) as exported
         # The engine's running totals (``EngineStats`` fields), each with its counter.
         self._totals = {
             "num_preemptions_recompute": NUM_PREEMPTIONS.labels(*labels, "recompute"),
@@ -104,15 +108,32 @@ class EngineMetrics:
 
     def on_step(self, stats) -> None:
         """Once per engine step (``stats``: an ``EngineStats``)."""
-        self._running.set(stats.num_running)
-        self._waiting.set(stats.num_waiting + stats.num_swapped)
-        self._usage.set(stats.kv_cache_usage)
+        self._gauge(
+            stats.num_running, stats.num_waiting + stats.num_swapped, stats.num_blocks_in_use, stats.num_blocks
+        )
         for name, counter in self._totals.items():
             now = getattr(stats, name)
             delta = now - self._exported[name]
             if delta:
                 counter.inc(delta)
                 self._exported[name] = now
+
+    def on_load(self, load) -> None:
+        """Between steps (``load``: an ``EngineLoad``): the gauges catch up with what calls
+        changed since the last step; nothing is written when nothing did."""
+        self._gauge(
+            load.num_running, load.num_waiting + load.num_swapped, load.num_blocks - load.num_free_blocks,
+            load.num_blocks,
+        )
+
+    def _gauge(self, running: int, waiting: int, in_use: int, num_blocks: int) -> None:
+        now = (running, waiting, in_use)
+        if now == self._gauged:
+            return
+        self._gauged = now
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._usage.set(in_use / num_blocks)  # free blocks that hold a cached prefix are free
 
     def on_finished(self, times) -> None:
         """A request finished here (``times``: its ``RequestTimes``)."""

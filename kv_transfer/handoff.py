@@ -31,6 +31,10 @@ Sender (the prefill worker), one ``Offer`` per attempt::
              it held for the reader
     RESERVED past its deadline ─expire─▶ EXPIRED (the receiver has given up: the prefill
                                           is aborted before more of it is computed)
+      any live state ──abort (the reader is dead or the client gone)──▶ FAILED, released
+          at once: the send stops waiting for the answer and the lease is not waited out
+
+Whoever ends the record (``end``, once) frees the blocks, so they are freed exactly once.
 
 A second attempt under an id whose record is still in either table is refused.
 """
@@ -238,6 +242,7 @@ class Offer:
     offered: int = 0  # leading blocks offered to the receiver so far
     watch: Any = None  # the worker's handle on a pipelined prefill's parts
     deadline: float = math.inf  # on the sender's monotonic clock: past it, the receiver has given up
+    stop: Any = None  # the worker's handle that wakes its send when the record ends early (abort)
 
 
 @dataclass
@@ -252,12 +257,14 @@ class Sender:
     def __len__(self) -> int:
         return len(self.records)
 
-    def begin(self, attempt_id: str, offered: int = 0, watch: Any = None, deadline: float = math.inf) -> Offer:
+    def begin(
+        self, attempt_id: str, offered: int = 0, watch: Any = None, deadline: float = math.inf, stop: Any = None
+    ) -> Offer:
         """A prefill for this attempt starts; ``offered``: leading blocks the receiver
         has already (its prefix cache)."""
         if attempt_id in self.records:
             raise ValueError(f"attempt {attempt_id!r} is already being prefilled or sent here")
-        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch, deadline=deadline)
+        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch, deadline=deadline, stop=stop)
         return offer
 
     def expire(self, now: float) -> list[Offer]:

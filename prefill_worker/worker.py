@@ -5,6 +5,9 @@ A request's lifecycle here::
     prefill() ─▶ queued ─▶ chunks under the step budget ─▶ first token sampled
       ─▶ offer to the decode worker ─▶ it reads the KV ─▶ its answer, or lease expiry
       ─▶ blocks released; the prefix cache keeps full blocks
+    ``abort`` at any point (the router knows the decode worker died, or the client went
+    away): the prefill stops, the send stops waiting for an answer, and the blocks are
+    released at once, not when the lease runs out
 
 The KV moves straight out of this worker's blocks, which the engine holds (``hold_kv``)
 until the decode worker has answered: NIXL's reader pulls them, gloo's push sends them
@@ -25,7 +28,7 @@ import itertools
 import time
 
 from engine.sampling_params import SamplingParams
-from engine.messages import PrefillLoad, PrefillResult, TransferState
+from engine.messages import PrefillLoad, PrefillResult, TransferState, request_of
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import HandoffState, Sender
@@ -67,9 +70,8 @@ class PrefillWorker(WorkerBase):
     ) -> PrefillResult:
         """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``.
 
-        With a paged backend and ``pipeline`` on, the blocks of each finished chunk are
-        offered while the next chunks compute (``receive_kv_part``); the rest go with the
-        first token. ``resume_output``: a migrated stream's tokens so far. They are
+        With ``pipeline`` on, the blocks of each finished chunk are offered while the next
+        chunks compute (``receive_kv_part``); the rest go with the first token. ``resume_output``: a migrated stream's tokens so far. They are
         prefilled with the prompt (the prompt's blocks usually come from the prefix
         cache), and the token sampled is the one after them, at its place in the seeded
         random stream. ``priority``: the request's place in the scheduler's order (lower
@@ -79,23 +81,24 @@ class PrefillWorker(WorkerBase):
         num_tokens = len(prompt_token_ids) + len(resume_output)
         meta = self._transfer_meta(request_id, reservation, num_tokens)
         held = reservation.held_blocks  # already on the decode side: never sent
-        parts = _Parts(asyncio.get_running_loop(), held) if self.transfer.pipeline else None
+        loop = asyncio.get_running_loop()
+        parts = _Parts(loop, held) if self.transfer.pipeline else None
+        stop = loop.create_future()  # set by ``abort``: the send stops waiting
         # The receiver's deadline on this side's clock: past it, the work is dropped.
         deadline = time.monotonic() + (reservation.deadline - time.time())
-        self.offers.begin(request_id, held, parts, deadline)  # refuses an attempt already here, touching nothing
+        self.offers.begin(request_id, held, parts, deadline, stop)  # refuses an attempt already here
         state = TransferState.FAILED
         try:
             if (refusal := self._refusal(num_tokens, deadline)) is not None:
                 decode_worker.transfer_failed.remote(request_id)  # it recomputes (or fails) at once
                 return _failed(request_id, refusal)
             final, landed, t_done = await self._compute(
-                meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held
+                meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held, stop
             )
-            if final.finish_reason == "abort":  # by the router, or past the deadline
-                decode_worker.transfer_failed.remote(request_id)
-                return _failed(request_id, "the prefill was aborted")
+            if (why := self._ended_early(request_id, final, stop, decode_worker)) is not None:
+                return _failed(request_id, why)
             self.offers.computed(request_id)
-            state, error = await self._hand_over(meta, decode_worker, final, landed)
+            state, error = await self._hand_over(meta, decode_worker, final, landed, stop)
         finally:
             ended = HandoffState.COMPLETE if state == TransferState.DONE else HandoffState.FAILED
             if self.offers.end(request_id, ended) is not None:
@@ -112,6 +115,18 @@ class PrefillWorker(WorkerBase):
             kv_bytes=self.layout.nbytes(len(final.kv_blocks) - held),
             error=error,
         )
+
+    @staticmethod
+    def _ended_early(request_id: str, final, stop: asyncio.Future, decode_worker) -> str | None:
+        """Why a prefill that ended has nothing to hand over, if so: aborted by the router
+        (the abort's call, queued after the request's add, aborted it or released the
+        blocks it held), or past its deadline (the decode worker is told)."""
+        if stop.done():
+            return "aborted"
+        if final.finish_reason == "abort":
+            decode_worker.transfer_failed.remote(request_id)
+            return "the prefill was aborted past the reservation's deadline"
+        return None
 
     def _refusal(self, num_tokens: int, deadline: float) -> str | None:
         """Why this worker will not start a prefill, if it will not."""
@@ -139,18 +154,61 @@ class PrefillWorker(WorkerBase):
             sender=self.worker_id,
         )
 
-    async def _hand_over(self, meta: TransferMeta, decode_worker, final, landed: int | None):
+    async def _hand_over(self, meta: TransferMeta, decode_worker, final, landed: int | None, stop):
         """Send what the parts did not (``landed``: None once one failed) and the first token."""
         if landed is None:  # the decode side has applied its failure policy
             return TransferState.FAILED, "a pipelined part of the transfer failed"
         self._sending += 1
         try:
-            return await self._send(meta, decode_worker, final, landed)
+            return await self._send(meta, decode_worker, final, landed, stop)
+        except _Aborted:
+            return TransferState.FAILED, "aborted"
         finally:
             self._sending -= 1
 
+    async def abort(self, request_id: str) -> None:
+        """Abort one attempt (the id the router placed it under). The router does when
+        the attempt's decode worker died or its client went away: besides the prefill,
+        the hand-off ends now, its blocks freed without waiting out the lease (no live
+        reader is left to read them)."""
+        ended = self._end_handoffs([request_id])
+        self.runtime.submit(self._abort_and_release, request_id, ended)
+
+    async def abort_request(self, request_id: str) -> None:
+        """Abort every attempt of the client's ``request_id`` here, hand-offs included."""
+        ended = self._end_handoffs([aid for aid in self.offers.records if request_of(aid) == request_id])
+        self.runtime.submit(self._abort_attempts_and_release, request_id, ended)
+
+    def _end_handoffs(self, attempt_ids: list[str]) -> list[str]:
+        """On the event loop: end these attempts' hand-off records and wake their sends;
+        returns those ended here, whose held blocks the caller frees (a record ends once,
+        so ``prefill`` does not free them again)."""
+        ended = []
+        for aid in attempt_ids:
+            offer = self.offers.end(aid, HandoffState.FAILED)
+            if offer is not None:
+                if offer.stop is not None and not offer.stop.done():
+                    offer.stop.set_result(None)
+                ended.append(aid)
+        return ended
+
+    def _abort_and_release(self, request_id: str, ended: list[str]) -> None:
+        # One call on the step thread, so no step comes between: a prefill still running
+        # is aborted (its blocks freed), one that finished holds its blocks no more.
+        self.abort_now(request_id)
+        self._release_held(ended)
+
+    def _abort_attempts_and_release(self, request_id: str, ended: list[str]) -> None:
+        self._abort_attempts_of(request_id)
+        self._release_held(ended)
+
+    def _release_held(self, attempt_ids: list[str]) -> None:
+        for aid in attempt_ids:
+            self.engine.release_held(aid)
+
     async def _compute(
-        self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority, held: int
+        self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority, held: int,
+        stop,
     ):
         """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
         final output, how many leading blocks are on the decode side (the ``held`` ones,
@@ -158,7 +216,7 @@ class PrefillWorker(WorkerBase):
         first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
         rid = meta.request_id
         if parts is not None:
-            sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts))
+            sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts, stop))
         final = None
         try:
             async for out in self.runtime.generate(
@@ -201,31 +259,36 @@ class PrefillWorker(WorkerBase):
         if offer is not None:
             offer.watch = None
 
-    async def _send_parts(self, meta: TransferMeta, decode_worker, parts: "_Parts") -> int | None:
+    async def _send_parts(self, meta: TransferMeta, decode_worker, parts: "_Parts", stop) -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
-        blocks landed, or None once a part failed (the rest are only unpinned)."""
+        blocks landed, or None once a part failed or the attempt was aborted (the rest
+        are only unpinned)."""
         landed: int | None = parts.first
         while (item := await parts.queue.get()) is not None:
             first, block_ids, pins = item
             try:
-                if landed is not None and not parts.abandoned:
+                if landed is not None and not parts.abandoned and not stop.done():
                     part = dataclasses.replace(
                         _stretch(meta, first, len(block_ids)), transfer_id=f"{meta.transfer_id}.{first}",
                         num_tokens=len(block_ids) * self.layout.block_size,
                     )
-                    ok = await self._send_part(part, decode_worker, block_ids, first)
+                    ok = await self._send_part(part, decode_worker, block_ids, first, stop)
                     landed = first + len(block_ids) if ok else None
             finally:
                 self.runtime.submit(self.engine.unpin_blocks, pins)
         return landed
 
-    async def _send_part(self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int) -> bool:
+    async def _send_part(
+        self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int, stop
+    ) -> bool:
         meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, block_ids)
         payload = self.backend.prepare_blocks(meta, block_ids)
         try:
             answer = asyncio.ensure_future(decode_worker.receive_kv_part.remote(meta, payload, first))
-            await self._push_until_answered(meta, payload, answer)
-            return TransferState(await asyncio.wait_for(answer, timeout=self.transfer.lease_s)) == TransferState.DONE
+            await self._push_until_answered(meta, payload, answer, stop)
+            return await self._answer(answer, stop) == TransferState.DONE
+        except _Aborted:
+            return False  # the router knows: no one to tell
         except Exception as e:  # the decode worker died or never answered
             self._count_failure(e)
             decode_worker.transfer_failed.remote(meta.request_id)
@@ -233,7 +296,7 @@ class PrefillWorker(WorkerBase):
         finally:
             self.backend.release(meta, payload)
 
-    async def _send(self, meta: TransferMeta, decode_worker, final, landed: int):
+    async def _send(self, meta: TransferMeta, decode_worker, final, landed: int, stop):
         """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
@@ -247,9 +310,11 @@ class PrefillWorker(WorkerBase):
                     meta, payload, final.token_ids[-1], lp, final.num_cached_tokens, final.prompt_logprobs
                 )
             )
-            await self._push_until_answered(meta, payload, ack)
-            state = TransferState(await asyncio.wait_for(ack, timeout=self.transfer.lease_s))
+            await self._push_until_answered(meta, payload, ack, stop)
+            state = await self._answer(ack, stop)
             return state, None if state == TransferState.DONE else "receiver reported failure"
+        except _Aborted:
+            raise
         except Exception as e:  # any failure ends this transfer; the decode side recovers
             reason = self._count_failure(e)
             # Tell the decode side at once instead of letting it wait for the deadline.
@@ -273,22 +338,38 @@ class PrefillWorker(WorkerBase):
         self.metrics.on_transfer_failure(reason)
         return reason
 
-    async def _push_until_answered(self, meta: TransferMeta, payload, ack: asyncio.Future) -> None:
-        """Push the bytes; stop early if the receiver answers that it will not take them.
-        Nothing to do where the receiver reads them (no transfer thread is taken)."""
+    async def _answer(self, answer: asyncio.Future, stop: asyncio.Future) -> TransferState:
+        """The receiver's answer, waited for up to the lease; ``_Aborted`` as soon as the
+        attempt is aborted here (a dead receiver's call may never answer)."""
+        await asyncio.wait([answer, stop], timeout=self.transfer.lease_s, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            answer.cancel()
+            raise _Aborted() if stop.done() else asyncio.TimeoutError()
+        return TransferState(answer.result())
+
+    async def _push_until_answered(self, meta: TransferMeta, payload, ack: asyncio.Future, stop: asyncio.Future) -> None:
+        """Push the bytes; stop early if the receiver answers that it will not take them,
+        or the attempt is aborted. Nothing to do where the receiver reads them (no
+        transfer thread is taken)."""
         if not self.backend.sends:
             return
         push = asyncio.ensure_future(self.backend.push_async(meta, None, None, payload))
-        await asyncio.wait([ack, push], return_when=asyncio.FIRST_COMPLETED)
-        if not push.done() and (ack.exception() is not None or ack.result() != TransferState.DONE):
-            # Refused or gave up: without this the push waits for a receive that never comes.
+        await asyncio.wait([ack, push, stop], return_when=asyncio.FIRST_COMPLETED)
+        refused = ack.done() and (ack.exception() is not None or ack.result() != TransferState.DONE)
+        if not push.done() and (refused or stop.done()):
+            # Refused, gave up or aborted: without this the push waits for a receive that
+            # never comes. (An abort has freed the blocks already; the payload is released
+            # only once the push has ended.)
             self.backend.abandon(meta, payload)
         try:
             await push
         except Exception:
-            if not ack.done():
+            if not ack.done() and not stop.done():
                 raise
-            # The receiver's answer says what happened; the push's own error adds nothing.
+            # The receiver's answer (or the abort) says what happened; the push's own error adds nothing.
+        if stop.done():
+            ack.cancel()  # nobody waits for a dead receiver's answer now
+            raise _Aborted()
 
 
 def _failed(request_id: str, error: str) -> PrefillResult:
@@ -297,6 +378,10 @@ def _failed(request_id: str, error: str) -> PrefillResult:
         request_id=request_id, first_token=-1, num_cached_tokens=0, state=int(TransferState.FAILED),
         queue_s=0.0, prefill_s=0.0, transfer_s=0.0, kv_bytes=0, error=error,
     )
+
+
+class _Aborted(Exception):
+    """The attempt was aborted here while its send waited."""
 
 
 def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:

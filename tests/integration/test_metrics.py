@@ -77,7 +77,11 @@ def test_scrape_counts_every_request_and_token(service, metrics_dir, tiny_model)
     # Worker-side views of the same requests.
     assert _delta(before, after, "tandem:kv_transfer_bytes_total", role="decode") > 0
     assert _delta(before, after, "tandem:request_queue_time_seconds_count", role="prefill") == n
+    # At idle the gauges agree with the pools, which ``assert_blocks_freed`` saw empty
+    # (this service's packed backend frees a prefill's blocks in its last step; the paged
+    # hand-off, which frees them later, is tested in tests/unit/test_kv_usage_gauge.py).
     assert metric_sum(after, "tandem:kv_cache_usage_perc", role="decode", model=model) == 0.0
+    assert metric_sum(after, "tandem:kv_cache_usage_perc", role="prefill", model=model) == 0.0
 
 
 def test_rejections_are_counted_by_reason(service, metrics_dir, tiny_model):

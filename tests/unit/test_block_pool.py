@@ -122,6 +122,7 @@ def test_prefix_hit_on_a_free_cached_block_pulls_it_out_of_the_free_queue():
     cached = _compute(kv, first)
     kv.free(first)
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks, "freed cached blocks count as free"
+    assert kv.pool.usage == 0.0, f"a free block holding a cached prefix is not in use (usage {kv.pool.usage})"
 
     second = _request("b", prompt + [42])
     hit, num_hit = kv.get_computed_blocks(second)

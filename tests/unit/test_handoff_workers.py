@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.messages import TransferState
 from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
-from tests.helpers import PATIENCE_S
+from tests.helpers import PATIENCE_S, async_wait_for
 
 PROMPT = list(range(5, 45))  # 40 tokens: 3 blocks of 16
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -45,15 +45,15 @@ class _ScriptedPaged(KVTransferBackend):
     def attach_cache(self, k, v) -> None:
         pass
 
-    def prepare_blocks(self, meta, block_ids):
-        return None
-
     async def pull_blocks_async(self, meta: TransferMeta, payload, block_ids: list[int]) -> None:
         self.reads.append(list(block_ids))
         if self.error is not None:
             raise self.error
         if self.write is not None:
             self.write(block_ids)
+
+    def prepare_blocks(self, meta, block_ids):
+        return tuple(block_ids)  # the offer: the receiver would read these in place
 
 
 def _decode_worker(model: str, policy: str = "recompute"):
@@ -191,11 +191,20 @@ class _Recorder:
         return future
 
 
+class _NeverAnswers(_Recorder):
+    """A Ray method of a dead actor whose call hangs (a receiver that never answers)."""
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return asyncio.get_running_loop().create_future()
+
+
 class _FakeDecodeHandle:
-    def __init__(self) -> None:
+    def __init__(self, answers: bool = True) -> None:
         self.transfer_failed = _Recorder()
-        self.receive_kv = _Recorder(int(TransferState.DONE))
-        self.receive_kv_part = _Recorder(int(TransferState.DONE))
+        receive = _Recorder if answers else _NeverAnswers
+        self.receive_kv = receive(int(TransferState.DONE))
+        self.receive_kv_part = receive(int(TransferState.DONE))
 
 
 def test_a_prefill_worker_refuses_a_moved_stream_that_outgrows_its_pool_before_computing(tiny_model):
@@ -211,7 +220,7 @@ def test_a_prefill_worker_refuses_a_moved_stream_that_outgrows_its_pool_before_c
     resume = list(range(50, 70))  # 40 + 20 tokens
 
     async def main():
-        reservation = Reservation("a", [1, 2, 3, 4], worker.layout, "", 0.0)
+        reservation = Reservation("a", [1, 2, 3, 4], worker.layout, "", time.time() + 3600)
         result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation, resume)
         steps = await worker.runtime.call(lambda: worker.engine.stats().num_steps)
         in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
@@ -289,15 +298,6 @@ class _LateEvent:
         self.done = True
 
 
-def _prefill_worker(model: str, **engine):
-    from prefill_worker.worker import PrefillWorker
-
-    config = EngineConfig(model=model, block_size=16, **{"num_kv_blocks": 32, **engine})
-    worker = PrefillWorker("prefill-0", config, TransferConfig(backend="inprocess"))
-    worker.backend = _ScriptedPaged()
-    return worker
-
-
 def test_pipelined_parts_are_offered_only_after_the_step_that_wrote_them_ran_on_the_device(tiny_model):
     """On a GPU a step that samples nothing returns before its kernels ran: a block it
     computed may be offered (and read by the decode worker) only once its step's event
@@ -329,6 +329,104 @@ def test_pipelined_parts_are_offered_only_after_the_step_that_wrote_them_ran_on_
     assert result.state == TransferState.DONE
     assert offered and all(ran for _, ran in offered), f"parts offered before their step ran: {offered}"
     assert in_use == 0
+
+
+class _ScriptedPush(_ScriptedPaged):
+    """A paged backend whose sender pushes (as gloo channels do): a push to a dead
+    receiver waits until it is abandoned."""
+
+    sends = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.abandoned: list[str] = []
+        self._abandon = asyncio.Event()
+
+    async def push_async(self, meta, k, v, payload) -> None:
+        await self._abandon.wait()
+        raise TransferError("abandoned", f"transfer {meta.transfer_id}: abandoned")
+
+    def abandon(self, meta, payload) -> None:
+        self.abandoned.append(meta.transfer_id)
+        self._abandon.set()
+
+
+def _prefill_worker(model: str, pipeline: bool = True, backend=_ScriptedPaged, **engine):
+    from prefill_worker.worker import PrefillWorker
+
+    config = EngineConfig(model=model, block_size=16, **{"num_kv_blocks": 32, **engine})
+    # A lease far past the test's patience: blocks freed by its expiry would time the test out.
+    transfer = TransferConfig(backend="inprocess", lease_s=3600.0, pipeline=pipeline)
+    worker = PrefillWorker("prefill-0", config, transfer)
+    worker.backend = backend()
+    return worker
+
+
+@pytest.mark.parametrize(
+    "pipeline, backend", [(False, _ScriptedPaged), (True, _ScriptedPaged), (False, _ScriptedPush)],
+    ids=["read", "pipelined", "pushed"],
+)
+def test_an_abort_frees_the_blocks_a_prefill_worker_holds_for_a_reader_that_never_answers(
+    tiny_model, pipeline, backend
+):
+    """The router aborts an attempt on the prefill workers when its decode worker died;
+    a call to a dead receiver may hang until the lease (60 s) runs out, and a push to it
+    until it is abandoned. The abort must end the hand-off at once: blocks free, the
+    send no longer waiting, and the blocks released once (the prefill's own end
+    releases nothing more)."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model, pipeline, backend)
+    decode = _FakeDecodeHandle(answers=False)
+
+    async def main():
+        reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() + 3600)
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        try:
+            await async_wait_for(lambda: decode.receive_kv.calls, PATIENCE_S, "the final offer to be sent")
+            held = await _blocks_in_use(worker)
+            assert held == 3, f"the prompt's 3 blocks are held for the reader, {held} in use"
+            await worker.abort("a")
+            freed = await _blocks_in_use(worker)  # the abort's release is queued before this call
+            assert freed == 0, f"{freed} blocks still held after the abort (they wait for the lease)"
+            result = await asyncio.wait_for(prefill, PATIENCE_S)
+            return result, await _blocks_in_use(worker)
+        finally:
+            prefill.cancel()
+            worker.runtime.shutdown()
+
+    result, in_use = asyncio.run(main())
+    assert result.state == TransferState.FAILED and result.error == "aborted", result
+    assert decode.transfer_failed.calls == [], "an abort is the router's to end, not a failed transfer"
+    if backend is _ScriptedPush:
+        assert worker.backend.abandoned, "the push to the dead receiver must be abandoned"
+    assert len(worker.offers) == 0 and in_use == 0, f"{in_use} blocks in use at the end"
+
+
+def test_an_abort_while_computing_ends_the_attempt_without_a_hand_off(tiny_model):
+    """Aborted before its first token was handed over (the abort queues after the
+    request's add: it aborts the request, or frees the blocks of one that just
+    finished): nothing is offered and every block is freed."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model, pipeline=False)
+    decode = _FakeDecodeHandle(answers=False)
+
+    async def main():
+        reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() + 3600)
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        await asyncio.sleep(0)  # the prefill begins and queues its request, then waits
+        assert "a" in worker.offers
+        await worker.abort("a")
+        result = await asyncio.wait_for(prefill, PATIENCE_S)
+        in_use = await _blocks_in_use(worker)
+        worker.runtime.shutdown()
+        return result, in_use
+
+    result, in_use = asyncio.run(main())
+    assert result.state == TransferState.FAILED and result.error == "aborted", result
+    assert decode.receive_kv.calls == [], "an aborted attempt offers nothing"
+    assert len(worker.offers) == 0 and in_use == 0, f"{in_use} blocks in use at the end"
 
 
 def test_a_prefill_whose_reservation_expired_is_dropped_before_it_is_computed(tiny_model):
