@@ -14,6 +14,7 @@ Example YAML::
     stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)
     token_channel: tcp        # step messages to routers over TCP (ray: Ray streaming)
     token_channel_host: 0.0.0.0   # where it listens (default 127.0.0.1: routers on the same node)
+    channel: {heartbeat_s: 1, heartbeat_timeout_s: 10, reconnect_grace_s: 10}   # engine/token_channel.py
     start_timeout_s: 600      # placing the pools and loading the model, at most; then it fails
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig, check_at_least
+from engine.token_channel import ChannelConfig
 from kv_transfer.config import TransferConfig
 
 
@@ -71,6 +73,9 @@ class ClusterConfig:
     # streams over Ray instead.
     token_channel: str = "tcp"
     token_channel_host: str = "127.0.0.1"
+    # The channel's heartbeats, reconnect grace and per-subscriber bounds (ChannelConfig),
+    # for the workers and the routers alike.
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
     placement_strategy: str = "PACK"
     health_check_s: float = 1.0
     restart_workers: bool = True
@@ -109,7 +114,8 @@ class ClusterConfig:
 
     def dispatch_settings(self) -> dict:
         """The ``router.dispatch.DispatchConfig`` fields the deployment sets: the decode
-        engine's block size, running cap and prefix-hash settings, and the re-run bounds."""
+        engine's block size, running cap and prefix-hash settings, the re-run bounds and the
+        token channel's settings."""
         engine = self.engine_config("decode")
         return {
             "block_size": engine.block_size,
@@ -118,6 +124,7 @@ class ClusterConfig:
             "max_migrations": self.max_migrations,
             "prefix_hash_algo": engine.prefix_hash_algo,
             "prefix_hash_seed": engine.prefix_hash_seed,
+            "channel": self.channel,
         }
 
     @classmethod
@@ -130,6 +137,8 @@ class ClusterConfig:
         for key in ("prefill_resources", "decode_resources"):
             if isinstance(d.get(key), dict):
                 d[key] = Resources(**d[key])
+        if isinstance(d.get("channel"), dict):
+            d["channel"] = ChannelConfig.from_dict(d["channel"])
         if isinstance(d.get("transfer"), dict):
             d["transfer"] = TransferConfig.from_dict(d["transfer"])
         return cls(**d)

@@ -170,6 +170,7 @@ class TandemCluster:
         extra = {} if slot.role == "prefill" else {
             "stream_interval_s": cfg.stream_interval_s,
             "token_channel_host": cfg.token_channel_host if cfg.token_channel == "tcp" else None,
+            "channel": cfg.channel,
         }
         handle = (
             ray.remote(cls)

@@ -14,7 +14,18 @@ whole request runs here, no transfer) routes a request's deltas to it. The strea
 carries one message per engine step with the deltas of all that subscriber's requests
 and the worker's load after the step, so a router that streams from a worker never
 has to poll its load.
-Blocks are freed when a request finishes, is aborted, or its subscriber goes away.
+Blocks are freed when a request finishes, is aborted, or its subscriber goes away (on
+the token channel: no reconnect within ``reconnect_grace_s``, so a network blip moves
+nothing).
+
+A subscriber's lifecycle here, by the size of its outbox (outputs not yet sent)::
+
+    within max_pending_outputs ──past it──▶ over (the next message carries a SLOW notice)
+          ▲                                   │
+          └───── its reader takes them ◀──────┤
+                                              └─ still over after slow_subscriber_s, or past
+                                                 twice the bound ──▶ cut off (a CUT notice;
+                                                 its requests aborted, their blocks freed)
 
 The request id here is the router's attempt id. Each reservation has a hand-off record
 (``kv_transfer.handoff.Receiver``) that says which read may run, when the KV is whole
@@ -36,7 +47,7 @@ import ray
 from engine.async_engine import merge_outputs
 from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
-from engine.token_channel import ChannelAddress, ChannelServer
+from engine.token_channel import ChannelAddress, ChannelConfig, ChannelServer, Notice, NoticeKind
 from kv_transfer import TransferError, TransferMeta, checksum
 from kv_transfer.handoff import Ended, HandoffError, Receiver
 from workers.base import WorkerBase
@@ -48,18 +59,25 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(
-        self, *args, stream_interval_s: float = 0.0, token_channel_host: str | None = None, **kwargs
+        self, *args, stream_interval_s: float = 0.0, token_channel_host: str | None = None,
+        channel: ChannelConfig | None = None, **kwargs
     ) -> None:
         """``WorkerBase``'s arguments; ``stream_interval_s``: at most one message per stream
         per interval; ``token_channel_host``: where the token channel listens (None: none,
-        subscribers use the Ray stream)."""
+        subscribers use the Ray stream); ``channel``: its timings, and the bound on each
+        subscriber's pending outputs (either path)."""
         super().__init__(*args, **kwargs)
+        self.channel_config = channel or ChannelConfig()
         self._channel_host = token_channel_host
-        self._channel = None if token_channel_host is None else ChannelServer(self._serve_channel)
+        self._channel = (
+            None if token_channel_host is None else ChannelServer(self._serve_channel, self.channel_config)
+        )
+        self.num_cut_off = 0  # subscribers cut off for falling behind
         self._streams = {"channel": 0, "ray": 0}  # subscriber streams opened so far, by path
         self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
         self.runtime.add_periodic(self._expire_reservations)
+        self.runtime.add_periodic(self._cut_slow_subscribers)
         # One hand-off record per reservation; read threads and the step thread both ask it.
         self.handoff = Receiver()
         self._handoff_lock = threading.Lock()
@@ -88,7 +106,7 @@ class DecodeWorker(WorkerBase):
 
     async def stats(self) -> dict:
         return {**await super().stats(), "transfer_failures": self.num_transfer_failures,
-                "streams": dict(self._streams)}
+                "streams": dict(self._streams), "subscribers_cut_off": self.num_cut_off}
 
     # -- disaggregated requests ------------------------------------------------
 
@@ -323,18 +341,39 @@ class DecodeWorker(WorkerBase):
     async def _step_messages(self, subscriber: str):
         outbox = await self.runtime.call(self.runtime.open_outbox, subscriber)
         reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
+        limit = self.channel_config.max_pending_outputs
         try:
             while (pending := await outbox.take(reader)) is not None:
+                if outbox.taken > limit:
+                    yield Notice(NoticeKind.SLOW, f"{outbox.taken} outputs were waiting (max_pending_outputs "
+                                                  f"{limit}) on decode worker {self.worker_id}")
                 yield outbox.report, [_wire(rid, items) for rid, items in pending.items()]
                 if self.stream_interval_s:
                     # Tokens of the steps meanwhile merge into the next message.
                     await asyncio.sleep(self.stream_interval_s)
+            if outbox.cut:
+                yield Notice(NoticeKind.CUT, f"decode worker {self.worker_id} cut this router off: more than "
+                                             f"{limit} outputs (max_pending_outputs) waited for it for "
+                                             f"{self.channel_config.slow_subscriber_s}s, or more than {2 * limit}")
         finally:
             self.runtime.submit(self._drop_subscriber, subscriber, reader)
 
     def _drop_subscriber(self, subscriber: str, reader: int) -> None:
         for rid in self.runtime.close_outbox(subscriber, reader):
             self.abort_now(rid)
+
+    def _cut_slow_subscribers(self, now: float) -> None:
+        """Periodic, on the step thread: a subscriber whose outbox has stayed past the
+        bound is cut off, its requests aborted, whether or not its reader is stuck."""
+        cfg = self.channel_config
+        for subscriber, outbox in self.runtime.outboxes():
+            if outbox.backlog(now, cfg.max_pending_outputs, cfg.slow_subscriber_s):
+                log.warning("decode worker %s: cutting off subscriber %s, too far behind",
+                            self.worker_id, subscriber)
+                outbox.cut_off()
+                self.num_cut_off += 1
+                self.metrics.on_subscriber_cut_off()
+                self._drop_subscriber(subscriber, outbox.reader)
 
     async def submit(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
@@ -354,7 +393,6 @@ class DecodeWorker(WorkerBase):
             prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )
         self.runtime.route(request_id, subscriber)
-
 
 
 class ColocatedWorker(DecodeWorker):

@@ -24,7 +24,12 @@ handing a step to the event loop, and the number of messages a worker sends, fol
 the number of subscribers, not the batch size. An outbox's lifecycle: ``open_outbox``
 (by its reader or by the first request routed to it), filled per step, read by one
 consumer with ``take``, ``close_outbox`` when the reader goes (its requests are
-returned so the caller can abort them). With a ``step_report`` (the worker's load),
+returned so the caller can abort them). An outbox holds deltas only: the full-text
+snapshot of each output is dropped as it comes in (the wire carries ``new_text``), so a
+stalled reader's backlog grows with the tokens it has not taken, not with their square.
+Its size is counted (``backlog``), so its owner can bound it: ``cut_off`` ends a reader
+that lets it grow too far (``take`` returns None) and drops what it held. With a
+``step_report`` (the worker's load),
 each step that touches outboxes also leaves the report on them, computed once on the
 step thread, so the messages that carry the tokens carry the load too.
 """
@@ -92,6 +97,10 @@ class Outbox:
         self._signalled = False
         self.reader = 0  # the current reader's token; a new reader supersedes the old one
         self.report = None  # the step thread's latest ``step_report`` with these outputs
+        self._count = 0  # outputs pending
+        self._over_since: float | None = None  # since when ``_count`` has been past the bound
+        self.taken = 0  # how many outputs the last ``take`` returned
+        self.cut = False  # cut off: ``take`` returns None from now on
 
     def claim(self) -> int:
         """Become the outbox's only reader; an earlier reader's ``take`` returns None."""
@@ -101,7 +110,12 @@ class Outbox:
 
     def add(self, request_id: str, item: RequestOutput | BaseException) -> None:
         """Step thread: queue an output (or an error) without waking the reader yet."""
+        if isinstance(item, RequestOutput):
+            item.text = ""  # the full text so far: one snapshot per pending output would grow quadratically
         with self._lock:
+            if self.cut:
+                return
+            self._count += 1
             items = self._pending.get(request_id)
             if items is None:
                 self._pending[request_id] = [item]
@@ -121,14 +135,33 @@ class Outbox:
         None once another reader has claimed the outbox."""
         while True:
             await self._ready.wait()
-            if reader != self.reader:
+            if reader != self.reader or self.cut:
                 return None  # the event stays set: the new reader may have work waiting
             self._ready.clear()
             with self._lock:
                 pending, self._pending = self._pending, {}
+                self.taken, self._count, self._over_since = self._count, 0, None
                 self._signalled = False
             if pending:
                 return pending
+
+    def backlog(self, now: float, limit: int, patience_s: float) -> bool:
+        """Step thread: whether the outputs pending have stayed past ``limit`` for
+        ``patience_s`` (or passed twice it): the reader is too slow to keep."""
+        with self._lock:
+            if self._count <= limit:
+                self._over_since = None
+                return False
+            if self._over_since is None:
+                self._over_since = now
+            return self._count > 2 * limit or now - self._over_since >= patience_s
+
+    def cut_off(self) -> None:
+        """Step thread: drop what is pending and end the reader (``take`` returns None)."""
+        with self._lock:
+            self.cut = True
+            self._pending, self._count = {}, 0
+        self._loop.call_soon_threadsafe(self._ready.set)
 
 
 class AsyncEngine:
@@ -223,6 +256,10 @@ class AsyncEngine:
         if item is None:
             item = table[key] = make(self._loop)
         return item
+
+    def outboxes(self) -> list[tuple[str, Outbox]]:
+        """Step thread: every subscriber's outbox."""
+        return list(self._outboxes.items())
 
     def route(self, request_id: str, subscriber: str) -> None:
         """Send the request's outputs to ``subscriber``'s outbox (before it can produce any)."""

@@ -78,6 +78,12 @@ PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens served by the p
 KV_TRANSFER_BYTES = _counter("kv_transfer_bytes", "KV bytes received from prefill workers.")
 KV_TRANSFER_FAILURES = _counter("kv_transfer_failures", "Failed KV transfers, by reason.", ("reason",))
 REQUESTS_REJECTED = _counter("requests_rejected", "Requests turned away, by reason.", ("reason",))
+STREAM_EVENTS = _counter(
+    "stream_events",
+    "Subscription stream events: a subscriber cut off for falling behind (worker: cut_off; router: "
+    "cut), told it is behind (slow), a token channel reconnected (resumed).",
+    ("event",),
+)
 REQUEST_MIGRATIONS = _counter(
     "request_migrations", "Streams moved to another decode worker after theirs died mid-stream."
 )
@@ -150,6 +156,9 @@ class EngineMetrics:
 
     def on_transfer_failure(self, reason: str) -> None:
         KV_TRANSFER_FAILURES.labels(*self.labels, reason).inc()
+
+    def on_subscriber_cut_off(self) -> None:
+        STREAM_EVENTS.labels(*self.labels, "cut_off").inc()
 
 
 class BatchedObserver:
@@ -226,3 +235,7 @@ class RouterMetrics:
 
     def on_migrated(self) -> None:
         REQUEST_MIGRATIONS.labels(*self.labels).inc()
+
+    def on_stream_event(self, event: str) -> None:
+        """A decode worker's stream said something about itself (a ``Notice`` kind)."""
+        STREAM_EVENTS.labels(*self.labels, event).inc()

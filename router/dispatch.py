@@ -20,6 +20,13 @@ nothing a worker still holds for an earlier attempt (a prefill finishing for a d
 reader, blocks kept for its transfer) is ever mistaken for the next one's, and a
 dispatcher's aborts reach only its own attempts.
 
+The token channel reconnects on its own after a network blip (the worker keeps the
+stream for ``channel.reconnect_grace_s``, and no delta is lost or doubled), so only a
+channel that cannot be resumed counts as the worker's death. A worker that finds this
+dispatcher too slow to read its stream tells it (logged, counted), then cuts it off:
+those requests end with an error (503), since placing them again would not make the
+reader faster.
+
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
 apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
 reached the client is retried on another worker (up to ``max_retries``). One that dies
@@ -55,13 +62,14 @@ import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError
 
 from engine import token_channel
 from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
 from engine.messages import ErrorKind, StreamDelta, attempt_id
+from engine.token_channel import ChannelConfig, Notice, NoticeKind
 from engine.sampling_params import SamplingParams
 from router.placement import (
     PrefixIndex,
@@ -90,6 +98,11 @@ class WorkerRef:
 
 class WorkerDied(RuntimeError):
     """The decode worker's subscription stream broke: the worker is gone."""
+
+
+class CutOff(RuntimeError):
+    """The decode worker dropped this dispatcher's stream for falling behind; its
+    requests there were aborted."""
 
 
 _ABORTED = object()
@@ -134,9 +147,14 @@ class Subscriptions:
     or from another event loop) never shares a worker-side outbox with an old one.
     """
 
-    def __init__(self, name: str, on_load: Callable[[str, object], None] = lambda worker_id, load: None) -> None:
+    def __init__(
+        self, name: str, on_load: Callable[[str, object], None] = lambda worker_id, load: None,
+        channel: ChannelConfig | None = None, on_event: Callable[[str], None] = lambda event: None,
+    ) -> None:
         self.name = name
         self._on_load = on_load  # (worker id, DecodeLoad) from each step message
+        self.channel = channel or ChannelConfig()
+        self._on_event = on_event  # a ``NoticeKind`` value, for each ``Notice`` a stream brings
         self._streams = itertools.count()
         self._inboxes: dict[str, dict[str, Inbox]] = {}  # worker key -> request id -> inbox
         self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # worker key -> (reader, subscriber)
@@ -165,13 +183,20 @@ class Subscriptions:
         make = StreamDelta._make
         error: BaseException = WorkerDied(f"decode worker {worker.worker_id} ended its stream")
         try:
-            async for load, items in self._messages(worker, subscriber):
-                if load is not None:
-                    self._on_load(worker.worker_id, load)
-                for item in items:
-                    inbox = inboxes.get(item[0])
-                    if inbox is not None:
-                        inbox.put(make((inbox.request_id, *item[1:])))
+            async with aclosing(self._messages(worker, subscriber)) as messages:
+                async for message in messages:
+                    if type(message) is Notice:
+                        if self._noticed(worker, message):
+                            error = CutOff(message.detail)
+                            break
+                        continue
+                    load, items = message
+                    if load is not None:
+                        self._on_load(worker.worker_id, load)
+                    for item in items:
+                        inbox = inboxes.get(item[0])
+                        if inbox is not None:
+                            inbox.put(make((inbox.request_id, *item[1:])))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # RayActorError, or the channel's connection ended: the worker is gone
@@ -182,6 +207,15 @@ class Subscriptions:
             for inbox in dropped.values():
                 inbox.put(error)
 
+    def _noticed(self, worker: WorkerRef, notice: Notice) -> bool:
+        """Log and count a stream's notice; whether it ends the stream (cut off)."""
+        self._on_event(notice.kind.value)
+        if notice.kind is NoticeKind.RESUMED:
+            log.info("token channel of decode worker %s reconnected %s", worker.worker_id, notice.detail)
+        else:
+            log.warning("decode worker %s: %s", worker.worker_id, notice.detail)
+        return notice.kind is NoticeKind.CUT
+
     async def _messages(self, worker: WorkerRef, subscriber: str) -> AsyncIterator:
         """The worker's step messages for ``subscriber``: over its token channel when it
         has one this process can reach, else over Ray (``subscribe``)."""
@@ -189,7 +223,7 @@ class Subscriptions:
         address = None if ask is None else await ask.remote()
         if address is not None:
             try:
-                messages = await token_channel.connect(address, subscriber)
+                messages = await token_channel.connect(address, subscriber, self.channel)
             except OSError as e:
                 log.warning("cannot reach decode worker %s's token channel at %s:%d (%s); streaming over Ray",
                             worker.worker_id, address.host, address.port, e)
@@ -222,6 +256,8 @@ class DispatchConfig:
     # the engines' (each side compares only its own), but one setting names both.
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
     prefix_hash_seed: str | int | None = None  # None: a random one per dispatcher
+    # The token channel's heartbeats and reconnect grace (the workers get the same settings).
+    channel: ChannelConfig = field(default_factory=ChannelConfig)
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -269,7 +305,10 @@ class Dispatcher:
         self._hasher = BlockHasher(self.config.prefix_hash_algo, self.config.prefix_hash_seed)
         self._tag = uuid.uuid4().hex[:12]  # in every attempt id: unique to this dispatcher
         self._attempts = itertools.count()
-        self.subscriptions = Subscriptions(f"router-{self._tag}", self._note_load)
+        self.subscriptions = Subscriptions(
+            f"router-{self._tag}", self._note_load, self.config.channel,
+            (lambda event: None) if metrics is None else metrics.on_stream_event,
+        )
 
     # -- load reports ----------------------------------------------------------
 
@@ -442,6 +481,10 @@ class Dispatcher:
                         return
                     if isinstance(item, WorkerDied):
                         raise item
+                    if isinstance(item, CutOff):
+                        self._abort_everywhere(aid)
+                        yield StreamDelta.failure(rid, ErrorKind.NO_CAPACITY, f"the router fell behind: {item}")
+                        return
                     sent += item.token_ids
                     if item.finished:
                         break

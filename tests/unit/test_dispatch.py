@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from unittest import mock
 
-from engine.messages import DecodeLoad, PrefillLoad, request_of
+from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, request_of
 from engine.sampling_params import SamplingParams
-from engine.token_channel import ChannelServer
+from engine.token_channel import ChannelServer, Notice, NoticeKind
 from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
 from tests.helpers import PATIENCE_S, async_wait_for
 
@@ -367,6 +367,73 @@ def test_step_messages_come_over_a_token_channel_and_its_closing_moves_the_strea
     assert len(doomed.channel_subscribers) == 1 and doomed.subscribers == [], "the channel, not Ray, must carry them"
     assert spare.resumed == [[4]], "a closed channel must count as the worker's death"
     assert [t for d in out["r0"] for t in d.token_ids] == [4, 7] and not any(d.error for d in out["r0"])
+
+
+class _Events:
+    """Router metrics that only count stream events."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.migrations = 0
+
+    def on_stream_event(self, event: str) -> None:
+        self.events.append(event)
+
+    def on_migrated(self) -> None:
+        self.migrations += 1
+
+
+def test_a_dropped_token_channel_reconnects_and_the_stream_stays_on_its_worker():
+    async def main():
+        worker, spare = _ChannelColocated("decode-0"), _FakeColocated("decode-1", alive=False)
+        metrics = _Events()
+        refs = [WorkerRef(w.worker_id, w) for w in (worker, spare)]
+        dispatcher = Dispatcher(lambda: [], lambda: [r for r in refs if r.handle.alive], DispatchConfig(), metrics)
+        task, out = await _started(dispatcher, worker)
+        worker.step(("r0", [4], "a", False))
+        await _until(lambda: _tokens_received(out, "r0") == 1, "the first token to come over the channel")
+        spare.alive = True  # somewhere the stream could move to, were the drop taken for a death
+        await dispatcher.refresh_loads()
+        worker.server.disconnect(worker.channel_subscribers[0])  # a network blip
+        worker.step(("r0", [5], "b", False))
+        worker.step(("r0", [6], "c", True))
+        await task
+        dispatcher.close()
+        worker.server.close()
+        return worker, spare, dispatcher, metrics, out
+
+    worker, spare, dispatcher, metrics, out = asyncio.run(main())
+    assert [t for d in out["r0"] for t in d.token_ids] == [4, 5, 6], "every token once, in order"
+    assert not any(d.error for d in out["r0"]) and out["r0"][-1].finished
+    assert spare.submitted == [] and worker.aborted == [], "a blip must not move or re-run the stream"
+    assert dispatcher.num_migrations == 0 and metrics.migrations == 0
+    assert metrics.events == ["resumed"], f"the reconnect must be counted once, got {metrics.events}"
+    assert len(worker.channel_subscribers) == 1, "the same session must carry on"
+
+
+def test_a_worker_that_cuts_the_router_off_ends_its_requests_with_an_error_not_a_move():
+    async def main():
+        worker, spare = _ChannelColocated("decode-0"), _FakeColocated("decode-1")
+        metrics = _Events()
+        refs = [WorkerRef(w.worker_id, w) for w in (worker, spare)]
+        dispatcher = Dispatcher(lambda: [], lambda: [r for r in refs if r.handle.alive], DispatchConfig(), metrics)
+        spare.alive = False
+        task, out = await _started(dispatcher, worker)
+        spare.alive = True
+        worker.step(("r0", [4], "a", False))
+        worker.messages.put_nowait(Notice(NoticeKind.SLOW, "behind"))
+        worker.messages.put_nowait(Notice(NoticeKind.CUT, "cut off"))
+        worker.messages.put_nowait(ConnectionResetError())  # the worker ends the session
+        await task
+        dispatcher.close()
+        worker.server.close()
+        return worker, spare, metrics, out
+
+    worker, spare, metrics, out = asyncio.run(main())
+    last = out["r0"][-1]
+    assert last.finished and last.error_kind == ErrorKind.NO_CAPACITY and "cut off" in last.error, last
+    assert spare.submitted == [], "a router too slow to read must not have its streams moved"
+    assert metrics.events == ["slow", "cut"] and metrics.migrations == 0, metrics.events
 
 
 def test_a_token_channel_the_router_cannot_reach_leaves_the_stream_on_ray():
