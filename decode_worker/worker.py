@@ -50,7 +50,7 @@ from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelAddress, ChannelConfig, ChannelServer, Notice, NoticeKind
 from kv_transfer import TransferError, TransferMeta, checksum
 from kv_transfer.handoff import Ended, HandoffError, Receiver
-from workers.base import WorkerBase
+from kv_transfer.worker import WorkerBase
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from engine.messages import PrefillLoad, PrefillResult, TransferState, request_o
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import HandoffState, Sender
-from workers.base import WorkerBase
+from kv_transfer.worker import WorkerBase
 
 
 class PrefillWorker(WorkerBase):

@@ -21,7 +21,7 @@ ROUTER_MODULES = [
     "router.server", "router.dispatch", "router.grpc_api", "router.openai_api", "router.validation",
     "router.admission", "router.placement", "router.grammar_check", "engine.messages",
 ]
-WORKER_PACKAGES = ("workers", "decode_worker", "prefill_worker", "kv_transfer")
+WORKER_PACKAGES = ("decode_worker", "prefill_worker", "kv_transfer")
 
 
 def test_the_router_process_loads_no_torch_and_no_worker_code():
@@ -34,7 +34,7 @@ def test_the_router_process_loads_no_torch_and_no_worker_code():
 def test_imports_point_down_from_the_workers_to_kv_transfer_to_the_engine():
     kv_transfer = ["kv_transfer.base", "kv_transfer.collective", "kv_transfer.object_store", "kv_transfer.inprocess"]
     loaded = _loaded_after(kv_transfer)
-    above = sorted(m for m in loaded if m.split(".")[0] in ("workers", "decode_worker", "prefill_worker", "router"))
+    above = sorted(m for m in loaded if m.split(".")[0] in ("decode_worker", "prefill_worker", "router"))
     assert not above, f"kv_transfer must not import the workers or the router: {above}"
     loaded = _loaded_after(["engine.llm_engine", "engine.async_engine"])
     above = sorted(m for m in loaded if m.split(".")[0] in (*WORKER_PACKAGES, "router", "ray"))
@@ -67,7 +67,7 @@ def test_attention_backends_share_the_step_layout_without_importing_each_other()
     assert "engine.attention" not in loaded, "engine.triton_attention must not import engine.attention"
 
 
-PROJECT_PACKAGES = ("bench", "cluster", "decode_worker", "engine", "kv_transfer", "prefill_worker", "router", "workers")
+PROJECT_PACKAGES = ("bench", "cluster", "decode_worker", "engine", "kv_transfer", "prefill_worker", "router")
 MAX_FUNCTION_LINES = 60
 
 
