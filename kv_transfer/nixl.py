@@ -383,8 +383,9 @@ class NixlBackend(KVTransferBackend):
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
         except asyncio.TimeoutError:
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise TransferError("stuck", f"transfer {meta.transfer_id} stuck past its deadline") from None
+            error = TransferError("stuck", f"transfer {meta.transfer_id} stuck past its deadline")
+            error.settled = _settled_when_over(future)
+            raise error from None
 
     def _checked_descs(self, agent, meta: TransferMeta, payload) -> object:
         """The sender's descriptors, once they match the layout; nothing is read before."""
@@ -496,6 +497,22 @@ class NixlBackend(KVTransferBackend):
                 _forget(agent, peer.name)
                 if self._peers.get(peer.name) is peer:
                     del self._peers[peer.name]
+
+
+def _settled_when_over(call: asyncio.Future) -> asyncio.Future:
+    """A future done once ``call`` (a read the caller stopped waiting for) has ended with
+    its read over: returned, or failed after cancelling it. A call that ends "stuck"
+    (its read could not be cancelled) never settles it: the blocks stay quarantined until
+    the sender is gone."""
+    settled = asyncio.get_running_loop().create_future()
+
+    def over(f: asyncio.Future) -> None:
+        error = None if f.cancelled() else f.exception()  # retrieved: no "never retrieved" warning
+        if getattr(error, "reason", None) != "stuck" and not settled.done():
+            settled.set_result(None)
+
+    call.add_done_callback(over)
+    return settled
 
 
 def _make_agent(name: str):

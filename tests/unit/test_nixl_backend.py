@@ -191,3 +191,45 @@ def test_a_packed_payload_is_refused_by_a_paged_read(paged, pair):
     with pytest.raises(TransferError, match="not a paged nixl payload"):
         receiver.pull_blocks(meta, payload, [0, 1])
     pair[0].release(meta, payload)
+
+
+@pytest.mark.parametrize("ends", ["returns", "fails after cancelling", "stuck"])
+def test_a_read_given_up_as_stuck_settles_only_once_it_is_over(monkeypatch, ends):
+    """A read still running past its deadline and grace is reported "stuck" (its blocks
+    are quarantined); the error's ``settled`` completes when the read's call ends with the
+    read over, and never when the call itself ends "stuck" (the read could not be
+    cancelled: only the sender's going can end the quarantine)."""
+    import asyncio
+    import threading
+
+    from kv_transfer import nixl
+    from kv_transfer.nixl import NixlBackend
+
+    monkeypatch.setattr(nixl, "STUCK_GRACE_S", 0.0)
+    backend = NixlBackend()
+    release = threading.Event()
+
+    def read():
+        release.wait(timeout=30)
+        if ends == "fails after cancelling":
+            raise TransferError("timeout", "cancelled at its deadline")
+        if ends == "stuck":
+            raise TransferError("stuck", "could not be cancelled")
+
+    async def main():
+        meta = TransferMeta("t", "r", LAYOUT, 1, LAYOUT.block_size, deadline=time.time() + 0.05)
+        with pytest.raises(TransferError) as e:
+            await backend._until_ended(meta, read)
+        settled = e.value.settled
+        before = settled.done()
+        release.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(settled), 2.0 if ends != "stuck" else 0.5)
+        except asyncio.TimeoutError:
+            pass
+        return e.value.reason, before, settled.done()
+
+    reason, before, after = asyncio.run(main())
+    backend.close()
+    assert reason == "stuck" and not before, "the read was still running when it was given up"
+    assert after == (ends != "stuck")
