@@ -42,7 +42,7 @@ CHUNK_BUDGET = 64  # the shared prefix takes a few prefill chunks
 RECEIVE_DELAY_S = 0.3
 SETTINGS = dict(prefill_workers=2, decode_workers=3, restart_workers=True,
                 engine={"num_kv_blocks": 512, "max_num_batched_tokens": CHUNK_BUDGET})
-DEADLINES = {"timeout_s": 5, "op_timeout_s": 10}
+DEADLINES = {"timeout_s": 5, "op_timeout_s": 10, "checksums": True}
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,8 @@ PREFILL_BLOCKS = 12  # 192 tokens: a short prompt fits, prompt and 200 streamed 
 N = 4
 LENGTHS = (280, 320)  # output tokens: the stream goes on well after it no longer fits a prefill pool
 SETTINGS = dict(prefill_workers=2, decode_workers=2, restart_workers=True, num_kv_blocks=512,
-                prefill_engine={"num_kv_blocks": PREFILL_BLOCKS}, transfer={"backend": "collective",
-                                                                          "timeout_s": 5, "op_timeout_s": 10})
+                prefill_engine={"num_kv_blocks": PREFILL_BLOCKS},
+                transfer={"backend": "collective", "timeout_s": 5, "op_timeout_s": 10, "checksums": True})
 
 
 @pytest.fixture(scope="module")
