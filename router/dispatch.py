@@ -293,6 +293,7 @@ class Dispatcher:
         self.num_migrations = 0
         self._loads: dict[str, object] = {}  # worker id -> its latest load report
         self._load_times: dict[str, float] = {}  # worker id -> event-loop time of that report
+        self._polls: dict[str, asyncio.Future] = {}  # worker key -> its latest load poll
         self._pending_blocks: dict[str, int] = {}
         self._pending_tokens: dict[str, int] = {}
         self._ids = itertools.count()
@@ -322,14 +323,28 @@ class Dispatcher:
         await asyncio.shield(self._refreshing)
 
     async def _refresh(self, workers: Sequence[WorkerRef]) -> None:
-        results = await asyncio.gather(
-            *(w.handle.load.remote() for w in workers), return_exceptions=True
-        )
-        for w, r in zip(workers, results):
-            if isinstance(r, BaseException):
+        """Poll ``workers``, waiting at most ``channel.heartbeat_timeout_s``: a worker
+        silent that long (hung, stopped) has its load forgotten, so nothing is placed on
+        it, and is not asked again until that poll answers (its answer counts then)."""
+        polls = [self._poll(w) for w in workers]
+        _, unanswered = await asyncio.wait(polls, timeout=self.config.channel.heartbeat_timeout_s)
+        for w, poll in zip(workers, polls):
+            if poll in unanswered:
                 self._forget_load(w.worker_id)
-            else:
-                self._note_load(w.worker_id, r)
+
+    def _poll(self, worker: WorkerRef) -> asyncio.Future:
+        poll = self._polls.get(worker.key)
+        if poll is None or poll.done():
+            poll = self._polls[worker.key] = asyncio.ensure_future(self._ask_load(worker))
+        return poll
+
+    async def _ask_load(self, worker: WorkerRef) -> None:
+        try:
+            load = await worker.handle.load.remote()
+        except Exception:
+            self._forget_load(worker.worker_id)
+        else:
+            self._note_load(worker.worker_id, load)
 
     def _note_load(self, worker_id: str, load) -> None:
         self._loads[worker_id] = load
@@ -347,6 +362,7 @@ class Dispatcher:
         stale = [
             w for w in (*self._prefill(), *self._decode())
             if now - self._load_times.get(w.worker_id, -math.inf) > limit
+            and (w.key not in self._polls or self._polls[w.key].done())  # one unanswered poll at a time
         ]
         if stale:
             await self.refresh_loads(stale)
