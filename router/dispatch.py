@@ -127,6 +127,11 @@ class Inbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def drop_ended_streams(self) -> None:
+        """Forget the ends of streams (``WorkerDied``, ``CutOff``) that came while the
+        request was being placed on a worker it then left, so they do not end the next attempt."""
+        self._items = deque(i for i in self._items if not isinstance(i, (WorkerDied, CutOff)))
+
     async def get(self):
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -172,6 +177,10 @@ class Subscriptions:
             task = asyncio.get_running_loop().create_task(self._read(worker, subscriber))
             reader = self._readers[worker.key] = (task, subscriber)
         return reader[1]
+
+    def reader(self, worker: WorkerRef) -> asyncio.Task:
+        """The task reading ``worker``'s stream (``open`` started it): done when the stream ended."""
+        return self._readers[worker.key][0]
 
     def close(self, worker: WorkerRef, request_id: str) -> None:
         inboxes = self._inboxes.get(worker.key)
@@ -220,7 +229,8 @@ class Subscriptions:
         """The worker's step messages for ``subscriber``: over its token channel when it
         has one this process can reach, else over Ray (``subscribe``)."""
         ask = getattr(worker.handle, "token_channel", None)
-        address = None if ask is None else await ask.remote()
+        # A worker that does not answer within the channel's deadline is hung: its stream ends.
+        address = None if ask is None else await asyncio.wait_for(ask.remote(), self.channel.heartbeat_timeout_s)
         if address is not None:
             try:
                 messages = await token_channel.connect(address, subscriber, self.channel)
@@ -578,17 +588,21 @@ class Dispatcher:
             decode = self._choose_decode(blocks, exclude, affinity, hashes)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, aid, inbox)
+                reading = self.subscriptions.reader(decode)
                 try:
                     if not self._prefill():
-                        await decode.handle.submit.remote(aid, prompt, params, subscriber, list(resume), priority)
+                        await _unless_ended(reading, decode.handle.submit.remote(
+                            aid, prompt, params, subscriber, list(resume), priority))
                         return decode
-                    reservation = await decode.handle.reserve.remote(
-                        aid, prompt, params, subscriber, list(resume), priority
-                    )
-                except RayActorError:
-                    # Died before taking the request: place it elsewhere.
+                    reservation = await _unless_ended(reading, decode.handle.reserve.remote(
+                        aid, prompt, params, subscriber, list(resume), priority))
+                except (RayActorError, WorkerDied):
+                    # Died (or its stream did: hung) before taking the request: place it
+                    # elsewhere. A hung worker that wakes up frees what the call took.
                     self.subscriptions.close(decode, aid)
+                    inbox.drop_ended_streams()
                     self._decode_died(decode, exclude)
+                    _quietly(decode.handle.abort.remote, aid)
                     continue
                 except BaseException:
                     self.subscriptions.close(decode, aid)
@@ -638,6 +652,19 @@ class Dispatcher:
         """Abort attempt ``aid`` on every worker."""
         for w in [*self._prefill(), *self._decode()]:
             _quietly(w.handle.abort.remote, aid)
+
+
+async def _unless_ended(reading: asyncio.Task, call):
+    """``call``'s result, or ``WorkerDied`` should the worker's stream (``reading``) end
+    first: a worker that is alive to Ray but hung never answers (the call is left to land,
+    or not)."""
+    call = asyncio.ensure_future(call)
+    if not call.done():
+        await asyncio.wait((call, reading), return_when=asyncio.FIRST_COMPLETED)
+    if not call.done():
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it now
+        raise WorkerDied("the decode worker's stream ended before it took the request")
+    return call.result()
 
 
 def _quietly(call, *args) -> None:

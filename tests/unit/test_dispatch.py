@@ -754,3 +754,36 @@ def test_a_decode_worker_that_answers_no_load_poll_holds_placement_up_once_at_mo
     assert took[0] < 8.0, f"the first placement waited {took[0]:.1f}s on the frozen worker's poll"
     assert max(took[1:]) < 1.0, f"later placements waited on the frozen worker again: {took}"
     assert polls == 1, f"the frozen worker was polled {polls} times, though its first poll never answered"
+
+
+class _HungColocated(_FakeColocated):
+    """A worker that reports room, then hangs before taking the request: the call never
+    answers, and its stream ends (its channel's deadline passed)."""
+
+    async def _load(self):
+        self.polls += 1
+        return self.report(free_blocks=100)
+
+    async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
+        self.submitted.append(request_of(rid))
+        self.messages.put_nowait(ConnectionError("silent past the deadline"))
+        await asyncio.Event().wait()
+
+
+def test_a_request_whose_decode_worker_hangs_before_taking_it_is_placed_elsewhere_when_its_stream_ends():
+    class _Busier(_FakeColocated):
+        async def _load(self):
+            return self.report(free_blocks=50)  # so the hung worker is picked first
+
+    async def main():
+        hung, live = _HungColocated("decode-0"), _Busier("decode-1")
+        dispatcher = _colocated_dispatcher(hung, live)
+        task, out = await asyncio.wait_for(_started(dispatcher, live, "r0"), 10.0)
+        live.step(("r0", [4], "x", True))
+        await asyncio.wait_for(task, 10.0)
+        dispatcher.close()
+        return hung, out
+
+    hung, out = asyncio.run(main())
+    assert hung.submitted == ["r0"], "the hung worker should have been tried first"
+    assert out["r0"][-1].finished and out["r0"][-1].error is None, out["r0"]
