@@ -85,7 +85,10 @@ def _model_name(tiny_model: str) -> str:
     return tiny_model.rstrip("/").split("/")[-1]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, prompt: str, n: int) -> Outcome:
+async def _one(
+    client: httpx.AsyncClient, url: str, model: str, i: int, prompt: str, n: int, deadline_s: float = DEADLINE_S,
+) -> Outcome:
+    """One streaming greedy completion, retried like the openai client; hung past ``deadline_s``."""
     out = Outcome(i)
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
 
@@ -126,7 +129,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, prompt: 
             await asyncio.sleep(0.5 * 2**attempt)
 
     try:
-        await asyncio.wait_for(attempts(), DEADLINE_S)
+        await asyncio.wait_for(attempts(), deadline_s)
     except asyncio.TimeoutError:
         out.hung = True
     return out
