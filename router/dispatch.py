@@ -127,6 +127,11 @@ class Inbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def drop_ended_streams(self) -> None:
+        """Forget the ends of streams (``WorkerDied``, ``CutOff``) that came while the
+        request was being placed on a worker it then left, so they do not end the next attempt."""
+        self._items = deque(i for i in self._items if not isinstance(i, (WorkerDied, CutOff)))
+
     async def get(self):
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -172,6 +177,10 @@ class Subscriptions:
             task = asyncio.get_running_loop().create_task(self._read(worker, subscriber))
             reader = self._readers[worker.key] = (task, subscriber)
         return reader[1]
+
+    def reader(self, worker: WorkerRef) -> asyncio.Task:
+        """The task reading ``worker``'s stream (``open`` started it): done when the stream ended."""
+        return self._readers[worker.key][0]
 
     def close(self, worker: WorkerRef, request_id: str) -> None:
         inboxes = self._inboxes.get(worker.key)
@@ -220,7 +229,8 @@ class Subscriptions:
         """The worker's step messages for ``subscriber``: over its token channel when it
         has one this process can reach, else over Ray (``subscribe``)."""
         ask = getattr(worker.handle, "token_channel", None)
-        address = None if ask is None else await ask.remote()
+        # A worker that does not answer within the channel's deadline is hung: its stream ends.
+        address = None if ask is None else await asyncio.wait_for(ask.remote(), self.channel.heartbeat_timeout_s)
         if address is not None:
             try:
                 messages = await token_channel.connect(address, subscriber, self.channel)
@@ -293,6 +303,7 @@ class Dispatcher:
         self.num_migrations = 0
         self._loads: dict[str, object] = {}  # worker id -> its latest load report
         self._load_times: dict[str, float] = {}  # worker id -> event-loop time of that report
+        self._polls: dict[str, asyncio.Future] = {}  # worker key -> its latest load poll
         self._pending_blocks: dict[str, int] = {}
         self._pending_tokens: dict[str, int] = {}
         self._ids = itertools.count()
@@ -322,14 +333,28 @@ class Dispatcher:
         await asyncio.shield(self._refreshing)
 
     async def _refresh(self, workers: Sequence[WorkerRef]) -> None:
-        results = await asyncio.gather(
-            *(w.handle.load.remote() for w in workers), return_exceptions=True
-        )
-        for w, r in zip(workers, results):
-            if isinstance(r, BaseException):
+        """Poll ``workers``, waiting at most ``channel.heartbeat_timeout_s``: a worker
+        silent that long (hung, stopped) has its load forgotten, so nothing is placed on
+        it, and is not asked again until that poll answers (its answer counts then)."""
+        polls = [self._poll(w) for w in workers]
+        _, unanswered = await asyncio.wait(polls, timeout=self.config.channel.heartbeat_timeout_s)
+        for w, poll in zip(workers, polls):
+            if poll in unanswered:
                 self._forget_load(w.worker_id)
-            else:
-                self._note_load(w.worker_id, r)
+
+    def _poll(self, worker: WorkerRef) -> asyncio.Future:
+        poll = self._polls.get(worker.key)
+        if poll is None or poll.done():
+            poll = self._polls[worker.key] = asyncio.ensure_future(self._ask_load(worker))
+        return poll
+
+    async def _ask_load(self, worker: WorkerRef) -> None:
+        try:
+            load = await worker.handle.load.remote()
+        except Exception:
+            self._forget_load(worker.worker_id)
+        else:
+            self._note_load(worker.worker_id, load)
 
     def _note_load(self, worker_id: str, load) -> None:
         self._loads[worker_id] = load
@@ -347,6 +372,7 @@ class Dispatcher:
         stale = [
             w for w in (*self._prefill(), *self._decode())
             if now - self._load_times.get(w.worker_id, -math.inf) > limit
+            and (w.key not in self._polls or self._polls[w.key].done())  # one unanswered poll at a time
         ]
         if stale:
             await self.refresh_loads(stale)
@@ -562,17 +588,21 @@ class Dispatcher:
             decode = self._choose_decode(blocks, exclude, affinity, hashes)
             if decode is not None:
                 subscriber = self.subscriptions.open(decode, aid, inbox)
+                reading = self.subscriptions.reader(decode)
                 try:
                     if not self._prefill():
-                        await decode.handle.submit.remote(aid, prompt, params, subscriber, list(resume), priority)
+                        await _unless_ended(reading, decode.handle.submit.remote(
+                            aid, prompt, params, subscriber, list(resume), priority))
                         return decode
-                    reservation = await decode.handle.reserve.remote(
-                        aid, prompt, params, subscriber, list(resume), priority
-                    )
-                except RayActorError:
-                    # Died before taking the request: place it elsewhere.
+                    reservation = await _unless_ended(reading, decode.handle.reserve.remote(
+                        aid, prompt, params, subscriber, list(resume), priority))
+                except (RayActorError, WorkerDied):
+                    # Died (or its stream did: hung) before taking the request: place it
+                    # elsewhere. A hung worker that wakes up frees what the call took.
                     self.subscriptions.close(decode, aid)
+                    inbox.drop_ended_streams()
                     self._decode_died(decode, exclude)
+                    _quietly(decode.handle.abort.remote, aid)
                     continue
                 except BaseException:
                     self.subscriptions.close(decode, aid)
@@ -622,6 +652,19 @@ class Dispatcher:
         """Abort attempt ``aid`` on every worker."""
         for w in [*self._prefill(), *self._decode()]:
             _quietly(w.handle.abort.remote, aid)
+
+
+async def _unless_ended(reading: asyncio.Task, call):
+    """``call``'s result, or ``WorkerDied`` should the worker's stream (``reading``) end
+    first: a worker that is alive to Ray but hung never answers (the call is left to land,
+    or not)."""
+    call = asyncio.ensure_future(call)
+    if not call.done():
+        await asyncio.wait((call, reading), return_when=asyncio.FIRST_COMPLETED)
+    if not call.done():
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it now
+        raise WorkerDied("the decode worker's stream ended before it took the request")
+    return call.result()
 
 
 def _quietly(call, *args) -> None:

@@ -63,8 +63,10 @@ def model_name(model: str) -> str:
     return model.rstrip("/").split("/")[-1]
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, out: Outcome, prompt: str, n: int) -> Outcome:
-    """One streaming greedy completion, filling ``out`` as its chunks arrive."""
+async def one_stream(
+    client: httpx.AsyncClient, url: str, model: str, out: Outcome, prompt: str, n: int, deadline_s: float = DEADLINE_S,
+) -> Outcome:
+    """One streaming greedy completion, filling ``out`` as its chunks arrive; hung past ``deadline_s``."""
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def read() -> None:
@@ -104,7 +106,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, out: Outco
             await asyncio.sleep(0.5 * 2**attempt)
 
     try:
-        await asyncio.wait_for(attempts(), DEADLINE_S)
+        await asyncio.wait_for(attempts(), deadline_s)
     except asyncio.TimeoutError:
         out.hung = True
     return out
@@ -135,7 +137,7 @@ async def run_load(url: str, model: str, workload, chaos, count: int, concurrenc
     return sorted(progress["outcomes"], key=lambda o: o.index)
 
 
-def _difference(o: Outcome, want: str) -> str:
+def difference(o: Outcome, want: str) -> str:
     """Where a request's text left the reference, for the failure message."""
     at = next((i for i, (a, b) in enumerate(zip(o.text, want)) if a != b), min(len(o.text), len(want)))
     return (f"request {o.index} ({o.chunks} chunks, finish {o.finish_reason}, {o.retries} retries) differs at "
@@ -159,7 +161,7 @@ def judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool, cou
     assert len(outcomes) == count
     assert not hung, f"requests hung: {hung}"
     assert not truncated, "ended without error but not the reference text: " + "; ".join(
-        _difference(o, want[o.index]) for o in outcomes if o.index in truncated
+        difference(o, want[o.index]) for o in outcomes if o.index in truncated
     )
     for o in errored:
         assert o.error.strip(), f"request {o.index}: an error without a message"

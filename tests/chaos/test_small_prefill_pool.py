@@ -24,6 +24,7 @@ import random
 
 import pytest
 
+from engine.tokenizer import Tokenizer
 from tests.chaos.streams import judge, kill, model_name, reference, run_load, until, workers
 
 BLOCK_SIZE = 16
@@ -62,14 +63,17 @@ def test_streams_outgrowing_the_prefill_pool_move_by_recompute(service, tiny_mod
 
     moved_before = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total")
     failures_before = _transfer_failures(service)
-    past_the_pool = PREFILL_BLOCKS * BLOCK_SIZE  # streamed chunks: each holds a token or more
+    # Tokens streamed, counted in the text received (a chunk may carry several tokens when
+    # the router falls behind), with a margin for re-tokenization at the text's end.
+    past_the_pool = PREFILL_BLOCKS * BLOCK_SIZE + 8
+    tokenizer = Tokenizer.from_pretrained(tiny_model)
 
     async def chaos(progress):
         victim = []
 
         async def long_enough():
             live = list(progress["live"].values())
-            if len(live) < N or min(o.chunks for o in live) <= past_the_pool:
+            if len(live) < N or min(len(tokenizer.encode(o.text, add_special_tokens=False)) for o in live) <= past_the_pool:
                 return False
             _, decode = workers(service)
             loads = await asyncio.gather(*(w.handle.load.remote() for w in decode))

@@ -708,3 +708,82 @@ def test_two_dispatchers_with_the_same_client_id_never_abort_each_others_attempt
     assert worker.attempts[0] != worker.attempts[1]
     assert worker.aborted == ["same"]
     assert worker.aborted_attempts == [worker.attempts[1]], "only the cancelled router's attempt is aborted"
+
+
+class _FrozenColocated(_FakeColocated):
+    """A worker alive to Ray but stopped (SIGSTOP): it takes calls and answers none,
+    until ``thaw``."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.thawed = asyncio.Event()
+
+    async def _load(self):
+        self.polls += 1
+        await self.thawed.wait()
+        return self.report(free_blocks=100)
+
+    def thaw(self) -> None:
+        self.thawed.set()
+
+
+def test_a_decode_worker_that_answers_no_load_poll_holds_placement_up_once_at_most():
+    from engine.token_channel import ChannelConfig
+
+    async def main():
+        frozen, live = _FrozenColocated("decode-0"), _FakeColocated("decode-1")
+        dispatcher = _colocated_dispatcher(
+            frozen, live, channel=ChannelConfig(heartbeat_s=0.05, heartbeat_timeout_s=2.0),
+        )
+        loop = asyncio.get_running_loop()
+        took = []
+        for rid in ("r0", "r1", "r2"):
+            t0 = loop.time()
+            task, _ = await asyncio.wait_for(_started(dispatcher, live, rid), 10.0)
+            took.append(loop.time() - t0)
+            live.submitted.clear()
+            live.step((rid, [4], "x", True))
+            await task
+        polls_while_frozen = frozen.polls
+        frozen.thaw()  # its unanswered poll answers at last: it takes requests again
+        await _until(lambda: "decode-0" in dispatcher._loads, "the thawed worker's load")
+        dispatcher.close()
+        return took, polls_while_frozen
+
+    took, polls = asyncio.run(main())
+    assert took[0] < 8.0, f"the first placement waited {took[0]:.1f}s on the frozen worker's poll"
+    assert max(took[1:]) < 1.0, f"later placements waited on the frozen worker again: {took}"
+    assert polls == 1, f"the frozen worker was polled {polls} times, though its first poll never answered"
+
+
+class _HungColocated(_FakeColocated):
+    """A worker that reports room, then hangs before taking the request: the call never
+    answers, and its stream ends (its channel's deadline passed)."""
+
+    async def _load(self):
+        self.polls += 1
+        return self.report(free_blocks=100)
+
+    async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
+        self.submitted.append(request_of(rid))
+        self.messages.put_nowait(ConnectionError("silent past the deadline"))
+        await asyncio.Event().wait()
+
+
+def test_a_request_whose_decode_worker_hangs_before_taking_it_is_placed_elsewhere_when_its_stream_ends():
+    class _Busier(_FakeColocated):
+        async def _load(self):
+            return self.report(free_blocks=50)  # so the hung worker is picked first
+
+    async def main():
+        hung, live = _HungColocated("decode-0"), _Busier("decode-1")
+        dispatcher = _colocated_dispatcher(hung, live)
+        task, out = await asyncio.wait_for(_started(dispatcher, live, "r0"), 10.0)
+        live.step(("r0", [4], "x", True))
+        await asyncio.wait_for(task, 10.0)
+        dispatcher.close()
+        return hung, out
+
+    hung, out = asyncio.run(main())
+    assert hung.submitted == ["r0"], "the hung worker should have been tried first"
+    assert out["r0"][-1].finished and out["r0"][-1].error is None, out["r0"]
