@@ -270,18 +270,17 @@ def main(argv: list[str] | None = None) -> int:
         if nixl_a is not None:
             rows["nixl"] = time_backend(nixl_a, nixl_b, size, args.repeats)
             rows["nixl_read"] = time_receive_only(nixl_a, nixl_b, size, args.repeats)
-            paged_a, paged_b = _pair("nixl")  # a cache of its own for each size
-            rows["nixl_paged"] = time_paged(paged_a, paged_b, size, args.repeats)
             sender_sums: list[float] = []
-            rows["nixl_paged_checksums"] = time_paged(paged_a, paged_b, size, args.repeats, sums=sender_sums)
+            for name, sums in (("nixl_paged", None), ("nixl_paged_checksums", sender_sums)):
+                paged_a, paged_b = _pair("nixl")  # a cache of its own for each run
+                rows[name] = time_paged(paged_a, paged_b, size, args.repeats, sums=sums)
+                for actor in (paged_a, paged_b):
+                    ray.kill(actor)
             rows["checksums_sender"] = sender_sums
-            for actor in (paged_a, paged_b):
-                ray.kill(actor)
-        for name, scattered in (("collective_paged", False), ("collective_paged_scattered", True)):
+        for name, scattered, sums in (("collective_paged", False, None), ("collective_paged_checksums", False, []),
+                                      ("collective_paged_scattered", True, None)):
             paged_a, paged_b = _pair("collective")
-            rows[name] = time_paged(paged_a, paged_b, size, args.repeats, scattered)
-            if not scattered:
-                rows[f"{name}_checksums"] = time_paged(paged_a, paged_b, size, args.repeats, scattered, sums=[])
+            rows[name] = time_paged(paged_a, paged_b, size, args.repeats, scattered, sums=sums)
             for actor in (paged_a, paged_b):
                 ray.kill(actor)
         summary = result["results"][f"{size}MiB"] = _summary(size, rows)
