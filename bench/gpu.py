@@ -389,6 +389,36 @@ def bench_transfer(
     }
 
 
+def bench_checksums(size_mib: int = 256, device: str = "cuda") -> dict:
+    """Per-block KV checksums (``transfer.checksums``) of ``size_mib`` of bf16 KV in a
+    paged cache twice that size, in one stretch and in scattered blocks: what a sender
+    or a receiver adds to a transfer of that size (the sums come back to the host)."""
+    import random
+
+    from kv_transfer.checksum import block_checksums
+
+    layers, block_size, heads, head_dim = 16, 16, 8, 128
+    block_bytes = 2 * layers * block_size * heads * head_dim * 2  # K and V, bf16
+    blocks = max(1, (size_mib << 20) // block_bytes)
+    k, v = (torch.randn(layers, 2 * blocks, block_size, heads, head_dim, device=device, dtype=torch.bfloat16)
+            for _ in range(2))  # fmt: skip
+    stretch = list(range(blocks))
+    scattered = random.Random(0).sample(range(2 * blocks), blocks)
+    ms = {name: time_ms(lambda ids=ids: block_checksums(k, v, ids), iters=10, device=device)
+          for name, ids in (("contiguous", stretch), ("scattered", scattered))}  # fmt: skip
+    nbytes = blocks * block_bytes
+    gbps = {name: nbytes / (t * 1e-3) / 1e9 for name, t in ms.items()}
+    shape = {"bytes": nbytes, "blocks": blocks, "layers": layers, "block_size": block_size,
+             "num_kv_heads": heads, "head_dim": head_dim}  # fmt: skip
+    return {
+        "bytes": nbytes,
+        "ms": ms,
+        "gbps": gbps,
+        "row": profile_row("kv_block_checksums_scattered", "bfloat16", shape, ms["scattered"], gbps["scattered"],
+                           "GB/s"),  # fmt: skip
+    }
+
+
 def profile_table(result: dict) -> dict:
     """The profile table of what ``result`` holds so far."""
     rows = [result["copy"]["row"]] if "copy" in result else []
@@ -403,6 +433,8 @@ def profile_table(result: dict) -> dict:
                  for b in ("triton", "torch")]  # fmt: skip
     if "transfer" in result:
         rows.append(result["transfer"]["row"])
+    if "checksums" in result:
+        rows.append(result["checksums"]["row"])
     return {"format": PROFILE_FORMAT, "device": result["device"], "versions": result["versions"], "rows": rows}
 
 
@@ -451,6 +483,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
             measure("engine", lambda: engine_section(model_dir, workload))
         if not args.skip_transfer:
             measure("transfer", lambda: bench_transfer(model_dir, **TRANSFER))
+            measure("checksums", bench_checksums)
     return result
 
 
@@ -502,6 +535,7 @@ def summary(result: dict) -> dict:
         "engine_speedup_vs_torch": get("engine", "speedup_vs_torch"),
         "handoff_gbps": get("transfer", "handoff_gbps"),
         "handoff_requests_equal_to_one_engine": get("transfer", "requests_equal_to_one_engine"),
+        "checksums_gbps_scattered": get("checksums", "gbps", "scattered"),
         "failed": sorted(result["errors"]),
     }
 

@@ -16,6 +16,8 @@ that forges KV.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kv_transfer.base import TransferError, TransferMeta, contiguous_runs
@@ -24,36 +26,37 @@ SEGMENTS = 16  # stretches per layer and block: a swap of two of them changes th
 _MASK = (1 << 32) - 1
 
 
-def _weights(num_layers: int, generator_seed: int = 0x7A4D) -> torch.Tensor:
+@functools.lru_cache(maxsize=16)
+def _weights(num_layers: int, device: torch.device) -> torch.Tensor:
     """Odd int64 weights per (K or V, layer, stretch), the same on every process."""
-    g = torch.Generator().manual_seed(generator_seed)
+    g = torch.Generator().manual_seed(0x7A4D)
     w = torch.randint(1, 1 << 31, (2, num_layers, SEGMENTS), generator=g, dtype=torch.int64)
-    return w | 1
+    return (w | 1)[:, :, None, :].to(device)
 
 
 def block_checksums(k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> tuple[int, ...]:
     """One checksum per block of ``block_ids`` (in that order) of a ``[layers, blocks, ...]``
     K and V (a paged cache, or packed KV with ``range`` ids)."""
-    if not block_ids:
+    if not len(block_ids):
         return ()
     num_layers = k.shape[0]
     words = k[0, 0].numel() * k.element_size() // 4
     segment = -(-words // SEGMENTS)
-    weights = _weights(num_layers).to(k.device)[:, :, None, :]
-    runs, _ = contiguous_runs(list(block_ids), list(range(len(block_ids))))
-    sums = []
+    # Stretch sums of every block, one reduction per run of consecutive ids and per K or
+    # V (scattered blocks cost a call each), weighted once at the end.
+    runs, _ = contiguous_runs(block_ids, range(len(block_ids)))
+    parts: tuple[list, list] = ([], [])
     for first, count in runs.tolist():
-        parts = []
-        for cache in (k, v):
+        for side, cache in zip(parts, (k, v)):
             # int32 words of each (layer, block), padded to whole stretches; a view, no copy,
             # when the block's size is a multiple of SEGMENTS words (as every layout here is).
             x = cache[:, first : first + count].reshape(num_layers, count, -1).view(torch.int32)
             if words % SEGMENTS:
                 x = torch.nn.functional.pad(x, (0, segment * SEGMENTS - words))
-            parts.append(x.reshape(num_layers, count, SEGMENTS, segment).sum(dim=3, dtype=torch.int32))
-        stretch = torch.stack(parts).to(torch.int64)  # [K/V, layers, count, SEGMENTS]
-        sums.append((stretch * weights).sum(dim=(0, 1, 3)))
-    return tuple(int(s) & _MASK for s in torch.cat(sums).tolist())
+            side.append(x.view(num_layers, count, SEGMENTS, segment).sum(dim=3, dtype=torch.int32))
+    stretch = torch.stack([torch.cat(side, dim=1) for side in parts])  # [K/V, layers, blocks, SEGMENTS]
+    sums = (stretch.to(torch.int64) * _weights(num_layers, k.device)).sum(dim=(0, 1, 3))
+    return tuple(int(s) & _MASK for s in sums.tolist())
 
 
 def check(meta: TransferMeta, got: tuple[int, ...]) -> None:

@@ -101,6 +101,8 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     monkeypatch.setattr(gpu, "engine_section", lambda model_dir, workload: {}["no such key"])
     handoff_row = profile_row("kv_handoff", "bfloat16", {}, 1.0, 50.0, "GB/s")
     monkeypatch.setattr(gpu, "bench_transfer", lambda model_dir, **kw: {"row": handoff_row, "handoff_gbps": 50.0})
+    real_checksums = gpu.bench_checksums
+    monkeypatch.setattr(gpu, "bench_checksums", lambda: real_checksums(size_mib=1, device="cpu"))
     out, profile = tmp_path / "bench.json", tmp_path / "profile.json"
     args = argparse.Namespace(skip_engine=False, skip_transfer=False, num_requests=2, prompt_len=8, output_len=2)
     result = gpu.run(args, saver(out, profile))
@@ -108,6 +110,9 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     assert "ZeroDivisionError" in result["errors"]["prefill"]
     saved = json.loads(out.read_text())
     assert saved["transfer"]["handoff_gbps"] == 50.0, "the transfer ran after the engine failed"
-    assert [r["op"] for r in json.loads(profile.read_text())["rows"]] == ["copy", "decode_attention", "kv_handoff"]
+    assert [r["op"] for r in json.loads(profile.read_text())["rows"]] == [
+        "copy", "decode_attention", "kv_handoff", "kv_block_checksums_scattered"
+    ]
+    assert saved["checksums"]["gbps"]["scattered"] > 0 and saved["checksums"]["bytes"] == 1 << 20
     headline = gpu.summary(result)
     assert headline["decode_at_least_70%_of_copy"] is True and headline["failed"] == ["engine", "prefill"]
