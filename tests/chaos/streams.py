@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,14 @@ from kv_transfer.nixl import unavailable_reason
 from tests.helpers import PATIENCE_S, async_wait_for, running_service
 
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
+ALL_BACKENDS = ["object_store", "collective", pytest.param("nixl", marks=NEEDS_NIXL)]
+
+
+def backends(ci: str) -> list:
+    """The transfer backends a scenario runs on: every one under ``scripts/chaos``
+    (``TANDEM_CHAOS_ALL_BACKENDS=1``), else ``ci`` alone. Scenarios about one backend's
+    own way of failing (a worker killed mid-transfer) take ``ALL_BACKENDS`` always."""
+    return ALL_BACKENDS if os.environ.get("TANDEM_CHAOS_ALL_BACKENDS") else [ci]
 DEADLINE_S = 120.0  # per request: past this it counts as hung
 CLIENT_RETRIES = 2
 

@@ -24,13 +24,15 @@ Each scenario prints one line (sent, completed, errored, hung, blocks leaked);
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 
 import pytest
 import ray
 
 from tests.chaos.streams import (
-    NEEDS_NIXL, Outcome, Services, judge, kill, model_name, reference, run_load, until, workers,
+    ALL_BACKENDS, Outcome, Services, backends, judge, kill, model_name, reference, run_load, until, workers,
 )
 
 N = 40  # requests per scenario (the first N_TRANSFER of them where every transfer is slowed or broken)
@@ -147,6 +149,7 @@ def test_router_replica_restarted(service, tiny_model, workload):
 # ------------------------------------------------------------------ transfers
 
 
+@pytest.mark.parametrize("backend", backends("object_store"))
 @pytest.mark.parametrize(
     "name,transfer",
     [
@@ -154,8 +157,8 @@ def test_router_replica_restarted(service, tiny_model, workload):
         ("transfers past deadline", {"timeout_s": 0.25, "faults": {"delay_s": 0.5}}),
     ],
 )
-def test_transfer_faults_fall_back_to_recompute(services, tiny_model, workload, name, transfer):
-    svc = services.get(**transfer)
+def test_transfer_faults_fall_back_to_recompute(services, tiny_model, workload, name, transfer, backend):
+    svc = services.get(backend, **transfer)
     before = _transfer_failures(svc)
     outcomes = asyncio.run(_load(svc.http_url, model_name(tiny_model), workload, _no_chaos, N_TRANSFER))
     failures = _transfer_failures(svc) - before
@@ -171,7 +174,7 @@ def _transfer_failures(svc) -> int:
     return sum(s.get("transfer_failures", 0) for s in svc.stats().values())
 
 
-@pytest.fixture(params=["object_store", "collective", pytest.param("nixl", marks=NEEDS_NIXL)])
+@pytest.fixture(params=ALL_BACKENDS)
 def slow_transfer_service(services, request):
     """Each KV receive waits 1 s first: there is always a transfer in flight to break, and
     it is still in flight when the kill lands (polling the loads, then killing, took over
@@ -222,3 +225,47 @@ def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload,
         assert _transfer_failures(svc) > failures_before, "the cut transfer should have been counted"
     # A dead sender loses nothing; a dead receiver's streams move to the other decode worker.
     _judge(f"{side} killed mid transfer", outcomes, workload, svc, may_fail=False, count=N_TRANSFER)
+
+
+FREEZE_S = 8.0  # past the transfer deadline (DEADLINES), short of the health check's ping timeout
+
+
+@pytest.fixture(params=backends("collective"))
+def paced_service(services, request):
+    """Each KV receive waits 0.5 s first, so work piles up on the prefill workers to freeze."""
+    return services.get(request.param, faults={"delay_s": 0.5})
+
+
+def test_prefill_worker_frozen_mid_prefill(paced_service, tiny_model, workload):
+    """A prefill worker stopped with SIGSTOP while it has work (alive to Ray, silent) for
+    longer than the transfer deadline: the decode workers waiting on its KV give up at the
+    deadline and compute those prompts themselves, and thawed, it finds its hand-offs
+    expired and drops them. No client sees an error (no token had reached one), every
+    text is the undisturbed one, and no worker keeps a block."""
+    svc = paced_service
+    prefill, _ = workers(svc)
+    frozen: dict = {}
+
+    async def chaos(progress):
+        async def busy():
+            loads = await asyncio.gather(*(w.handle.load.remote() for w in prefill))
+            frozen["victim"] = next(
+                (w for w, load in zip(prefill, loads) if load.running_chunks or load.waiting), None
+            )
+            return progress["finished"] >= 3 and frozen["victim"] is not None
+
+        await until(busy, "a prefill worker with work, after 3 requests")
+        pid = (await frozen["victim"].handle.ready.remote())["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            frozen["at"] = progress["finished"]
+            await asyncio.sleep(FREEZE_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    failures_before = _transfer_failures(svc)
+    outcomes = asyncio.run(_load(svc.http_url, model_name(tiny_model), workload, chaos, N_TRANSFER))
+    _judge("prefill worker frozen", outcomes, workload, svc, may_fail=False, count=N_TRANSFER)
+    assert "at" in frozen, "the victim was never frozen"
+    assert _transfer_failures(svc) > failures_before, "transfers from the frozen worker should have timed out"
+    assert {w.worker_id for w in workers(svc)[0]} == {w.worker_id for w in prefill}, "no worker was replaced"

@@ -25,20 +25,27 @@ import random
 import pytest
 
 from engine.tokenizer import Tokenizer
-from tests.chaos.streams import judge, kill, model_name, reference, run_load, until, workers
+from tests.chaos.streams import Services, backends, judge, kill, model_name, reference, run_load, until, workers
 
 BLOCK_SIZE = 16
 PREFILL_BLOCKS = 12  # 192 tokens: a short prompt fits, prompt and 200 streamed tokens do not
 N = 4
 LENGTHS = (280, 320)  # output tokens: the stream goes on well after it no longer fits a prefill pool
 SETTINGS = dict(prefill_workers=2, decode_workers=2, restart_workers=True, num_kv_blocks=512,
-                prefill_engine={"num_kv_blocks": PREFILL_BLOCKS},
-                transfer={"backend": "collective", "timeout_s": 5, "op_timeout_s": 10, "checksums": True})
+                prefill_engine={"num_kv_blocks": PREFILL_BLOCKS})
+DEADLINES = {"timeout_s": 5, "op_timeout_s": 10, "checksums": True}
 
 
 @pytest.fixture(scope="module")
-def service_settings():
-    return SETTINGS
+def services(ray_cluster, tiny_model):
+    s = Services(tiny_model, SETTINGS, DEADLINES)
+    yield s
+    s.close()
+
+
+@pytest.fixture(params=backends("collective"))
+def service(services, request):
+    return services.get(request.param)
 
 
 @pytest.fixture(scope="module")
