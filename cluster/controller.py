@@ -160,6 +160,14 @@ class ClusterController:
     def stats(self) -> dict[str, dict]:
         return self.cluster.stats()
 
+    def add_worker(self, role: str) -> str:
+        """Start one more ``role`` ("prefill" or "decode") worker; its id, once listed."""
+        return self.cluster.add_worker(role)
+
+    def drain_worker(self, worker_id: str, timeout_s: float = 60.0) -> dict:
+        """Take a worker out of its pool without losing a request (``TandemCluster.drain_worker``)."""
+        return self.cluster.drain_worker(worker_id, timeout_s)
+
     def set_transfer(self, transfer: TransferConfig) -> None:
         """New transfer settings (deadlines, failure policy, faults) for the running
         workers and their future replacements; see ``TandemCluster.set_transfer``."""

@@ -8,6 +8,18 @@ dispatcher re-runs or fails the requests that were on it. KV transfer channels a
 per prefill-decode pair and made on first use, so a replacement needs nothing from
 the other workers.
 
+Pools change size while serving: ``add_worker`` starts one more worker of a role (in a
+bundle a removed worker left in its pool's group, else in a placement group of its
+own) and lists it once it is ready; ``drain_worker`` takes one out without losing a
+request. A draining worker is listed with ``draining`` set, so routers place nothing
+new on it (and a decode worker refuses reservations itself, for a router whose list is
+older); it finishes what it has up to a deadline, then it is killed and unlisted, and
+whatever it still had follows the dispatcher's re-run and migration rules. A worker's
+lifecycle::
+
+    add_worker ─▶ starting ─▶ listed ──drain_worker──▶ draining ──idle, or deadline──▶ removed
+                                 └──dies──▶ replaced in its bundle (health thread)
+
 Works on a local Ray (``ray.init(num_cpus=...)`` by the caller) or an existing
 cluster (``RAY_ADDRESS``).
 """
@@ -51,8 +63,15 @@ class _Slot:
 
     role: str
     index: int
+    pg: object = None  # the placement group holding its bundle
+    bundle: int = 0  # the bundle's index in ``pg``
     ref: WorkerRef | None = None
     pid: int | None = None
+
+
+def _idle(stats: dict) -> bool:
+    """A worker's stats say it holds no request and no block (cached prefixes are free)."""
+    return not (stats["num_running"] or stats["num_waiting"] or stats["num_swapped"] or stats["num_blocks_in_use"])
 
 
 def _forget_metrics(pid: int | None) -> None:
@@ -67,7 +86,10 @@ class TandemCluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self._slots: list[_Slot] = []
-        self._pgs: dict[str, object] = {}
+        self._pgs: dict[str, object] = {}  # each pool's group, as placed at start
+        self._own_pgs: list[object] = []  # groups of one bundle, for workers added past those
+        self._free: dict[str, list[tuple[object, int]]] = {}  # role -> pool bundles removed workers left
+        self._indices: dict[str, itertools.count] = {}  # role -> the next worker index
         self._names = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -126,7 +148,8 @@ class TandemCluster:
                     f"in all (are the worker pods scheduled and joined?). The start's placement "
                     f"groups are removed; the next start tries again"
                 )
-            self._slots.extend(_Slot(role, i) for i in range(count))
+            self._slots.extend(_Slot(role, i, pg, i) for i in range(count))
+            self._indices[role] = itertools.count(count)
 
     def _start_workers(self, deadline: float) -> None:
         for slot in self._slots:
@@ -156,10 +179,12 @@ class TandemCluster:
             if slot.ref is not None:
                 ray.kill(slot.ref.handle, no_restart=True)
                 _forget_metrics(slot.pid)
-        for pg in self._pgs.values():
+        for pg in [*self._pgs.values(), *self._own_pgs]:
             remove_placement_group(pg)
         self._slots.clear()
         self._pgs.clear()
+        self._own_pgs.clear()
+        self._free.clear()
 
     def _spawn(self, slot: _Slot) -> WorkerRef:
         cfg = self.config
@@ -182,7 +207,7 @@ class TandemCluster:
                 max_restarts=0,
                 max_concurrency=1000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pgs[slot.role], placement_group_bundle_index=slot.index
+                    placement_group=slot.pg, placement_group_bundle_index=slot.bundle
                 ),
             )
             .remote(
@@ -205,6 +230,94 @@ class TandemCluster:
             self.config = dataclasses.replace(self.config, transfer=transfer)
             ray.get([w.handle.set_transfer.remote(transfer) for w in self.workers()])
 
+    # -- elastic pools ---------------------------------------------------------
+
+    def _role_of(self, role: str) -> str:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        if self.config.colocated:
+            if role == "prefill":
+                raise ValueError("a colocated deployment has no prefill pool")
+            return "colocated"
+        return role
+
+    def add_worker(self, role: str, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Start one more ``role`` worker; returns its id once it is ready and listed.
+        Its bundle is one a removed worker left in the pool's group, else a group of its
+        own (``TimeoutError`` when the cluster cannot place it within ``timeout_s``)."""
+        role = self._role_of(role)
+        cfg = self.config
+        with self._lock:
+            free = self._free.get(role)
+            pg, bundle = free.pop() if free else (None, 0)
+            index = next(self._indices.setdefault(role, itertools.count()))
+        if pg is None:
+            resources = cfg.prefill_resources if role == "prefill" else cfg.decode_resources
+            pg = placement_group([resources.bundle()])
+            if not pg.wait(timeout_s):
+                remove_placement_group(pg)
+                raise TimeoutError(f"no room for one more {role} worker ({resources.bundle()}) "
+                                   f"within {timeout_s:g} s")
+            with self._lock:
+                self._own_pgs.append(pg)
+        slot = _Slot(role, index, pg, bundle)
+        try:
+            slot.ref = self._spawn(slot)
+            slot.pid = ray.get(slot.ref.handle.ready.remote(), timeout=timeout_s)["pid"]
+        except BaseException:
+            if slot.ref is not None:
+                ray.kill(slot.ref.handle, no_restart=True)
+            self._give_back(slot)
+            raise
+        with self._lock:
+            self._slots.append(slot)
+        log.info("added %s worker %s", role, slot.ref.worker_id)
+        return slot.ref.worker_id
+
+    def drain_worker(self, worker_id: str, timeout_s: float = 60.0, poll_s: float = 0.1) -> dict:
+        """Take worker ``worker_id`` out of its pool: listed as draining (nothing new is
+        placed on it), it finishes its requests and hand-offs for up to ``timeout_s``,
+        then it is killed and unlisted. Returns whether it went idle first
+        (``drained``) and how long it took. A pool keeps at least one decode worker."""
+        with self._lock:
+            slot = next((s for s in self._slots if s.ref is not None and s.ref.worker_id == worker_id), None)
+            if slot is None:
+                raise KeyError(f"no listed worker {worker_id!r}")
+            if slot.role != "prefill" and sum(s.role == slot.role for s in self._slots) == 1:
+                raise ValueError(f"{worker_id} is the last {slot.role} worker")
+            slot.ref = dataclasses.replace(slot.ref, draining=True)
+            handle = slot.ref.handle
+        t0 = time.monotonic()
+        drained = False
+        try:
+            ray.get(handle.drain.remote(), timeout=PING_TIMEOUT_S)
+            while time.monotonic() - t0 < timeout_s:
+                if _idle(ray.get(handle.stats.remote(), timeout=PING_TIMEOUT_S)):
+                    drained = True
+                    break
+                time.sleep(poll_s)
+        except (RayActorError, GetTimeoutError):
+            pass  # dead or hung: removed all the same
+        with self._lock:
+            self._slots.remove(slot)
+        ray.kill(handle, no_restart=True)
+        _forget_metrics(slot.pid)
+        self._give_back(slot)
+        seconds = time.monotonic() - t0
+        log.info("removed %s worker %s after %.1f s (%s)", slot.role, worker_id, seconds,
+                 "drained" if drained else f"not idle within {timeout_s:g} s: what it had moves on")
+        return {"worker_id": worker_id, "drained": drained, "seconds": seconds}
+
+    def _give_back(self, slot: _Slot) -> None:
+        """A removed worker's bundle: kept for the next added worker when it is in the
+        pool's group (a group cannot shrink), else its group is removed."""
+        with self._lock:
+            if slot.pg in self._own_pgs:
+                self._own_pgs.remove(slot.pg)
+                remove_placement_group(slot.pg)
+            elif slot.pg is not None:
+                self._free.setdefault(slot.role, []).append((slot.pg, slot.bundle))
+
     # -- health ----------------------------------------------------------------
 
     def check_health(self) -> list[str]:
@@ -212,6 +325,8 @@ class TandemCluster:
         with self._lock:
             dead = []
             for slot in self._slots:
+                if slot.ref.draining:  # on its way out: drain_worker removes it, dead or not
+                    continue
                 try:
                     ray.get(slot.ref.handle.ready.remote(), timeout=PING_TIMEOUT_S)
                 except (RayActorError, GetTimeoutError):

@@ -130,6 +130,8 @@ class DecodeWorker(WorkerBase):
     ) -> Reservation | None:
         if request_id in self.handoff:  # a quarantined read may outlive its request
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.draining:
+            return None  # no room here: the router places it elsewhere
         reserved = self.engine.add_remote_request(
             prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )

@@ -54,11 +54,17 @@ class WorkerBase:
         self.backend = as_paged(transfer.make_backend())
         self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
         self.layout = kv_layout(self.engine)
+        self.draining = False  # leaving its pool (``drain``)
 
     async def ready(self) -> dict:
         """Start the step thread; answers health checks with who this is."""
         self.runtime.start()
         return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
+
+    async def drain(self) -> None:
+        """This worker is leaving its pool: it finishes what it has and takes no new
+        reservation (a router with an older worker list places elsewhere)."""
+        self.draining = True
 
     async def set_transfer(self, transfer: TransferConfig) -> None:
         """Take new transfer settings (deadlines, failure policy, injected faults) without

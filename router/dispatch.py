@@ -90,6 +90,7 @@ class WorkerRef:
     worker_id: str
     handle: object  # a Ray actor handle
     incarnation: str = ""  # unique per actor: a replacement reuses worker_id, not this
+    draining: bool = False  # leaving its pool: nothing new is placed on it
 
     @property
     def key(self) -> str:
@@ -394,7 +395,9 @@ class Dispatcher:
     ) -> WorkerRef | None:
         """A decode worker with room; with an ``affinity``, its worker first. ``hashes``:
         the prompt's block hashes, to prefer a worker whose prefix cache holds its start."""
-        workers = [w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude]
+        workers = [
+            w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude and not w.draining
+        ]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_blocks.get(w.worker_id, 0) for w in workers]
         cap = self.config.max_running_per_decode
@@ -420,7 +423,7 @@ class Dispatcher:
     ) -> WorkerRef | None:
         """The prefill worker for ``prompt``; with an ``affinity``, its worker first.
         ``hashes``: the prompt's ``prefix_hashes`` when the caller has them already."""
-        workers = [w for w in self._prefill() if w.worker_id in self._loads]
+        workers = [w for w in self._prefill() if w.worker_id in self._loads and not w.draining]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_tokens.get(w.worker_id, 0) for w in workers]
         load_aware = self.config.placement != "round_robin"

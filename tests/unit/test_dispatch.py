@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from unittest import mock
 
+import pytest
+
 from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, request_of
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelServer, Notice, NoticeKind
@@ -787,3 +789,24 @@ def test_a_request_whose_decode_worker_hangs_before_taking_it_is_placed_elsewher
     hung, out = asyncio.run(main())
     assert hung.submitted == ["r0"], "the hung worker should have been tried first"
     assert out["r0"][-1].finished and out["r0"][-1].error is None, out["r0"]
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "load"])
+def test_nothing_new_is_placed_on_a_draining_worker_even_with_an_affinity_or_a_prefix_there(placement):
+    """A worker leaving its pool (``WorkerRef.draining``) is passed over by both
+    placements, also where an affinity or a cached prefix points at it."""
+    prefills = [WorkerRef("prefill-0", None, draining=True), WorkerRef("prefill-1", None)]
+    decodes = [WorkerRef("decode-0", None, draining=True), WorkerRef("decode-1", None)]
+    dispatcher = Dispatcher(lambda: prefills, lambda: decodes, DispatchConfig(placement=placement))
+    dispatcher._loads = {w.worker_id: PrefillLoad(w.worker_id, 0, 0, 0, 0, 0) for w in prefills}
+    dispatcher._loads |= {w.worker_id: DecodeLoad(w.worker_id, 100, 100, 0, 0, 0) for w in decodes}
+    hashes = dispatcher.prefix_hashes(list(range(64)))
+    dispatcher._prefixes.record("prefill-0", hashes)
+    dispatcher._decode_prefixes.record("decode-0", hashes)
+    for _ in range(4):
+        affinity = Affinity(decode="decode-0", prefill="prefill-0")
+        assert dispatcher._choose_decode(1, set(), affinity, hashes).worker_id == "decode-1"
+        assert dispatcher._choose_prefill(list(range(64)), affinity, hashes).worker_id == "prefill-1"
+    prefills[1] = WorkerRef("prefill-1", None, draining=True)
+    decodes[1] = WorkerRef("decode-1", None, draining=True)
+    assert dispatcher._choose_decode(1, set()) is None and dispatcher._choose_prefill([1] * 40) is None

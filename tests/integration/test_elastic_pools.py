@@ -1,0 +1,106 @@
+"""Pools that change size while serving: workers drained and added under a streaming load.
+
+A live service (1 prefill + 2 decode workers) streams greedy completions, 8 at a time,
+while the pools change: a decode worker drained while it streams (it finishes them), a
+prefill worker added and the old one drained while it has prompts queued, a decode worker
+drained with a deadline too short to finish (its streams move on by the migration rules),
+each pool topped up again after. Every request completes with the undisturbed text, none
+errors, and no worker keeps a block. ``TANDEM_DRAIN_CYCLES`` sets how many rounds of
+those three run (default 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+
+import httpx
+import ray
+
+from tests.chaos.streams import DEADLINE_S, Outcome, judge, model_name, one_stream, reference, until, workers
+
+CYCLES = int(os.environ.get("TANDEM_DRAIN_CYCLES", "1"))
+N = 48  # prompts, sent round and round while the pools change
+CONCURRENCY = 8
+
+
+def _workload(model: str):
+    rng = random.Random(3)
+    words = ["alpha", "beta", "gamma", "delta", "kv", "block", "stream", "token", "prefill", "decode"]
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([8, 30, 90]))) for _ in range(N)]
+    lengths = [rng.randint(24, 48) for _ in range(N)]
+    return reference(model, prompts, lengths)
+
+
+async def _load_while(url: str, model: str, workload, chaos) -> list[Outcome]:
+    """Stream the workload's prompts round and round, CONCURRENCY at a time, until
+    ``chaos(progress)`` is done; each outcome's index is its prompt's."""
+    prompts, lengths, _ = workload
+    progress, outcomes, sent = {"finished": 0}, [], itertools.count()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE_S, connect=10)) as client:
+        chaos_task = asyncio.create_task(chaos(progress))
+
+        async def worker():
+            while not chaos_task.done():
+                i = next(sent) % len(prompts)
+                outcomes.append(await one_stream(client, url, model, Outcome(i), prompts[i], lengths[i]))
+                progress["finished"] += 1
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        await chaos_task
+    return outcomes
+
+
+def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_model, metrics_dir):
+    from tests.helpers import metric_sum, running_service, scrape
+
+    workload = _workload(tiny_model)
+    settings = dict(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64})
+    before = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total")
+    with running_service(tiny_model, **settings) as svc:
+        controller = svc.controller
+        drains: list[dict] = []
+
+        async def call(method, *args):
+            return await asyncio.to_thread(ray.get, method.remote(*args))
+
+        async def busy(role: str):
+            """A worker of ``role`` with work in hand (decode: streaming), once it has some."""
+            found = {}
+
+            async def has_work():
+                prefill, decode = workers(svc)
+                pool = prefill if role == "prefill" else decode
+                loads = await asyncio.gather(*(w.handle.load.remote() for w in pool))
+                found["w"] = next((w for w, load in zip(pool, loads) if (
+                    load.running if role == "decode" else load.queued_prefill_tokens or load.running_chunks
+                )), None)
+                return found["w"] is not None
+
+            await until(has_work, f"a {role} worker with work")
+            return found["w"]
+
+        async def chaos(progress):
+            for _ in range(CYCLES):
+                victim = await busy("decode")  # streams in flight: it finishes them
+                drains.append(await call(controller.drain_worker, victim.worker_id, 60.0))
+                await call(controller.add_worker, "decode")
+                await call(controller.add_worker, "prefill")  # then the old one goes, prompts queued
+                victim = await busy("prefill")
+                drains.append(await call(controller.drain_worker, victim.worker_id, 60.0))
+                victim = await busy("decode")  # too short to finish: its streams move
+                drains.append({**await call(controller.drain_worker, victim.worker_id, 0.05), "short": True})
+                await call(controller.add_worker, "decode")
+
+        outcomes = asyncio.run(_load_while(svc.http_url, model_name(tiny_model), workload, chaos))
+        judge("workers drained and added", outcomes, workload, svc, may_fail=False, count=len(outcomes))
+        print(f"drains: {drains}")
+        assert len(drains) == 3 * CYCLES
+        assert all(d["drained"] for d in drains if not d.get("short")), drains
+        prefill, decode = workers(svc)
+        assert (len(prefill), len(decode)) == (1, 2), "each pool back at its size"
+        assert not any(w.draining for w in (*prefill, *decode))
+        moved = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total") - before
+        assert moved > 0, "the short drains should have left streams to move"
