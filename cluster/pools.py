@@ -174,17 +174,20 @@ class TandemCluster:
         self._release()
 
     def _release(self) -> None:
-        """Kill the workers and remove the placement groups, so they hold nothing."""
-        for slot in self._slots:
+        """Kill the workers and remove the placement groups, so they hold nothing (under
+        the lock: the health thread replaces no worker meanwhile, nor after a shutdown)."""
+        with self._lock:
+            slots, pgs = list(self._slots), [*self._pgs.values(), *self._own_pgs]
+            self._slots.clear()
+            self._pgs.clear()
+            self._own_pgs.clear()
+            self._free.clear()
+        for slot in slots:
             if slot.ref is not None:
                 ray.kill(slot.ref.handle, no_restart=True)
                 _forget_metrics(slot.pid)
-        for pg in [*self._pgs.values(), *self._own_pgs]:
+        for pg in pgs:
             remove_placement_group(pg)
-        self._slots.clear()
-        self._pgs.clear()
-        self._own_pgs.clear()
-        self._free.clear()
 
     def _spawn(self, slot: _Slot) -> WorkerRef:
         cfg = self.config
@@ -264,13 +267,15 @@ class TandemCluster:
         try:
             slot.ref = self._spawn(slot)
             slot.pid = ray.get(slot.ref.handle.ready.remote(), timeout=timeout_s)["pid"]
+            with self._lock:
+                if self._stop.is_set():
+                    raise RuntimeError("the pools are shutting down")
+                self._slots.append(slot)
         except BaseException:
             if slot.ref is not None:
                 ray.kill(slot.ref.handle, no_restart=True)
             self._give_back(slot)
             raise
-        with self._lock:
-            self._slots.append(slot)
         log.info("added %s worker %s", role, slot.ref.worker_id)
         return slot.ref.worker_id
 
@@ -315,24 +320,31 @@ class TandemCluster:
             if slot.pg in self._own_pgs:
                 self._own_pgs.remove(slot.pg)
                 remove_placement_group(slot.pg)
-            elif slot.pg is not None:
+            elif slot.pg is not None and not self._stop.is_set():
                 self._free.setdefault(slot.role, []).append((slot.pg, slot.bundle))
 
     # -- health ----------------------------------------------------------------
 
     def check_health(self) -> list[str]:
-        """Ping every worker; replace the dead ones. Returns the ids of replaced workers."""
+        """Ping every worker at once; replace those dead or silent past ``PING_TIMEOUT_S``
+        in their bundles. Returns the ids of the replacements. Nothing is replaced once
+        the pools are shutting down (their placement groups are going)."""
         with self._lock:
-            dead = []
-            for slot in self._slots:
-                if slot.ref.draining:  # on its way out: drain_worker removes it, dead or not
-                    continue
-                try:
-                    ray.get(slot.ref.handle.ready.remote(), timeout=PING_TIMEOUT_S)
-                except (RayActorError, GetTimeoutError):
-                    dead.append(slot)
-            if not dead:
+            live = [s for s in self._slots if s.ref is not None and not s.ref.draining]  # draining: drain_worker's
+        pings = [slot.ref.handle.ready.remote() for slot in live]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S) if pings else ([], [])
+        dead = []
+        for slot, ping in zip(live, pings):
+            try:
+                if ping not in answered:
+                    raise GetTimeoutError()
+                ray.get(ping)
+            except (RayActorError, GetTimeoutError):
+                dead.append(slot)
+        with self._lock:
+            if self._stop.is_set():
                 return []
+            dead = [s for s in dead if s in self._slots and not s.ref.draining]
             for slot in dead:
                 log.warning("worker %s is dead; starting a replacement", slot.ref.worker_id)
                 try:
@@ -340,20 +352,21 @@ class TandemCluster:
                 except Exception:  # already gone
                     pass
                 _forget_metrics(slot.pid)
-                slot.ref = None
-            for slot in dead:
                 slot.ref = self._spawn(slot)
-            infos = ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
-            for slot, info in zip(dead, infos):
-                slot.pid = info["pid"]
-            return [s.ref.worker_id for s in dead]
+        if not dead:
+            return []
+        infos = ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
+        for slot, info in zip(dead, infos):
+            slot.pid = info["pid"]
+        return [s.ref.worker_id for s in dead]
 
     def _watch(self) -> None:
         while not self._stop.wait(self.config.health_check_s):
             try:
                 self.check_health()
             except Exception:  # keep watching; the next round retries
-                log.exception("health check failed")
+                if not self._stop.is_set():  # a shutdown kills what a round was waiting for
+                    log.exception("health check failed")
 
     # -- introspection ---------------------------------------------------------
 

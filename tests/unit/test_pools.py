@@ -1,0 +1,76 @@
+"""The worker pools' health thread against a shutdown, without Ray (its calls are faked)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from ray.exceptions import RayActorError
+
+import cluster.pools as pools
+from cluster.config import ClusterConfig
+from router.dispatch import WorkerRef
+
+
+class _Ping:
+    """``handle.ready.remote()``: a ref the faked ``ray.wait`` / ``ray.get`` understand."""
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+
+
+class _Handle:
+    def __init__(self, worker: str) -> None:
+        self.ready = self
+        self.worker = worker
+
+    def remote(self) -> _Ping:
+        return _Ping(self.worker)
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    """A cluster of two decode workers; ``decode-1`` never answers a ping."""
+    c = pools.TandemCluster(ClusterConfig(prefill_workers=0, decode_workers=2))
+    c._pgs = {"colocated": "pg"}
+    c._slots = [pools._Slot("colocated", i, "pg", i, WorkerRef(f"decode-{i}", _Handle(f"decode-{i}")), pid=None)
+                for i in range(2)]
+    spawned: list[str] = []
+    monkeypatch.setattr(c, "_spawn", lambda slot: spawned.append(slot.ref) or WorkerRef("new", _Handle("new")))
+    monkeypatch.setattr(pools, "remove_placement_group", lambda pg: None)
+    monkeypatch.setattr(pools.ray, "kill", lambda handle, no_restart=True: None)
+
+    def get(ref, timeout=None):
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref.worker == "decode-1":
+            raise RayActorError()
+        return {"pid": 1}
+
+    monkeypatch.setattr(pools.ray, "get", get)
+    c.spawned = spawned
+    return c
+
+
+def test_a_dead_worker_is_replaced_in_its_bundle(cluster, monkeypatch):
+    monkeypatch.setattr(pools.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    assert cluster.check_health() == ["new"]
+    assert [s.ref.worker_id for s in cluster._slots] == ["decode-0", "new"]
+    assert cluster._slots[1].bundle == 1
+
+
+def test_a_shutdown_while_the_health_thread_pings_starts_no_replacement(cluster, monkeypatch):
+    """The health thread found a worker silent just as the pools were being shut down:
+    it must not start a replacement into a placement group that is gone (which failed
+    with a KeyError, or would leave an actor no one kills)."""
+
+    def wait(refs, num_returns, timeout):
+        stopper = threading.Thread(target=cluster.shutdown)
+        stopper.start()
+        stopper.join(0.2)  # the shutdown runs while this ping is out (it may wait for the health thread)
+        return [r for r in refs if r.worker != "decode-1"], []
+
+    monkeypatch.setattr(pools.ray, "wait", wait)
+    assert cluster.check_health() == []
+    assert cluster.spawned == [], "a replacement was started after the shutdown"
+    assert cluster._slots == [] and cluster._pgs == {}
