@@ -16,6 +16,12 @@ Example YAML::
     token_channel_host: 0.0.0.0   # where it listens (default 127.0.0.1: routers on the same node)
     channel: {heartbeat_s: 1, heartbeat_timeout_s: 10, reconnect_grace_s: 10}   # engine/token_channel.py
     start_timeout_s: 600      # placing the pools and loading the model, at most; then it fails
+    autoscaling:              # omitted: the pools keep the sizes above (cluster/autoscaler.py)
+      prefill: {min_workers: 1, max_workers: 4}
+      decode: {min_workers: 1, max_workers: 4}
+      slo: {ttft_ms: 1000, itl_ms: 50}
+      interval_s: 5
+      scale_down_delay_s: 30
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.autoscaler import AutoscalingConfig
 from engine.config import EngineConfig, check_at_least
 from engine.token_channel import ChannelConfig
 from kv_transfer.config import TransferConfig
@@ -86,6 +93,9 @@ class ClusterConfig:
     # e.g. GPU pods being scheduled) and loading the model. Past it the start removes
     # what it placed and fails; the next start tries again from nothing.
     start_timeout_s: float = 600.0
+    # The pools' control loop (cluster/elastic.py): None keeps the sizes above. The
+    # sizes above are where each pool starts, within the bounds.
+    autoscaling: AutoscalingConfig | None = None
 
     def __post_init__(self) -> None:
         check_at_least(self, prefill_workers=0, decode_workers=1, max_retries=0, max_migrations=0)
@@ -97,9 +107,22 @@ class ClusterConfig:
             raise ValueError(f"start_timeout_s must be > 0 seconds, got {self.start_timeout_s}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be a Ray strategy, got {self.placement_strategy!r}")
+        if self.autoscaling is not None:
+            self._check_autoscaling(self.autoscaling)
         # Build both engine configs now so that bad settings fail here, not in an actor.
         self.engine_config("prefill")
         self.engine_config("decode")
+
+    def _check_autoscaling(self, a: AutoscalingConfig) -> None:
+        pools = [("decode", self.decode_workers)] + ([] if self.colocated else [("prefill", self.prefill_workers)])
+        for role, n in pools:
+            bounds = a.bounds(role)
+            if not bounds.min_workers <= n <= bounds.max_workers:
+                raise ValueError(f"{role}_workers ({n}) must be within autoscaling.{role} "
+                                 f"[{bounds.min_workers}, {bounds.max_workers}]: it is where the pool starts")
+        if a.allow_role_switch:
+            raise ValueError("autoscaling.allow_role_switch: moving a warm worker between roles is not built yet; "
+                             "leave it false (the pools scale by starting and draining workers)")
 
     @property
     def colocated(self) -> bool:
@@ -141,6 +164,8 @@ class ClusterConfig:
             d["channel"] = ChannelConfig.from_dict(d["channel"])
         if isinstance(d.get("transfer"), dict):
             d["transfer"] = TransferConfig.from_dict(d["transfer"])
+        if isinstance(d.get("autoscaling"), dict):
+            d["autoscaling"] = AutoscalingConfig.from_dict(d["autoscaling"])
         return cls(**d)
 
     @classmethod

@@ -31,8 +31,10 @@ from concurrent.futures import Future
 import ray
 
 from cluster.config import ClusterConfig
+from cluster.elastic import PoolScaler
 from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
+from engine.metrics import PoolMetrics
 from kv_transfer.config import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class ClusterController:
         self._stop = threading.Event()
         self._start_lock = threading.Lock()
         self._started: Future | None = None  # the last start's outcome, or the one running
+        self.scaler: PoolScaler | None = None  # the pools' control loop, with ``autoscaling``
 
     def start(self) -> dict:
         """Start the pools and return the model's description. Idempotent (see the
@@ -111,6 +114,9 @@ class ClusterController:
             cluster.shutdown()
             raise
         self.cluster, self._model_info = cluster, model_info
+        if self.config.autoscaling is not None:
+            self.scaler = PoolScaler(cluster, self.config.autoscaling, PoolMetrics(model_info["name"]))
+            threading.Thread(target=self.scaler.run, args=(self._stop,), name="tandem-autoscaling", daemon=True).start()
         if self._exporters is not None:
             threading.Thread(target=self._sync_exporters, name="tandem-metrics-nodes", daemon=True).start()
         return model_info
@@ -167,6 +173,10 @@ class ClusterController:
     def drain_worker(self, worker_id: str, timeout_s: float = 60.0) -> dict:
         """Take a worker out of its pool without losing a request (``TandemCluster.drain_worker``)."""
         return self.cluster.drain_worker(worker_id, timeout_s)
+
+    def autoscaling(self) -> dict | None:
+        """The control loop's pending changes and latest decisions (None: pools of fixed size)."""
+        return None if self.scaler is None else self.scaler.status()
 
     def set_transfer(self, transfer: TransferConfig) -> None:
         """New transfer settings (deadlines, failure policy, faults) for the running

@@ -313,6 +313,32 @@ class TandemCluster:
                  "drained" if drained else f"not idle within {timeout_s:g} s: what it had moves on")
         return {"worker_id": worker_id, "drained": drained, "seconds": seconds}
 
+    def pool_state(self) -> dict[str, list[tuple[str, dict, object]]]:
+        """Per role ("prefill", "decode"; colocated workers count as decode), each listed
+        worker that is not draining: (its id, its engine stats, its load). A worker that
+        does not answer within ``PING_TIMEOUT_S`` is left out (the health thread sees to it)."""
+        with self._lock:
+            refs = [s.ref for s in self._slots if s.ref is not None and not s.ref.draining]
+        calls = [(w, w.handle.stats.remote(), w.handle.load.remote()) for w in refs]
+        state: dict[str, list] = {"decode": []} if self.config.colocated else {"prefill": [], "decode": []}
+        for w, stats, load in calls:
+            try:
+                answer = ray.get([stats, load], timeout=PING_TIMEOUT_S)
+            except (RayActorError, GetTimeoutError):
+                continue
+            state["prefill" if w.worker_id.startswith("prefill") else "decode"].append((w.worker_id, *answer))
+        return state
+
+    def least_busy(self, role: str) -> str:
+        """The listed, not draining ``role`` worker with the least work in hand."""
+        def work(load) -> int:
+            return load.queued_prefill_tokens + load.running_chunks if role == "prefill" else load.running + load.waiting
+
+        workers = self.pool_state().get(role) or []
+        if not workers:
+            raise LookupError(f"no {role} worker to remove")
+        return min(workers, key=lambda w: work(w[2]))[0]
+
     def _give_back(self, slot: _Slot) -> None:
         """A removed worker's bundle: kept for the next added worker when it is in the
         pool's group (a group cannot shrink), else its group is removed."""

@@ -87,6 +87,14 @@ STREAM_EVENTS = _counter(
 REQUEST_MIGRATIONS = _counter(
     "request_migrations", "Streams moved to another decode worker after theirs died mid-stream."
 )
+# The pools' control loop (cluster/elastic.py), in the cluster controller: per deployment and role.
+POOL_LABELS = ("model", "role")
+POOL_WORKERS = Gauge("tandem:pool_workers", "Workers listed in the pool, draining ones aside.", POOL_LABELS,
+                     **_GAUGE_MODE)
+POOL_TARGET_WORKERS = Gauge("tandem:pool_target_workers", "Workers the pool is heading for (listed, plus "
+                            "changes under way).", POOL_LABELS, **_GAUGE_MODE)
+SCALING_DECISIONS = Counter("tandem:scaling_decisions", "The control loop's decisions, by direction (up, down) "
+                            "and reason (slo, queue, idle, switch).", POOL_LABELS + ("direction", "reason"))
 
 
 class EngineMetrics:
@@ -199,6 +207,21 @@ class BatchedObserver:
         self._child._sum.inc(self._sum)
         self._sum = 0.0
         self._pending = 0
+
+
+class PoolMetrics:
+    """The control loop's view of each pool."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def on_pools(self, workers: dict[str, int], targets: dict[str, int]) -> None:
+        for role, n in workers.items():
+            POOL_WORKERS.labels(self.model, role).set(n)
+            POOL_TARGET_WORKERS.labels(self.model, role).set(targets[role])
+
+    def on_decision(self, role: str, direction: str, reason: str) -> None:
+        SCALING_DECISIONS.labels(self.model, role, direction, reason).inc()
 
 
 class RouterMetrics:

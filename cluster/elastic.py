@@ -1,0 +1,149 @@
+"""The pools' control loop: observe each role, ask the policy, carry out its decisions.
+
+Every ``autoscaling.interval_s`` the cluster controller's loop reads each listed
+worker's load and engine counters, turns them into one ``RoleObservation`` per role,
+and hands those to ``cluster.autoscaler.Autoscaler``; a decision to add starts a worker
+(``TandemCluster.add_worker``), one to remove drains the role's least busy worker
+(``drain_worker``, ``autoscaling.drain_timeout_s``). Each runs on a thread of its own
+and counts as pending for its role until it is done, so the next rounds wait for it.
+
+What stands for each role's latency, measured on the workers over the last interval
+(the router's own TTFT and ITL histograms are exported, not read back here):
+
+- prefill: the time its queue takes to clear, at the rate it prefilled: queued prompt
+  tokens per worker over prompt tokens prefilled per second a worker;
+- decode: the mean model-runner time of a step, which every running request waits for
+  each token (the fullest worker's KV use and requests waiting for blocks beside it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from cluster.autoscaler import AutoscalingConfig, Autoscaler, Decision, RoleObservation
+
+log = logging.getLogger(__name__)
+
+
+class PoolScaler:
+    """``cluster``: a ``TandemCluster`` (or anything with its ``pool_state``,
+    ``add_worker`` and ``drain_worker``); ``metrics``: an ``engine.metrics.PoolMetrics``."""
+
+    def __init__(self, cluster, config: AutoscalingConfig, metrics=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.cluster = cluster
+        self.config = config
+        self.policy = Autoscaler(config)
+        self.metrics = metrics
+        self.clock = clock
+        self.decisions: deque[tuple[float, Decision]] = deque(maxlen=32)  # the latest, for status
+        self._pending = {"prefill": 0, "decode": 0}
+        self._before: dict[str, tuple[float, dict]] = {}  # worker id -> (time, counters) last round
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- observing ---------------------------------------------------------------
+
+    def observe(self, now: float) -> dict[str, RoleObservation]:
+        """Each role's observation from the workers' state now and at the last round."""
+        state = self.cluster.pool_state()  # role -> [(worker id, engine stats, load)]: listed, not draining
+        before, self._before = self._before, {}
+        seen = {}
+        for role, workers in state.items():
+            queued = kv = 0.0
+            rates, step_s = [], []
+            for wid, stats, load in workers:
+                now_counts = {"prompt": stats["prompt_tokens"], "steps": stats["num_steps"],
+                              "forward": stats["forward_s"], "queued": getattr(load, "queued_prefill_tokens", 0)}
+                self._before[wid] = (now, now_counts)
+                if role == "prefill":
+                    queued += load.queued_prefill_tokens
+                else:
+                    queued += load.waiting
+                    kv = max(kv, 1 - load.free_blocks / max(1, load.total_blocks))
+                if wid not in before:
+                    continue  # rates need a round before
+                then, counts = before[wid]
+                if role == "prefill" and now > then:  # prompt tokens taken in, less what still waits
+                    done = now_counts["prompt"] - counts["prompt"] - (now_counts["queued"] - counts["queued"])
+                    rates.append(max(0.0, done) / (now - then))
+                elif role != "prefill" and now_counts["steps"] > counts["steps"]:
+                    step_s.append((now_counts["forward"] - counts["forward"]) / (now_counts["steps"] - counts["steps"]))
+            n = max(1, len(workers))
+            latency = None
+            if role == "prefill" and queued and rates:  # the first round has no rate yet
+                rate = sum(rates) / len(rates)
+                latency = 1e3 * (queued / n) / rate if rate > 0 else float("inf")  # queued, and none prefilled
+            elif role != "prefill" and step_s:
+                latency = 1e3 * max(step_s)
+            with self._lock:
+                pending = self._pending[role]
+            seen[role] = RoleObservation(len(workers), pending, latency, queued / n if role == "prefill" else queued, kv)
+        return seen
+
+    # -- deciding and acting -----------------------------------------------------
+
+    def step(self, now: float | None = None) -> list[Decision]:
+        """One round: observe, decide, start what was decided."""
+        now = self.clock() if now is None else now
+        seen = self.observe(now)
+        decisions = self.policy.decide(seen, now)
+        for d in decisions:
+            log.info("autoscaling: %s a %s worker: %s", d.action, d.role, d.reason)
+            self.decisions.append((now, d))
+            self._act(d, seen)
+        if self.metrics is not None:
+            with self._lock:
+                targets = {r: seen[r].workers + self._pending[r] for r in seen}
+            self.metrics.on_pools({r: o.workers for r, o in seen.items()}, targets)
+        return decisions
+
+    def _act(self, d: Decision, seen: dict[str, RoleObservation]) -> None:
+        if d.action == "add":
+            self._background(d.role, +1, lambda: self.cluster.add_worker(d.role))
+        elif d.action == "remove":
+            victim = self.cluster.least_busy(d.role)
+            self._background(d.role, -1, lambda: self.cluster.drain_worker(victim, self.config.drain_timeout_s))
+        else:  # switch: warm role switching is not built (ClusterConfig refuses allow_role_switch)
+            raise ValueError(f"cannot carry out {d}")
+        if self.metrics is not None:
+            self.metrics.on_decision(d.role, "up" if d.action == "add" else "down", d.cause)
+
+    def _background(self, role: str, change: int, fn: Callable[[], object]) -> None:
+        with self._lock:
+            self._pending[role] += 1
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # the next rounds see the pool as it is and decide again
+                log.exception("autoscaling: %s a %s worker failed", "adding" if change > 0 else "removing", role)
+            finally:
+                with self._lock:
+                    self._pending[role] -= 1
+
+        thread = threading.Thread(target=run, name=f"tandem-scale-{role}", daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def run(self, stop: threading.Event) -> None:
+        """Rounds every ``interval_s`` until ``stop``; then waits for the changes under way."""
+        while not stop.wait(self.config.interval_s):
+            try:
+                self.step()
+            except Exception:  # a worker answering late, say: the next round tries again
+                log.exception("autoscaling round failed")
+        for thread in self._threads:
+            thread.join()
+
+    def status(self) -> dict:
+        """Pending changes per role and the latest decisions, for ``tandem status``."""
+        with self._lock:
+            pending = dict(self._pending)
+        return {"pending": pending, "decisions": [
+            {"at": at, "action": d.action, "role": d.role, "reason": d.reason} for at, d in self.decisions
+        ]}

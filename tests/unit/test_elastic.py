@@ -1,0 +1,88 @@
+"""The pools' control loop against a fake cluster: what it observes and what it starts."""
+
+from __future__ import annotations
+
+import threading
+
+from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
+from cluster.elastic import PoolScaler
+from engine.messages import DecodeLoad, PrefillLoad
+
+CONFIG = AutoscalingConfig(prefill=PoolBounds(1, 2), decode=PoolBounds(1, 2), slo=SLO(ttft_ms=1000, itl_ms=50),
+                           interval_s=5, scale_down_delay_s=10)  # fmt: skip
+
+
+def _stats(prompt_tokens=0, num_steps=0, forward_s=0.0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "num_steps": num_steps, "forward_s": forward_s}
+
+
+class FakeCluster:
+    def __init__(self) -> None:
+        self.prefill = [("prefill-0", _stats(), PrefillLoad("prefill-0", 0, 0, 0, 0, 0))]
+        self.decode = [("decode-0", _stats(), DecodeLoad("decode-0", 100, 100, 0, 0, 0)),
+                       ("decode-1", _stats(), DecodeLoad("decode-1", 100, 100, 1, 0, 0))]
+        self.added: list[str] = []
+        self.drained: list[tuple[str, float]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def pool_state(self):
+        return {"prefill": list(self.prefill), "decode": list(self.decode)}
+
+    def add_worker(self, role):
+        self.release.wait(5)
+        self.added.append(role)
+
+    def least_busy(self, role):
+        return min(getattr(self, role), key=lambda w: w[2].running if role == "decode" else 0)[0]
+
+    def drain_worker(self, worker_id, timeout_s):
+        self.drained.append((worker_id, timeout_s))
+
+
+def _settle(scaler: PoolScaler) -> None:
+    for thread in scaler._threads:
+        thread.join(5)
+
+
+def test_a_prefill_queue_that_clears_slower_than_the_ttft_slo_adds_a_prefill_worker():
+    cluster = FakeCluster()
+    scaler = PoolScaler(cluster, CONFIG)
+    cluster.prefill = [("prefill-0", _stats(prompt_tokens=1000), PrefillLoad("prefill-0", 4000, 1, 3, 0, 0))]
+    assert scaler.step(0.0) == [], "the first round has no rate to judge the queue by"
+    # 5 s later: 2000 more prompt tokens taken in, the queue grew by 1000: 200 tokens/s prefilled,
+    # 5000 queued: 25 s to clear, against a 1 s TTFT.
+    cluster.prefill = [("prefill-0", _stats(prompt_tokens=3000), PrefillLoad("prefill-0", 5000, 1, 3, 0, 0))]
+    seen = scaler.observe(5.0)
+    assert seen["prefill"].latency_ms == 25_000 and seen["prefill"].queued == 5000
+    decisions = scaler.step(10.0)
+    _settle(scaler)
+    assert [(d.action, d.role, d.cause) for d in decisions if d.role == "prefill"] == [("add", "prefill", "slo")]
+    assert cluster.added == ["prefill"]
+
+
+def test_decode_steps_slower_than_the_itl_slo_add_one_decode_worker_and_wait_for_it():
+    cluster = FakeCluster()
+    cluster.decode = cluster.decode[:1]
+    scaler = PoolScaler(cluster, CONFIG)
+    scaler.step(0.0)
+    cluster.decode = [("decode-0", _stats(num_steps=100, forward_s=8.0), DecodeLoad("decode-0", 10, 100, 30, 0, 0))]
+    cluster.release.clear()  # the new worker takes its time to start
+    decisions = scaler.step(5.0)
+    assert [(d.action, d.role) for d in decisions] == [("add", "decode")]
+    assert scaler.observe(10.0)["decode"].pending == 1
+    cluster.decode = [("decode-0", _stats(num_steps=200, forward_s=16.0), DecodeLoad("decode-0", 10, 100, 30, 0, 0))]
+    assert scaler.step(10.0) == [], "nothing more for a role while a change of it is under way"
+    cluster.release.set()
+    _settle(scaler)
+    assert cluster.added == ["decode"] and scaler.status()["pending"] == {"prefill": 0, "decode": 0}
+
+
+def test_an_idle_decode_pool_drains_its_least_busy_worker_after_the_delay():
+    cluster = FakeCluster()
+    scaler = PoolScaler(cluster, CONFIG)
+    decisions = [d for t in range(0, 20, 5) for d in scaler.step(float(t))]
+    _settle(scaler)
+    assert [(d.action, d.role, d.cause) for d in decisions] == [("remove", "decode", "idle")]
+    assert cluster.drained == [("decode-0", CONFIG.drain_timeout_s)], "decode-1 still runs a request"
+    assert [d["action"] for d in scaler.status()["decisions"]] == ["remove"]
