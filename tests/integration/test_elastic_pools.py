@@ -104,3 +104,46 @@ def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_
         assert not any(w.draining for w in (*prefill, *decode))
         moved = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total") - before
         assert moved > 0, "the short drains should have left streams to move"
+
+
+def test_the_control_loop_scales_decode_out_under_load_and_back_in_once_it_stops(ray_cluster, tiny_model, metrics_dir):
+    """``autoscaling:`` on a live service: an ITL target no step can meet presses the
+    decode pool while requests stream (one more worker, then it is at its maximum), and
+    once they stop the idle pool gives the worker back after ``scale_down_delay_s``.
+    Every request completes with the undisturbed text; the decisions show in the
+    controller's status and the metrics."""
+    from tests.helpers import PATIENCE_S, metric_sum, running_service, scrape, wait_for
+
+    workload = _workload(tiny_model)
+    autoscaling = {"prefill": {"min_workers": 1, "max_workers": 1}, "decode": {"min_workers": 1, "max_workers": 2},
+                   "slo": {"ttft_ms": 60_000, "itl_ms": 0.01}, "interval_s": 0.5, "scale_down_delay_s": 2}
+    settings = dict(prefill_workers=1, decode_workers=1, autoscaling=autoscaling,
+                    engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64})  # fmt: skip
+
+    def decisions(direction: str) -> float:
+        return metric_sum(scrape(metrics_dir), "tandem:scaling_decisions_total", role="decode", direction=direction)
+
+    up, down = decisions("up"), decisions("down")
+    with running_service(tiny_model, **settings) as svc:
+        async def chaos(progress):
+            await until(lambda: _decode_pool(svc, 2), "the decode pool scaled out to 2")
+            served = progress["finished"]
+            await until(lambda: _at_least(progress, served + CONCURRENCY), "requests served by the larger pool")
+
+        outcomes = asyncio.run(_load_while(svc.http_url, model_name(tiny_model), workload, chaos))
+        judge("decode scaled out and in", outcomes, workload, svc, may_fail=False, count=len(outcomes))
+        wait_for(lambda: len(workers(svc)[1]) == 1, PATIENCE_S, "the idle decode pool back at its minimum")
+        status = ray.get(svc.controller.autoscaling.remote())
+        made = [(d["action"], d["role"]) for d in status["decisions"]]
+        # (The judge's last request may press the pool once more: every step misses this SLO.)
+        assert made[0] == ("add", "decode") and ("remove", "decode") in made[1:], status["decisions"]
+        assert {role for _, role in made} == {"decode"}, "the prefill pool is at its only size"
+    assert decisions("up") - up >= 1 and decisions("down") - down >= 1
+
+
+async def _decode_pool(svc, n: int) -> bool:
+    return len((await svc.controller.workers.remote())[1]) == n
+
+
+async def _at_least(progress: dict, n: int) -> bool:
+    return progress["finished"] >= n
