@@ -20,6 +20,7 @@ shows them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -121,21 +122,26 @@ async def one_stream(
     return out
 
 
-async def run_load(url: str, model: str, workload, chaos, count: int, concurrency: int) -> list[Outcome]:
+async def run_load(url: str, model: str, workload, chaos, count: int | None, concurrency: int) -> list[Outcome]:
     """Run the workload's first ``count`` requests ``concurrency`` at a time while
-    ``chaos(progress)`` runs beside them. ``progress``: "finished" (a count),
-    "outcomes" (those finished) and "live" (index -> the Outcome of each request in
-    flight, filled as its chunks arrive)."""
+    ``chaos(progress)`` runs beside them. With ``count`` None, its prompts go round and
+    round until the chaos is done, then those in flight finish: a chaos that waits for
+    the service to reach some state never runs out of load first (on a slow machine it
+    did). Each outcome's index is its prompt's. ``progress``: "finished" (a count),
+    "outcomes" (those finished) and "live" (request number -> the Outcome of each
+    request in flight, filled as its chunks arrive)."""
     prompts, lengths, _ = workload
     progress = {"finished": 0, "outcomes": [], "live": {}}
-    queue = list(range(count))
+    sent = itertools.count()
 
     async def worker(client):
-        while queue:
-            i = queue.pop(0)
-            o = progress["live"][i] = Outcome(i)
-            await one_stream(client, url, model, o, prompts[i], lengths[i])
-            del progress["live"][i]
+        while True:
+            n = next(sent)
+            if chaos_task.done() if count is None else n >= count:
+                return
+            o = progress["live"][n] = Outcome(n % len(prompts))
+            await one_stream(client, url, model, o, prompts[o.index], lengths[o.index])
+            del progress["live"][n]
             progress["outcomes"].append(o)
             progress["finished"] += 1
 

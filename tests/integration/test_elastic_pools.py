@@ -12,14 +12,12 @@ those three run (default 1).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import random
 
-import httpx
 import ray
 
-from tests.chaos.streams import DEADLINE_S, Outcome, judge, model_name, one_stream, reference, until, workers
+from tests.chaos.streams import judge, model_name, reference, run_load, until, workers
 
 CYCLES = int(os.environ.get("TANDEM_DRAIN_CYCLES", "1"))
 N = 48  # prompts, sent round and round while the pools change
@@ -32,25 +30,6 @@ def _workload(model: str):
     prompts = [" ".join(rng.choice(words) for _ in range(rng.choice([8, 30, 90]))) for _ in range(N)]
     lengths = [rng.randint(24, 48) for _ in range(N)]
     return reference(model, prompts, lengths)
-
-
-async def _load_while(url: str, model: str, workload, chaos) -> list[Outcome]:
-    """Stream the workload's prompts round and round, CONCURRENCY at a time, until
-    ``chaos(progress)`` is done; each outcome's index is its prompt's."""
-    prompts, lengths, _ = workload
-    progress, outcomes, sent = {"finished": 0}, [], itertools.count()
-    async with httpx.AsyncClient(timeout=httpx.Timeout(DEADLINE_S, connect=10)) as client:
-        chaos_task = asyncio.create_task(chaos(progress))
-
-        async def worker():
-            while not chaos_task.done():
-                i = next(sent) % len(prompts)
-                outcomes.append(await one_stream(client, url, model, Outcome(i), prompts[i], lengths[i]))
-                progress["finished"] += 1
-
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-        await chaos_task
-    return outcomes
 
 
 def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_model, metrics_dir):
@@ -94,7 +73,7 @@ def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_
                 drains.append({**await call(controller.drain_worker, victim.worker_id, 0.05), "short": True})
                 await call(controller.add_worker, "decode")
 
-        outcomes = asyncio.run(_load_while(svc.http_url, model_name(tiny_model), workload, chaos))
+        outcomes = asyncio.run(run_load(svc.http_url, model_name(tiny_model), workload, chaos, None, CONCURRENCY))
         judge("workers drained and added", outcomes, workload, svc, may_fail=False, count=len(outcomes))
         print(f"drains: {drains}")
         assert len(drains) == 3 * CYCLES
@@ -130,7 +109,7 @@ def test_the_control_loop_scales_decode_out_under_load_and_back_in_once_it_stops
             served = progress["finished"]
             await until(lambda: _at_least(progress, served + CONCURRENCY), "requests served by the larger pool")
 
-        outcomes = asyncio.run(_load_while(svc.http_url, model_name(tiny_model), workload, chaos))
+        outcomes = asyncio.run(run_load(svc.http_url, model_name(tiny_model), workload, chaos, None, CONCURRENCY))
         judge("decode scaled out and in", outcomes, workload, svc, may_fail=False, count=len(outcomes))
         wait_for(lambda: len(workers(svc)[1]) == 1, PATIENCE_S, "the idle decode pool back at its minimum")
         status = ray.get(svc.controller.autoscaling.remote())
