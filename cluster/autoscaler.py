@@ -74,8 +74,9 @@ class AutoscalingConfig:
             raise ValueError(f"autoscaling.low_water must be in (0, 1), got {self.low_water}")
         if not 0 < self.kv_full <= 1:
             raise ValueError(f"autoscaling.kv_full must be in (0, 1], got {self.kv_full}")
-        if self.decode.min_workers < 1:
-            raise ValueError("autoscaling.decode.min_workers must be >= 1: decode workers run every request")
+        for role in ROLES:  # an empty pool shows no load to scale it back up by
+            if self.bounds(role).min_workers < 1:
+                raise ValueError(f"autoscaling.{role}.min_workers must be >= 1, got {self.bounds(role).min_workers}")
 
     def bounds(self, role: str) -> PoolBounds:
         return self.prefill if role == "prefill" else self.decode

@@ -138,14 +138,15 @@ def test_a_load_ramp_scales_out_to_the_maximum_and_back_in_without_flapping():
 
 
 def test_settings_are_checked_where_they_are_read():
-    cfg = AutoscalingConfig.from_dict({"prefill": {"min_workers": 0, "max_workers": 4}, "slo": {"itl_ms": 30}})
-    assert cfg.prefill == PoolBounds(0, 4) and cfg.slo.itl_ms == 30 and cfg.decode == PoolBounds(1, 1)
+    cfg = AutoscalingConfig.from_dict({"prefill": {"min_workers": 2, "max_workers": 4}, "slo": {"itl_ms": 30}})
+    assert cfg.prefill == PoolBounds(2, 4) and cfg.slo.itl_ms == 30 and cfg.decode == PoolBounds(1, 1)
     with pytest.raises(ValueError, match="unknown autoscaling settings"):
         AutoscalingConfig.from_dict({"intervals": 3})
     with pytest.raises(ValueError, match="min_workers <= max_workers"):
         PoolBounds(3, 2)
-    with pytest.raises(ValueError, match="decode.min_workers must be >= 1"):
-        AutoscalingConfig(decode=PoolBounds(0, 2))
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=f"{role}.min_workers must be >= 1"):
+            AutoscalingConfig(**{role: PoolBounds(0, 2)})
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         AutoscalingConfig(interval_s=0)
 
