@@ -105,8 +105,10 @@ class DecodeWorker(WorkerBase):
         )
 
     async def stats(self) -> dict:
+        with self._handoff_lock:
+            records = {rid: r.state.name for rid, r in self.handoff.records.items()}
         return {**await super().stats(), "transfer_failures": self.num_transfer_failures,
-                "streams": dict(self._streams), "subscribers_cut_off": self.num_cut_off}
+                "streams": dict(self._streams), "subscribers_cut_off": self.num_cut_off, "handoffs": records}
 
     # -- disaggregated requests ------------------------------------------------
 

@@ -80,6 +80,7 @@ class WorkerBase:
     async def stats(self) -> dict:
         stats = (await self.runtime.call(self.engine.stats)).__dict__
         stats["transfer"] = self.backend.stats.as_dict()
+        stats["held"] = await self.runtime.call(lambda: sorted(self.engine.scheduler.held))  # kept for a reader
         return stats
 
     async def abort(self, request_id: str) -> None:

@@ -184,8 +184,14 @@ def judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool, cou
             continue
         assert may_fail, f"request {o.index} failed where it could have been re-run: {o.error}"
         assert o.chunks > 0, f"request {o.index} failed before any token reached it (re-runnable): {o.error}"
-    assert leaked == 0, f"{leaked} KV blocks still in use"
+    assert leaked == 0, f"{leaked} KV blocks still in use: {holders(svc)}"
     assert_serves(svc)
+
+
+def holders(svc) -> dict:
+    """Per worker holding blocks: what its engine and hand-off records hold (for a failure message)."""
+    keys = ("num_blocks_in_use", "num_running", "num_waiting", "num_swapped", "handoffs", "held")
+    return {wid: {k: s[k] for k in keys if k in s} for wid, s in svc.stats().items() if s["num_blocks_in_use"]}
 
 
 def blocks_after(svc, within_s: float = 60.0) -> int:

@@ -15,7 +15,8 @@ The verdict (``tests/chaos/streams.py``): every stream ends with the undisturbed
 text, or with an error that names the bound it ran past (``max_retries`` or
 ``max_migrations``); none hangs; afterwards every worker, survivors and replacements,
 holds no KV blocks, and the service answers. Beside it: the kills moved streams, and the
-prefill workers' prefix caches were hit. One service per paged transfer backend.
+prefill workers' prefix caches were hit. A test run uses the collective backend;
+``scripts/chaos`` runs it on every backend.
 
     .venv/bin/python -m pytest -q -s tests/chaos/test_prefix_migration.py
 """
@@ -29,7 +30,7 @@ import time
 import pytest
 import ray
 
-from tests.chaos.streams import NEEDS_NIXL, Services, judge, kill, model_name, reference, run_load, until, workers
+from tests.chaos.streams import Services, backends, judge, kill, model_name, reference, run_load, until, workers
 
 N = 32
 CONCURRENCY = 8
@@ -64,7 +65,7 @@ def services(ray_cluster, tiny_model):
     s.close()
 
 
-@pytest.fixture(params=["collective", pytest.param("nixl", marks=NEEDS_NIXL)])
+@pytest.fixture(params=backends("collective"))
 def paged_service(services, request):
     return services.get(request.param, faults={"delay_s": RECEIVE_DELAY_S})
 
