@@ -296,9 +296,11 @@ class TandemCluster:
         drained = False
         try:
             ray.get(handle.drain.remote(), timeout=PING_TIMEOUT_S)
-            while time.monotonic() - t0 < timeout_s:
+            while True:  # looked at once at least, however short the deadline
                 if _idle(ray.get(handle.stats.remote(), timeout=PING_TIMEOUT_S)):
                     drained = True
+                    break
+                if time.monotonic() - t0 >= timeout_s:
                     break
                 time.sleep(poll_s)
         except (RayActorError, GetTimeoutError):

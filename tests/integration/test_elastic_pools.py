@@ -3,7 +3,8 @@
 A live service (1 prefill + 2 decode workers) streams greedy completions, 8 at a time,
 while the pools change: a decode worker drained while it streams (it finishes them), a
 prefill worker added and the old one drained while it has prompts queued, a decode worker
-drained with a deadline too short to finish (its streams move on by the migration rules),
+drained with a deadline too short to finish (what it had moves on by the re-run and
+migration rules),
 each pool topped up again after. Every request completes with the undisturbed text, none
 errors, and no worker keeps a block. ``TANDEM_DRAIN_CYCLES`` sets how many rounds of
 those three run (default 1).
@@ -32,12 +33,11 @@ def _workload(model: str):
     return reference(model, prompts, lengths)
 
 
-def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_model, metrics_dir):
-    from tests.helpers import metric_sum, running_service, scrape
+def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_model):
+    from tests.helpers import running_service
 
     workload = _workload(tiny_model)
     settings = dict(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64})
-    before = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total")
     with running_service(tiny_model, **settings) as svc:
         controller = svc.controller
         drains: list[dict] = []
@@ -81,8 +81,6 @@ def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_
         prefill, decode = workers(svc)
         assert (len(prefill), len(decode)) == (1, 2), "each pool back at its size"
         assert not any(w.draining for w in (*prefill, *decode))
-        moved = metric_sum(scrape(metrics_dir), "tandem:request_migrations_total") - before
-        assert moved > 0, "the short drains should have left streams to move"
 
 
 def test_the_control_loop_scales_decode_out_under_load_and_back_in_once_it_stops(ray_cluster, tiny_model, metrics_dir):
