@@ -43,6 +43,7 @@ class PoolScaler:
         self.decisions: deque[tuple[float, Decision]] = deque(maxlen=32)  # the latest, for status
         self._pending = {"prefill": 0, "decode": 0}
         self._before: dict[str, tuple[float, dict]] = {}  # worker id -> (time, counters) last round
+        self._state: dict[str, list] = {}  # the pools as the last round saw them
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -50,7 +51,7 @@ class PoolScaler:
 
     def observe(self, now: float) -> dict[str, RoleObservation]:
         """Each role's observation from the workers' state now and at the last round."""
-        state = self.cluster.pool_state()  # role -> [(worker id, engine stats, load)]: listed, not draining
+        state = self._state = self.cluster.pool_state()  # role -> [(id, stats, load)]: listed, not draining
         before, self._before = self._before, {}
         seen = {}
         for role, workers in state.items():
@@ -95,18 +96,25 @@ class PoolScaler:
         for d in decisions:
             log.info("autoscaling: %s a %s worker: %s", d.action, d.role, d.reason)
             self.decisions.append((now, d))
-            self._act(d, seen)
+            self._act(d)
         if self.metrics is not None:
             with self._lock:
                 targets = {r: seen[r].workers + self._pending[r] for r in seen}
             self.metrics.on_pools({r: o.workers for r, o in seen.items()}, targets)
         return decisions
 
-    def _act(self, d: Decision, seen: dict[str, RoleObservation]) -> None:
+    def _least_busy(self, role: str) -> str:
+        """The ``role`` worker with the least work in hand, as this round saw it."""
+        def work(load) -> int:
+            return load.queued_prefill_tokens + load.running_chunks if role == "prefill" else load.running + load.waiting
+
+        return min(self._state[role], key=lambda w: work(w[2]))[0]
+
+    def _act(self, d: Decision) -> None:
         if d.action == "add":
             self._background(d.role, +1, lambda: self.cluster.add_worker(d.role))
         elif d.action == "remove":
-            victim = self.cluster.least_busy(d.role)
+            victim = self._least_busy(d.role)
             self._background(d.role, -1, lambda: self.cluster.drain_worker(victim, self.config.drain_timeout_s))
         else:  # switch: warm role switching is not built (ClusterConfig refuses allow_role_switch)
             raise ValueError(f"cannot carry out {d}")

@@ -331,16 +331,6 @@ class TandemCluster:
             state["prefill" if w.worker_id.startswith("prefill") else "decode"].append((w.worker_id, *answer))
         return state
 
-    def least_busy(self, role: str) -> str:
-        """The listed, not draining ``role`` worker with the least work in hand."""
-        def work(load) -> int:
-            return load.queued_prefill_tokens + load.running_chunks if role == "prefill" else load.running + load.waiting
-
-        workers = self.pool_state().get(role) or []
-        if not workers:
-            raise LookupError(f"no {role} worker to remove")
-        return min(workers, key=lambda w: work(w[2]))[0]
-
     def _give_back(self, slot: _Slot) -> None:
         """A removed worker's bundle: kept for the next added worker when it is in the
         pool's group (a group cannot shrink), else its group is removed."""

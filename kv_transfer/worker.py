@@ -78,9 +78,11 @@ class WorkerBase:
         return await self.runtime.call(self._load)
 
     async def stats(self) -> dict:
-        stats = (await self.runtime.call(self.engine.stats)).__dict__
+        def engine_stats() -> dict:  # one call on the step thread
+            return {**self.engine.stats().__dict__, "held": sorted(self.engine.scheduler.held)}  # held: for a reader
+
+        stats = await self.runtime.call(engine_stats)
         stats["transfer"] = self.backend.stats.as_dict()
-        stats["held"] = await self.runtime.call(lambda: sorted(self.engine.scheduler.held))  # kept for a reader
         return stats
 
     async def abort(self, request_id: str) -> None:

@@ -218,6 +218,18 @@ def assert_serves(svc) -> None:
     assert r.json()["usage"]["completion_tokens"] == 4
 
 
+def services_fixture(settings: dict, deadlines: dict):
+    """A module's ``services`` fixture: one ``Services`` of these settings, closed at the end."""
+
+    @pytest.fixture(scope="module")
+    def services(ray_cluster, tiny_model):
+        s = Services(tiny_model, settings, deadlines)
+        yield s
+        s.close()
+
+    return services
+
+
 def workers(svc) -> tuple[list, list]:
     """The service's (prefill, decode) ``WorkerRef``s, as the controller lists them now."""
     return ray.get(svc.controller.workers.remote())

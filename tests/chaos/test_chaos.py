@@ -32,7 +32,7 @@ import pytest
 import ray
 
 from tests.chaos.streams import (
-    ALL_BACKENDS, Outcome, Services, backends, judge, kill, model_name, reference, run_load, until, workers,
+    ALL_BACKENDS, Outcome, backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers,
 )
 
 N = 40  # requests per scenario (the first N_TRANSFER of them where every transfer is slowed or broken)
@@ -72,11 +72,7 @@ def _judge(name: str, outcomes: list[Outcome], workload, svc, may_fail: bool, co
 # ------------------------------------------------------------------ workers die
 
 
-@pytest.fixture(scope="module")
-def services(ray_cluster, tiny_model):
-    s = Services(tiny_model, SETTINGS, DEADLINES)
-    yield s
-    s.close()
+services = services_fixture(SETTINGS, DEADLINES)
 
 
 @pytest.fixture

@@ -30,7 +30,9 @@ import time
 import pytest
 import ray
 
-from tests.chaos.streams import Services, backends, judge, kill, model_name, reference, run_load, until, workers
+from tests.chaos.streams import (
+    backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers,
+)
 
 N = 32
 CONCURRENCY = 8
@@ -58,11 +60,7 @@ def workload(tiny_model):
     return reference(tiny_model, prompts, lengths)
 
 
-@pytest.fixture(scope="module")
-def services(ray_cluster, tiny_model):
-    s = Services(tiny_model, SETTINGS, DEADLINES)
-    yield s
-    s.close()
+services = services_fixture(SETTINGS, DEADLINES)
 
 
 @pytest.fixture(params=backends("collective"))

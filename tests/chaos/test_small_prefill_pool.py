@@ -25,7 +25,9 @@ import random
 import pytest
 
 from engine.tokenizer import Tokenizer
-from tests.chaos.streams import Services, backends, judge, kill, model_name, reference, run_load, until, workers
+from tests.chaos.streams import (
+    backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers,
+)
 
 BLOCK_SIZE = 16
 PREFILL_BLOCKS = 12  # 192 tokens: a short prompt fits, prompt and 200 streamed tokens do not
@@ -36,11 +38,7 @@ SETTINGS = dict(prefill_workers=2, decode_workers=2, restart_workers=True, num_k
 DEADLINES = {"timeout_s": 5, "op_timeout_s": 10, "checksums": True}
 
 
-@pytest.fixture(scope="module")
-def services(ray_cluster, tiny_model):
-    s = Services(tiny_model, SETTINGS, DEADLINES)
-    yield s
-    s.close()
+services = services_fixture(SETTINGS, DEADLINES)
 
 
 @pytest.fixture(params=backends("collective"))

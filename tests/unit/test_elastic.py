@@ -33,9 +33,6 @@ class FakeCluster:
         self.release.wait(5)
         self.added.append(role)
 
-    def least_busy(self, role):
-        return min(getattr(self, role), key=lambda w: w[2].running if role == "decode" else 0)[0]
-
     def drain_worker(self, worker_id, timeout_s):
         self.drained.append((worker_id, timeout_s))
 
