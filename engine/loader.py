@@ -4,7 +4,9 @@ One loader for every model, the built-in default one included: ``config.json``, 
 ``model.safetensors`` or the shards named by ``model.safetensors.index.json``; or a
 single ``.gguf`` file, whose tensors ``engine.gguf_checkpoint`` dequantizes and names
 as Hugging Face does.
-Separate q/k/v and gate/up weights are fused into the model's single projections.
+Separate q/k/v and gate/up weights are fused into the model's single projections
+(a checkpoint that has them fused already, as Phi-3's, is taken as it is), and a
+mixture's per-expert weights are stacked into one tensor per layer.
 A checkpoint tensor the model does not use is an error, not something to skip: a
 weight silently left out (a bias, a norm) still gives a model that runs, only wrongly.
 """
@@ -20,11 +22,16 @@ from safetensors import safe_open
 
 from engine.gguf_checkpoint import GGUFFile, is_gguf, open_gguf
 from engine.model import DecoderModel, can_pack
-from engine.model_config import DTYPES, ModelConfig
+from engine.model_config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# A sparse MLP's checkpoint names, by family: (router, expert prefix, gate, up, down).
+_EXPERTS = {
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -104,13 +111,7 @@ def load_model(
 
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters(remove_duplicate=True):
-        fused = next((k for k in _FUSED if f".{k}." in f".{name}"), None)
-        if fused is None:
-            state[name] = take(name)
-        else:
-            prefix, suffix = name.split(fused)
-            parts = [take(f"{prefix}{p}{suffix}") for p in _FUSED[fused]]
-            state[name] = torch.cat(parts, dim=0)
+        state[name] = _assemble(name, take, raw, config)
         if tuple(state[name].shape) != tuple(param.shape):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
@@ -128,6 +129,29 @@ def load_model(
     if pack and can_pack(torch.device(device), dtype):
         model.pack_linears()
     return model
+
+
+def _assemble(name: str, take, raw: dict, config: ModelConfig) -> torch.Tensor:
+    """The checkpoint's tensor(s) for the model's parameter ``name``."""
+    layer, _, rest = name.partition(".mlp.") if ".mlp." in name else ("", "", "")
+    family = SUPPORTED_ARCHITECTURES[config.architecture]
+    if rest and config.moe is not None and family in _EXPERTS:
+        router, experts, gate, up, down = _EXPERTS[family]
+        if rest == "gate.weight":
+            return take(f"{layer}.{router}.weight")
+        if rest in ("experts_gate_up", "experts_down"):
+            per_expert = range(config.moe.num_experts)
+            if rest == "experts_down":
+                return torch.stack([take(f"{layer}.{experts}.{e}.{down}.weight") for e in per_expert])
+            return torch.stack([
+                torch.cat([take(f"{layer}.{experts}.{e}.{gate}.weight"), take(f"{layer}.{experts}.{e}.{up}.weight")])
+                for e in per_expert
+            ])
+    fused = next((k for k in _FUSED if f".{k}." in f".{name}"), None)
+    if fused is None or name in raw or f"model.{name}" in raw:  # Phi-3 keeps them fused
+        return take(name)
+    prefix, suffix = name.split(fused)
+    return torch.cat([take(f"{prefix}{p}{suffix}") for p in _FUSED[fused]], dim=0)
 
 
 def _check_all_used(

@@ -1,11 +1,14 @@
-"""Decoder-only transformer for the Llama / Qwen2 / Mistral family, over a paged KV cache.
+"""Decoder-only transformer for the Llama / Qwen / Mistral / Phi-3 families and their
+mixtures of experts, over a paged KV cache.
 
-RMSNorm, rotary embeddings (default, linear and llama3 scaling), grouped-query
-attention with optional q/k/v bias, SwiGLU MLP, optional tied embeddings. The
-numerics follow Hugging Face transformers so that greedy decoding matches it token
-for token. Weights are loaded by ``engine.loader``; q/k/v and gate/up projections
-are fused there into single matrices so each layer runs four matmuls, and a float32
-model on the CPU runs them on oneDNN-packed weights (``PackedLinear``).
+RMSNorm, rotary embeddings (default, linear, llama3 and LongRoPE scaling, over all of
+each head or its leading part), grouped-query attention with optional q/k/v bias and
+per-head q/k norms, a SwiGLU MLP or a sparse mixture of SwiGLU experts
+(``engine.moe``), optional tied embeddings. The numerics follow Hugging Face
+transformers so that greedy decoding matches it token for token. Weights are loaded by
+``engine.loader``; q/k/v and gate/up projections are fused there into single matrices
+so each layer runs four matmuls, and a float32 model on the CPU runs them on
+oneDNN-packed weights (``PackedLinear``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 
 from engine.attention import StepAttention
 from engine.model_config import ModelConfig
+from engine.moe import SparseMoE
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -36,7 +40,10 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Precomputed cos/sin tables indexed by position (rotate-half layout, as in HF).
 
-    ``at`` looks a step's rows up once; every layer then applies the same pair.
+    ``at`` looks a step's rows up once; every layer then applies the same pair. With
+    LongRoPE, positions from the original context length on take the long factors (HF
+    switches the whole sequence once it passes that length, recomputing nothing cached:
+    the two agree on every sequence shorter than it).
     """
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
@@ -44,12 +51,15 @@ class Rotary(nn.Module):
         # On the CPU even while the loader builds the model on the meta device (there the
         # reference kernels would import torch._dynamo: seconds per process).
         with torch.device("cpu"):
-            inv_freq = config.rope_inv_freq()
             pos = torch.arange(max_positions, dtype=torch.int64).float()
-            freqs = torch.outer(pos, inv_freq)
+            freqs = torch.outer(pos, config.rope_inv_freq())
+            switch = config.rope_original_positions
+            if switch is not None and switch < max_positions:
+                freqs[switch:] = torch.outer(pos[switch:], config.rope_inv_freq(long=True))
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+            scale = config.rope_attention_factor()
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ([T, 1, D], in ``dtype``) of the step's positions."""
@@ -58,6 +68,11 @@ class Rotary(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
     cos, sin = rope
+    dims = cos.shape[-1]
+    if dims < q.shape[-1]:  # partial rotary: the trailing dims pass through
+        (q, q_pass), (k, k_pass) = q.split([dims, q.shape[-1] - dims], -1), k.split([dims, k.shape[-1] - dims], -1)
+        q, k = apply_rotary(q, k, rope)
+        return torch.cat((q, q_pass), -1), torch.cat((k, k_pass), -1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -77,6 +92,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.scale = self.head_dim**-0.5
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
         qkv = self.qkv_proj(x)
@@ -84,9 +103,17 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
         out = attn(q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+def activation(config: ModelConfig):
+    if config.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
+    return ACTIVATIONS[config.hidden_act]
 
 
 class MLP(nn.Module):
@@ -95,9 +122,7 @@ class MLP(nn.Module):
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
-        if config.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -163,12 +188,16 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        moe = config.moe
+        if moe is not None and index in moe.sparse_layers:
+            self.mlp = SparseMoE(config.hidden_size, moe, activation(config))
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, attn)
@@ -186,7 +215,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -217,8 +246,10 @@ class DecoderModel(nn.Module):
         needs the plain rows): vocabulary x hidden more bytes, for a head product
         1.4-2.4x faster at 1-64 rows (SmolLM2: 113 MB, 5-13% of a decode step)."""
         for layer in self.layers:
-            for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+            linears = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+            if isinstance(layer.mlp, MLP):
+                linears += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+            for module, name in linears:
                 setattr(module, name, PackedLinear(getattr(module, name)))
         self.lm_head = PackedLinear(self.lm_head)
 

@@ -1,8 +1,10 @@
 """What the engine needs to know about a checkpoint, read from its ``config.json``
 (or a GGUF file's metadata, through ``engine.gguf_checkpoint``).
 
-Supports the Llama / Qwen2 / Mistral family of Hugging Face checkpoints. Anything
-else is refused with an error that names the architecture.
+Supports the Llama / Qwen2 / Mistral family, Qwen3 (per-head q/k norms), Phi-3 and
+Phi-4-mini (fused projections, partial and LongRoPE rotary), and the mixtures of
+experts Mixtral and Qwen3-MoE. Anything else is refused with an error that names the
+architecture.
 """
 
 from __future__ import annotations
@@ -18,10 +20,50 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # What transformers' Auto classes read when config.json lists no architectures.
 MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: ``num_experts`` SwiGLU experts, each token routed to ``top_k`` of
+    them by a softmax over a linear router (renormalised over the chosen ones when
+    ``normalize``), in the layers ``sparse_layers`` (the others keep a dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize: bool
+    sparse_layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}")
+
+    @classmethod
+    def from_dict(cls, family: str, cfg: dict) -> "MoEConfig | None":
+        layers = range(cfg["num_hidden_layers"])
+        if family == "mixtral":
+            experts = cfg.get("num_local_experts", 8)
+            return cls(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], True, tuple(layers))
+        if family == "qwen3_moe":
+            # transformers 5 writes ``num_local_experts``; the published configs ``num_experts``.
+            experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+            step = cfg.get("decoder_sparse_step", 1)
+            if not experts:
+                return None
+            dense = set(cfg.get("mlp_only_layers") or ())
+            sparse = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+            return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["moe_intermediate_size"],
+                       bool(cfg.get("norm_topk_prob", False)), sparse)
+        return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +88,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary (Qwen3)
+    rotary_dim: int = 0  # leading dims of each head the rotary turns (0: all of them)
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -78,11 +123,15 @@ class ModelConfig:
             rope.update(legacy)
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
+        if rope_type == "longrope":  # Phi-3 keeps these at the top level
+            rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        use_sw = cfg.get("use_sliding_window", family == "mistral")
+        use_sw = cfg.get("use_sliding_window", family in ("mistral", "phi3"))  # those attend in a window if set
         window = cfg.get("sliding_window") if use_sw else None
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
@@ -93,7 +142,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -106,6 +155,9 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=window,
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            rotary_dim=int(head_dim * partial) if partial < 1.0 else 0,
+            moe=MoEConfig.from_dict(family, cfg),
         )
 
     @property
@@ -115,17 +167,29 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    def rope_inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, computed exactly as Hugging Face does."""
-        dim = self.head_dim
-        inv_freq = 1.0 / (
-            self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
+    @property
+    def rotary_dims(self) -> int:
+        """How many leading dims of each head the rotary turns."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+    def rope_inv_freq(self, long: bool = False) -> torch.Tensor:
+        """RoPE inverse frequencies, computed exactly as Hugging Face does (``long``:
+        LongRoPE's factors for positions past the original context)."""
+        dim = self.rotary_dims
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         scaling = self.rope_scaling
+        if self.rope_type == "longrope":
+            factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+            return 1.0 / (factors * self.rope_theta**exponents)
+        inv_freq = 1.0 / (self.rope_theta**exponents)
         if not scaling:
             return inv_freq
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        if rope_type == "linear":
+        if self.rope_type == "linear":
             return inv_freq / scaling["factor"]
         # llama3: long wavelengths scaled down by `factor`, short ones kept, smooth between.
         factor = scaling["factor"]
@@ -138,3 +202,21 @@ class ModelConfig:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+
+    def rope_attention_factor(self) -> float:
+        """What LongRoPE scales cos and sin by (1 for every other type)."""
+        if self.rope_type != "longrope":
+            return 1.0
+        scaling = self.rope_scaling
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or self.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    @property
+    def rope_original_positions(self) -> int | None:
+        """LongRoPE: positions from here on take the long factors (None: no switch)."""
+        if self.rope_type != "longrope":
+            return None
+        return self.rope_scaling["original_max_position_embeddings"]

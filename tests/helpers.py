@@ -183,13 +183,14 @@ def require_tool(name: str, source: str, *, allow_module_level: bool = False) ->
 
 
 def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random-weight HF model of the given family, with the default tokenizer.
+    """Save a random-weight HF model of the given family (``HF_FAMILIES``), with the
+    default tokenizer.
 
     Biases and norm weights are random too: transformers starts them at 0 and 1, the
     values a loader that dropped them would also leave.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
     common = dict(
@@ -202,19 +203,45 @@ def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int
         bos_token_id=None,
         eos_token_id=None,
     )
+    if arch not in HF_FAMILIES:
+        raise ValueError(f"unknown family {arch!r}; known: {sorted(HF_FAMILIES)}")
+    name, family = HF_FAMILIES[arch]
+    common.update(family)
     common.update(overrides)
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True, **common))
-    else:
-        raise ValueError(arch)
+    config = getattr(transformers, f"{name}Config")(**common)
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
     _randomise_biases_and_norms(model)
     model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+# The families tests build, each as small as it can be while keeping what sets it apart:
+# transformers' class prefix and the settings on top of the common ones.
+HF_FAMILIES = {
+    "llama": ("Llama", dict(num_key_value_heads=2)),
+    "qwen2": ("Qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # Per-head q/k norms, a head_dim that is not hidden / heads.
+    "qwen3": ("Qwen3", dict(num_key_value_heads=2, head_dim=24)),
+    # Fused q/k/v and gate/up in the checkpoint; rotary over 3/4 of each head, LongRoPE
+    # factors (the short ones apply below 512 positions).
+    "phi3": ("Phi3", dict(
+        num_key_value_heads=2, pad_token_id=0, max_position_embeddings=1024, original_max_position_embeddings=512,
+        partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                      "long_factor": [2.0 + 0.5 * i for i in range(6)]},
+    )),
+    # Top-2 of 4 experts, renormalised.
+    "mixtral": ("Mixtral", dict(num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+                                num_experts_per_tok=2)),
+    # Top-2 of 8, renormalised, the middle layer dense.
+    "qwen3_moe": ("Qwen3Moe", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+    )),
+}
 
 
 # A Qwen2.5-style template (Hermes tool calls) in the default tokenizer's own role tokens:

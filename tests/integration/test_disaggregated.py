@@ -15,7 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.pools import TandemCluster
 from engine import LLM, SamplingParams
 from kv_transfer.nixl import unavailable_reason
-from tests.helpers import assert_blocks_freed
+from tests.helpers import assert_blocks_freed, build_hf_checkpoint
 
 NUM_REQUESTS = 32
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
@@ -287,6 +287,25 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
         stats = cluster.stats()
         assert stats["prefill-0"]["transfer"]["sent"] >= len(prompts) + cluster.dispatcher.num_migrations
         assert stats["decode-1"]["transfer_failures"] == 0
+        assert_blocks_freed(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_mixture_of_experts_disaggregated_matches_single_engine(ray_cluster, tmp_path_factory, default_model):
+    """Qwen3-MoE (per-head q/k norms, a head_dim of its own, sparse and dense layers) in
+    1P+1D over paged transfers: the single engine's tokens (which are transformers':
+    test_hf_parity), every transfer received."""
+    model = str(build_hf_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), "qwen3_moe", default_model,
+                                    initializer_range=0.2))
+    prompts, lengths = _workload(seed=5, n=8)
+    want = [o.token_ids for o in LLM(model=model).generate(prompts, [_params(n) for n in lengths])]
+    cluster = _start(model, 1, 1, "collective", name="moe")
+    try:
+        results = _run_all(cluster, prompts, lengths)
+        assert [r[0] for r in results] == want, "1P+1D must give the single engine's tokens"
+        decode = cluster.stats()["decode-0"]
+        assert decode["transfer"]["received"] >= len(prompts) and decode["transfer_failures"] == 0
         assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()

@@ -3,7 +3,9 @@
 Each request is generated alone by HF ``generate`` (float32), then all 32 run together
 in the engine under different schedules: no chunking, a tiny step budget, a KV pool
 small enough to force preemption (recompute and swap), and shared prefixes with the
-prefix cache on.
+prefix cache on. Llama and Qwen2 run every schedule; the other families (Qwen3,
+Phi-3, Mixtral, Qwen3-MoE: ``tests.helpers.HF_FAMILIES``) the plain, chunked,
+preempting and prefix-caching ones.
 
 Parity only shows something if the reference depends on what the engine could get
 wrong. At transformers' default init (std 0.02) it does not: the residual stream is
@@ -112,8 +114,17 @@ def _assert_not_degenerate(prompts, outputs, min_distinct_share: float = 0.5):
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def reference(request, tmp_path_factory, default_model):
+    return _reference(request.param, tmp_path_factory, default_model)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "phi3", "mixtral", "qwen3_moe"])
+def family_reference(request, tmp_path_factory, default_model):
+    return _reference(request.param, tmp_path_factory, default_model)
+
+
+def _reference(family: str, tmp_path_factory, default_model) -> dict:
     """A random-weight checkpoint and HF's greedy outputs for two workloads on it."""
-    model_dir = build_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param, default_model, **INIT)
+    model_dir = build_hf_checkpoint(tmp_path_factory.mktemp(family), family, default_model, **INIT)
     from engine.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
@@ -155,6 +166,19 @@ def _assert_same(got, want):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_matches_hf_under_each_schedule(reference, setting):
+    _check_schedule(reference, setting)
+
+
+@pytest.mark.parametrize("setting", ["no-chunking", "16-token-budget", "preempt-recompute", "preempt-swap"])
+def test_other_families_match_hf(family_reference, setting):
+    _check_schedule(family_reference, setting)
+
+
+def test_other_families_match_hf_with_prefix_cache_hits(family_reference):
+    test_greedy_matches_hf_with_prefix_cache_hits(family_reference)
+
+
+def _check_schedule(reference: dict, setting: str) -> None:
     prompts, lengths, want = reference["mixed"]
     got, stats = _run(reference["dir"], prompts, lengths, enable_prefix_caching=False, **SETTINGS[setting])
     _assert_same(got, want)

@@ -157,3 +157,27 @@ def test_loading_imports_neither_dynamo_nor_sympy(tmp_path, default_model):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_longrope_tables_are_transformers_short_and_long_ones_by_position(tmp_path, default_model):
+    """Phi-3's LongRoPE over 3/4 of each head: positions under the original context take
+    the short factors, the others the long ones, both scaled by the attention factor,
+    as transformers computes them for a sequence under / over that length."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from engine.model_config import ModelConfig
+
+    ckpt = build_hf_checkpoint(tmp_path, "phi3", default_model, **SMALL)
+    model = load_model(ckpt, pack=False)
+    config = ModelConfig.from_pretrained(ckpt)
+    assert config.rotary_dims == 3 * config.head_dim // 4 and config.rope_original_positions == 512
+    hf = Phi3RotaryEmbedding(AutoConfig.from_pretrained(ckpt))
+    x = torch.zeros(1, 1, config.head_dim)
+    for seq_len in (300, 700):  # under the switch: short factors; over it: long ones
+        positions = torch.arange(seq_len).unsqueeze(0)
+        cos, sin = hf(x, positions)
+        rows = slice(0, seq_len) if seq_len < 512 else slice(512, seq_len)
+        assert torch.allclose(model.rotary.cos[rows], cos[0, rows], atol=1e-6), f"cos at {rows}"
+        assert torch.allclose(model.rotary.sin[rows], sin[0, rows], atol=1e-6), f"sin at {rows}"
+    assert hf.attention_scaling != 1.0, "the checkpoint should scale its rotary (max 1024 over 512 original)"
