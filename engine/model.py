@@ -249,6 +249,8 @@ class DecoderModel(nn.Module):
             linears = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
             if isinstance(layer.mlp, MLP):
                 linears += [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
+            else:
+                layer.mlp.pack(PackedLinear)
             for module, name in linears:
                 setattr(module, name, PackedLinear(getattr(module, name)))
         self.lm_head = PackedLinear(self.lm_head)

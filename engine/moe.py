@@ -43,6 +43,20 @@ class SparseMoE(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * self.inter, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, self.inter))
         self.act = act
+        self.packed: nn.ModuleList | None = None  # per expert (gate_up, down), once ``pack`` ran
+
+    def pack(self, packed_linear) -> None:
+        """Each expert's two products as ``packed_linear`` modules (``engine.model.
+        PackedLinear``: oneDNN's layout, far faster than ``F.linear`` at the few rows an
+        expert gets per step); the stacked weights go."""
+        pairs = []
+        for e in range(self.num_experts):
+            gate_up, down = (nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                             for w in (self.experts_gate_up[e], self.experts_down[e]))
+            gate_up.weight, down.weight = nn.Parameter(self.experts_gate_up[e]), nn.Parameter(self.experts_down[e])
+            pairs.append(nn.ModuleList([packed_linear(gate_up), packed_linear(down)]))
+        self.packed = nn.ModuleList(pairs)
+        del self.experts_gate_up, self.experts_down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.normalize)
@@ -64,6 +78,10 @@ class SparseMoE(nn.Module):
         return out
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            gate_up, down = self.packed[expert]
+            gate, up = gate_up(x).split(self.inter, dim=-1)
+            return down(self.act(gate) * up)
         gate, up = F.linear(x, self.experts_gate_up[expert]).split(self.inter, dim=-1)
         return F.linear(self.act(gate) * up, self.experts_down[expert])
 

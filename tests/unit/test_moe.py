@@ -60,12 +60,19 @@ def _moe(normalize: bool = True) -> SparseMoE:
     return moe
 
 
-def test_grouped_experts_equal_a_per_token_loop():
+@pytest.mark.parametrize("packed", [False, True])
+def test_grouped_experts_equal_a_per_token_loop(packed):
+    from engine.model import PackedLinear
+
     moe = _moe()
     x = torch.randn(37, HIDDEN)
     with torch.inference_mode():
+        plain = moe.per_token_reference(x)
+        if packed:
+            moe.pack(PackedLinear)
         grouped, reference = moe(x), moe.per_token_reference(x)
     assert torch.allclose(grouped, reference, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(grouped, plain, atol=1e-5, rtol=1e-5), "packed experts compute what plain ones do"
     assert grouped.abs().mean() > 0.1, "the experts should have produced something"
 
 
