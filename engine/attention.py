@@ -20,7 +20,7 @@ CPU, ``engine.triton_attention.TritonAttention`` is the GPU one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,8 +45,9 @@ class StepAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, scale)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, scale, window)
 
 
 @dataclass
@@ -56,6 +57,19 @@ class PrefillChunk:
     ctx_start: int  # tokens of this request already in the cache before the chunk
     block_table: torch.Tensor  # [num_blocks] long
     mask: torch.Tensor | None  # [q, ctx] bool, None when ctx_start == 0 (plain causal)
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # masks by window, made once a step
+
+    def mask_for(self, window: int) -> torch.Tensor | None:
+        """The mask of a layer attending to ``window`` latest keys (0: all); None: plain causal."""
+        if window == 0 or window >= self.ctx_start + self.q_end - self.q_start:
+            return self.mask  # no query has more keys before it than the window
+        if window not in self.windowed:
+            device = self.block_table.device
+            q_pos = torch.arange(self.ctx_start, self.ctx_start + self.q_end - self.q_start, device=device)
+            k_pos = torch.arange(self.ctx_start + self.q_end - self.q_start, device=device)
+            offset = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
+            self.windowed[window] = (offset >= 0) & (offset < window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -66,6 +80,18 @@ class DecodeGroup:
     q_end: int
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with the null block
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool
+    lengths: torch.Tensor  # [B] keys per row, the new token included
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # masks by window, made once a step
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The mask of a layer attending to ``window`` latest keys (0: all)."""
+        if window == 0:
+            return self.mask
+        if window not in self.windowed:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            first = (self.lengths - window).unsqueeze(1)
+            self.windowed[window] = self.mask & (keys.unsqueeze(0) >= first)[:, None, None, :]
+        return self.windowed[window]
 
 
 class GatherWorkspace:
@@ -139,11 +165,11 @@ class TorchAttention(AttentionBackend):
             workspace=self._workspace,
         )
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
-        self._attend_decodes(q, k_cache, v_cache, meta, scale, out)
-        self._attend_chunks(q, k, v, k_cache, v_cache, meta, scale, out)
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, window: int = 0) -> None:
+        self._attend_decodes(q, k_cache, v_cache, meta, scale, out, window)
+        self._attend_chunks(q, k, v, k_cache, v_cache, meta, scale, out, window)
 
-    def _attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+    def _attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, window: int) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[2]
         for g in meta.decodes:
@@ -153,24 +179,26 @@ class TorchAttention(AttentionBackend):
             qd = q[g.q_start : g.q_end].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
             kd = _gather(k_cache, g.block_tables, meta.workspace, 0)
             vd = _gather(v_cache, g.block_tables, meta.workspace, 1)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask_for(window), scale=scale)
             out[g.q_start : g.q_end] = od.reshape(b, num_heads, head_dim)
 
-    def _attend_chunks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+    def _attend_chunks(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, window: int
+                       ) -> None:
         for c in meta.prefills:
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            if c.mask is None:
+            mask = c.mask_for(window)
+            if c.ctx_start == 0:  # the chunk's own keys are all there is
                 kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
                 vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
                 oc = F.scaled_dot_product_attention(
-                    qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True
+                    qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
                 )
             else:
-                ctx = c.mask.shape[1]
+                ctx = mask.shape[1]
                 kc = _gather(k_cache, c.block_table, meta.workspace, 0)[:, :ctx].unsqueeze(0)
                 vc = _gather(v_cache, c.block_table, meta.workspace, 1)[:, :ctx].unsqueeze(0)
                 oc = F.scaled_dot_product_attention(
-                    qc, kc, vc, attn_mask=c.mask, scale=scale, enable_gqa=True
+                    qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True
                 )
             out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
 
@@ -190,6 +218,7 @@ class TorchAttention(AttentionBackend):
                     q_end=i,
                     block_tables=torch.tensor(rows, dtype=torch.long, device=self.device),
                     mask=(keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
+                    lengths=lengths,
                 )
             )
             start = i

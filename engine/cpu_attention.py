@@ -100,7 +100,7 @@ def load_kernel() -> ctypes._CFuncPtr:
         raise KernelUnavailable(f"cannot load the CPU attention kernel {path}: {exc}") from exc
     fn = lib.tandem_paged_decode_f32
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return fn
 
 
@@ -127,14 +127,16 @@ class PagedDecode:
     context_lens: torch.Tensor  # [B] int64, the new token included
 
 
-_ERRORS = {-1: "bad head or block sizes", -2: "a context length outside its block table", -3: "out of memory"}
+_ERRORS = {-1: "bad head, block or window sizes", -2: "a context length outside its block table", -3: "out of memory"}
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: PagedDecode, scale: float, out: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: PagedDecode, scale: float, out: torch.Tensor,
+    window: int = 0,
 ) -> None:
     """Decode attention of ``q`` ([B, Hq, D]) over the paged caches into ``out`` (both
-    float32 and contiguous; the caches' new K/V already written)."""
+    float32 and contiguous; the caches' new K/V already written); ``window`` > 0: over
+    each row's ``window`` latest keys only."""
     tensors = (q, k_cache, v_cache, out)
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("CPU paged attention reads raw memory: q, the caches and out must be contiguous")
@@ -146,7 +148,7 @@ def paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         rows.block_tables.data_ptr(), rows.context_lens.data_ptr(), out.data_ptr(),
         num_rows, num_heads, num_kv_heads, head_dim, block_size, rows.block_tables.shape[1],
-        scale, torch.get_num_threads(),
+        scale, window, torch.get_num_threads(),
     )  # fmt: skip
     if status:
         raise RuntimeError(f"CPU paged attention failed: {_ERRORS.get(status, status)}")
@@ -176,9 +178,9 @@ class CpuAttention(TorchAttention):
             ) if lens else None,
         )  # fmt: skip
 
-    def _attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+    def _attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out, window: int) -> None:
         rows = meta.paged_decode
         if rows is None:
             return
         b = rows.context_lens.shape[0]
-        paged_decode(q[:b].contiguous(), k_cache, v_cache, rows, scale, out[:b])
+        paged_decode(q[:b].contiguous(), k_cache, v_cache, rows, scale, out[:b], window)

@@ -12,8 +12,13 @@ already takes from a Hugging Face checkpoint:
   ``gguf`` package into the serving dtype, with llama.cpp's permutation of the Q and K
   rows undone (its converter interleaves each head's rotary halves), for ``engine.loader``.
 
-Architectures, quantization types and tokenizers outside what is listed here are refused
-with an error that names them. Importing this module loads neither torch, transformers
+Supported: the architectures ``llama`` (with ``expert_count``: Mixtral, which llama.cpp
+stores as a llama with stacked experts), ``qwen2``, ``qwen3``, ``qwen3moe`` and ``phi3``
+(fused ``attn_qkv`` and gate+up ``ffn_up``, partial rotary, LongRoPE factors as tensors);
+the tensor types of ``SUPPORTED_TYPES``; byte-level BPE tokenizers (``gpt2``) with the
+pre-tokenizers of ``PRE_TOKENIZERS``, and SentencePiece ones (``llama``: Mistral, Llama 2,
+Phi-3), rebuilt from the vocabulary and its scores. Anything else is refused with an
+error that names it. Importing this module loads neither torch, transformers
 nor gguf (the router builds its tokenizer through it, and the GPU image has no gguf):
 the ``gguf`` package is imported when a file is opened.
 """
@@ -27,12 +32,20 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from engine.optional import optional_import
 
-# llama.cpp's architecture name -> the Hugging Face class it stands for.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp's architecture name -> the Hugging Face class it stands for. A ``llama`` file
+# with experts is a Mixtral: llama.cpp's converter writes MixtralForCausalLM as a llama.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+_MIXTRAL = "MixtralForCausalLM"
 # Types the loader dequantizes, by gguf.GGMLQuantizationType name (every one tested
 # against transformers' GGUF loader).
 SUPPORTED_TYPES = frozenset(
@@ -41,6 +54,7 @@ SUPPORTED_TYPES = frozenset(
 # Architectures whose converter permuted the Q/K rows (convert_hf_to_gguf.py, LlamaModel).
 _PERMUTED_QK = {"llama"}
 
+# llama.cpp's names for a layer's tensors -> Hugging Face's (under ``model.layers.N.``).
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -52,7 +66,36 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Each family's names on top of those (convert_hf_to_gguf.py and gguf-py's tensor map).
+# A mixture's experts come stacked, one tensor per layer and projection, under the name
+# the converter gives the stack before mapping it: the per-expert name less the index.
+_FAMILY_TENSORS = {
+    "LlamaForCausalLM": {},
+    "Qwen2ForCausalLM": {},
+    "Qwen3ForCausalLM": _QK_NORMS,
+    # Phi-3's checkpoints keep q/k/v fused, and gate and up (in that order) in ffn_up.
+    "Phi3ForCausalLM": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    _MIXTRAL: {
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.w1",
+        "ffn_up_exps": "block_sparse_moe.experts.w3",
+        "ffn_down_exps": "block_sparse_moe.experts.w2",
+    },
+    "Qwen3MoeForCausalLM": {
+        **_QK_NORMS,
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+    },
+}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Phi-3's LongRoPE factors, which the converter stores as tensors: read into the config.
+_ROPE_FACTORS = {
+    "long_factor": "rope_factors_long.weight",
+    "short_factor": "rope_factors_short.weight",
+}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 # How text is split before BPE, by llama.cpp's ``tokenizer.ggml.pre``: the split each
@@ -86,7 +129,10 @@ PRE_TOKENIZERS = {
     "qwen2": _split_then_bytes(_QWEN2_SPLIT),
     "deepseek-r1-qwen": _split_then_bytes(_QWEN2_SPLIT),
 }
-_CONTROL = 3  # llama.cpp's token type of a special token (BOS, <|im_end|>, ...)
+# llama.cpp's token types that it matches whole in the text: the unknown token, special
+# ones (BOS, <|im_end|>, ...), and ones added to the vocabulary unspecial (Qwen3's <think>).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 
 def is_gguf(path: "str | Path | GGUFFile") -> bool:
@@ -146,6 +192,9 @@ class GGUFFile:
                 f"GGUF file {self.path.name}: unsupported architecture {self.architecture!r}; "
                 f"supported: {sorted(GGUF_ARCHITECTURES)}"
             )
+        self.hf_architecture = GGUF_ARCHITECTURES[self.architecture]
+        if self.architecture == "llama" and self._arch("expert_count"):
+            self.hf_architecture = _MIXTRAL
 
     def __str__(self) -> str:
         return str(self.path)
@@ -170,10 +219,10 @@ class GGUFFile:
         hidden = self._arch("embedding_length")
         head_dim = self._arch("attention.key_length") or hidden // heads
         rotary = self._arch("rope.dimension_count", head_dim)
-        if rotary != head_dim:
+        if rotary != head_dim and self.architecture != "phi3":
             raise ValueError(
                 f"GGUF file {self.path.name}: partial rotary embeddings (rope.dimension_count "
-                f"{rotary} of head dim {head_dim}) are not supported"
+                f"{rotary} of head dim {head_dim}) are not supported for {self.architecture!r}"
             )
         if "rope_freqs.weight" in self.tensor_names:
             raise ValueError(
@@ -181,8 +230,7 @@ class GGUFFile:
                 "llama3-style rope scaling) are not supported"
             )
         cfg = {
-            "architectures": [GGUF_ARCHITECTURES[self.architecture]],
-            "model_type": self.architecture,
+            "architectures": [self.hf_architecture],
             "vocab_size": self._arch("vocab_size") or self._embedding_rows(),
             "hidden_size": hidden,
             "intermediate_size": self._arch("feed_forward_length"),
@@ -190,14 +238,18 @@ class GGUFFile:
             "num_attention_heads": heads,
             "num_key_value_heads": self._arch("attention.head_count_kv", heads),
             "head_dim": head_dim,
+            "partial_rotary_factor": rotary / head_dim,
             "max_position_embeddings": self._arch("context_length", 2048),
             "rms_norm_eps": self._arch("attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": self._arch("rope.freq_base", 10000.0),
+            # Phi-3 writes 0 for none (Phi-4-mini); the others write none.
+            "sliding_window": self._arch("attention.sliding_window") or None,
             "tie_word_embeddings": "output.weight" not in self.tensor_names,
             "bos_token_id": self._get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self._get("tokenizer.ggml.eos_token_id"),
         }
         cfg.update(self._rope_scaling())
+        cfg.update(self._experts())
         return cfg
 
     def _embedding_rows(self) -> int:
@@ -208,12 +260,47 @@ class GGUFFile:
         return int(embedding.shape[-1])
 
     def _rope_scaling(self) -> dict[str, Any]:
+        if self.architecture == "phi3":
+            return self._longrope()
         kind = self._arch("rope.scaling.type", "none")
         if kind == "none":
             return {}
         if kind == "linear":
             return {"rope_scaling": {"rope_type": "linear", "factor": self._arch("rope.scaling.factor")}}
         raise ValueError(f"GGUF file {self.path.name}: unsupported rope scaling type {kind!r}")
+
+    def _longrope(self) -> dict[str, Any]:
+        """Phi-3's LongRoPE, which its converter writes as two tensors of factors plus the
+        original context length and the attention factor (no ``rope.scaling.type``)."""
+        tensors = {t.name: t for t in self._reader.tensors if t.name in _ROPE_FACTORS.values()}
+        if not tensors:
+            return {}
+        gguf = gguf_package()
+        scaling = {
+            key: gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type).tolist()
+            for key, name in _ROPE_FACTORS.items()
+        }
+        scaling.update(
+            rope_type="longrope",
+            original_max_position_embeddings=self._arch("rope.scaling.original_context_length"),
+            attention_factor=self._arch("rope.scaling.attn_factor"),
+        )
+        return {"rope_scaling": scaling}
+
+    def _experts(self) -> dict[str, Any]:
+        """A mixture's experts, in every layer. llama.cpp's qwen3moe graph has no dense
+        layers (no ``mlp_only_layers``) and always renormalises the top-k weights."""
+        count, used = self._arch("expert_count"), self._arch("expert_used_count")
+        if self.hf_architecture == _MIXTRAL:
+            return {"num_local_experts": count, "num_experts_per_tok": used}
+        if self.architecture == "qwen3moe":
+            return {
+                "num_experts": count,
+                "num_experts_per_tok": used,
+                "moe_intermediate_size": self._arch("expert_feed_forward_length"),
+                "norm_topk_prob": True,
+            }
+        return {}
 
     def tensors(self, dtype, num_heads: int, num_kv_heads: int) -> dict:
         """Every weight under its Hugging Face name, dequantized into torch ``dtype``."""
@@ -226,9 +313,13 @@ class GGUFFile:
                 f"supported: {sorted(SUPPORTED_TYPES)}"
             )
         gguf = gguf_package()
+        layer_tensors = {**_LAYER_TENSORS, **_FAMILY_TENSORS[self.hf_architecture]}
+        in_config = set(_ROPE_FACTORS.values()) if self.architecture == "phi3" else set()
         out: dict[str, torch.Tensor] = {}
         for t in self._reader.tensors:
-            name = _hf_name(t.name, self.path.name)
+            if t.name in in_config:
+                continue
+            name = _hf_name(t.name, layer_tensors, self.path.name)
             values = gguf.quants.dequantize(t.data, t.tensor_type)
             values = values.reshape(tuple(int(d) for d in reversed(t.shape)))
             if self.architecture in _PERMUTED_QK and ".q_proj." in name:
@@ -250,6 +341,8 @@ class GGUFFile:
             i = self._get(f"tokenizer.ggml.{key}")
             return None if i is None or i >= len(tokens) else tokens[i]
 
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+        sentencepiece = self._get("tokenizer.ggml.model") == "llama"
         # A chat's end of turn stops generation as EOS does (llama.cpp: eot, eom).
         stop_ids = [self._get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return {
@@ -257,18 +350,39 @@ class GGUFFile:
             "chat_template": self._get("tokenizer.chat_template"),
             "bos_token": token("bos_token_id"),
             "eos_token": token("eos_token_id"),
-            "add_bos_token": bool(self._get("tokenizer.ggml.add_bos_token", False)),
+            "add_bos_token": bool(self._get("tokenizer.ggml.add_bos_token", sentencepiece)),
             "eos_token_ids": tuple(i for i in stop_ids if i is not None),
             "bos_token_id": self._get("tokenizer.ggml.bos_token_id"),
         }
 
     def _build_tokenizer(self, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
         kind = self._get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind == "gpt2":
+            tok = self._byte_level_bpe(tokens)
+        elif kind == "llama":
+            tok = self._sentencepiece_bpe(tokens)
+        else:
             raise ValueError(
                 f"GGUF file {self.path.name}: unsupported tokenizer model {kind!r}; "
-                "supported: 'gpt2' (byte-level BPE)"
+                "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
             )
+        # Matched whole in the text, as llama.cpp does; all but the user-defined ones are
+        # special, skipped when decoding. In a byte-level vocabulary, one spelled outside
+        # the byte alphabet would be a new id past the model's vocabulary.
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
+
+        def added(token_types: tuple[int, ...], special: bool) -> list[AddedToken]:
+            return [
+                AddedToken(t, special=special, normalized=False)
+                for t, k in zip(tokens, types)
+                if k in token_types and (alphabet is None or set(t) <= alphabet)
+            ]
+
+        tok.add_special_tokens(added((_UNKNOWN, _CONTROL), special=True))
+        tok.add_tokens(added((_USER_DEFINED,), special=False))
+        return tok
+
+    def _byte_level_bpe(self, tokens: list[str]) -> tokenizers.Tokenizer:
         pre = self._get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             raise ValueError(
@@ -280,22 +394,56 @@ class GGUFFile:
         tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
         tok.pre_tokenizer = pre_tokenizers.Sequence(PRE_TOKENIZERS[pre])
         tok.decoder = decoders.ByteLevel()
-        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-        # Control tokens are matched whole in the text and skipped when decoding; one
-        # spelled outside the byte alphabet would be a new id past the model's vocabulary.
-        specials = [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, types)
-            if kind == _CONTROL and set(t) <= alphabet
-        ]
-        tok.add_special_tokens(specials)
+        return tok
+
+    def _sentencepiece_bpe(self, tokens: list[str]) -> tokenizers.Tokenizer:
+        """SentencePiece's BPE as a ``tokenizers`` BPE with byte fallback (``<0x..>``
+        tokens), as transformers' GGUF loader builds it: merges recovered from the
+        vocabulary's scores, spaces spelled ``▁``.
+
+        The text gets a leading ``▁`` where llama.cpp gives it one (``add_space_prefix``):
+        at the start and after every added token. A normalizer does that, as in
+        transformers' GGUF Phi-3 tokenizer and the tokenizer.json of Llama 2 and Mistral
+        (transformers' other GGUF SentencePiece tokenizers prefix the start only)."""
+        scores = self._get("tokenizer.ggml.scores")
+        if scores is None:
+            raise ValueError(f"GGUF file {self.path.name}: a SentencePiece vocabulary without scores")
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        merges = _merges_by_score(tokens, scores)
+        unk = self._get("tokenizer.ggml.unknown_token_id")
+        tok = tokenizers.Tokenizer(models.BPE(
+            vocab=vocab, merges=merges, unk_token=None if unk is None else tokens[unk],
+            fuse_unk=True, byte_fallback=True,
+        ))  # fmt: skip
+        prefix = bool(self._get("tokenizer.ggml.add_space_prefix", True))
+        spaces = [normalizers.Replace(" ", _SPACE)]
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE)] * prefix + spaces)
+        strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+        )
         return tok
 
 
-def _hf_name(name: str, file_name: str) -> str:
+def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies: every split of a token into two
+    tokens, best-scored first (transformers' ``generate_merges``, which its GGUF loader
+    runs: SentencePiece merges the pair whose result scores highest, as BPE's ranks do)."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = []
+    for token, score in dict(zip(tokens, scores)).items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))]
+        found = [(a, b) for a, b in pairs if a in vocab and b in vocab]
+        found.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend((a, b, score) for a, b in found)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _hf_name(name: str, layer_tensors: dict[str, str], file_name: str) -> str:
     m = _LAYER_NAME.match(name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_tensors:
+        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
     stem, _, kind = name.rpartition(".")
     if stem in _GLOBAL_TENSORS and kind in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[stem]}.{kind}"

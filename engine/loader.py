@@ -6,7 +6,8 @@ single ``.gguf`` file, whose tensors ``engine.gguf_checkpoint`` dequantizes and 
 as Hugging Face does.
 Separate q/k/v and gate/up weights are fused into the model's single projections
 (a checkpoint that has them fused already, as Phi-3's, is taken as it is), and a
-mixture's per-expert weights are stacked into one tensor per layer.
+mixture's per-expert weights are stacked into one tensor per layer (a GGUF file holds
+them stacked already, one tensor per layer and projection).
 A checkpoint tensor the model does not use is an error, not something to skip: a
 weight silently left out (a bias, a norm) still gives a model that runs, only wrongly.
 """
@@ -139,19 +140,33 @@ def _assemble(name: str, take, raw: dict, config: ModelConfig) -> torch.Tensor:
         router, experts, gate, up, down = _EXPERTS[family]
         if rest == "gate.weight":
             return take(f"{layer}.{router}.weight")
-        if rest in ("experts_gate_up", "experts_down"):
-            per_expert = range(config.moe.num_experts)
-            if rest == "experts_down":
-                return torch.stack([take(f"{layer}.{experts}.{e}.{down}.weight") for e in per_expert])
-            return torch.stack([
-                torch.cat([take(f"{layer}.{experts}.{e}.{gate}.weight"), take(f"{layer}.{experts}.{e}.{up}.weight")])
-                for e in per_expert
-            ])
+
+        def stacked(proj: str) -> torch.Tensor:
+            return _experts(f"{layer}.{experts}", proj, take, raw, config.moe.num_experts)
+
+        if rest == "experts_down":
+            return stacked(down)
+        if rest == "experts_gate_up":
+            return torch.cat([stacked(gate), stacked(up)], dim=1)
     fused = next((k for k in _FUSED if f".{k}." in f".{name}"), None)
-    if fused is None or name in raw or f"model.{name}" in raw:  # Phi-3 keeps them fused
+    if fused is None or _has(raw, name):  # Phi-3 keeps them fused
         return take(name)
     prefix, suffix = name.split(fused)
     return torch.cat([take(f"{prefix}{p}{suffix}") for p in _FUSED[fused]], dim=0)
+
+
+def _has(raw: dict, name: str) -> bool:
+    return name in raw or f"model.{name}" in raw
+
+
+def _experts(prefix: str, proj: str, take, raw: dict, num_experts: int) -> torch.Tensor:
+    """One projection of every expert, ``[experts, out, in]``: the stacked tensor a GGUF
+    file holds (named as llama.cpp's converter names it before mapping: the per-expert
+    name without the expert's index), or the per-expert ones of a HF checkpoint stacked."""
+    stacked = f"{prefix}.{proj}.weight"
+    if _has(raw, stacked):
+        return take(stacked)
+    return torch.stack([take(f"{prefix}.{e}.{proj}.weight") for e in range(num_experts)])
 
 
 def _check_all_used(

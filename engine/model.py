@@ -82,8 +82,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        self.window = config.layer_windows[index] if config.layer_windows else 0  # 0: the whole context
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
-        out = attn(q, k, v, k_cache, v_cache, self.scale)
+        out = attn(q, k, v, k_cache, v_cache, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -191,7 +192,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         moe = config.moe
         if moe is not None and index in moe.sparse_layers:

@@ -66,6 +66,28 @@ class MoEConfig:
         return None
 
 
+def _layer_windows(family: str, cfg: dict) -> tuple[int, ...]:
+    """Each layer's attention window, as transformers decides it: by ``layer_types``
+    where the config lists them (transformers 5, Gemma 3); else every layer of
+    Mistral, Mixtral and Phi-3 when ``sliding_window`` is set, and Qwen's layers from
+    ``max_window_layers`` on when ``use_sliding_window`` says so."""
+    layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window") or 0
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != layers:
+            raise ValueError(f"layer_types lists {len(types)} layers of {layers}")
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}")
+        return tuple(window if t == "sliding_attention" else 0 for t in types)
+    if family in ("mistral", "mixtral", "phi3"):
+        return (window,) * layers
+    if cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 0)
+        return tuple(window if i >= first else 0 for i in range(layers))
+    return (0,) * layers
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -87,7 +109,7 @@ class ModelConfig:
     hidden_act: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None
+    layer_windows: tuple[int, ...]  # per layer: attend to this many latest tokens (0: all of them)
     qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary (Qwen3)
     rotary_dim: int = 0  # leading dims of each head the rotary turns (0: all of them)
     moe: MoEConfig | None = None
@@ -131,8 +153,6 @@ class ModelConfig:
         partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        use_sw = cfg.get("use_sliding_window", family in ("mistral", "phi3"))  # those attend in a window if set
-        window = cfg.get("sliding_window") if use_sw else None
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -154,7 +174,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=window,
+            layer_windows=_layer_windows(family, cfg),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             rotary_dim=int(head_dim * partial) if partial < 1.0 else 0,
             moe=MoEConfig.from_dict(family, cfg),
@@ -162,10 +182,13 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served: a sliding window caps it, since we attend in full."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence served."""
         return self.max_position_embeddings
+
+    @property
+    def sliding_window(self) -> int:
+        """The widest window of any layer (0: every layer attends to the whole context)."""
+        return max(self.layer_windows, default=0)
 
     @property
     def rotary_dims(self) -> int:

@@ -53,12 +53,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, layout: StepLayout) -> Any: ...
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float, window: int = 0):
         """q: [T, Hq, D], k/v: [T, Hkv, D] (this step's), caches: one layer. Writes k/v into
-        the caches at the step's slots, then returns the attention output [T, Hq, D]."""
+        the caches at the step's slots, then returns the attention output [T, Hq, D].
+        ``window``: each query attends to its ``window`` latest keys, itself included
+        (0: to every earlier key), as transformers' sliding-window layers do."""
         self.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = q.new_empty(q.shape)
-        self.attend(q, k, v, k_cache, v_cache, meta, scale, out)
+        self.attend(q, k, v, k_cache, v_cache, meta, scale, out, window)
         return out
 
     @abstractmethod
@@ -66,5 +68,5 @@ class AttentionBackend(ABC):
         """Scatter the step's new K/V rows ([T, Hkv, D]) into one layer's cache by slot."""
 
     @abstractmethod
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale: float, out) -> None:
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale: float, out, window: int = 0) -> None:
         """Attention of every row of ``q`` into ``out``; the cache already holds this step's K/V."""

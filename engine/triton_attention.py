@@ -42,6 +42,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "
 _PREFILL_ROWS = 64
 _KV_TILE = 64  # keys per loop iteration
 _MIN_DOT = 16  # tl.dot needs at least 16 along each dimension on NVIDIA tensor cores
+_NO_WINDOW = 1 << 30  # the window the kernels take for "the whole context"
 
 
 if triton is not None:
@@ -76,14 +77,16 @@ if triton is not None:
 
     # One K/V tile folded into the query rows' running max logits (m_i, base 2), exp sums
     # (l_i) and unnormalised output (acc); ``keep`` ([rows, TILE]) masks the keys each
-    # row may attend to.
+    # row may attend to. A row that has kept no key yet (a sliding window starts past
+    # this tile) stays at -inf, 0, 0.
     @triton.jit
     def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale_log2, DOT_DTYPE: tl.constexpr):
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
         return m_new, l_i, acc
@@ -130,6 +133,7 @@ if triton is not None:
         block_tables_ptr,
         context_lens_ptr,
         scale_log2,
+        window,
         num_heads,
         max_partitions,
         stride_qt,
@@ -161,6 +165,16 @@ if triton is not None:
         heads = kv_head * GROUP + g
         head_mask = g < GROUP
         d = tl.arange(0, HEAD_DIM)
+        first_key = tl.maximum(ctx_len - window, 0)  # the window's first key (0 without one)
+        if SPLIT:  # (unsplit, the one partition holds the last key)
+            if end <= first_key:  # a partition wholly before the window adds nothing to the reduce
+                row = (seq * num_heads + heads) * max_partitions + part
+                tl.store(part_max_ptr + row, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=head_mask)
+                tl.store(part_sum_ptr + row, tl.zeros([GROUP_PAD], tl.float32), mask=head_mask)
+                tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                         tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32), mask=head_mask[:, None])
+                return
+        start = tl.maximum(start, first_key)
         q = tl.load(
             q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
             mask=head_mask[:, None],
@@ -238,6 +252,7 @@ if triton is not None:
         query_start_ptr,
         context_start_ptr,
         scale_log2,
+        window,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -282,15 +297,18 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
         table = block_tables_ptr + seq * stride_bt
-        for tile in range(0, kv_end, TILE):
+        # The window (everything without one): the tile's first query sees keys from
+        # first_key on, the others from later ones.
+        first_key = tl.maximum(ctx0 + first - window + 1, 0)
+        for tile in range(first_key, kv_end, TILE):
             pos = tile + tl.arange(0, TILE)
             valid = pos < kv_end
             k, v = _load_kv_tile(
                 k_cache_ptr, v_cache_ptr, table, pos, valid, kv_head, d,
                 stride_cb, stride_ct, stride_ch, BLOCK_SIZE, DOT_DTYPE,
             )  # fmt: skip
-            # Causal; keys past kv_end are past every row's position too.
-            causal = pos[None, :] <= q_pos[:, None]
+            # Causal, within the window; keys past kv_end are past every row's position too.
+            causal = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _online_softmax_step(
                 q, k, v, causal, m_i, l_i, acc, scale_log2, DOT_DTYPE
             )
@@ -389,8 +407,10 @@ def decode_attention(
     scale: float,
     partition_size: int,
     buffers: SplitBuffers | None = None,
+    window: int = 0,
 ) -> SplitBuffers | None:
-    """One query row per request (q, out: [B, Hq, D]); split-K once a context passes a partition.
+    """One query row per request (q, out: [B, Hq, D]); split-K once a context passes a
+    partition; ``window`` > 0: over each row's ``window`` latest keys only.
 
     Returns the split buffers it used (``buffers`` when they fit), for the next layer.
     """
@@ -408,7 +428,7 @@ def decode_attention(
         part_out = part_max = part_sum = out  # unused without a split
     _decode_kernel[(batch, num_kv_heads, partitions)](
         q, k_cache, v_cache, out, part_out, part_max, part_sum, block_tables, context_lens,
-        scale * math.log2(math.e), num_heads, partitions,
+        scale * math.log2(math.e), window or _NO_WINDOW, num_heads, partitions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(_MIN_DOT, _pow2(group)), HEAD_DIM=head_dim,
@@ -434,8 +454,10 @@ def prefill_attention(
     context_start: torch.Tensor,
     max_chunk_len: int,
     scale: float,
+    window: int = 0,
 ) -> None:
-    """Chunks of query rows (rows query_start[i]..query_start[i+1] of q, out: [T, Hq, D])."""
+    """Chunks of query rows (rows query_start[i]..query_start[i+1] of q, out: [T, Hq, D]);
+    ``window`` > 0: each row over its ``window`` latest keys only."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -444,7 +466,7 @@ def prefill_attention(
     grid = (context_start.numel(), -(-max_chunk_len // block_q), num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start, context_start,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), window or _NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
@@ -510,16 +532,16 @@ class TritonAttention(AttentionBackend):
             max_chunk_len=max((c.num_tokens for c in chunks), default=0),
         )
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, out) -> None:
+    def attend(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, out, window: int = 0) -> None:
         if meta.num_decodes:
             n = meta.num_decodes
             meta.split_buffers = decode_attention(
                 q[:n], k_cache, v_cache, out[:n], meta.decode_block_tables,
                 meta.decode_context_lens, meta.max_decode_len, scale, self.partition_size,
-                meta.split_buffers,
+                meta.split_buffers, window,
             )  # fmt: skip
         if meta.num_prefills:
             prefill_attention(
                 q, k_cache, v_cache, out, meta.prefill_block_tables, meta.prefill_query_start,
-                meta.prefill_context_start, meta.max_chunk_len, scale,
+                meta.prefill_context_start, meta.max_chunk_len, scale, window,
             )  # fmt: skip

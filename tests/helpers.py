@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -223,6 +224,11 @@ def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int
 HF_FAMILIES = {
     "llama": ("Llama", dict(num_key_value_heads=2)),
     "qwen2": ("Qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # Every layer attends to its 48 latest tokens.
+    "mistral": ("Mistral", dict(num_key_value_heads=2, sliding_window=48)),
+    # A window of 40 on the second layer only (use_sliding_window from max_window_layers on).
+    "qwen2_window": ("Qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=40,
+                                   max_window_layers=1)),
     # Per-head q/k norms, a head_dim that is not hidden / heads.
     "qwen3": ("Qwen3", dict(num_key_value_heads=2, head_dim=24)),
     # Fused q/k/v and gate/up in the checkpoint; rotary over 3/4 of each head, LongRoPE
@@ -303,14 +309,25 @@ def _randomise_biases_and_norms(model) -> None:
 
 
 # HF tensor name pieces -> llama.cpp's, for writing test GGUF files (the inverse of
-# engine/gguf_checkpoint.py's table, spelled out again so a mistake there shows here).
+# engine/gguf_checkpoint.py's tables, spelled out again so a mistake there shows here).
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's, fused
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp",  # routers
 }  # fmt: skip
 _GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# The stack of every expert's projection, by the projection's name in Mixtral and Qwen3-MoE.
+_GGUF_EXPERTS = {
+    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+}  # fmt: skip
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+# The architecture llama.cpp's converter writes each family as (Mixtral: a llama with experts).
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
+             "mixtral": "llama"}  # fmt: skip
 # Where each K-quant block keeps its fp16 scales (ggml-common.h): random bytes there could be inf/nan.
 _K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -338,51 +355,51 @@ def _gguf_tensor(values, qtype, rng):
         data = gguf.quants.quantize(values, qtype)
     else:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        data = rng.integers(0, 256, (values.shape[0], values.shape[1] // block, size), dtype=np.uint8)
+        data = rng.integers(0, 256, (*values.shape[:-1], values.shape[-1] // block, size), dtype=np.uint8)
         for at in _K_SCALES[qtype.name]:
-            scale = rng.uniform(1e-3, 4e-3, data.shape[:2]).astype(np.float16)
+            scale = rng.uniform(1e-3, 4e-3, data.shape[:-1]).astype(np.float16)
             data[..., at : at + 2] = scale[..., None].view(np.uint8)
-        data = data.reshape(values.shape[0], -1)
+        data = data.reshape(*values.shape[:-1], -1)
     return data
 
 
-def build_gguf(path: Path, hf_dir: Path, arch: str = "llama", matrix_type: str = "F32", pre: str = "default") -> Path:
+def build_gguf(path: Path, hf_dir: Path, matrix_type: str = "F32", pre: str = "default") -> Path:
     """Write the HF checkpoint in ``hf_dir`` (with the default model's byte-level BPE
-    tokenizer) as one GGUF file as llama.cpp's converter would: llama.cpp names, Q/K rows
-    permuted for llama, 2-D weights stored as ``matrix_type``, norms and biases as F32."""
-    import json
-
+    tokenizer) as one GGUF file as llama.cpp's converter (convert_hf_to_gguf.py) would:
+    its architecture (``GGUF_ARCH``) and metadata, its tensor names, Q/K rows permuted for
+    llama, experts stacked, Phi-3's LongRoPE factors as tensors; matrices stored as
+    ``matrix_type``, norms, biases and routers as F32."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    arch = GGUF_ARCH[cfg["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    w.add_vocab_size(cfg["vocab_size"])
+    _add_gguf_parameters(w, cfg)
     _add_gguf_tokenizer(w, hf_dir, pre)
     rng = np.random.default_rng(0)
     qtype = gguf.GGMLQuantizationType[matrix_type]
+    tensors, experts = {}, {}
     for name, t in load_file(hf_dir / "model.safetensors").items():
         values = t.float().numpy()
         if arch == "llama" and ".q_proj." in name:
-            values = _llama_cpp_permute(values, heads)
+            values = _llama_cpp_permute(values, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
-            values = _llama_cpp_permute(values, kv_heads)
-        if values.ndim == 2:
-            # The writer takes a quantized tensor's shape in bytes, as quantize returns it.
-            w.add_tensor(_gguf_name(name), _gguf_tensor(values, qtype, rng), raw_dtype=qtype)
+            values = _llama_cpp_permute(values, cfg["num_key_value_heads"])
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault(f"blk.{m[1]}.{_GGUF_EXPERTS[m[3]]}.weight", {})[int(m[2])] = values
         else:
-            w.add_tensor(_gguf_name(name), values)
+            tensors[_gguf_name(name)] = values
+    for name, stack in experts.items():
+        tensors[name] = np.stack([stack[e] for e in range(len(stack))])
+    tensors.update(_gguf_rope_factors(w, cfg))
+    for name, values in tensors.items():
+        if values.ndim >= 2 and ".ffn_gate_inp." not in name:
+            # The writer takes a quantized tensor's shape in bytes, as quantize returns it.
+            w.add_tensor(name, _gguf_tensor(values, qtype, rng), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -390,14 +407,63 @@ def build_gguf(path: Path, hf_dir: Path, arch: str = "llama", matrix_type: str =
     return path
 
 
+def _add_gguf_parameters(w, cfg: dict) -> None:
+    """The hyper-parameters as the converter writes them: TextModel's for every family,
+    then LlamaModel's, Qwen2MoeModel's or Phi3MiniModel's own."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    rope = cfg.get("rope_parameters") or {}
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if experts := cfg.get("num_local_experts") or cfg.get("num_experts"):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if GGUF_ARCH[cfg["model_type"]] == "llama":
+        w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
+    if cfg["model_type"] == "phi3":
+        partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor", 1.0)
+        w.add_rope_dimension_count(int(partial * hidden) // heads)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+
+
+def _gguf_rope_factors(w, cfg: dict) -> dict:
+    """Phi3MiniModel.generate_extra_tensors: LongRoPE's factors as tensors, and the
+    attention factor it computes from the context lengths."""
+    import math
+
+    import numpy as np
+
+    rope = cfg.get("rope_parameters") or {}
+    if cfg["model_type"] != "phi3" or rope.get("rope_type") != "longrope":
+        return {}
+    scale = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    original = rope["original_max_position_embeddings"]
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    return {
+        "rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+        "rope_factors_short.weight": np.array(rope["short_factor"], np.float32),
+    }
+
+
 def _add_gguf_tokenizer(w, hf_dir: Path, pre: str) -> None:
     """The tokenizer.json of ``hf_dir`` as llama.cpp stores a byte-level BPE."""
-    import json
-
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = dict(tok["model"]["vocab"])
-    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    # CONTROL (3) for special added tokens, USER_DEFINED (4) for the others, NORMAL (1).
+    added = {a["content"]: 3 if a["special"] else 4 for a in tok["added_tokens"]}
     for a in tok["added_tokens"]:
         vocab[a["content"]] = a["id"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -405,10 +471,13 @@ def _add_gguf_tokenizer(w, hf_dir: Path, pre: str) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_types([added.get(t, 1) for t in tokens])
     w.add_token_merges(merges)
     w.add_bos_token_id(vocab[tok_cfg["bos_token"]])
     w.add_eos_token_id(vocab[tok_cfg["eos_token"]])
+    # SpecialVocab falls back on config.json for ids the tokenizer config does not give.
+    if (pad := json.loads((hf_dir / "config.json").read_text()).get("pad_token_id")) is not None:
+        w.add_pad_token_id(pad)
     w.add_add_bos_token(True)
     w.add_chat_template(tok_cfg["chat_template"])
 

@@ -15,6 +15,8 @@
  *   block_tables [B, max_blocks]    int64 block ids, token order
  *   context_lens [B]                int64 keys per request (the new token included)
  *   out          [B, Hq, D]
+ * window > 0: each query attends to its ``window`` latest keys only (a sliding-window
+ * layer); 0: to all of them.
  * Query heads g*Hkv .. are grouped as in Hugging Face's repeat_kv: KV head h serves
  * query heads h*G .. h*G+G-1, where G = Hq / Hkv.
  *
@@ -55,36 +57,40 @@ static inline const float *block_rows(const float *cache, const int64_t *table, 
     return cache + table[t0 / bs] * block;
 }
 
-/* One request, every head. scores: Hq * ctx floats of scratch. Always inlined, so a
- * constant head size D (see the caller) unrolls the row loops. */
+/* One request, every head, over its keys [start, ctx). scores: Hq * (ctx - start)
+ * floats of scratch. Always inlined, so a constant head size D (see the caller)
+ * unrolls the row loops. */
 static inline __attribute__((always_inline)) void attend(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t ctx, int Hq,
-    int Hkv, int D, int bs, float scale, float *scores, float *out) {
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t start, int64_t ctx,
+    int Hq, int Hkv, int D, int bs, float scale, float *scores, float *out) {
     const int G = Hq / Hkv;
-    const int64_t row = (int64_t)Hkv * D, block = (int64_t)bs * row;
+    const int64_t row = (int64_t)Hkv * D, block = (int64_t)bs * row, len = ctx - start;
     const float *next;
-    for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    for (int64_t t0 = start - start % bs; t0 < ctx; t0 += bs) {
         const float *k = block_rows(k_cache, table, t0, ctx, bs, block, &next);
-        const int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
-        for (int64_t i = 0; i < n; i++, k += row, next += row) {
+        const int64_t n = ctx - t0 < bs ? ctx - t0 : bs, i0 = t0 < start ? start - t0 : 0;
+        k += i0 * row, next += i0 * row;
+        for (int64_t i = i0; i < n; i++, k += row, next += row) {
             for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + c);
-            for (int hq = 0; hq < Hq; hq++) scores[hq * ctx + t0 + i] = dot(q + hq * D, k + hq / G * D, D) * scale;
+            for (int hq = 0; hq < Hq; hq++)
+                scores[hq * len + t0 + i - start] = dot(q + hq * D, k + hq / G * D, D) * scale;
         }
     }
     for (int hq = 0; hq < Hq; hq++) {
-        float *s = scores + hq * ctx, top = s[0], sum = 0.f;
-        for (int64_t t = 1; t < ctx; t++) top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < ctx; t++) sum += (s[t] = expf(s[t] - top));
+        float *s = scores + hq * len, top = s[0], sum = 0.f;
+        for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+        for (int64_t t = 0; t < len; t++) sum += (s[t] = expf(s[t] - top));
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < ctx; t++) s[t] *= inv;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
         for (int d = 0; d < D; d++) out[hq * D + d] = 0.f;
     }
-    for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    for (int64_t t0 = start - start % bs; t0 < ctx; t0 += bs) {
         const float *v = block_rows(v_cache, table, t0, ctx, bs, block, &next);
-        const int64_t n = ctx - t0 < bs ? ctx - t0 : bs;
-        for (int64_t i = 0; i < n; i++, v += row, next += row) {
+        const int64_t n = ctx - t0 < bs ? ctx - t0 : bs, i0 = t0 < start ? start - t0 : 0;
+        v += i0 * row, next += i0 * row;
+        for (int64_t i = i0; i < n; i++, v += row, next += row) {
             for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + c);
-            for (int hq = 0; hq < Hq; hq++) axpy(out + hq * D, scores[hq * ctx + t0 + i], v + hq / G * D, D);
+            for (int hq = 0; hq < Hq; hq++) axpy(out + hq * D, scores[hq * len + t0 + i - start], v + hq / G * D, D);
         }
     }
 }
@@ -94,9 +100,9 @@ static inline __attribute__((always_inline)) void attend(
 int tandem_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                             const int64_t *block_tables, const int64_t *context_lens, float *out,
                             int B, int Hq, int Hkv, int D, int bs, int max_blocks, float scale,
-                            int num_threads) {
+                            int window, int num_threads) {
     if (B <= 0) return 0;
-    if (Hkv <= 0 || Hq % Hkv || D <= 0 || bs <= 0) return -1;
+    if (Hkv <= 0 || Hq % Hkv || D <= 0 || bs <= 0 || window < 0) return -1;
     int64_t longest = 0;
     for (int b = 0; b < B; b++) {
         if (context_lens[b] < 1 || context_lens[b] > (int64_t)max_blocks * bs) return -2;
@@ -116,10 +122,11 @@ int tandem_paged_decode_f32(const float *q, const float *k_cache, const float *v
             const float *qb = q + (int64_t)b * Hq * D;
             float *ob = out + (int64_t)b * Hq * D;
             const int64_t *table = block_tables + (int64_t)b * max_blocks, ctx = context_lens[b];
+            const int64_t start = window && ctx > window ? ctx - window : 0;
             switch (D) {
-            case 64: attend(qb, k_cache, v_cache, table, ctx, Hq, Hkv, 64, bs, scale, scores, ob); break;
-            case 128: attend(qb, k_cache, v_cache, table, ctx, Hq, Hkv, 128, bs, scale, scores, ob); break;
-            default: attend(qb, k_cache, v_cache, table, ctx, Hq, Hkv, D, bs, scale, scores, ob);
+            case 64: attend(qb, k_cache, v_cache, table, start, ctx, Hq, Hkv, 64, bs, scale, scores, ob); break;
+            case 128: attend(qb, k_cache, v_cache, table, start, ctx, Hq, Hkv, 128, bs, scale, scores, ob); break;
+            default: attend(qb, k_cache, v_cache, table, start, ctx, Hq, Hkv, D, bs, scale, scores, ob);
             }
         }
         free(scores);

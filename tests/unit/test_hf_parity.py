@@ -4,8 +4,9 @@ Each request is generated alone by HF ``generate`` (float32), then all 32 run to
 in the engine under different schedules: no chunking, a tiny step budget, a KV pool
 small enough to force preemption (recompute and swap), and shared prefixes with the
 prefix cache on. Llama and Qwen2 run every schedule; the other families (Qwen3,
-Phi-3, Mixtral, Qwen3-MoE: ``tests.helpers.HF_FAMILIES``) the plain, chunked,
-preempting and prefix-caching ones.
+Phi-3, Mixtral, Qwen3-MoE, and sliding windows: Mistral's on every layer, Qwen2's on
+some, both shorter than most prompts; ``tests.helpers.HF_FAMILIES``) the plain,
+chunked, preempting and prefix-caching ones.
 
 Parity only shows something if the reference depends on what the engine could get
 wrong. At transformers' default init (std 0.02) it does not: the residual stream is
@@ -117,7 +118,7 @@ def reference(request, tmp_path_factory, default_model):
     return _reference(request.param, tmp_path_factory, default_model)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "phi3", "mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "phi3", "mixtral", "qwen3_moe", "mistral", "qwen2_window"])
 def family_reference(request, tmp_path_factory, default_model):
     return _reference(request.param, tmp_path_factory, default_model)
 
