@@ -123,7 +123,9 @@ def load_model(
     # (and no meta-device ``empty_like``, whose reference kernel imports sympy).
     model.load_state_dict(state, strict=False, assign=True)
     # The rotary tables were computed on the CPU (float32, as HF) even under meta.
-    model.rotary.to(device)
+    for rotary in (model.rotary, model.local_rotary):
+        if rotary is not None:
+            rotary.to(device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.eval().requires_grad_(False)

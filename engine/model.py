@@ -1,10 +1,12 @@
-"""Decoder-only transformer for the Llama / Qwen / Mistral / Phi-3 families and their
-mixtures of experts, over a paged KV cache.
+"""Decoder-only transformer for the Llama / Qwen / Mistral / Phi-3 / Gemma 3 families and
+their mixtures of experts, over a paged KV cache.
 
 RMSNorm, rotary embeddings (default, linear, llama3 and LongRoPE scaling, over all of
 each head or its leading part), grouped-query attention with optional q/k/v bias and
 per-head q/k norms, a SwiGLU MLP or a sparse mixture of SwiGLU experts
-(``engine.moe``), optional tied embeddings. The numerics follow Hugging Face
+(``engine.moe``), optional tied embeddings; sliding-window layers (the attention
+backends keep each query to its window); and Gemma 3's (1 + weight) norms on both
+sides of each sublayer, scaled embeddings and per-kind rotary bases. The numerics follow Hugging Face
 transformers so that greedy decoding matches it token for token. Weights are loaded by
 ``engine.loader``; q/k/v and gate/up projections are fused there into single matrices
 so each layer runs four matmuls, and a float32 model on the CPU runs them on
@@ -12,6 +14,8 @@ oneDNN-packed weights (``PackedLinear``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +29,21 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's RMSNorm; with an ``offset`` (Gemma's 1), scaled by offset + weight in
+    float32 before the cast back, as Gemma's is."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -92,10 +102,10 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
 
     def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
@@ -189,11 +199,19 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream. With sandwich norms
+    (Gemma 3) the attention's output is normed before it is added
+    (``post_attention_layernorm``), and the MLP has a norm on each side."""
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm()
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         moe = config.moe
         if moe is not None and index in moe.sparse_layers:
             self.mlp = SparseMoE(config.hidden_size, moe, activation(config))
@@ -201,8 +219,12 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config)
 
     def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, attn)
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderModel(nn.Module):
@@ -217,11 +239,16 @@ class DecoderModel(nn.Module):
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, config.max_position_embeddings)
+        # Gemma 3's sliding-window layers turn at a base of their own, unscaled.
+        local = config.local_rope_theta
+        self.local_rotary = None if local is None else Rotary(
+            dataclasses.replace(config, rope_theta=local, rope_scaling=None), config.max_position_embeddings
+        )
 
     def forward(
         self,
@@ -236,9 +263,12 @@ class DecoderModel(nn.Module):
         ``attn`` is the step's attention, bound to its metadata by the model runner.
         """
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rotary.at(positions, x.dtype)
+        local = rope if self.local_rotary is None else self.local_rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, k_caches[i], v_caches[i], attn)
+            x = layer(x, local if layer.self_attn.window else rope, k_caches[i], v_caches[i], attn)
         return self.norm(x)
 
     def pack_linears(self) -> None:

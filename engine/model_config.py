@@ -2,8 +2,8 @@
 (or a GGUF file's metadata, through ``engine.gguf_checkpoint``).
 
 Supports the Llama / Qwen2 / Mistral family, Qwen3 (per-head q/k norms), Phi-3 and
-Phi-4-mini (fused projections, partial and LongRoPE rotary), and the mixtures of
-experts Mixtral and Qwen3-MoE. Anything else is refused with an error that names the
+Phi-4-mini (fused projections, partial and LongRoPE rotary), Gemma 3 text, and the
+mixtures of experts Mixtral and Qwen3-MoE; sliding windows per layer. Anything else is refused with an error that names the
 architecture.
 """
 
@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 # What transformers' Auto classes read when config.json lists no architectures.
 MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
@@ -64,6 +65,44 @@ class MoEConfig:
             return cls(experts, cfg.get("num_experts_per_tok", 8), cfg["moe_intermediate_size"],
                        bool(cfg.get("norm_topk_prob", False)), sparse)
         return None
+
+
+def _rope(cfg: dict, family: str) -> tuple[float, dict]:
+    """The rotary base and the rest of its settings (``rope_type`` among them) of the
+    layers that attend to the whole context. Gemma 3 keeps a set per layer type."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    if family == "gemma3_text" and "full_attention" in rope:
+        rope = dict(rope["full_attention"])
+    legacy = cfg.get("rope_scaling")
+    if legacy:
+        rope.update(legacy)
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
+    if rope_type == "longrope":  # Phi-3 keeps these at the top level
+        rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    return rope_theta, rope
+
+
+def _gemma(cfg: dict) -> dict:
+    """Gemma 3's settings: (1 + weight) norms, scaled embeddings, its attention scale,
+    norms around both sublayers, and the sliding layers' own rotary base."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"unsupported {key} {cfg[key]} (Gemma 2's soft-capping)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention: this engine serves causal decoders")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_type {local['rope_type']!r} for sliding-window layers")
+    return dict(
+        norm_offset=1.0,
+        embed_scale=cfg["hidden_size"] ** 0.5,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+        sandwich_norms=True,
+        local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+    )
 
 
 def _layer_windows(family: str, cfg: dict) -> tuple[int, ...]:
@@ -113,6 +152,12 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotary (Qwen3)
     rotary_dim: int = 0  # leading dims of each head the rotary turns (0: all of them)
     moe: MoEConfig | None = None
+    # Gemma 3's departures from the Llama layout:
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight)
+    embed_scale: float = 1.0  # the token embeddings are multiplied by this
+    query_pre_attn_scalar: float | None = None  # attention scales by its -1/2 power (None: head_dim's)
+    sandwich_norms: bool = False  # norms after attention and around the MLP too
+    local_rope_theta: float | None = None  # the rotary base of sliding-window layers, when it is their own
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -139,16 +184,7 @@ class ModelConfig:
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or {})
-        legacy = cfg.get("rope_scaling")
-        if legacy:
-            rope.update(legacy)
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {list(ROPE_TYPES)}")
-        if rope_type == "longrope":  # Phi-3 keeps these at the top level
-            rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        rope_theta, rope = _rope(cfg, family)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         eos = cfg.get("eos_token_id")
@@ -166,18 +202,19 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=rope if rope_type != "default" else None,
+            rope_scaling=rope if rope.get("rope_type") != "default" else None,
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3_text")),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(family, cfg),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             rotary_dim=int(head_dim * partial) if partial < 1.0 else 0,
             moe=MoEConfig.from_dict(family, cfg),
+            **(_gemma(cfg) if family == "gemma3_text" else {}),
         )
 
     @property

@@ -211,7 +211,7 @@ def build_hf_checkpoint(out_dir: Path, arch: str, tokenizer_dir: Path, seed: int
     common.update(overrides)
     torch.manual_seed(seed)
     config = getattr(transformers, f"{name}Config")(**common)
-    model = getattr(transformers, f"{name}ForCausalLM")(config)
+    model = getattr(transformers, f"{name.removesuffix('Text')}ForCausalLM")(config)  # Gemma3TextConfig
     _randomise_biases_and_norms(model)
     model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
@@ -238,6 +238,15 @@ HF_FAMILIES = {
         partial_rotary_factor=0.75,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(6)],
                       "long_factor": [2.0 + 0.5 * i for i in range(6)]},
+    )),
+    # Gemma 3 text: sliding layers (window 32, rotary base 1e4) around a global one (base
+    # 1e6, linear scaling), (1 + weight) norms on both sides of each sublayer, scaled
+    # embeddings, an attention scale from query_pre_attn_scalar, not head_dim.
+    "gemma3": ("Gemma3Text", dict(
+        num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=32, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
     )),
     # Top-2 of 4 experts, renormalised.
     "mixtral": ("Mixtral", dict(num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
