@@ -165,6 +165,64 @@ def _cmd_request(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Print a running server's pools, autoscaling targets and latest decisions (``GET /status``)."""
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    headers = {}
+    key = args.api_key or os.environ.get("TANDEM_API_KEY")
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(args.url.rstrip("/") + "/status", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            status = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as e:
+        print(f"error: no server at {args.url}: {e.reason}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def format_status(status: dict) -> str:
+    """``GET /status``'s answer as lines for a terminal."""
+    lines = [f"model {status.get('model')}"]
+    scaling = status.get("autoscaling") or {}
+    targets = scaling.get("targets", {})
+    for role, workers in sorted(status["pools"].items(), key=lambda kv: kv[0] != "prefill"):
+        live = sum(not w["draining"] for w in workers)
+        t = targets.get(role)
+        bounds = f"  (target {t['target']}, min {t['min']}, max {t['max']})" if t else ""
+        lines.append(f"{role}: {live} worker{'s' * (live != 1)}{bounds}")
+        for w in workers:
+            name = w["worker_id"] + (" (draining)" if w["draining"] else "")
+            lines.append(f"  {name:24} {_load_line(w['load'])}")
+    if "decisions" in scaling:
+        lines.append("autoscaling decisions (latest last):" if scaling["decisions"] else "no autoscaling decisions yet")
+        for d in scaling["decisions"][-10:]:
+            lines.append(f"  {d['ago_s']:>7.1f} s ago  {d['action']} {d['role']}: {d['reason']}")
+    elif not scaling:
+        lines.append("autoscaling: off (pools of fixed size)")
+    return "\n".join(lines)
+
+
+def _load_line(load: dict | None) -> str:
+    if load is None:
+        return "no answer"
+    if "queued_prefill_tokens" in load:
+        return (f"{load['queued_prefill_tokens']} prompt tokens queued, {load['running_chunks']} prefilling, "
+                f"{load['sending']} sending")
+    used = load["total_blocks"] - load["free_blocks"]
+    return (f"{load['running']} running, {load['waiting']} waiting, {load['waiting_for_kv']} waiting for KV, "
+            f"KV {used}/{load['total_blocks']} blocks")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "offline":
         from bench.offline import main as offline_main
@@ -235,6 +293,15 @@ def _add_request(sub) -> None:
     req.set_defaults(func=_cmd_request)
 
 
+def _add_status(sub) -> None:
+    st = sub.add_parser("status", help="print a running server's pools, autoscaling targets and decisions")
+    st.add_argument("--url", default="http://127.0.0.1:8000")
+    st.add_argument("--api-key", default=None, help="default: $TANDEM_API_KEY")
+    st.add_argument("--json", action="store_true", help="print the server's answer as it is")
+    st.add_argument("--timeout", type=float, default=30.0)
+    st.set_defaults(func=_cmd_status)
+
+
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead)")
     bench.add_argument("bench", choices=["offline", "serve", "report", "overhead"])
@@ -245,7 +312,7 @@ def _add_bench(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_make_model, _add_pull, _add_generate, _add_up, _add_request, _add_bench):
+    for add in (_add_make_model, _add_pull, _add_generate, _add_up, _add_request, _add_status, _add_bench):
         add(sub)
     return p
 

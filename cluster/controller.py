@@ -178,6 +178,22 @@ class ClusterController:
         """The control loop's pending changes and latest decisions (None: pools of fixed size)."""
         return None if self.scaler is None else self.scaler.status()
 
+    def status(self) -> dict:
+        """What ``tandem status`` prints: the model, each pool's workers and loads, and,
+        with autoscaling, each pool's bounds, target and the latest decisions."""
+        pools = self.cluster.status()
+        out = {"model": self._model_info.get("name") if self._model_info else None, "pools": pools,
+               "autoscaling": None}
+        if self.scaler is not None:
+            scaling, bounds = self.scaler.status(), self.config.autoscaling
+            out["autoscaling"] = {**scaling, "targets": {
+                role: {"workers": (n := sum(not w["draining"] for w in pools.get(role, []))),
+                       "target": n + scaling["pending"].get(role, 0),
+                       "min": bounds.bounds(role).min_workers, "max": bounds.bounds(role).max_workers}
+                for role in ("prefill", "decode")
+            }}
+        return out
+
     def set_transfer(self, transfer: TransferConfig) -> None:
         """New transfer settings (deadlines, failure policy, faults) for the running
         workers and their future replacements; see ``TandemCluster.set_transfer``."""

@@ -149,9 +149,12 @@ class PoolScaler:
             thread.join()
 
     def status(self) -> dict:
-        """Pending changes per role and the latest decisions, for ``tandem status``."""
+        """Pending changes per role and the latest decisions (``ago_s``: how long ago), for
+        ``tandem status``."""
         with self._lock:
             pending = dict(self._pending)
+        now = self.clock()
         return {"pending": pending, "decisions": [
-            {"at": at, "action": d.action, "role": d.role, "reason": d.reason} for at, d in self.decisions
+            {"at": at, "ago_s": round(now - at, 1), "action": d.action, "role": d.role, "reason": d.reason}
+            for at, d in self.decisions
         ]}

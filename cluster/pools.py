@@ -315,6 +315,21 @@ class TandemCluster:
                  "drained" if drained else f"not idle within {timeout_s:g} s: what it had moves on")
         return {"worker_id": worker_id, "drained": drained, "seconds": seconds}
 
+    def status(self) -> dict[str, list[dict]]:
+        """Every listed worker by role ("prefill", "decode" or "colocated"), draining ones
+        too, with its load as a dict (None: no answer within ``PING_TIMEOUT_S``)."""
+        with self._lock:
+            slots = [(s.role, s.ref) for s in self._slots if s.ref is not None]
+        calls = [(role, ref, ref.handle.load.remote()) for role, ref in slots]
+        out: dict[str, list[dict]] = {}
+        for role, ref, load in calls:
+            try:
+                answer = dataclasses.asdict(ray.get(load, timeout=PING_TIMEOUT_S))
+            except (RayActorError, GetTimeoutError):
+                answer = None
+            out.setdefault(role, []).append({"worker_id": ref.worker_id, "draining": ref.draining, "load": answer})
+        return out
+
     def pool_state(self) -> dict[str, list[tuple[str, dict, object]]]:
         """Per role ("prefill", "decode"; colocated workers count as decode), each listed
         worker that is not draining: (its id, its engine stats, its load). A worker that

@@ -509,6 +509,12 @@ class Router:
         self.core.check_key(_bearer(request.headers.get("authorization")))
         return model_list(self.core.model.name, self.core.created, self.core.model.max_model_len)
 
+    @app.get("/status")
+    async def status(self, request: Request) -> dict:
+        """The pools as the cluster controller sees them (``tandem status`` prints it)."""
+        self.core.check_key(_bearer(request.headers.get("authorization")))
+        return await self.core.controller.status.remote()
+
     @app.get("/version")
     async def version(self, request: Request) -> dict:
         self.core.check_key(_bearer(request.headers.get("authorization")))

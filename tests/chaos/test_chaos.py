@@ -170,12 +170,11 @@ def _transfer_failures(svc) -> int:
     return sum(s.get("transfer_failures", 0) for s in svc.stats().values())
 
 
-@pytest.fixture(params=ALL_BACKENDS)
-def slow_transfer_service(services, request):
-    """Each KV receive waits 1 s first: there is always a transfer in flight to break, and
-    it is still in flight when the kill lands (polling the loads, then killing, took over
-    0.3 s on a loaded machine, and a transfer that had ended meanwhile broke nothing)."""
-    return services.get(request.param, faults={"delay_s": 1.0})
+# Each KV receive waits this long first, so there is always a transfer in flight to
+# break, and it is still in flight when the kill lands: polling the loads, then killing,
+# took over 0.3 s on a loaded machine, and over 1 s with other jobs on its two cores (a
+# transfer that had ended meanwhile broke nothing, and the sender's check below failed).
+SLOW_RECEIVE_S = {"receiver": 1.0, "sender": 2.5}
 
 
 async def _kill_mid_transfer(svc, progress, role: str) -> str:
@@ -200,9 +199,10 @@ async def _kill_mid_transfer(svc, progress, role: str) -> str:
     return victim.worker_id
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_worker_killed_mid_transfer(slow_transfer_service, tiny_model, workload, side):
-    svc = slow_transfer_service
+def test_worker_killed_mid_transfer(services, tiny_model, workload, side, backend):
+    svc = services.get(backend, faults={"delay_s": SLOW_RECEIVE_S[side]})
     before = {w.worker_id: w.key for w in workers(svc)[side == "receiver"]}
     failures_before = _transfer_failures(svc)
     killed = []

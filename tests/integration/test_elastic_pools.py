@@ -115,7 +115,28 @@ def test_the_control_loop_scales_decode_out_under_load_and_back_in_once_it_stops
         # (The judge's last request may press the pool once more: every step misses this SLO.)
         assert made[0] == ("add", "decode") and ("remove", "decode") in made[1:], status["decisions"]
         assert {role for _, role in made} == {"decode"}, "the prefill pool is at its only size"
+        _check_tandem_status(svc)
     assert decisions("up") - up >= 1 and decisions("down") - down >= 1
+
+
+def _check_tandem_status(svc) -> None:
+    """``tandem status`` against the live router prints the pools, targets and decisions."""
+    import contextlib
+    import io
+    import re
+
+    from cluster.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["status", "--url", svc.http_url]) == 0
+    text = out.getvalue()
+    assert "prefill: 1 worker  (target 1, min 1, max 1)" in text, text
+    assert "decode: 1 worker  (target 1, min 1, max 2)" in text, text
+    assert "add decode:" in text and "remove decode:" in text, text
+    assert re.search(r"decode-\d +0 running, 0 waiting, 0 waiting for KV, KV 0/\d+ blocks", text), (
+        "an idle decode worker holds no blocks: " + text
+    )
 
 
 async def _decode_pool(svc, n: int) -> bool:

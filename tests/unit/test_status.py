@@ -1,0 +1,40 @@
+"""``tandem status``'s text from the controller's answer."""
+
+from __future__ import annotations
+
+from cluster.cli import format_status
+
+PREFILL = {"worker_id": "prefill-0", "draining": False, "load": {
+    "worker_id": "prefill-0", "queued_prefill_tokens": 300, "running_chunks": 2, "waiting": 1,
+    "prefix_cache_queries": 9, "prefix_cache_hits": 4, "sending": 1}}
+DECODE = {"worker_id": "decode-0", "draining": False, "load": {
+    "worker_id": "decode-0", "free_blocks": 1000, "total_blocks": 1024, "running": 3, "waiting": 0,
+    "waiting_for_kv": 1}}
+
+
+def test_fixed_pools_list_each_worker_with_its_load_and_say_autoscaling_is_off():
+    text = format_status({"model": "m", "pools": {"decode": [DECODE], "prefill": [PREFILL]}, "autoscaling": None})
+    assert text.splitlines() == [
+        "model m",
+        "prefill: 1 worker",
+        "  prefill-0                300 prompt tokens queued, 2 prefilling, 1 sending",
+        "decode: 1 worker",
+        "  decode-0                 3 running, 0 waiting, 1 waiting for KV, KV 24/1024 blocks",
+        "autoscaling: off (pools of fixed size)",
+    ]
+
+
+def test_autoscaled_pools_show_targets_draining_workers_and_the_latest_decisions():
+    draining = {"worker_id": "decode-1", "draining": True, "load": None}
+    scaling = {
+        "pending": {"prefill": 0, "decode": -1},
+        "targets": {"prefill": {"workers": 1, "target": 1, "min": 1, "max": 2},
+                    "decode": {"workers": 1, "target": 1, "min": 1, "max": 4}},
+        "decisions": [{"at": 1.0, "ago_s": 12.5, "action": "remove", "role": "decode", "reason": "idle for 30 s"}],
+    }
+    text = format_status({"model": "m", "pools": {"prefill": [PREFILL], "decode": [DECODE, draining]},
+                          "autoscaling": scaling})
+    assert "decode: 1 worker  (target 1, min 1, max 4)" in text
+    assert "  decode-1 (draining)      no answer" in text
+    assert text.splitlines()[-2:] == ["autoscaling decisions (latest last):",
+                                      "     12.5 s ago  remove decode: idle for 30 s"]
