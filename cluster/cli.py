@@ -126,33 +126,41 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_request(args: argparse.Namespace) -> int:
-    """Send one completion to a running server and print the answer (stdlib only)."""
+def _call(args: argparse.Namespace, path: str, body: dict | None = None) -> dict | None:
+    """GET (or, with ``body``, POST) ``path`` on the server at ``args.url`` with the API
+    key (``--api-key``, else ``$TANDEM_API_KEY``); its JSON answer, or None after
+    printing why there is none (stdlib only)."""
     import json
     import os
     import urllib.error
     import urllib.request
 
-    base = args.url.rstrip("/")
-    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
-    path = "/v1/completions"
-    if args.chat:
-        body = {
-            "messages": [{"role": "user", "content": args.prompt}],
-            "max_tokens": args.max_tokens,
-            "temperature": args.temperature,
-        }
-        path = "/v1/chat/completions"
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json"} if body is not None else {}
     key = args.api_key or os.environ.get("TANDEM_API_KEY")
     if key:
         headers["authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers=headers)
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(args.url.rstrip("/") + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=args.timeout) as r:
-            out = json.loads(r.read())
+            return json.loads(r.read())
     except urllib.error.HTTPError as e:
         print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
+    except urllib.error.URLError as e:
+        print(f"error: no server at {args.url}: {e.reason}", file=sys.stderr)
+    except TimeoutError:
+        print(f"error: {args.url} did not answer within {args.timeout} s (--timeout)", file=sys.stderr)
+    return None
+
+
+def _cmd_request(args: argparse.Namespace) -> int:
+    """Send one completion to a running server and print the answer."""
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.chat:
+        out = _call(args, "/v1/chat/completions", {"messages": [{"role": "user", "content": args.prompt}], **params})
+    else:
+        out = _call(args, "/v1/completions", {"prompt": args.prompt, **params})
+    if out is None:
         return 1
     choice = out["choices"][0]
     print(choice["message"]["content"] if args.chat else choice["text"])
@@ -168,23 +176,9 @@ def _cmd_request(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     """Print a running server's pools, autoscaling targets and latest decisions (``GET /status``)."""
     import json
-    import os
-    import urllib.error
-    import urllib.request
 
-    headers = {}
-    key = args.api_key or os.environ.get("TANDEM_API_KEY")
-    if key:
-        headers["authorization"] = f"Bearer {key}"
-    req = urllib.request.Request(args.url.rstrip("/") + "/status", headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=args.timeout) as r:
-            status = json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
-        return 1
-    except urllib.error.URLError as e:
-        print(f"error: no server at {args.url}: {e.reason}", file=sys.stderr)
+    status = _call(args, "/status")
+    if status is None:
         return 1
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0

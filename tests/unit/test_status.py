@@ -38,3 +38,57 @@ def test_autoscaled_pools_show_targets_draining_workers_and_the_latest_decisions
     assert "  decode-1 (draining)      no answer" in text
     assert text.splitlines()[-2:] == ["autoscaling decisions (latest last):",
                                       "     12.5 s ago  remove decode: idle for 30 s"]
+
+
+def test_request_and_status_talk_to_the_server_with_the_key(monkeypatch, capsys):
+    """``tandem request`` and ``tandem status`` against a stand-in server: the key from
+    ``$TANDEM_API_KEY`` goes along, a 401 is printed with its body, a missing server named."""
+    import http.server
+    import json
+    import threading
+
+    from cluster.cli import main
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, body: dict) -> None:
+            seen.append((self.command, self.path, self.headers.get("authorization")))
+            if self.headers.get("authorization") != "Bearer k":
+                self.send_response(401)
+                self.end_headers()
+                self.wfile.write(b'{"error": "bad key"}')
+                return
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps(body).encode())
+
+        def do_GET(self):
+            self._answer({"model": "m", "pools": {"decode": [DECODE]}, "autoscaling": None})
+
+        def do_POST(self):
+            sent = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            self._answer({"choices": [{"text": f"echo {sent['prompt']}", "finish_reason": "length"}],
+                          "usage": {"prompt_tokens": 1, "completion_tokens": 2}})
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        monkeypatch.setenv("TANDEM_API_KEY", "k")
+        assert main(["status", "--url", url]) == 0
+        assert "decode-0" in capsys.readouterr().out
+        assert main(["request", "hi", "--url", url]) == 0
+        assert capsys.readouterr().out.strip() == "echo hi"
+        assert main(["status", "--url", url, "--api-key", "wrong"]) == 1
+        assert "error 401" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen == [("GET", "/status", "Bearer k"), ("POST", "/v1/completions", "Bearer k"),
+                    ("GET", "/status", "Bearer wrong")]
+    assert main(["status", "--url", url, "--timeout", "2"]) == 1
+    assert "no server at" in capsys.readouterr().err
