@@ -52,8 +52,11 @@ METRICS_SPEC = {
     "tandem:num_requests_running",
     "tandem:num_requests_waiting",
     "tandem:kv_cache_usage_perc",
+    "tandem:pool_workers",
+    "tandem:pool_target_workers",
     # counters
     "tandem:prompt_tokens_total",
+    "tandem:scaling_decisions_total",
     "tandem:generation_tokens_total",
     "tandem:request_success_total",
     "tandem:num_preemptions_total",
@@ -783,6 +786,7 @@ def test_dashboard_has_the_required_panels_and_variables():
     expected_by = {
         "Preemptions": "mode", "KV transfer failures": "reason", "Rejected requests": "reason",
         "KV cache usage": "worker", "Requests running / waiting": "worker",
+        "Pool workers and targets": "role", "Scaling decisions": "direction",
     }
     for title, label in expected_by.items():
         assert all("{{" + label + "}}" in t["legendFormat"] for t in panels[title]["targets"]), title
@@ -845,3 +849,29 @@ def test_dockerfiles_copy_every_package_and_run_as_non_root(flavour):
         assert 'pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in text
     else:
         assert 'pip install ".[gpu]"' in text and "nvidia/cuda:12" in text
+
+
+def test_autoscaling_values_become_the_topologys_section_and_the_groups_bounds(chart):
+    """One set of values drives both loops: the controller's pools between the worker
+    groups' min and max replicas, and Ray's autoscaler for the pods (in-tree, on)."""
+    from cluster.config import ClusterConfig
+
+    values = {"autoscaling": {"enabled": True, "slo": {"ttftMs": 800, "itlMs": 40}, "intervalSeconds": 2,
+                              "scaleDownDelaySeconds": 20, "drainTimeoutSeconds": 45},
+              "prefill": {"minReplicas": 1, "replicas": 1, "maxReplicas": 3},
+              "decode": {"minReplicas": 1, "replicas": 2, "maxReplicas": 5},
+              "serve": {"topology": {"decode_workers": 2}}}
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")
+    assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert [(g["minReplicas"], g["maxReplicas"]) for g in groups.values()] == [(1, 3), (1, 5)]
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    topology = app["args"]["topology"]
+    assert topology["autoscaling"] == {
+        "prefill": {"min_workers": 1, "max_workers": 3}, "decode": {"min_workers": 1, "max_workers": 5},
+        "slo": {"ttft_ms": 800, "itl_ms": 40}, "interval_s": 2, "scale_down_delay_s": 20, "drain_timeout_s": 45,
+    }
+    a = ClusterConfig.from_dict(topology).autoscaling  # what the controller runs
+    assert (a.decode.max_workers, a.slo.itl_ms, a.drain_timeout_s) == (5, 40, 45)
+    off = yaml.safe_load(_by_kind(_split(chart.render({}, name=RELEASE)), "RayService")[0]["spec"]["serveConfigV2"])
+    assert "autoscaling" not in off["applications"][0]["args"]["topology"], "off: the pools keep their sizes"

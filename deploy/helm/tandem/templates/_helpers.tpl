@@ -152,11 +152,12 @@ and the router to the head.
 */}}
 {{- define "tandem.serveConfig" -}}
 {{- $s := .Values.serve -}}
+{{- $topology := include "tandem.topology" . | fromJson -}}
 {{- $router := dict "max_outstanding_requests" $s.maxOutstandingRequests "max_outstanding_prompt_tokens" $s.maxOutstandingPromptTokens "placement" $s.placement -}}
 {{- if .Values.apiKey.existingSecret }}
 {{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
 {{- end }}
-{{- $args := dict "topology" $s.topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port "ingress" $s.ingress "start_timeout_s" $s.startTimeoutSeconds -}}
+{{- $args := dict "topology" $topology "worker_resources" $s.workerResources "router" $router "metrics_port" .Values.metrics.port "ingress" $s.ingress "start_timeout_s" $s.startTimeoutSeconds -}}
 {{- with .Values.head.pinResource }}
 {{- $_ := set $args "head_resource" . -}}
 {{- end }}
@@ -175,7 +176,27 @@ The router's settings and startTimeoutSeconds are left out: they apply in place.
 */}}
 {{- define "tandem.poolSettingsHash" -}}
 {{- $s := .Values.serve -}}
-{{- dict "topology" $s.topology "worker_resources" $s.workerResources "metrics_port" .Values.metrics.port | toJson | sha256sum | trunc 16 }}
+{{- dict "topology" (include "tandem.topology" . | fromJson) "worker_resources" $s.workerResources "metrics_port" .Values.metrics.port | toJson | sha256sum | trunc 16 }}
+{{- end }}
+
+{{/*
+The topology the app runs (JSON): serve.topology and, with `autoscaling.enabled`, its
+`autoscaling` section from the chart's values: each pool between its worker group's
+minReplicas and maxReplicas workers (one worker per pod; a pod that fits more still
+counts one), the SLOs and the control loop's timings.
+*/}}
+{{- define "tandem.topology" -}}
+{{- $topo := deepCopy .Values.serve.topology -}}
+{{- $a := .Values.autoscaling -}}
+{{- if $a.enabled }}
+{{- $section := dict "slo" (dict "ttft_ms" $a.slo.ttftMs "itl_ms" $a.slo.itlMs) "interval_s" $a.intervalSeconds "scale_down_delay_s" $a.scaleDownDelaySeconds "drain_timeout_s" $a.drainTimeoutSeconds -}}
+{{- range $role := list "prefill" "decode" }}
+{{- $g := index $.Values $role -}}
+{{- $_ := set $section $role (dict "min_workers" (int $g.minReplicas) "max_workers" (int $g.maxReplicas)) -}}
+{{- end }}
+{{- $_ := set $topo "autoscaling" $section -}}
+{{- end }}
+{{- toJson $topo -}}
 {{- end }}
 
 {{/* Every Ray pod's annotations: the pool settings' hash, then podAnnotations. */}}
