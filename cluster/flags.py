@@ -74,6 +74,12 @@ def add_service_flags(
                             help="admission bound (262144)")  # fmt: skip
         parser.add_argument("--placement", default=None, choices=PLACEMENTS,
                             help="worker choice: load-aware with prefix affinity (default), or round-robin")  # fmt: skip
+        parser.add_argument("--local-prefill-tokens", type=int, default=None,
+                            help="compute a prompt with at most this many tokens uncached on its decode worker "
+                                 "there, not in the prefill pool (default 0: never)")  # fmt: skip
+        parser.add_argument("--local-prefill-backlog-tokens", type=int, default=None,
+                            help="compute every prompt on its decode worker while each prefill worker has this "
+                                 "many tokens queued (default 0: never)")  # fmt: skip
     parser.set_defaults(**defaults)
 
 

@@ -68,10 +68,14 @@ class ServiceConfig:
             "max_requests": getattr(args, "max_outstanding_requests", None),
             "max_prompt_tokens": getattr(args, "max_outstanding_prompt_tokens", None),
         }
-        placement = getattr(args, "placement", None)
+        dispatch = {
+            "placement": getattr(args, "placement", None),
+            "local_prefill_tokens": getattr(args, "local_prefill_tokens", None),
+            "local_prefill_backlog_tokens": getattr(args, "local_prefill_backlog_tokens", None),
+        }
         router = RouterConfig(
             admission=AdmissionConfig(**{k: v for k, v in admission.items() if v is not None}),
-            dispatch=DispatchConfig(placement=placement) if placement else DispatchConfig(),
+            dispatch=DispatchConfig(**{k: v for k, v in dispatch.items() if v is not None}),
             api_key=api_key,
         )
         host = cls.host if free else args.host
@@ -271,7 +275,7 @@ def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
     ``worker_resources`` (custom Ray resources per role, pinning each pool to its
     worker group), ``start_timeout_s`` (how long the pools may take to start; apart
     from ``topology``, which the chart hashes into the pods' annotations) and ``router``
-    (admission bounds, placement, and ``api_key_env``: the environment variable
+    (admission bounds, placement and its per-request disaggregation, and ``api_key_env``: the environment variable
     holding the API key, so the key never sits in the config).
     """
     topology = dict(args.get("topology") or {})
@@ -289,7 +293,10 @@ def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
             max_requests=r.get("max_outstanding_requests", defaults.max_requests),
             max_prompt_tokens=r.get("max_outstanding_prompt_tokens", defaults.max_prompt_tokens),
         ),
-        dispatch=DispatchConfig(placement=r.get("placement", "load")),
+        dispatch=DispatchConfig(
+            placement=r.get("placement", "load"), local_prefill_tokens=r.get("local_prefill_tokens", 0),
+            local_prefill_backlog_tokens=r.get("local_prefill_backlog_tokens", 0),
+        ),
         api_key=os.environ.get(r["api_key_env"]) if r.get("api_key_env") else None,
     )
     return ClusterConfig.from_dict(topology), router

@@ -87,6 +87,10 @@ STREAM_EVENTS = _counter(
 REQUEST_MIGRATIONS = _counter(
     "request_migrations", "Streams moved to another decode worker after theirs died mid-stream."
 )
+LOCAL_PREFILLS = _counter(
+    "local_prefills", "Requests the router had their decode worker compute whole instead of sending them "
+    "through the prefill pool, by reason (short: little of the prompt uncached there; prefill_busy).", ("reason",)
+)
 # The pools' control loop (cluster/elastic.py), in the cluster controller: per deployment and role.
 POOL_LABELS = ("model", "role")
 POOL_WORKERS = Gauge("tandem:pool_workers", "Workers listed in the pool, draining ones aside.", POOL_LABELS,
@@ -258,6 +262,9 @@ class RouterMetrics:
 
     def on_migrated(self) -> None:
         REQUEST_MIGRATIONS.labels(*self.labels).inc()
+
+    def on_local_prefill(self, reason: str) -> None:
+        LOCAL_PREFILLS.labels(*self.labels, reason).inc()
 
     def on_stream_event(self, event: str) -> None:
         """A decode worker's stream said something about itself (a ``Notice`` kind)."""

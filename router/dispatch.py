@@ -77,6 +77,7 @@ from router.placement import (
     pick_affine,
     pick_decode,
     pick_prefill,
+    prefill_here,
     round_robin,
 )
 
@@ -263,6 +264,11 @@ class DispatchConfig:
     prefix_affinity: bool = True
     max_imbalance_tokens: int = 4096  # how much busier an affine prefill worker may be
     max_imbalance_requests: int = 8  # how many more requests an affine decode worker may run
+    # Per-request disaggregation (placement.prefill_here; 0 turns a rule off): a prompt with
+    # at most this many tokens missing from its decode worker's prefix cache is computed there...
+    local_prefill_tokens: int = 0
+    # ...and so is any prompt while every prefill worker has this many tokens queued.
+    local_prefill_backlog_tokens: int = 0
     # The prompt hashes of the prefix indexes (engine.block_hash). They need not match
     # the engines' (each side compares only its own), but one setting names both.
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
@@ -273,6 +279,9 @@ class DispatchConfig:
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        for name in ("local_prefill_tokens", "local_prefill_backlog_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
         check_hash_algo(self.prefix_hash_algo)
         check_hash_seed(self.prefix_hash_seed)
 
@@ -302,6 +311,7 @@ class Dispatcher:
         self.config = config or DispatchConfig()
         self.metrics = metrics  # an ``engine.metrics.RouterMetrics``, or None
         self.num_migrations = 0
+        self.num_local_prefills: Counter = Counter()  # requests computed by their decode worker, by reason
         self._loads: dict[str, object] = {}  # worker id -> its latest load report
         self._load_times: dict[str, float] = {}  # worker id -> event-loop time of that report
         self._polls: dict[str, asyncio.Future] = {}  # worker key -> its latest load poll
@@ -392,9 +402,10 @@ class Dispatcher:
 
     def _choose_decode(
         self, blocks: int, exclude: set[str], affinity: Affinity | None = None, hashes: Sequence[bytes] = (),
-    ) -> WorkerRef | None:
-        """A decode worker with room; with an ``affinity``, its worker first. ``hashes``:
-        the prompt's block hashes, to prefer a worker whose prefix cache holds its start."""
+    ) -> tuple[WorkerRef, int] | None:
+        """A decode worker with room, and how many of the prompt's leading blocks it likely
+        caches; with an ``affinity``, its worker first. ``hashes``: the prompt's block
+        hashes, to prefer a worker whose prefix cache holds its start."""
         workers = [
             w for w in self._decode() if w.worker_id in self._loads and w.key not in exclude and not w.draining
         ]
@@ -414,9 +425,10 @@ class Dispatcher:
         if affinity is not None and affinity.decode is None:
             affinity.decode = workers[i].key
         self._pending_blocks[workers[i].worker_id] = pending[i] + blocks
+        held = self._decode_prefixes.matched_blocks(workers[i].key, hashes) if hashes else 0
         if hashes:
             self._decode_prefixes.record(workers[i].key, hashes)
-        return workers[i]
+        return workers[i], held
 
     def _choose_prefill(
         self, prompt: list[int], affinity: Affinity | None = None, hashes: Sequence[bytes] | None = None,
@@ -588,14 +600,17 @@ class Dispatcher:
         hashes = self.prefix_hashes(prompt)
         while True:
             await self._fresh_loads()
-            decode = self._choose_decode(blocks, exclude, affinity, hashes)
-            if decode is not None:
+            chosen = self._choose_decode(blocks, exclude, affinity, hashes)
+            if chosen is not None:
+                decode, held = chosen
+                local = None if resume else self._prefill_here(prompt, held, decode)
                 subscriber = self.subscriptions.open(decode, aid, inbox)
                 reading = self.subscriptions.reader(decode)
                 try:
-                    if not self._prefill():
+                    if not self._prefill() or local:
                         await _unless_ended(reading, decode.handle.submit.remote(
                             aid, prompt, params, subscriber, list(resume), priority))
+                        self._count_local(local)
                         return decode
                     reservation = await _unless_ended(reading, decode.handle.reserve.remote(
                         aid, prompt, params, subscriber, list(resume), priority))
@@ -625,6 +640,26 @@ class Dispatcher:
                     f"no decode worker had room for {blocks} KV blocks within {self.config.capacity_wait_s}s"
                 )
             await asyncio.sleep(self.config.load_poll_s)
+
+    def _prefill_here(self, prompt: list[int], held_blocks: int, decode: WorkerRef) -> str | None:
+        """Why ``decode`` should compute this prompt itself (``placement.prefill_here``),
+        or None; never without prefill workers or with both rules off."""
+        cfg = self.config
+        if not (cfg.local_prefill_tokens or cfg.local_prefill_backlog_tokens) or not self._prefill():
+            return None
+        queues = [
+            self._loads[w.worker_id].queued_prefill_tokens + self._pending_tokens.get(w.worker_id, 0)
+            for w in self._prefill() if w.worker_id in self._loads and not w.draining
+        ]
+        uncached = len(prompt) - min(held_blocks * cfg.block_size, len(prompt))
+        return prefill_here(uncached, queues, self._loads[decode.worker_id], cfg.local_prefill_tokens,
+                            cfg.local_prefill_backlog_tokens)
+
+    def _count_local(self, reason: str | None) -> None:
+        if reason is not None:
+            self.num_local_prefills[reason] += 1
+            if self.metrics is not None:
+                self.metrics.on_local_prefill(reason)
 
     def _start_prefill(
         self, aid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,

@@ -11,6 +11,8 @@ below) and return an index into them, or None when no worker can take the reques
 - Decode: most free KV blocks under a cap on running requests.
 - Affinity: requests sharing a prompt follow the first one's worker (``pick_affine``).
 - ``round_robin``: the baseline the others are measured against.
+- Per request: whether a disaggregated request is better computed by its decode worker
+  (``prefill_here``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ def pick_decode(
 
 def _active(load: DecodeLoadLike) -> int:
     return load.running + load.waiting + load.waiting_for_kv
+
+
+def prefill_here(
+    uncached_tokens: int, prefill_queues: Sequence[int], decode: DecodeLoadLike, short_tokens: int,
+    backlog_tokens: int,
+) -> str | None:
+    """Why a request should be computed whole by its decode worker rather than sent
+    through the prefill pool, or None. "short": at most ``short_tokens`` of its prompt are
+    missing from that worker's prefix cache (a hand-off costs more than computing them
+    there); "prefill_busy": every prefill worker has ``backlog_tokens`` or more queued,
+    and the decode worker has no request waiting. A setting of 0 turns its rule off."""
+    if short_tokens and uncached_tokens <= short_tokens:
+        return "short"
+    if backlog_tokens and prefill_queues and min(prefill_queues) >= backlog_tokens and decode.waiting == 0:
+        return "prefill_busy"
+    return None
 
 
 def pick_affine(keys: Sequence[str], key: str | None, room: Sequence[bool] = ()) -> int | None:

@@ -311,6 +311,33 @@ def test_a_mixture_of_experts_disaggregated_matches_single_engine(ray_cluster, t
         cluster.shutdown()
 
 
+def test_short_prompts_computed_by_their_decode_worker_match_single_engine(ray_cluster, tiny_model, reference):
+    """Per-request disaggregation: prompts of at most 64 tokens run whole on their decode
+    worker (no reservation, no transfer), the others through the prefill worker; every
+    output is the single engine's, and only the long prompts' KV moved."""
+    import dataclasses
+
+    from router.dispatch import Dispatcher
+
+    prompts, lengths, want = reference
+    cluster = _start(tiny_model, 1, 1, "collective", name="local")
+    try:
+        dispatch = dataclasses.replace(cluster.dispatcher.config, local_prefill_tokens=64)
+        cluster.dispatcher.close()
+        cluster.dispatcher = Dispatcher(cluster.prefill_refs, cluster.decode_refs, dispatch)
+        results = _run_all(cluster, prompts, lengths)
+        assert [r[0] for r in results] == want, "local or not, the single engine's tokens"
+        short = sum(len(p) <= 64 for p in prompts)
+        assert 0 < short < len(prompts), "the workload should have prompts on both sides of 64 tokens"
+        assert cluster.dispatcher.num_local_prefills == {"short": short}
+        received = cluster.stats()["decode-0"]["transfer"]["received"]
+        assert received >= len(prompts) - short, "every long prompt's KV came from the prefill worker"
+        assert cluster.stats()["prefill-0"]["prompt_tokens"] == sum(len(p) for p in prompts if len(p) > 64)
+        assert_blocks_freed(cluster)
+    finally:
+        cluster.shutdown()
+
+
 @pytest.mark.parametrize("channel", ["tcp", "ray"])
 def test_colocated_workers_match_single_engine(ray_cluster, tiny_model, reference, channel):
     prompts, lengths, want = reference

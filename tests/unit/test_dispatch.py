@@ -805,8 +805,91 @@ def test_nothing_new_is_placed_on_a_draining_worker_even_with_an_affinity_or_a_p
     dispatcher._decode_prefixes.record("decode-0", hashes)
     for _ in range(4):
         affinity = Affinity(decode="decode-0", prefill="prefill-0")
-        assert dispatcher._choose_decode(1, set(), affinity, hashes).worker_id == "decode-1"
+        assert dispatcher._choose_decode(1, set(), affinity, hashes)[0].worker_id == "decode-1"
         assert dispatcher._choose_prefill(list(range(64)), affinity, hashes).worker_id == "prefill-1"
     prefills[1] = WorkerRef("prefill-1", None, draining=True)
     decodes[1] = WorkerRef("decode-1", None, draining=True)
     assert dispatcher._choose_decode(1, set()) is None and dispatcher._choose_prefill([1] * 40) is None
+
+
+# -- per-request disaggregation ------------------------------------------------------
+
+
+class _LocalDecode(_FakeDecode):
+    """A decode stand-in that also runs requests whole (``submit``), reporting ``waiting``."""
+
+    def __init__(self, waiting: int = 0) -> None:
+        super().__init__(room=True)
+        self.release_reserve.set()
+        self.waiting = waiting
+        self.submitted: list[str] = []
+        self.submit = _Method(self._submit)
+
+    async def _load(self):
+        return DecodeLoad("decode-0", free_blocks=100, total_blocks=100, running=0, waiting=self.waiting,
+                          waiting_for_kv=0)
+
+    async def _submit(self, rid, prompt, params, subscriber, resume=(), priority=0):
+        self.submitted.append(request_of(rid))
+
+
+class _QueuedPrefill(_FakePrefill):
+    def __init__(self, queued: int) -> None:
+        super().__init__()
+        self.queued = queued
+
+    async def _load(self):
+        return PrefillLoad("prefill-0", self.queued, 0, 0, 0, 0)
+
+
+def _place(prompts: dict[str, list[int]], decode: _LocalDecode, prefill: _FakePrefill, cached: list[int] = (),
+           **config) -> Dispatcher:
+    """Place each request (in order) until its decode worker took it, then abort it."""
+
+    async def main():
+        dispatcher = Dispatcher(lambda: [WorkerRef("prefill-0", prefill)], lambda: [WorkerRef("decode-0", decode)],
+                                DispatchConfig(**config))
+        if cached:  # the decode worker ran (or received) this prompt before
+            dispatcher._decode_prefixes.record(WorkerRef("decode-0", decode).key, dispatcher.prefix_hashes(cached))
+        for rid, prompt in prompts.items():
+            async def consume():
+                async for _ in dispatcher.generate(prompt, SamplingParams(max_tokens=4), rid):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await _until(lambda: rid in decode.submitted or rid in prefill.prefilled, f"{rid} to be placed")
+            assert dispatcher.abort(rid)
+            await task
+        dispatcher.close()
+        return dispatcher
+
+    return asyncio.run(main())
+
+
+def test_a_short_or_mostly_cached_prompt_is_computed_by_its_decode_worker():
+    decode, prefill = _LocalDecode(), _FakePrefill()
+    system = list(range(96))  # six blocks the decode worker holds
+    prompts = {"short": [7] * 20, "long": list(range(500, 600)), "cached": system + [1, 2, 3, 4]}
+    dispatcher = _place(prompts, decode, prefill, cached=system, local_prefill_tokens=32)
+    assert decode.submitted == ["short", "cached"], "20 and 4 uncached tokens are computed where they decode"
+    assert list(prefill.prefilled) == ["long"] and decode.reserved == set()
+    assert dispatcher.num_local_prefills == {"short": 2}
+
+
+def test_a_busy_prefill_pool_sends_prompts_to_a_decode_worker_with_nothing_waiting():
+    prompt = {"r": list(range(200))}
+    decode = _LocalDecode()
+    dispatcher = _place(prompt, decode, _QueuedPrefill(5000), local_prefill_backlog_tokens=4000)
+    assert decode.submitted == ["r"] and dispatcher.num_local_prefills == {"prefill_busy": 1}
+    prefill = _QueuedPrefill(5000)  # a decode worker with requests waiting takes none more
+    _place(prompt, _LocalDecode(waiting=1), prefill, local_prefill_backlog_tokens=4000)
+    assert list(prefill.prefilled) == ["r"]
+    prefill = _QueuedPrefill(3000)  # under the backlog: disaggregated as usual
+    _place(prompt, _LocalDecode(), prefill, local_prefill_backlog_tokens=4000)
+    assert list(prefill.prefilled) == ["r"]
+
+
+def test_every_request_is_disaggregated_with_both_rules_off():
+    decode, prefill = _LocalDecode(), _FakePrefill()
+    _place({"a": [1] * 3, "b": [2] * 40}, decode, prefill)
+    assert decode.submitted == [] and list(prefill.prefilled) == ["a", "b"]

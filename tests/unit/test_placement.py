@@ -152,3 +152,16 @@ def test_an_affine_decode_choice_has_room_and_is_never_much_busier(workers, need
     assert loads[i].free_blocks >= need and loads[i].running < 21
     if loads[i].free_blocks != max(w.free_blocks for w in room):  # an affine choice
         assert cached[i] > 0 and loads[i].running - min(w.running for w in room) <= imbalance
+
+
+def test_prefill_here_rules():
+    from engine.messages import DecodeLoad
+    from router.placement import prefill_here
+
+    idle, busy = DecodeLoad("d", 10, 10, 0, 0, 0), DecodeLoad("d", 10, 10, 2, 1, 0)
+    assert prefill_here(16, [0], idle, 16, 0) == "short" and prefill_here(17, [0], idle, 16, 0) is None
+    assert prefill_here(10, [0], idle, 0, 0) is None, "0 turns the short rule off"
+    assert prefill_here(900, [5000, 4000], idle, 16, 4000) == "prefill_busy"
+    assert prefill_here(900, [5000, 3999], idle, 16, 4000) is None, "one prefill worker under the backlog"
+    assert prefill_here(900, [5000], busy, 16, 4000) is None, "the decode worker has requests waiting"
+    assert prefill_here(900, [], idle, 16, 4000) is None, "no prefill load known"

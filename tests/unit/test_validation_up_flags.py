@@ -102,3 +102,16 @@ def test_admission_flags_reach_the_router_and_unset_ones_keep_its_defaults():
     default = RouterConfig()
     assert router.admission.max_prompt_tokens == default.admission.max_prompt_tokens
     assert ServiceConfig.from_flags(build_parser().parse_args(["up"])).router == default
+
+
+def test_per_request_disaggregation_settings_reach_the_dispatcher_from_flags_and_the_charts_args():
+    from cluster.service import ServiceConfig, configs_from_args
+
+    args = build_parser().parse_args(["up", "--local-prefill-tokens", "64", "--local-prefill-backlog-tokens", "8192"])
+    dispatch = ServiceConfig.from_flags(args).router.dispatch
+    assert (dispatch.local_prefill_tokens, dispatch.local_prefill_backlog_tokens) == (64, 8192)
+    assert ServiceConfig.from_flags(build_parser().parse_args(["up"])).router.dispatch.local_prefill_tokens == 0
+    _, router = configs_from_args({"router": {"local_prefill_tokens": 32, "local_prefill_backlog_tokens": 0}})
+    assert (router.dispatch.local_prefill_tokens, router.dispatch.local_prefill_backlog_tokens) == (32, 0)
+    with pytest.raises(ValueError, match="local_prefill_tokens must be >= 0"):
+        ServiceConfig.from_flags(build_parser().parse_args(["up", "--local-prefill-tokens", "-1"]))

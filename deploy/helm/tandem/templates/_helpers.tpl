@@ -153,7 +153,7 @@ and the router to the head.
 {{- define "tandem.serveConfig" -}}
 {{- $s := .Values.serve -}}
 {{- $topology := include "tandem.topology" . | fromJson -}}
-{{- $router := dict "max_outstanding_requests" $s.maxOutstandingRequests "max_outstanding_prompt_tokens" $s.maxOutstandingPromptTokens "placement" $s.placement -}}
+{{- $router := dict "max_outstanding_requests" $s.maxOutstandingRequests "max_outstanding_prompt_tokens" $s.maxOutstandingPromptTokens "placement" $s.placement "local_prefill_tokens" (int (default 0 $s.localPrefillTokens)) "local_prefill_backlog_tokens" (int (default 0 $s.localPrefillBacklogTokens)) -}}
 {{- if .Values.apiKey.existingSecret }}
 {{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
 {{- end }}
