@@ -330,12 +330,9 @@ def service_config(args: argparse.Namespace):
 def launched(config, num_cpus: int) -> Iterator[object]:
     """Ray (``num_cpus``, no dashboard) and the service in this process, with metrics on
     as ``tandem up`` has them (every process writes them to one folder)."""
-    import shutil
+    from cluster.metrics_server import ENV, process_metrics_dir, remove_metrics_dir
 
-    from cluster.metrics_server import ENV, use_multiprocess_dir
-
-    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-    metrics_dir = use_multiprocess_dir(home / "metrics" / f"overhead-{os.getpid()}")
+    metrics_dir = process_metrics_dir("overhead")
     import ray
 
     from cluster.service import TandemService
@@ -352,7 +349,7 @@ def launched(config, num_cpus: int) -> Iterator[object]:
             service.shutdown()
     finally:
         ray.shutdown()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        remove_metrics_dir(metrics_dir)
 
 
 def kind_of_role(role: str) -> str:

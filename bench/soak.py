@@ -716,11 +716,10 @@ async def measure_capacity(client: HttpClient, vocab: Sequence[int], n: int, inp
 def launched(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
     """Ray and the whole service in this process, metrics as ``tandem up`` sets them up;
     yields (service, metrics folder)."""
-    from cluster.metrics_server import ENV, use_multiprocess_dir
+    from cluster.metrics_server import ENV, process_metrics_dir, remove_metrics_dir
 
     # Before anything imports prometheus-client: every process of this Ray writes there.
-    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-    metrics_dir = use_multiprocess_dir(home / "metrics" / f"soak-{os.getpid()}")
+    metrics_dir = process_metrics_dir("soak")
 
     import ray
 
@@ -739,7 +738,7 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
         ray.shutdown()
         import shutil
 
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        remove_metrics_dir(metrics_dir)
 
 
 def ray_logs() -> str:

@@ -1,11 +1,11 @@
-"""The ``tandem`` command: serve (``up``), query a server (``request``), fetch a named
-model (``pull``), make the built-in test model, generate offline, run benchmarks."""
+"""The tandem command: serve (up), query a server (request, status), fetch a named model
+(pull), make the built-in test model (make-model), generate offline (generate), run
+benchmarks (bench)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from cluster.flags import add_service_flags
 from cluster.ingress import describe
@@ -84,12 +84,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from cluster.metrics_server import ENV, start_metrics_server, use_multiprocess_dir
+    from cluster.metrics_server import ENV, process_metrics_dir, remove_metrics_dir, start_metrics_server
     from engine.model_registry import resolve_model
 
     # Before anything imports prometheus-client: every process on this node writes there.
-    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-    metrics_dir = use_multiprocess_dir(home / "metrics" / str(os.getpid()))
+    metrics_dir = process_metrics_dir()
 
     import ray
 
@@ -123,6 +122,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if service is not None:
             service.shutdown()
         ray.shutdown()
+        remove_metrics_dir(metrics_dir)
     return 0
 
 

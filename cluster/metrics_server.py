@@ -22,6 +22,45 @@ logger = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
+def process_metrics_dir(kind: str = "") -> str:
+    """A fresh metrics folder for this process and the Ray it starts, under
+    ``$TANDEM_HOME/metrics`` (named by ``kind`` and the pid), made this process's. The
+    folders of processes no longer running are swept first: one killed before its
+    shutdown (``remove_metrics_dir``) leaves its folder behind."""
+    from engine.model_registry import tandem_home
+
+    parent = tandem_home() / "metrics"
+    sweep_dead_metrics_dirs(parent)
+    return use_multiprocess_dir(parent / (f"{kind}-{os.getpid()}" if kind else str(os.getpid())))
+
+
+def sweep_dead_metrics_dirs(parent: Path) -> list[Path]:
+    """Remove the folders under ``parent`` named for a process (``[kind-]pid``) that is no
+    longer running; returns them."""
+    gone = []
+    for entry in parent.iterdir() if parent.is_dir() else ():
+        pid = entry.name.rpartition("-")[2]
+        if entry.is_dir() and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry)
+    return gone
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_metrics_dir(path: str | Path) -> None:
+    """The service has shut down: its processes' metrics go with it."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def use_multiprocess_dir(path: str | Path) -> str:
     """Empty ``path`` and make it this process's (and its children's) metrics folder."""
     path = Path(path)

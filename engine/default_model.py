@@ -96,8 +96,9 @@ def default_model_dir() -> Path:
 
     ``TANDEM_HOME`` defaults to ``~/.cache/tandem``.
     """
-    home = os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem"
-    return Path(home).expanduser() / "models" / f"{DEFAULT_MODEL_NAME}-v{_RECIPE_VERSION}"
+    from engine.model_registry import tandem_home
+
+    return tandem_home() / "models" / f"{DEFAULT_MODEL_NAME}-v{_RECIPE_VERSION}"
 
 
 def _is_complete(model_dir: Path) -> bool:
