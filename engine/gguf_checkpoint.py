@@ -10,14 +10,17 @@ already takes from a Hugging Face checkpoint:
   and chat template, for ``engine.tokenizer.Tokenizer``;
 * :meth:`GGUFFile.tensors` -- weights under Hugging Face names, dequantized by the
   ``gguf`` package into the serving dtype, with llama.cpp's permutation of the Q and K
-  rows undone (its converter interleaves each head's rotary halves), for ``engine.loader``.
+  rows undone (its converter interleaves each head's rotary halves) and the 1 its Gemma
+  converter adds to every norm weight taken off, for ``engine.loader``.
 
 Supported: the architectures ``llama`` (with ``expert_count``: Mixtral, which llama.cpp
-stores as a llama with stacked experts), ``qwen2``, ``qwen3``, ``qwen3moe`` and ``phi3``
-(fused ``attn_qkv`` and gate+up ``ffn_up``, partial rotary, LongRoPE factors as tensors);
-the tensor types of ``SUPPORTED_TYPES``; byte-level BPE tokenizers (``gpt2``) with the
-pre-tokenizers of ``PRE_TOKENIZERS``, and SentencePiece ones (``llama``: Mistral, Llama 2,
-Phi-3), rebuilt from the vocabulary and its scores. Anything else is refused with an
+stores as a llama with stacked experts), ``qwen2``, ``qwen3``, ``qwen3moe``, ``phi3``
+(fused ``attn_qkv`` and gate+up ``ffn_up``, partial rotary, LongRoPE factors as tensors)
+and ``gemma3`` (text only; the settings llama.cpp fixes in its code rather than the file,
+such as every sixth layer global, taken as it takes them); the tensor types of
+``SUPPORTED_TYPES``; byte-level BPE tokenizers (``gpt2``) with the pre-tokenizers of
+``PRE_TOKENIZERS``, and SentencePiece ones (``llama``: Mistral, Llama 2, Phi-3, Gemma 3),
+rebuilt from the vocabulary and its scores. Anything else is refused with an
 error that names it. Importing this module loads neither torch, transformers
 nor gguf (the router builds its tokenizer through it, and the GPU image has no gguf):
 the ``gguf`` package is imported when a file is opened.
@@ -44,6 +47,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _MIXTRAL = "MixtralForCausalLM"
 # Types the loader dequantizes, by gguf.GGMLQuantizationType name (every one tested
@@ -53,6 +57,9 @@ SUPPORTED_TYPES = frozenset(
 )
 # Architectures whose converter permuted the Q/K rows (convert_hf_to_gguf.py, LlamaModel).
 _PERMUTED_QK = {"llama"}
+# Architectures whose converter stored every norm's weight plus 1 (Gemma3Model): Gemma's
+# RMSNorm scales by 1 + weight, llama.cpp's by the weight. The loader takes the 1 off.
+_NORMS_PLUS_ONE = {"gemma3"}
 
 # llama.cpp's names for a layer's tensors -> Hugging Face's (under ``model.layers.N.``).
 _LAYER_TENSORS = {
@@ -88,6 +95,13 @@ _FAMILY_TENSORS = {
         "ffn_gate_exps": "mlp.experts.gate_proj",
         "ffn_up_exps": "mlp.experts.up_proj",
         "ffn_down_exps": "mlp.experts.down_proj",
+    },
+    # Gemma 3's norms on both sides of each sublayer: ffn_norm is the one before the MLP.
+    "Gemma3ForCausalLM": {
+        **_QK_NORMS,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -250,6 +264,7 @@ class GGUFFile:
         }
         cfg.update(self._rope_scaling())
         cfg.update(self._experts())
+        cfg.update(self._gemma3(head_dim))
         return cfg
 
     def _embedding_rows(self) -> int:
@@ -302,6 +317,27 @@ class GGUFFile:
             }
         return {}
 
+    def _gemma3(self, head_dim: int) -> dict[str, Any]:
+        """Gemma 3's settings that llama.cpp keeps in its code, not in the file
+        (llama-model.cpp, LLM_ARCH_GEMMA3): given a sliding window, every sixth layer
+        attends to the whole context and the others to the window, turning at a rotary
+        base of 10000, unscaled; queries are scaled by head_dim ** -0.5, or by
+        (hidden / heads) ** -0.5 in the 27B model (62 layers), as Google's reference code
+        and the checkpoints' query_pre_attn_scalar have it."""
+        if self.architecture != "gemma3":
+            return {}
+        layers, window = self._arch("block_count"), self._arch("attention.sliding_window")
+        hidden, heads = self._arch("embedding_length"), self._arch("attention.head_count")
+        sliding = [bool(window) and i % 6 < 5 for i in range(layers)]
+        return {
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            # llama.cpp applies it if the file has one; the engine refuses it.
+            "final_logit_softcapping": self._arch("final_logit_softcapping"),
+        }
+
     def tensors(self, dtype, num_heads: int, num_kv_heads: int) -> dict:
         """Every weight under its Hugging Face name, dequantized into torch ``dtype``."""
         import torch
@@ -326,6 +362,8 @@ class GGUFFile:
                 values = _unpermute(values, num_heads)
             elif self.architecture in _PERMUTED_QK and ".k_proj." in name:
                 values = _unpermute(values, num_kv_heads)
+            elif self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+                values = values - 1  # in float32, before the cast to dtype
             # F32 comes back as a view of the read-only memory map: copy it out.
             out[name] = torch.from_numpy(np.array(values, copy=not values.flags.writeable)).to(dtype)
         return out

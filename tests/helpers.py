@@ -334,19 +334,25 @@ _GGUF_EXPERTS = {
     "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
 }  # fmt: skip
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+# Gemma 3's norms around both sublayers: the one before the MLP is llama.cpp's ffn_norm.
+_GGUF_GEMMA3_LAYER = {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
 # The architecture llama.cpp's converter writes each family as (Mixtral: a llama with experts).
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3",
-             "mixtral": "llama"}  # fmt: skip
+             "mixtral": "llama", "gemma3_text": "gemma3"}  # fmt: skip
 # Where each K-quant block keeps its fp16 scales (ggml-common.h): random bytes there could be inf/nan.
 _K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str) -> str:
     stem, kind = hf.rsplit(".", 1)
     if stem in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[stem]}.{kind}"
     _, _, layer, part = stem.split(".", 3)
-    return f"blk.{layer}.{_GGUF_LAYER[part]}.{kind}"
+    names = {**_GGUF_LAYER, **_GGUF_GEMMA3_LAYER} if arch == "gemma3" else _GGUF_LAYER
+    return f"blk.{layer}.{names[part]}.{kind}"
 
 
 def _llama_cpp_permute(w, n_head: int):
@@ -376,8 +382,8 @@ def build_gguf(path: Path, hf_dir: Path, matrix_type: str = "F32", pre: str = "d
     """Write the HF checkpoint in ``hf_dir`` (with the default model's byte-level BPE
     tokenizer) as one GGUF file as llama.cpp's converter (convert_hf_to_gguf.py) would:
     its architecture (``GGUF_ARCH``) and metadata, its tensor names, Q/K rows permuted for
-    llama, experts stacked, Phi-3's LongRoPE factors as tensors; matrices stored as
-    ``matrix_type``, norms, biases and routers as F32."""
+    llama, experts stacked, Phi-3's LongRoPE factors as tensors, Gemma 3's norms plus 1;
+    matrices stored as ``matrix_type``, norms, biases and routers as F32."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -396,10 +402,12 @@ def build_gguf(path: Path, hf_dir: Path, matrix_type: str = "F32", pre: str = "d
             values = _llama_cpp_permute(values, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             values = _llama_cpp_permute(values, cfg["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + 1  # Gemma3Model.modify_tensors: llama.cpp's norms scale by the weight
         if m := _EXPERT.fullmatch(name):
             experts.setdefault(f"blk.{m[1]}.{_GGUF_EXPERTS[m[3]]}.weight", {})[int(m[2])] = values
         else:
-            tensors[_gguf_name(name)] = values
+            tensors[_gguf_name(name, arch)] = values
     for name, stack in experts.items():
         tensors[name] = np.stack([stack[e] for e in range(len(stack))])
     tensors.update(_gguf_rope_factors(w, cfg))
@@ -418,9 +426,10 @@ def build_gguf(path: Path, hf_dir: Path, matrix_type: str = "F32", pre: str = "d
 
 def _add_gguf_parameters(w, cfg: dict) -> None:
     """The hyper-parameters as the converter writes them: TextModel's for every family,
-    then LlamaModel's, Qwen2MoeModel's or Phi3MiniModel's own."""
+    then LlamaModel's, Qwen2MoeModel's, Phi3MiniModel's or Gemma3Model's own."""
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(hidden)
@@ -445,6 +454,32 @@ def _add_gguf_parameters(w, cfg: dict) -> None:
         w.add_rope_dimension_count(int(partial * hidden) // heads)
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if cfg["model_type"] == "gemma3_text":
+        _add_gguf_gemma3(w, cfg)
+
+
+def _add_gguf_gemma3(w, cfg: dict) -> None:
+    """Gemma3Model's own parameters: the window, the global layers' linear scaling, the
+    logits' soft-capping if any. llama.cpp takes the rest from its code (every sixth layer
+    global, a rotary base of 10000 on the others, queries scaled by head_dim): a checkpoint
+    that differs would run otherwise there, so it is refused rather than written."""
+    import gguf
+
+    layers, rope = cfg["num_hidden_layers"], cfg["rope_parameters"]
+    implied = dict(
+        layer_types=["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)],
+        local_rope_theta=10000.0, query_pre_attn_scalar=cfg["head_dim"],
+    )  # fmt: skip
+    given = dict(layer_types=cfg["layer_types"], local_rope_theta=rope["sliding_attention"]["rope_theta"],
+                 query_pre_attn_scalar=cfg["query_pre_attn_scalar"])  # fmt: skip
+    if given != implied:
+        raise ValueError(f"llama.cpp's gemma3 cannot hold this checkpoint: {given} where it implies {implied}")
+    w.add_sliding_window(cfg["sliding_window"])
+    if rope["full_attention"].get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
 
 
 def _gguf_rope_factors(w, cfg: dict) -> dict:

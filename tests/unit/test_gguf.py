@@ -2,8 +2,8 @@
 
 The files are written here from small random HF checkpoints the way llama.cpp's
 converter writes them (llama.cpp's tensor names and metadata, Q/K rows permuted for
-llama, experts stacked, Phi-3's LongRoPE factors as tensors), in every tensor type the
-loader supports. transformers' own GGUF loader, which has its own dequantization code,
+llama, experts stacked, Phi-3's LongRoPE factors as tensors, Gemma 3's norm weights plus
+1), in every tensor type the loader supports. transformers' own GGUF loader, which has its own dequantization code,
 is the reference for what the engine must read back where it reads the architecture;
 transformers on the original checkpoint is the reference for greedy output.
 SentencePiece vocabularies are built here too, with tokens, scores and token types as
@@ -257,6 +257,75 @@ def test_greedy_output_on_a_quantized_family_file_matches_transformers(tmp_path,
     assert _engine_greedy(path, PROMPTS)[1] == _hf_greedy(_transformers_gguf(path), PROMPTS)
 
 
+# -- Gemma 3 -------------------------------------------------------------------------------
+
+# What llama.cpp's gemma3 can hold (tests.helpers refuses the rest): every sixth layer
+# global, here the last of six, and queries scaled by head_dim (16 in HF_FAMILIES).
+GEMMA3 = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+              query_pre_attn_scalar=16)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3(tmp_path_factory, default_model):
+    # At transformers' default init Gemma's greedy output repeats itself (test_hf_parity).
+    return build_hf_checkpoint(tmp_path_factory.mktemp("gemma3"), "gemma3", default_model, seed=8,
+                               initializer_range=0.05, **GEMMA3)  # fmt: skip
+
+
+def test_an_f32_gemma3_file_loads_as_its_checkpoint_does(tmp_path, hf_gemma3):
+    """The settings llama.cpp implies (sliding layers and their rotary base, the global
+    ones' linear scaling, the attention scale, GELU, tied embeddings), the norms around
+    both sublayers under their names, each with the 1 its converter added taken off."""
+    import dataclasses
+
+    ours = load_model(build_gguf(tmp_path / "gemma3.gguf", hf_gemma3), pack=False)
+    want = load_model(hf_gemma3, pack=False)
+    # The file's own: epsilon as float32, the tokenizer's BOS and EOS.
+    own = ("rms_norm_eps", "bos_token_id", "eos_token_ids")
+    assert dataclasses.replace(ours.config, **{f: getattr(want.config, f) for f in own}) == want.config
+    assert ours.config.rms_norm_eps == pytest.approx(want.config.rms_norm_eps)
+    expected = dict(want.named_parameters())
+    for name, param in ours.named_parameters():
+        if name.endswith("norm.weight"):
+            # The file holds fl(1 + w); less 1 it is w to the last bit, and scales by 1 + w exactly.
+            assert torch.equal(1 + param, 1 + expected[name]), name
+            torch.testing.assert_close(param, expected[name], rtol=0, atol=2**-23)
+        else:
+            assert torch.equal(param, expected[name]), name
+    for rotary in ("rotary", "local_rotary"):
+        assert torch.equal(getattr(ours, rotary).cos, getattr(want, rotary).cos), rotary
+
+
+def test_greedy_output_on_a_gemma3_file_matches_transformers_on_its_checkpoint(tmp_path, hf_gemma3):
+    from transformers import AutoModelForCausalLM
+
+    want = _hf_greedy(AutoModelForCausalLM.from_pretrained(hf_gemma3, dtype=torch.float32).eval(), PROMPTS)
+    assert len({t for out in want for t in out}) > 6, f"degenerate reference outputs: {want}"
+    assert _engine_greedy(build_gguf(tmp_path / "gemma3.gguf", hf_gemma3), PROMPTS)[1] == want
+
+
+def test_a_quantized_gemma3_file_reads_and_generates_as_transformers_does(tmp_path, hf_gemma3):
+    """transformers' GGUF loader reads gemma3's weights (its norms less 1 as well) but not
+    all of its settings: it keeps Gemma3TextConfig's query_pre_attn_scalar (256) and no
+    rotary scaling. The greedy reference is therefore transformers under the checkpoint's
+    config with the weights its GGUF loader read."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_gguf(tmp_path / "gemma3-Q8_0.gguf", hf_gemma3, "Q8_0")
+    theirs = _transformers_gguf(path)
+    _assert_same_weights(load_model(path, pack=False), theirs, "gemma3 Q8_0")
+    reference = AutoModelForCausalLM.from_pretrained(hf_gemma3, dtype=torch.float32).eval()
+    reference.load_state_dict(theirs.state_dict())
+    assert _engine_greedy(path, PROMPTS)[1] == _hf_greedy(reference, PROMPTS)
+
+
+def test_a_gemma3_file_with_soft_capped_logits_is_refused_as_its_checkpoint_is(tmp_path, default_model):
+    hf_dir = build_hf_checkpoint(tmp_path / "hf", "gemma3", default_model, final_logit_softcapping=30.0, **GEMMA3)
+    for checkpoint in (hf_dir, build_gguf(tmp_path / "capped.gguf", hf_dir)):
+        with pytest.raises(ValueError, match="unsupported final_logit_softcapping 30.0"):
+            load_model(checkpoint)
+
+
 # -- SentencePiece vocabularies ---------------------------------------------------------
 
 SPM_CORPUS = [
@@ -359,6 +428,21 @@ def test_a_sentencepiece_text_gets_its_leading_space_where_llama_cpp_gives_it(tm
     assert bare.decode(bare.encode("Hello world")) == "Hello world"
 
 
+def test_a_gemma3_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    # Gemma3Model writes add_space_prefix false: no space before the text or added tokens.
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import Tokenizer
+
+    path = _sentencepiece_gguf(tmp_path / "gemma3.gguf", "gemma3", add_space_prefix=False)
+    ours, theirs = Tokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), f"{text!r}: {ours.convert_ids_to_tokens(ids)}"
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+    assert _pieces(ours, "<|user|>Hello world") == ["<|user|>", "He", "llo", "▁wor", "l", "d"]
+
+
 def _write_gguf(path, arch: str, tensors: dict, tokenizer: str = "gpt2"):
     import gguf
 
@@ -381,7 +465,7 @@ def test_unsupported_architectures_types_and_tokenizers_are_refused_naming_them(
     from engine.gguf_checkpoint import GGUFFile
 
     f32 = (np.zeros((2, 32), np.float32), gguf.GGMLQuantizationType.F32)
-    for arch in ("gpt2", "gemma3"):
+    for arch in ("gpt2", "gemma2"):
         with pytest.raises(ValueError, match=rf"unsupported architecture '{arch}'.*llama"):
             GGUFFile(_write_gguf(tmp_path / f"{arch}.gguf", arch, {"token_embd.weight": f32}))
     q2k = (np.zeros((2, 84), np.uint8), gguf.GGMLQuantizationType.Q2_K)
