@@ -38,7 +38,7 @@ else:
 TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=1e-2, rtol=2e-2)}
 
 
-def _compare(dtype: torch.dtype, decode_lens: list[int], chunks: list[tuple[int, int]]) -> None:
+def _compare(dtype: torch.dtype, decode_lens: list[int], chunks: list[tuple[int, int]], window: int = 0) -> None:
     from engine.triton_attention import TritonAttention
 
     layout, num_blocks = paged_layout(decode_lens, chunks, BLOCK_SIZE, seed=0)
@@ -48,9 +48,9 @@ def _compare(dtype: torch.dtype, decode_lens: list[int], chunks: list[tuple[int,
 
     ref = TorchAttention(BLOCK_SIZE, torch.device(DEVICE))
     fp32 = [t.float() for t in (q, k, v, k_cache, v_cache)]
-    want = ref.forward(*fp32, ref.build_metadata(layout), scale)
+    want = ref.forward(*fp32, ref.build_metadata(layout), scale, window)
     backend = TritonAttention(BLOCK_SIZE, DEVICE, HEAD_DIM, PARTITION)
-    got = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout), scale)
+    got = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout), scale, window)
     sync()
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
@@ -70,3 +70,38 @@ def test_prefill_chunks_fresh_mid_block_and_aligned_match_torch(dtype):
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 def test_mixed_decode_and_prefill_batch_matches_torch(dtype):
     _compare(dtype, decode_lens=MIXED[0], chunks=MIXED[1])
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_sliding_window_decode_and_prefill_match_torch(dtype):
+    """A window shorter than most contexts (Mistral's, Gemma 3's local layers): decode
+    partitions wholly before it are skipped, prefill tiles start at it."""
+    decode_lens, chunks = MIXED
+    _compare(dtype, decode_lens=decode_lens, chunks=chunks, window=PARTITION + PARTITION // 2)
+    _compare(dtype, decode_lens=decode_lens, chunks=chunks, window=17)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_fused_moe_experts_match_torch(dtype):
+    """The grouped-GEMM experts (``engine.triton_moe``) against the float32 torch experts
+    on the CPU, at a Qwen3-MoE-like shape on a GPU (128 experts, top-8, 256 tokens)."""
+    from torch.nn import functional as F
+
+    from engine.model_config import MoEConfig
+    from engine.moe import SparseMoE, route
+    from engine.triton_moe import fused_experts
+
+    hidden, inter, experts, top_k, tokens = (1024, 256, 128, 8, 256) if ON_GPU else (64, 32, 8, 2, 20)
+    torch.manual_seed(0)
+    moe = SparseMoE(hidden, MoEConfig(experts, top_k, inter, True, (0,)), F.silu)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, hidden**-0.5)
+    x = torch.randn(tokens, hidden)
+    with torch.inference_mode():
+        want = moe(x)  # the CPU's grouped torch experts, float32
+        weights, chosen = route(moe.gate(x), top_k, True)
+        w16 = [t.to(DEVICE, dtype) for t in (x, moe.experts_gate_up, moe.experts_down)]
+        got = fused_experts(*w16, weights.to(DEVICE), chosen.to(DEVICE), F.silu)
+    sync()
+    torch.testing.assert_close(got.float().cpu(), want, atol=5e-2, rtol=5e-2)
