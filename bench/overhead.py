@@ -109,6 +109,9 @@ def classify(name: str, cmdline: Sequence[str]) -> tuple[str, str] | None:
 
 @dataclass(frozen=True)
 class Proc:
+    """One process of the service: its kind, component and CPU seconds, as of a snapshot or as
+    spent between two (``cpu_deltas``)."""
+
     pid: int
     kind: str
     component: str
@@ -117,6 +120,9 @@ class Proc:
 
 @dataclass
 class KindRow:
+    """One row of the table: a kind's processes, their CPU seconds over the load,
+    and each component's share."""
+
     kind: str
     processes: int = 0
     cpu_s: float = 0.0
@@ -208,6 +214,9 @@ def discover(descendants_only: bool, workers: dict[int, tuple[str, str]]) -> dic
 
 @dataclass(frozen=True)
 class LoadResult:
+    """The measured load as the client saw it: tokens received, requests completed and failed
+    (errors counted by kind), wall time and the client thread's CPU seconds."""
+
     tokens: int
     completed: int
     failed: int

@@ -76,6 +76,9 @@ class Run:
 
 @dataclass(frozen=True)
 class Comparison:
+    """One comparison of the report: the runs it compares (sharing workload flags and seed), its
+    title and setup for the markdown, and the goodput SLO, if any."""
+
     key: str
     title: str
     setup: str  # workload, topology and load, for the markdown

@@ -208,6 +208,9 @@ def format_summary(summary: dict, rate: str) -> str:
 
 
 class Client(Protocol):
+    """Sends benchmark requests to the service and times their streams:
+    ``HttpClient`` or ``GrpcClient``."""
+
     async def send(self, request: BenchRequest, result: RequestResult) -> None:
         """Run ``request`` to the end of its stream, filling in ``result``."""
 
@@ -353,6 +356,9 @@ async def open_client(args: argparse.Namespace, base_url: str, grpc_target: str)
 
 @dataclass(frozen=True)
 class RunPlan:
+    """One run of the load at one request rate: the requests and when each is sent, in seconds from
+    the run's start (``run_load``)."""
+
     rate: float
     requests: list[BenchRequest]
     times: list[float]  # send time of each request, from the start of the run

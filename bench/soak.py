@@ -235,6 +235,9 @@ def judge_blocks(name: str, times: Sequence[float], blocks: Sequence[float], loa
 
 @dataclass
 class Verdict:
+    """A soak run's outcome: failures (any one makes it FAIL) and warnings worth reading; ``judge``
+    builds it, and the exit code follows it."""
+
     failures: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -542,6 +545,9 @@ def outcome_of(result: RequestResult) -> str:
 
 @dataclass(frozen=True)
 class LoadPlan:
+    """A soak run's open-loop load: request rate and duration, the requests' lengths, the share
+    cancelled part way, and the seed that fixes arrivals, prompts and cancel points."""
+
     rate: float
     duration_s: float
     input_len: int

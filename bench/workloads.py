@@ -37,6 +37,9 @@ SHAREGPT_MAX_TOTAL_TOKENS = 2048
 
 
 class Tokenizer(Protocol):
+    """What the workloads use of a tokenizer: the vocabulary's size and special ids
+    (``sampleable_ids``) and ``encode`` (ShareGPT's prompts and reply lengths)."""
+
     vocab_size: int
     all_special_ids: frozenset[int]
 
@@ -45,6 +48,9 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class BenchRequest:
+    """One request of a workload: its prompt as token ids, the output tokens it asks for (with
+    ``ignore_eos``), and the part of the workload it belongs to."""
+
     prompt_token_ids: list[int]
     output_len: int
     group: str = ""  # the part of the workload it belongs to ("long", "prefix-3", ...)

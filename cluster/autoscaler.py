@@ -33,6 +33,9 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class PoolBounds:
+    """How small and how large the autoscaler may make one pool (``autoscaling.prefill``
+    or ``autoscaling.decode``)."""
+
     min_workers: int = 1
     max_workers: int = 1
 
@@ -43,6 +46,8 @@ class PoolBounds:
 
 @dataclass(frozen=True)
 class SLO:
+    """The latency targets the autoscaler holds the roles to: TTFT for prefill, ITL for decode."""
+
     ttft_ms: float = 1000.0
     itl_ms: float = 50.0
 
@@ -108,6 +113,9 @@ class RoleObservation:
 
 @dataclass(frozen=True)
 class Decision:
+    """One change ``Autoscaler.decide`` asks of the controller: add, remove or switch a worker of a
+    role, with the reason in words and its cause for metrics."""
+
     action: str  # "add", "remove" or "switch" (a worker of the other role becomes ``role``)
     role: str  # the role that gains (add, switch) or loses (remove) a worker
     reason: str

@@ -38,6 +38,9 @@ from kv_transfer.config import TransferConfig
 
 @dataclass(frozen=True)
 class Resources:
+    """What each worker of a pool asks Ray for: CPUs, GPUs and custom resources (``bundle``,
+    its placement-group bundle)."""
+
     num_cpus: float = 0.25
     num_gpus: float = 0.0
     # Custom Ray resources, e.g. {"tandem_decode": 1} to pin a pool to its node group.
@@ -58,6 +61,10 @@ class Resources:
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """A deployment's topology (the module docstring has it as YAML): model, pool sizes and
+    resources, engine and transfer settings, streaming, restarts and autoscaling. Checked whole on
+    creation, both roles' engine settings included."""
+
     model: str | None = None
     prefill_workers: int = 1
     decode_workers: int = 1

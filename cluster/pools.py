@@ -83,6 +83,11 @@ def _forget_metrics(pid: int | None) -> None:
 
 
 class TandemCluster:
+    """One deployment's worker pools on Ray (the module docstring has a worker's lifecycle):
+    ``start`` places and starts them and builds their ``Dispatcher``, a health thread replaces
+    dead workers, ``shutdown`` removes it all. The cluster controller owns one; tests and
+    benchmarks make their own."""
+
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self._slots: list[_Slot] = []

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServiceConfig:
+    """Everything a ``TandemService`` starts: the pools' topology, the router's settings, where
+    Serve listens (host, HTTP and gRPC ports, ingress) and the app's name. Built once, from the
+    flags (``from_flags``) or by the caller."""
+
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     host: str = "127.0.0.1"
@@ -180,6 +184,10 @@ def _port_free(port: int) -> bool:
 
 
 class TandemService:
+    """One whole service on a Ray cluster (the module docstring says what it starts): ``start``
+    brings up the controller, its pools and the router app, ``shutdown`` takes them down in
+    reverse order. The caller owns ``ray.init`` and ``ray.shutdown``."""
+
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.controller = None

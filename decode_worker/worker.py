@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 
 
 class DecodeWorker(WorkerBase):
+    """The decode role's Ray actor (the module docstring has a request's and a subscriber's
+    lifecycle): it reserves blocks, receives KV, runs the continuous batch and streams step
+    messages to routers. The cluster starts one per decode slot and replaces it if it dies."""
+
     role = "decode"
 
     def __init__(

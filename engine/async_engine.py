@@ -63,6 +63,10 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
 
 
 class RequestStream:
+    """One request's outputs (or its error): put by the step thread, read on the event loop,
+    merged into one delta per read. ``open_stream`` makes it; it is dropped once the
+    request finishes or is aborted."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -52,6 +52,9 @@ class StepAttention:
 
 @dataclass
 class PrefillChunk:
+    """One request's prefill chunk in the flattened batch: its query rows, the context cached
+    before it, its block table and its mask (windowed masks made on demand)."""
+
     q_start: int  # rows of the flattened batch
     q_end: int
     ctx_start: int  # tokens of this request already in the cache before the chunk
@@ -114,6 +117,9 @@ class GatherWorkspace:
 
 @dataclass
 class AttentionMetadata:
+    """What ``TorchAttention`` (and ``CpuAttention``) make of one step's layout: where new K/V go,
+    and the decode groups and prefill chunks to attend; built once a step for all layers."""
+
     slot_mapping: torch.Tensor  # [T] long: where each token's K/V goes in the cache
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]

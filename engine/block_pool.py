@@ -149,6 +149,9 @@ class CpuBlockPool:
 
 @dataclass
 class PrefixCacheStats:
+    """The prefix cache's counters since the manager was made, counted once a request is let in;
+    the engine reports them in its load and stats."""
+
     queries: int = 0  # tokens of admitted requests looked up
     hits: int = 0  # of those, tokens served from the cache
 

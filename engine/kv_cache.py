@@ -26,6 +26,10 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 class KVCache:
+    """One engine's paged K and V tensors for every layer, and their CPU swap space; allocated when
+    the engine is built and kept for its life. Which request owns which block is the block
+    manager's business (``engine.block_pool``)."""
+
     def __init__(
         self,
         config: ModelConfig,

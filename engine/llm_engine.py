@@ -101,6 +101,9 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
+    """The engine's load plus running totals since it was built (preemptions, prefix cache, steps,
+    tokens, model-runner time): what ``stats()`` returns for metrics and worker stats."""
+
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -147,6 +150,10 @@ class _Tracked:
 
 
 class LLMEngine:
+    """One worker's model, KV cache and scheduler behind one door (``add_request``, ``abort``,
+    ``step``, ``load``, ``stats``). A worker (``WorkerBase``), ``LLM`` or a benchmark builds it; it
+    is not thread-safe: in a worker only ``AsyncEngine``'s step thread calls it."""
+
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config

@@ -74,6 +74,9 @@ def request_of(attempt: str) -> str:
 
 
 class TransferState(enum.IntEnum):
+    """How far a KV transfer got; ordered, so the least advanced of its parts gives the state of
+    the whole (``combine``). It crosses processes as an int (``PrefillResult.state``)."""
+
     FAILED = 0
     BOOTSTRAPPING = 1
     WAITING = 2
@@ -109,6 +112,9 @@ class KVLayout:
 
 @dataclass(frozen=True)
 class DecodeLoad:
+    """A decode worker's load report for placement: free KV blocks and requests by state. It rides
+    on every step message of the worker's token stream and answers ``load`` polls."""
+
     worker_id: str
     free_blocks: int
     total_blocks: int
@@ -124,6 +130,9 @@ StepMessage = tuple[DecodeLoad | None, StepDeltas]
 
 @dataclass(frozen=True)
 class PrefillLoad:
+    """A prefill worker's load report, which the router polls at placement: queued prompt tokens,
+    requests running and waiting, prefix-cache counters and transfers in flight."""
+
     worker_id: str
     queued_prefill_tokens: int
     running_chunks: int
@@ -147,6 +156,9 @@ class Reservation:
 
 @dataclass(frozen=True)
 class PrefillResult:
+    """What a prefill worker's ``prefill`` returns once the hand-off has ended: the first token,
+    how far the transfer got (``state``), where the time went, and the error, if any."""
+
     request_id: str
     first_token: int
     num_cached_tokens: int

@@ -92,6 +92,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """One layer's grouped-query self-attention: the fused q/k/v projection, optional per-head q/k
+    norms, the rotary, then the step's attention backend over the paged cache (within the layer's
+    sliding window, if it has one)."""
+
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.window = config.layer_windows[index] if config.layer_windows else 0  # 0: the whole context
@@ -128,6 +132,9 @@ def activation(config: ModelConfig):
 
 
 class MLP(nn.Module):
+    """The gated feed-forward block: act(gate) * up, then down, with gate and up fused into one
+    matrix at load (``engine.loader``); the activation is the config's ``hidden_act``."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size

@@ -129,6 +129,10 @@ def _layer_windows(family: str, cfg: dict) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A checkpoint's architecture as the engine reads it (``from_pretrained``): sizes, rotary,
+    norms, windows and special tokens, in one shape for every supported family. Read once when the
+    engine is built; the model and the KV cache are sized by it."""
+
     architecture: str
     vocab_size: int
     hidden_size: int

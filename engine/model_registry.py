@@ -71,6 +71,9 @@ DEFAULT_SERVE_MODEL = SMOLLM2_135M_INSTRUCT
 
 @dataclass(frozen=True)
 class ResolvedModel:
+    """What ``resolve_model`` makes of a ``model`` setting: where the model lies on this machine
+    and the name the API serves it under."""
+
     path: str  # a checkpoint directory or a .gguf file
     name: str  # the name clients use
 

@@ -41,6 +41,10 @@ from engine.structured_output import StructuredOutputs
 
 @dataclass
 class RunnerOutput:
+    """One step's results by request id: the token each sampling request drew (and its logprobs,
+    when asked) and the prompt logprobs scored this step. The engine hands ``sampled`` to the
+    scheduler and turns the rest into outputs."""
+
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> (prompt index of the first entry, the logprobs of that prompt token on)
@@ -85,6 +89,10 @@ PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
+    """Executes each ``SchedulerOutput`` on the model over the engine's ``KVCache``: builds the
+    step's tensors, runs one forward and samples. ``LLMEngine`` builds one with the model, cache
+    and attention backend; it keeps no request state between steps."""
+
     def __init__(
         self,
         model: DecoderModel,

@@ -27,6 +27,9 @@ from engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
+    """Where a request stands in its engine (the lifecycle in the module docstring); ordered, so
+    every status past ``SWAPPED`` is finished."""
+
     WAITING = 0
     WAITING_FOR_REMOTE_KV = 1
     RUNNING = 2

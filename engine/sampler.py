@@ -39,6 +39,9 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
+    """The model's logprob of one token (after the grammar's mask only) and the likeliest
+    alternatives: one per sampled token, or per prompt token for ``prompt_logprobs``."""
+
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first

@@ -60,6 +60,10 @@ AUTO_SWAP_OUTPUT_RATIO = 0.2
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The scheduler's limits and modes: the step's token budget, requests at once, context length,
+    chunking, preemption, queue policy and batching. ``LLMEngine`` builds it once from its
+    ``EngineConfig``; checked on creation."""
+
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 2048
@@ -93,6 +97,10 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan, as plain data: each request's tokens and blocks, the blocks to swap out and
+    in, and the requests preempted or finished while planning. The model runner executes it;
+    ``update`` takes it back with the sampled ids."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
@@ -108,6 +116,9 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's counters since it was built (steps, preemptions by mode); the engine
+    reports them in ``stats()``."""
+
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
     num_steps: int = 0

@@ -118,6 +118,9 @@ class ChannelConfig:
 
 
 class NoticeKind(str, enum.Enum):
+    """What a ``Notice`` says about the stream: a backlog (``SLOW``, ``CUT``), a connection resumed
+    (``RESUMED``) or a session the worker no longer knows (``GONE``)."""
+
     SLOW = "slow"  # worker: this subscriber's pending outputs passed max_pending_outputs
     CUT = "cut"  # worker: the subscriber was too slow for too long; its requests were aborted
     RESUMED = "resumed"  # router side: the connection dropped and was re-established, nothing lost

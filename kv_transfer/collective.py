@@ -265,6 +265,10 @@ class _Outgoing:
 
 
 class CollectiveBackend(KVTransferBackend):
+    """One worker's gloo transport (the module docstring has a channel's lifecycle): the rendezvous
+    store senders reach and a channel per peer, each built on first use; paged on CPUs, packed
+    through host memory on GPUs. Made by ``TransferConfig.make_backend``."""
+
     name = "collective"
     sends = True
 

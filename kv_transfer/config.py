@@ -22,6 +22,10 @@ def default_backend() -> str:
 
 @dataclass(frozen=True)
 class TransferConfig:
+    """The ``transfer:`` settings: backend, deadline and lease, failure policy, pipelining,
+    checksums and injected faults; checked on creation. Workers get it at start and may take a
+    new one live (``set_transfer``)."""
+
     backend: str = field(default_factory=default_backend)  # nixl | collective | object_store | inprocess
     timeout_s: float = 30.0  # deadline of one transfer, from the reservation
     lease_s: float = 60.0  # the sender frees its copy (or its blocks) after this without an ack

@@ -17,6 +17,9 @@ from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
 
 @dataclass(frozen=True)
 class FaultConfig:
+    """The ``transfer.faults`` settings: the share of transfers to drop and the delay before each
+    receive, with the drops' seed; all zero injects nothing."""
+
     drop_rate: float = 0.0  # share of transfers that fail on the receiver
     delay_s: float = 0.0  # added before every receive
     seed: int = 0
@@ -33,6 +36,9 @@ class FaultConfig:
 
 
 class FaultyBackend(KVTransferBackend):
+    """A backend (``inner``) with a ``FaultConfig``'s faults on its receiving side; all else passes
+    through. ``TransferConfig.configure`` wraps a backend in one while faults are on."""
+
     def __init__(self, inner: KVTransferBackend, faults: FaultConfig) -> None:
         super().__init__()
         self.inner = inner

@@ -10,6 +10,9 @@ from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
 
 
 class InProcessBackend(KVTransferBackend):
+    """Sender and receiver in one process, sharing this object: ``prepare`` keeps K and V under the
+    transfer id until ``release``, and ``pull`` returns copies."""
+
     name = "inprocess"
 
     def __init__(self) -> None:

@@ -175,6 +175,10 @@ class _Peer:
 
 
 class NixlBackend(KVTransferBackend):
+    """One worker's NIXL agent and the memory registered with it (the module docstring has both
+    ways): paged reads straight between caches, packed transfers for the conformance suite. Made
+    by ``TransferConfig.make_backend``; ``close`` deregisters everything."""
+
     name = "nixl"
     paged = True
 

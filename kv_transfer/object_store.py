@@ -16,6 +16,9 @@ from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
 
 
 class ObjectStoreBackend(KVTransferBackend):
+    """Moves packed K and V through Ray's object store; the sender holds each object reference
+    until ``release``. Workers reach it through ``PackedAsPaged``."""
+
     name = "object_store"
 
     def __init__(self) -> None:

@@ -19,6 +19,10 @@ from kv_transfer.base import KVTransferBackend, TransferMeta, check_attachable
 
 
 class PackedAsPaged(KVTransferBackend):
+    """A packed backend (``inner``) behind the paged interface, as the module docstring
+    describes; ``as_paged`` wraps one when a worker starts. Each offered packed copy
+    is kept until ``release``."""
+
     paged = True
 
     def __init__(self, inner: KVTransferBackend) -> None:

@@ -34,6 +34,10 @@ def checksum(k: torch.Tensor, v: torch.Tensor) -> str:
 
 
 class TransferPeer:
+    """One end of a transfer in the conformance tests and the transfer benchmark, run as a Ray
+    actor: a backend of the given settings, KV made from a seed, and checksums of what arrives.
+    What it offers is held until ``release``."""
+
     def __init__(self, transfer: TransferConfig) -> None:
         torch.set_num_threads(1)
         self.backend = transfer.make_backend()

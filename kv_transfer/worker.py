@@ -35,6 +35,10 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
 
 
 class WorkerBase:
+    """The base of both worker actors: loads the engine, attaches the transfer backend to its cache
+    and answers the cluster's health, load, stats, drain and abort calls. Built in a Ray actor
+    through a role class; ``ready`` starts the step thread."""
+
     role = "worker"
 
     def __init__(

@@ -36,6 +36,10 @@ from kv_transfer.worker import WorkerBase
 
 
 class PrefillWorker(WorkerBase):
+    """The prefill role's Ray actor (a request's lifecycle is in the module docstring): prefills
+    prompts in chunks, samples each first token and hands the KV to the decode worker the router
+    names. The cluster starts one per prefill slot and replaces it if it dies."""
+
     role = "prefill"
 
     def __init__(self, *args, **kwargs) -> None:

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    """The admission bounds (outstanding requests and prompt tokens: the ``max_outstanding_*``
+    settings) and the limits of the retry hint; checked on creation."""
+
     max_requests: int = 256
     max_prompt_tokens: int = 262_144
     min_retry_after_s: float = 1.0
@@ -40,17 +43,27 @@ class AdmissionConfig:
 
 @dataclass(frozen=True)
 class Ticket:
+    """An admitted request's share of the bounds; hand it to ``release`` exactly
+    once, when the request ends."""
+
     prompt_tokens: int
 
 
 @dataclass(frozen=True)
 class Rejection:
+    """A refusal: the message names the bound that was hit, with the whole seconds to wait before
+    retrying (the edges answer 429 or RESOURCE_EXHAUSTED with it)."""
+
     reason: str
     retry_after_s: int
     code: str = "busy"  # the bound that was hit: a short label for metrics
 
 
 class Admission:
+    """One router replica's count of the work it let in and has not finished (a ticket's
+    lifecycle is in the module docstring); ``RouterCore`` owns one, and every call
+    takes the time as ``now``."""
+
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
         self.requests = 0

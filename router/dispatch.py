@@ -88,6 +88,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerRef:
+    """One worker as the router sees it: its id, its Ray actor handle, the incarnation that tells a
+    replacement apart, and whether it is draining. The cluster makes one per actor it starts and
+    hands them out in its worker lists."""
+
     worker_id: str
     handle: object  # a Ray actor handle
     incarnation: str = ""  # unique per actor: a replacement reuses worker_id, not this
@@ -254,6 +258,10 @@ class Subscriptions:
 
 @dataclass(frozen=True)
 class DispatchConfig:
+    """The dispatcher's settings: placement and its limits, re-runs and migrations, local prefill
+    rules, the prefix hash and the token channel; checked on creation. Block size and the running
+    cap come from the cluster (``dispatch_settings``), to match the engines."""
+
     block_size: int = 16
     max_running_per_decode: int = 256
     max_retries: int = 2  # re-runs of a request whose decode worker died before any token
@@ -299,6 +307,10 @@ class NoCapacityError(RuntimeError):
 
 
 class Dispatcher:
+    """Runs requests over the prefill and decode pools (the module docstring says how). A router
+    replica's ``RouterCore`` (or a ``TandemCluster``) keeps one for its life; it reads the worker
+    lists through the callables it is given. ``close`` stops its streams."""
+
     def __init__(
         self,
         prefill_workers: Callable[[], Sequence[WorkerRef]],

@@ -34,6 +34,9 @@ def _exit_with_parent(parent: int) -> None:
 
 
 class GrammarChecker:
+    """Parses structured-output specs in a helper process spawned on the first check, and caches
+    the verdicts. ``RouterCore`` keeps one for its life; ``close`` stops the helper."""
+
     def __init__(self, max_cached: int = MAX_CACHED_GRAMMARS) -> None:
         self._pool: ProcessPoolExecutor | None = None
         self._verdicts: OrderedDict[tuple[str, str], str | None] = OrderedDict()

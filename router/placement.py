@@ -25,10 +25,14 @@ from engine.block_hash import BlockHash
 
 
 class PrefillLoadLike(Protocol):
+    """What prefill placement reads of a load report (``engine.messages.PrefillLoad``)."""
+
     queued_prefill_tokens: int
 
 
 class DecodeLoadLike(Protocol):
+    """What decode placement reads of a load report (``engine.messages.DecodeLoad``)."""
+
     free_blocks: int
     running: int
     waiting: int

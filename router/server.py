@@ -90,6 +90,10 @@ GRPC_SERVICERS = [
 
 @dataclass(frozen=True)
 class RouterConfig:
+    """A router replica's settings: admission bounds, dispatch settings (the cluster supplies block
+    size and running cap), body size limit, API key and how often the worker list is refreshed;
+    ``cluster.service`` builds it from the flags or a RayService's args."""
+
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)  # block size etc. come from the cluster
     max_body_bytes: int = 1 << 20
@@ -494,6 +498,10 @@ DRAIN_CHECK_S = 0.25
 )
 @serve.ingress(app)
 class Router:
+    """The Serve deployment: each replica answers HTTP and gRPC through one ``RouterCore``,
+    connected at start to the cluster controller it was bound to (``cluster.service``); Serve
+    starts, scales and stops the replicas."""
+
     def __init__(self, controller, config: RouterConfig) -> None:
         self.core = RouterCore.connect(controller, config)
 

@@ -35,12 +35,17 @@ class _TokenizerBody(BaseModel):
 
 
 class TokenizeCompletionBody(_TokenizerBody):
+    """A ``/tokenize`` body with a completions-style ``prompt``."""
+
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
 class TokenizeChatBody(_TokenizerBody):
+    """A ``/tokenize`` body with a chat's ``messages`` (and ``tools``), rendered
+    through the chat template."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True
@@ -50,6 +55,8 @@ class TokenizeChatBody(_TokenizerBody):
 
 
 class DetokenizeBody(_TokenizerBody):
+    """A ``/detokenize`` body: the token ids to turn back into text."""
+
     tokens: list[int]
 
 

@@ -189,11 +189,16 @@ class _Body(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with token counts."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
 
 
 class CompletionBody(_Body):
+    """A ``/v1/completions`` body (gRPC's Generate is turned into one); ``prepare_completions``
+    checks what the types cannot."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -204,18 +209,24 @@ TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class TextPart(BaseModel):
+    """A text part of a message whose ``content`` is a list of parts."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
     text: str
 
 
 class CalledFunction(BaseModel):
+    """The function an earlier tool call named, with its arguments as JSON text."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     name: str = Field(pattern=TOOL_NAME)
     arguments: str  # JSON text, as OpenAI sends it
 
 
 class MessageToolCall(BaseModel):
+    """A tool call an earlier assistant message made, sent back in ``messages``."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     id: str
     type: Literal["function"] = "function"
@@ -223,6 +234,9 @@ class MessageToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message of a chat request; ``for_template`` checks it and gives it the
+    chat template's shape."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -265,6 +279,9 @@ def _template_call(call: MessageToolCall, path: str) -> dict:
 
 
 class FunctionDef(BaseModel):
+    """A function a chat request offers the model: its name, description and
+    parameters as a JSON schema."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
@@ -273,12 +290,16 @@ class FunctionDef(BaseModel):
 
 
 class ToolDef(BaseModel):
+    """One entry of a chat request's ``tools``: a function the model may call."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
     function: FunctionDef
 
 
 class ChatBody(_Body):
+    """A ``/v1/chat/completions`` body; ``prepare_chat`` checks what the types cannot."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
