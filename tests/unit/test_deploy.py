@@ -183,12 +183,14 @@ def test_chart_lints_clean(example):
 
 def test_chart_renders_a_rayservice_and_two_services(rendered):
     """The HTTP Service is KubeRay's (the RayService's serveService); the chart renders
-    the gRPC alias and the metrics Service."""
+    the gRPC alias and the metrics Service. The GPU example turns the ServiceMonitor on, and
+    its worker groups of two pods each get a PodDisruptionBudget (the default's groups of
+    one pod get none: see test_disruption_budgets_leave_each_group_all_but_max_unavailable)."""
     for case, docs in rendered.items():
         kinds = sorted(d["kind"] for d in docs)
         expected = ["RayService", "Service", "Service"]
-        if case == "gpu":  # the example turns the ServiceMonitor on
-            expected = sorted([*expected, "ServiceMonitor"])
+        if case == "gpu":
+            expected = sorted([*expected, "ServiceMonitor", "PodDisruptionBudget", "PodDisruptionBudget"])
         assert kinds == expected, f"{case}: rendered {kinds}"
 
 
@@ -558,6 +560,7 @@ def test_replicas_outside_min_max_fail_to_render(chart):
         ({"head": {"rayStartParams": {"num-cpus": 4}}}, "head.rayStartParams.num-cpus: the chart sets"),
         ({"head": {"rayStartParams": {"resources": '"{}"'}}}, "head.rayStartParams.resources: the chart sets"),
         ({"prefill": {"rayStartParams": {"resources": '"{}"'}}}, "prefill.rayStartParams.resources: the chart sets"),
+        ({"head": {"rayStartParams": {"num-gpus": 1}}}, "head.rayStartParams.num-gpus: the chart sets"),
     ],
 )
 def test_a_ray_start_param_the_chart_sets_fails_to_render(chart, override, message):
@@ -688,6 +691,370 @@ def test_dockerfiles_pin_ray_to_the_charts_ray_version(chart, flavour):
     assert pin < text.index("RUN pip install .") if flavour == "cpu" else pin < text.index('RUN pip install ".[gpu]"')
 
 
+# ------------------------------------- pod security, /dev/shm, disruption budgets, pod fields
+
+
+def _kuberay_pods(rs: dict, cluster: str = f"{RELEASE}-x7k2p") -> list[dict]:
+    """The pods KubeRay makes of the RayService's templates, as far as these tests need them
+    (ray-operator/controllers/ray/common/pod.go): its labels over the template's (labelPod:
+    ray.io/node-type, ray.io/group, ray.io/cluster are its own, never the template's), the
+    wait-gcs-ready init container it adds to worker pods (with a copy of the Ray container's
+    securityContext), and with in-tree autoscaling the autoscaler sidecar on the head (with
+    autoscalerOptions.securityContext, else none). ``cluster`` is the RayCluster's name,
+    which KubeRay generates for a RayService (<name>-<random>)."""
+    config = rs["spec"]["rayClusterConfig"]
+    groups = [("head", "headgroup", config["headGroupSpec"])]
+    groups += [("worker", g["groupName"], g) for g in config["workerGroupSpecs"]]
+    pods = []
+    for node_type, group, spec in groups:
+        template = copy.deepcopy(spec["template"])
+        labels = {**template["metadata"].get("labels", {}), "ray.io/node-type": node_type,
+                  "ray.io/group": group, "ray.io/cluster": cluster, "ray.io/is-ray-node": "yes"}
+        pod = template["spec"]
+        ray = pod["containers"][0]
+        if node_type == "worker":
+            pod.setdefault("initContainers", []).append(
+                {"name": "wait-gcs-ready", "image": ray["image"],
+                 "securityContext": copy.deepcopy(ray.get("securityContext"))})
+        elif config.get("enableInTreeAutoscaling"):
+            sidecar = {"name": "autoscaler", "image": ray["image"]}
+            if (config.get("autoscalerOptions") or {}).get("securityContext"):
+                sidecar["securityContext"] = config["autoscalerOptions"]["securityContext"]
+            pod["containers"].append(sidecar)
+        pods.append({"group": group, "labels": labels, "spec": pod})
+    return pods
+
+
+# Pod Security Standards, "restricted" (Kubernetes 1.30; it includes "baseline").
+_RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                            "persistentVolumeClaim", "projected", "secret"}
+_SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+                 "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+                 "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+                 "net.ipv4.tcp_keepalive_probes"}
+_SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+_PROFILES = ("RuntimeDefault", "Localhost")  # the seccomp and AppArmor profiles allowed
+
+
+def _restricted_violations(pod: dict) -> list[str]:
+    """What of a pod spec breaks the Pod Security "restricted" profile (empty: it passes)."""
+    out = []
+    psc = pod.get("securityContext") or {}
+
+    def seccomp(sc):
+        return (sc.get("seccompProfile") or {}).get("type")
+
+    def common(where, sc):
+        if (sc.get("windowsOptions") or {}).get("hostProcess"):
+            out.append(f"{where}: windowsOptions.hostProcess")
+        se = sc.get("seLinuxOptions") or {}
+        if se.get("type") not in _SELINUX_TYPES or se.get("user") or se.get("role"):
+            out.append(f"{where}: seLinuxOptions {se}")
+        if (sc.get("appArmorProfile") or {}).get("type", "RuntimeDefault") not in _PROFILES:
+            out.append(f"{where}: appArmorProfile {sc['appArmorProfile']}")
+        if seccomp(sc) == "Unconfined":
+            out.append(f"{where}: seccompProfile Unconfined")
+        if sc.get("runAsUser") == 0:
+            out.append(f"{where}: runAsUser 0")
+
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(field):
+            out.append(f"pod: {field}")
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= _RESTRICTED_VOLUME_TYPES:
+            out.append(f"volume {volume['name']}: {sorted(kinds)}")
+    for sysctl in psc.get("sysctls", []):
+        if sysctl["name"] not in _SAFE_SYSCTLS:
+            out.append(f"pod: sysctl {sysctl['name']}")
+    common("pod", psc)
+    containers = [*pod.get("initContainers", []), *pod.get("containers", []), *pod.get("ephemeralContainers", [])]
+    for c in containers:
+        sc, where = c.get("securityContext") or {}, f"container {c['name']}"
+        common(where, sc)
+        if sc.get("privileged"):
+            out.append(f"{where}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation is not false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            out.append(f"{where}: capabilities do not drop ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: adds capabilities {sorted(set(caps['add']) - {'NET_BIND_SERVICE'})}")
+        if sc.get("runAsNonRoot") is False or not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            out.append(f"{where}: runAsNonRoot is not true")
+        if seccomp(sc) not in _PROFILES and seccomp(psc) not in _PROFILES:
+            out.append(f"{where}: no RuntimeDefault or Localhost seccompProfile")
+        if sc.get("procMount", "Default") != "Default":
+            out.append(f"{where}: procMount {sc['procMount']}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{where}: hostPort")
+    return out
+
+
+_RESTRICTED_CASES = {"default": {}, "autoscaling": {"autoscaling": {"enabled": True}},
+                     "proxy ingress": {"serve": {"ingress": "proxy"}}}
+
+
+def test_every_pod_kuberay_makes_passes_pod_security_restricted(chart, rendered):
+    """Every container of every pod, the ones KubeRay adds included: the worker pods'
+    wait-gcs-ready init container (a copy of the Ray container's securityContext) and, with
+    autoscaling, the head's autoscaler sidecar (autoscalerOptions.securityContext)."""
+    cases = {case: _by_kind(docs, "RayService")[0] for case, docs in rendered.items()}
+    for case, values in _RESTRICTED_CASES.items():
+        cases[case] = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")[0]
+    for case, rs in cases.items():
+        pods = _kuberay_pods(rs)
+        assert len(pods) == 3 and all(p["spec"]["containers"][0].get("securityContext") for p in pods), case
+        for pod in pods:
+            assert _restricted_violations(pod["spec"]) == [], (case, pod["group"])
+    autoscaled = _kuberay_pods(cases["autoscaling"])[0]["spec"]
+    assert [c["name"] for c in autoscaled["containers"]] == ["ray-head", "autoscaler"]
+
+
+def test_the_restricted_check_finds_what_breaks_the_profile(chart, rendered):
+    """The check above is not vacuous: the pods as the chart rendered them before (no
+    container securityContext; no autoscalerOptions) and the usual breaches all fail it."""
+    (rs,) = _by_kind(rendered["default"], "RayService")
+    head = _kuberay_pods(rs)[0]["spec"]
+
+    def broken(change):
+        pod = copy.deepcopy(head)
+        change(pod)
+        return _restricted_violations(pod)
+
+    old = broken(lambda p: p["containers"][0].pop("securityContext"))
+    assert any("allowPrivilegeEscalation" in v for v in old) and any("drop ALL" in v for v in old), old
+    assert broken(lambda p: p["containers"][0]["securityContext"]["capabilities"].update(add=["IPC_LOCK"]))
+    assert broken(lambda p: p["securityContext"].update(runAsUser=0))
+    assert broken(lambda p: p["containers"][0]["securityContext"].update(seccompProfile={"type": "Unconfined"}))
+    assert broken(lambda p: p["volumes"].append({"name": "h", "hostPath": {"path": "/"}}))
+    assert broken(lambda p: p.update(hostNetwork=True))
+    no_options = copy.deepcopy(_by_kind(_split(chart.render({"autoscaling": {"enabled": True}}, name=RELEASE)),
+                                        "RayService")[0])
+    del no_options["spec"]["rayClusterConfig"]["autoscalerOptions"]
+    assert _restricted_violations(_kuberay_pods(no_options)[0]["spec"]) != []
+
+
+def test_pods_run_as_the_user_the_images_run_as(chart):
+    """Pod-level uid and gid: the images' USER (deploy/docker), so that files the image
+    made for it (the model cache under $HOME) stay its own."""
+    security = chart.values["podSecurityContext"]
+    for flavour in ("cpu", "gpu"):
+        text = (DEPLOY / "docker" / f"Dockerfile.{flavour}").read_text()
+        uid, gid = re.findall(r"^USER (\d+):(\d+)$", text, re.M)[-1]
+        assert (security["runAsUser"], security["runAsGroup"]) == (int(uid), int(gid)), flavour
+
+
+def test_security_contexts_are_values_and_a_group_may_replace_its_own(chart):
+    rdma = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+            "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    (rs,) = _by_kind(_split(chart.render({"decode": {"securityContext": rdma}}, name=RELEASE)), "RayService")
+    contexts = {p["group"]: p["spec"]["containers"][0]["securityContext"] for p in _kuberay_pods(rs)}
+    assert contexts == {"headgroup": chart.values["securityContext"], "prefill": chart.values["securityContext"],
+                        "decode": rdma}
+    assert {p["group"] for p in _kuberay_pods(rs) if _restricted_violations(p["spec"])} == {"decode"}
+    # top-level values merge into the defaults as Helm merges values (null removes a key)
+    everywhere = {"securityContext": {"readOnlyRootFilesystem": True, "seccompProfile": None},
+                  "podSecurityContext": {"runAsUser": 2000}}
+    (rs,) = _by_kind(_split(chart.render(everywhere, name=RELEASE)), "RayService")
+    for pod in _pods(rs):
+        expected = {**chart.values["securityContext"], "readOnlyRootFilesystem": True}
+        del expected["seccompProfile"]
+        assert pod["spec"]["containers"][0]["securityContext"] == expected
+        assert pod["spec"]["securityContext"] == {**chart.values["podSecurityContext"], "runAsUser": 2000}
+
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
+_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def _bytes(quantity) -> float:
+    if isinstance(quantity, (int, float)):
+        return float(quantity)
+    number, unit = _QUANTITY.match(quantity).groups()
+    return float(number) * _FACTORS[unit]
+
+
+def _ray_object_store(memory: float, shm: float, object_store_memory=None) -> float:
+    """The object store Ray sizes for a node with ``memory`` bytes and a /dev/shm of ``shm``
+    bytes (Ray's own code, /dev/shm's size faked)."""
+    from unittest import mock
+
+    import ray._private.utils as ray_utils
+
+    if object_store_memory is not None:
+        return _bytes(object_store_memory)
+    with mock.patch.object(ray_utils, "get_shared_memory_bytes", return_value=int(shm)):
+        return ray_utils.resolve_object_store_memory(int(memory))
+
+
+def test_dev_shm_is_bounded_and_holds_rays_object_store(chart, rendered):
+    """/dev/shm is a memory-backed emptyDir with a sizeLimit (by default the container's
+    memory limit, as KubeRay sizes the one it adds), and Ray's object store fits it: Ray
+    keeps the store in /dev/shm only when it fits (else /tmp, on disk)."""
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        for pod in _pods(rs):
+            (container,) = pod["spec"]["containers"]
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+            shm = {v["name"]: v for v in pod["spec"]["volumes"]}[mount["name"]]["emptyDir"]
+            assert shm["medium"] == "Memory", case
+            assert shm["sizeLimit"] == container["resources"]["limits"]["memory"], case
+            memory = _bytes(container["resources"]["limits"]["memory"])
+            assert _ray_object_store(memory, _bytes(shm["sizeLimit"])) <= _bytes(shm["sizeLimit"]), case
+    (rs,) = _by_kind(_split(chart.render({"head": {"shmSizeLimit": "4Gi"}, "decode": {"shmSizeLimit": "3Gi"}},
+                                         name=RELEASE)), "RayService")
+    limits = [{v["name"]: v for v in pod["spec"]["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] for pod in _pods(rs)]
+    assert limits == ["4Gi", "8Gi", "3Gi"]
+
+
+@pytest.mark.parametrize(
+    "memory, shm, object_store",
+    [
+        ("8Gi", "2Gi", None),            # 30% of 8 GiB is 2.4 GiB
+        ("8Gi", "3Gi", None),
+        ("64Gi", "8Gi", None),           # Ray's store: at least 10 GB, whatever /dev/shm holds
+        ("64Gi", "10Gi", None),          # ...and 95% of /dev/shm past that
+        ("64Gi", "", None),
+        ("1000Gi", "300Gi", None),       # capped at 200 GB
+        ("8Gi", "1Gi", 500_000_000),
+        ("8Gi", "1Gi", "2000000000"),
+        (8 * 2**30, "2.5Gi", None),
+    ],
+)
+def test_a_dev_shm_that_rays_object_store_does_not_fit_fails_to_render(chart, memory, shm, object_store):
+    """The chart refuses a /dev/shm exactly when Ray's own sizing would not fit it."""
+    group = {"memory": memory, "shmSizeLimit": shm}
+    if object_store is not None:
+        group["rayStartParams"] = {"object-store-memory": object_store}
+    store = _ray_object_store(_bytes(memory), _bytes(shm or memory), object_store)
+    if store <= _bytes(shm or memory):
+        chart.render({"prefill": group}, name=RELEASE)
+    else:
+        with pytest.raises(helm.HelmRenderError, match="prefill: Ray's object store .* does not fit /dev/shm"):
+            chart.render({"prefill": group}, name=RELEASE)
+
+
+def test_the_head_offers_ray_no_gpus(rendered):
+    """Without num-gpus Ray counts the GPUs the container can see: a head on a GPU node
+    whose runtime shows it some would offer them. Workers get num-gpus from KubeRay, out of
+    their nvidia.com/gpu limit."""
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        assert rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0", case
+        for group in _groups(rs).values():
+            assert "num-gpus" not in group["rayStartParams"], case
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_worker_groups_get_disruption_budgets_on_labels_that_outlive_a_cluster(rendered):
+    """Each budget selects its group's worker pods in whichever RayCluster KubeRay runs
+    (the name is generated, and a NewCluster upgrade runs two), and no other pod: not the
+    head, not the other group, not another release's. minAvailable is an integer: with
+    maxUnavailable (or a percentage) Kubernetes needs the pods' owner's scale subresource,
+    which a RayCluster lacks, and the budget then allows no eviction at all."""
+    docs = rendered["gpu"]
+    (rs,) = _by_kind(docs, "RayService")
+    budgets = {b["metadata"]["name"]: b["spec"] for b in _by_kind(docs, "PodDisruptionBudget")}
+    assert set(budgets) == {f"{rs['metadata']['name']}-prefill", f"{rs['metadata']['name']}-decode"}
+    pods = _kuberay_pods(rs, cluster=f"{RELEASE}-old01") + _kuberay_pods(rs, cluster=f"{RELEASE}-new02")
+    other_release = _kuberay_pods(rs)
+    for p in other_release:
+        p["labels"]["app.kubernetes.io/instance"] = "other"
+    for name, spec in budgets.items():
+        role = name.rsplit("-", 1)[1]
+        assert "maxUnavailable" not in spec and isinstance(spec["minAvailable"], int)
+        assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        selector = spec["selector"]["matchLabels"]
+        assert "ray.io/cluster" not in selector
+        assert [p["group"] for p in pods if _matches(selector, p["labels"])] == [role, role]
+        assert not [p for p in other_release if _matches(selector, p["labels"])]
+
+
+@pytest.mark.parametrize(
+    "values, min_available",
+    [
+        ({}, {}),                                                          # one pod a group: no budget
+        ({"prefill": {"replicas": 3, "maxReplicas": 4}}, {"prefill": 2}),
+        ({"prefill": {"replicas": 3, "maxReplicas": 4}, "podDisruptionBudget": {"maxUnavailable": 2}},
+         {"prefill": 1}),
+        ({"autoscaling": {"enabled": True}, "decode": {"minReplicas": 2, "replicas": 3, "maxReplicas": 6}},
+         {"decode": 1}),                                                   # the floor the autoscaler keeps
+        ({"decode": {"replicas": 2}, "podDisruptionBudget": {"enabled": False}}, {}),
+    ],
+)
+def test_disruption_budgets_leave_each_group_all_but_max_unavailable(chart, values, min_available):
+    docs = _split(chart.render(values, name=RELEASE, namespace=NAMESPACE))
+    budgets = {b["metadata"]["name"].rsplit("-", 1)[1]: b["spec"]["minAvailable"]
+               for b in _by_kind(docs, "PodDisruptionBudget")}
+    assert budgets == min_available
+    for budget in _by_kind(docs, "PodDisruptionBudget"):
+        kubernetes_validate.validate(budget, KUBE_VERSION, strict=True)
+
+
+def test_standard_pod_fields_reach_each_groups_pods(chart, rendered, ray_service_schema):
+    spread = [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+               "labelSelector": {"matchLabels": {"tandem.dev/role": "decode"}}, "matchLabelKeys": ["ray.io/cluster"]}]
+    fields = {
+        "head": {"priorityClassName": "tandem-head", "serviceAccountName": "tandem-head"},
+        "prefill": {"priorityClassName": "gpu-high", "runtimeClassName": "nvidia"},
+        "decode": {"topologySpreadConstraints": spread, "serviceAccountName": "tandem-decode",
+                   "runtimeClassName": "nvidia"},
+    }
+    (rs,) = _by_kind(_split(chart.render(fields, name=RELEASE)), "RayService")
+    assert jsonschema.Draft4Validator(ray_service_schema).is_valid(rs)
+    names = ("priorityClassName", "topologySpreadConstraints", "serviceAccountName", "runtimeClassName")
+    for role, pod in zip(["head", "prefill", "decode"], _pods(rs)):
+        assert {k: v for k, v in pod["spec"].items() if k in names} == fields[role], role
+    for docs in rendered.values():
+        for pod in _pods(_by_kind(docs, "RayService")[0]):
+            assert not set(names) & set(pod["spec"])
+
+
+def test_each_group_may_run_its_own_image(chart, gpu_values):
+    values = {"image": {"repository": "registry.example.com/tandem", "tag": "1.0-cpu"},
+              "prefill": {"image": {"repository": "registry.example.com/tandem-gpu", "tag": "1.0-gpu"}},
+              "decode": {"image": {"tag": "1.0-gpu", "pullPolicy": "Always"}}}
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")
+    images = [(c["image"], c["imagePullPolicy"]) for c in _containers(rs)]
+    assert images == [("registry.example.com/tandem:1.0-cpu", "IfNotPresent"),
+                      ("registry.example.com/tandem-gpu:1.0-gpu", "IfNotPresent"),
+                      ("registry.example.com/tandem:1.0-gpu", "Always")]
+    (rs,) = _by_kind(_split(chart.render(gpu_values, name=RELEASE)), "RayService")
+    assert {c["image"] for c in _containers(rs)} == {"ghcr.io/tandem-serve/tandem:0.1.0-gpu"}
+
+
+# RayService fields the chart may render, and the first KubeRay release that knows each
+# (older operators drop an unknown field without a word).
+KUBERAY_FIELD_SINCE = {("spec", "upgradeStrategy"): (1, 3)}
+
+
+def _kuberay_floor() -> tuple[int, int]:
+    chart_yaml = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    (floor,) = re.findall(r"kuberay-operator >= (\d+)\.(\d+)", chart_yaml["annotations"]["tandem.dev/requires"])
+    return tuple(map(int, floor))
+
+
+def test_the_stated_kuberay_floor_knows_every_field_the_chart_renders(chart, rendered):
+    floor = _kuberay_floor()
+    for docs in [*rendered.values(), _split(chart.render({"upgradeStrategy": "None"}, name=RELEASE))]:
+        (rs,) = _by_kind(docs, "RayService")
+        for path, since in KUBERAY_FIELD_SINCE.items():
+            node = rs
+            for key in path:
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is not None:
+                assert floor >= since, f"{'.'.join(path)} needs KubeRay {since}, the chart states {floor}"
+    assert floor >= (1, 3)
+    readme = (REPO / "README.md").read_text()
+    assert re.findall(r"KubeRay operator (\d+)\.(\d+) or newer", readme) == [tuple(map(str, floor))]
+
+
 # ---------------------------------------------------------------------- values schema
 
 
@@ -719,6 +1086,11 @@ def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema
         ({"metrics": {"port": 70000}}, "port"),
         ({"prefill": {"rayResources": {"tandem_prefill": -1}}}, "tandem_prefill"),
         ({"serve": {"startTimeoutSeconds": 0}}, "startTimeoutSeconds"),
+        ({"head": {"shmSizeLimit": "lots"}}, "shmSizeLimit"),
+        ({"prefill": {"image": {"repo": "x"}}}, "repo"),
+        ({"decode": {"topologySpreadConstraints": [{"maxSkew": 1}]}}, "topologyKey"),
+        ({"head": {"priorityClassName": "Not A Name"}}, "priorityClassName"),
+        ({"podDisruptionBudget": {"maxUnavailable": 0}}, "maxUnavailable"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(chart, values_schema, override, where):

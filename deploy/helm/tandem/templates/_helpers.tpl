@@ -42,8 +42,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* A pod's image: its group's `image` fields where set, else the top-level image's.
+Takes the root context and the group's `image` (dict "root" $ "own" $g.image). */}}
 {{- define "tandem.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $own := default dict .own -}}
+{{- $top := .root.Values.image -}}
+{{- printf "%s:%s" ($own.repository | default $top.repository) ($own.tag | default $top.tag | default .root.Chart.AppVersion) }}
+{{- end }}
+
+{{- define "tandem.imagePullPolicy" -}}
+{{- (default dict .own).pullPolicy | default .root.Values.image.pullPolicy }}
 {{- end }}
 
 {{/* rayStartParams.resources wants a quoted JSON string, e.g. '"{\"tandem_prefill\":1}"'. */}}
@@ -76,12 +84,43 @@ its controller and in every proxy and replica it starts, on any pod. */}}
 {{- end }}
 {{- end }}
 
-{{/* Pod-level settings shared by every Ray pod: non-root, shared memory, extra volumes. */}}
-{{- define "tandem.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 1000
-runAsGroup: 1000
-fsGroup: 1000
+{{/*
+A Ray container's securityContext: its group's own where set (it replaces the top-level one
+whole: merging would leave a `drop: [ALL]` beside an `add` nobody asked for), else the
+top-level `securityContext`. KubeRay copies it to the wait-gcs-ready init container it adds
+to every worker pod; the head's also goes to the autoscaler sidecar (autoscalerOptions).
+*/}}
+{{- define "tandem.containerSecurityContext" -}}
+{{- toYaml (.own | default .root.Values.securityContext) }}
+{{- end }}
+
+{{/* Scheduling and identity fields of a pod, from its group's values (head or worker group). */}}
+{{- define "tandem.podPlacement" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
 {{- end }}
 
 {{/* The Ray container's args: KubeRay runs them before its own `ray start`
@@ -93,21 +132,77 @@ new ones' counters and gauges. */}}
 find "${PROMETHEUS_MULTIPROC_DIR:?}" -mindepth 1 -delete
 {{- end }}
 
+{{/* A pod's volumes. Takes the root context and the pod's /dev/shm size limit
+(dict "root" $ "shm" <tandem.shmSizeLimit>). */}}
 {{- define "tandem.volumes" -}}
 - name: dshm   # Ray's object store lives in /dev/shm; the container default is 64 MiB
   emptyDir:
     medium: Memory
+    sizeLimit: {{ .shm | quote }}
 - name: metrics   # the pod's metrics folder, served on metrics.port by the node's exporter
   emptyDir: {}
-{{- with .Values.modelVolume.claimName }}
+{{- with .root.Values.modelVolume.claimName }}
 - name: models    # shared by every Ray pod, read-only (modelVolume)
   persistentVolumeClaim:
     claimName: {{ . }}
     readOnly: true
 {{- end }}
-{{- with .Values.extraVolumes }}
+{{- with .root.Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+A Kubernetes quantity in bytes (a float): 8Gi, 512Mi, 2G, 1.5Gi, 1000000000, as the values
+schema allows them.
+*/}}
+{{- define "tandem.bytes" -}}
+{{- if or (kindIs "float64" .) (kindIs "int" .) (kindIs "int64" .) }}
+{{- float64 . }}
+{{- else }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" (toString .) -}}
+{{- $unit := trimPrefix $num (toString .) -}}
+{{- $factors := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- if or (not $num) (not (hasKey $factors $unit)) }}
+{{- fail (printf "%q is not a quantity of bytes (e.g. 8Gi, 512Mi, 2G)" (toString .)) }}
+{{- end }}
+{{- mulf (float64 $num) (index $factors $unit) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The size limit of a pod's /dev/shm, a memory-backed emptyDir: Ray's object store lives
+there, and what it holds counts against the container's memory. The group's `shmSizeLimit`,
+or else the container's memory limit (the limit KubeRay gives the /dev/shm it adds when a
+pod has none). Ray's object store must fit it, else Ray puts the store in /tmp, on the
+node's disk (over 10 GB it does not start at all). Ray's default store is 30% of the
+memory, capped at 200 GB and at the larger of 10 GB and 95% of /dev/shm
+(ray._private.utils.resolve_object_store_memory); rayStartParams.object-store-memory sets it
+outright. A limit the store does not fit is refused.
+Takes: where (head, prefill, decode), shm (shmSizeLimit), memory (the container's memory
+limit, "" when it has none), request (its memory request), params (its rayStartParams).
+*/}}
+{{- define "tandem.shmSizeLimit" -}}
+{{- $limit := .shm | default .memory | default .request -}}
+{{- if not $limit }}
+{{- fail (printf "%s: /dev/shm needs a size limit: set %s.shmSizeLimit, or a memory limit for the container" .where .where) }}
+{{- end }}
+{{- if .memory }}
+{{- $shm := include "tandem.bytes" $limit | float64 -}}
+{{- $store := 0.0 -}}
+{{- $how := "rayStartParams.object-store-memory" -}}
+{{- with index (default dict .params) "object-store-memory" }}
+{{- $store = include "tandem.bytes" . | float64 -}}
+{{- else }}
+{{- $how = "Ray's default: 30% of the memory" -}}
+{{- $mem := include "tandem.bytes" .memory | float64 -}}
+{{- $store = minf (mulf $mem 0.3) (maxf 1e10 (mulf $shm 0.95)) 2e11 -}}
+{{- end }}
+{{- if gt $store $shm }}
+{{- fail (printf "%s: Ray's object store (%.0f bytes, %s) does not fit /dev/shm (%.0f bytes, shmSizeLimit %v): Ray would put it in /tmp, on disk; raise %s.shmSizeLimit or set a smaller rayStartParams.object-store-memory" .where $store $how $shm $limit .where) }}
+{{- end }}
+{{- end }}
+{{- ternary (toJson $limit) (toString $limit) (kindIs "float64" $limit) }}
 {{- end }}
 
 {{- define "tandem.volumeMounts" -}}
