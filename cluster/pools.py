@@ -365,8 +365,8 @@ class TandemCluster:
 
     def check_health(self) -> list[str]:
         """Ping every worker at once; replace those dead or silent past ``PING_TIMEOUT_S``
-        in their bundles. Returns the ids of the replacements. Nothing is replaced once
-        the pools are shutting down (their placement groups are going)."""
+        in their bundles. Returns the ids of the replacements that became ready. Nothing is
+        replaced once the pools are shutting down (their placement groups are going)."""
         with self._lock:
             live = [s for s in self._slots if s.ref is not None and not s.ref.draining]  # draining: drain_worker's
         pings = [slot.ref.handle.ready.remote() for slot in live]
@@ -391,12 +391,27 @@ class TandemCluster:
                     pass
                 _forget_metrics(slot.pid)
                 slot.ref = self._spawn(slot)
-        if not dead:
-            return []
-        infos = ray.get([s.ref.handle.ready.remote() for s in dead], timeout=READY_TIMEOUT_S)
-        for slot, info in zip(dead, infos):
-            slot.pid = info["pid"]
-        return [s.ref.worker_id for s in dead]
+        return self._await_replacements(dead)
+
+    def _await_replacements(self, slots: list[_Slot]) -> list[str]:
+        """Wait (up to ``READY_TIMEOUT_S``) for the new workers in ``slots``; the ids of
+        those ready. One that dies first is left to the next round, which replaces it
+        again, rather than failing the round and leaving the others' pids unrecorded: a
+        replacement started just after its bundle's node was lost, before the GCS noticed,
+        is cancelled once it does, and the bundle moves to a live node meanwhile."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        pings = [(slot, slot.ref.worker_id, slot.ref.handle.ready.remote()) for slot in slots]
+        ready = []
+        for slot, worker_id, ping in pings:
+            try:
+                slot.pid = ray.get(ping, timeout=max(0.0, deadline - time.monotonic()))["pid"]
+            except RayActorError as e:
+                if not self._stop.is_set():  # (a shutdown kills them)
+                    log.warning("the replacement for worker %s died before it was ready (%s); the next "
+                                "health round starts another", worker_id, type(e).__name__)
+                continue
+            ready.append(worker_id)
+        return ready
 
     def _watch(self) -> None:
         while not self._stop.wait(self.config.health_check_s):

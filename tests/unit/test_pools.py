@@ -74,3 +74,27 @@ def test_a_shutdown_while_the_health_thread_pings_starts_no_replacement(cluster,
     assert cluster.check_health() == []
     assert cluster.spawned == [], "a replacement was started after the shutdown"
     assert cluster._slots == [] and cluster._pgs == {}
+
+
+def test_a_replacement_that_dies_before_it_is_ready_is_left_to_the_next_round(cluster, monkeypatch):
+    """A node is lost with both workers on it: each replacement goes into its worker's
+    bundle, and one of them lands on the dead node before the GCS has noticed, to be
+    cancelled once it does (``ActorDiedError``; Ray moves the bundle). The round must
+    not fail on it (it raised, leaving the other replacement's pid unrecorded): it
+    returns the one that came up, and the next round replaces the dead one again."""
+    started = iter(["doomed", "fine", "again"])
+    monkeypatch.setattr(cluster, "_spawn", lambda slot: WorkerRef(f"decode-{slot.index}", _Handle(next(started))))
+
+    def get(ref, timeout=None):
+        if isinstance(ref, list):
+            return [get(r) for r in ref]
+        if ref.worker in ("decode-0", "decode-1", "doomed"):  # the lost node's workers, and the one placed there
+            raise RayActorError()
+        return {"pid": 7}
+
+    monkeypatch.setattr(pools.ray, "get", get)
+    monkeypatch.setattr(pools.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    assert cluster.check_health() == ["decode-1"]
+    assert [(s.ref.handle.worker, s.pid) for s in cluster._slots] == [("doomed", None), ("fine", 7)]
+    assert cluster.check_health() == ["decode-0"]
+    assert [(s.ref.handle.worker, s.pid) for s in cluster._slots] == [("again", 7), ("fine", 7)]
