@@ -424,8 +424,8 @@ def test_raw_garbage_bodies(http, oracle, case, content_type):
 
 
 ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/openapi.json"), ("GET", "/version"),
-          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-          ("POST", "/detokenize")}
+          ("GET", "/status"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+          ("POST", "/tokenize"), ("POST", "/detokenize")}
 paths = st.one_of(
     st.sampled_from(sorted({p for _, p in ROUTES} | {"/", "/v1", "/v1/", "/v1/models/x", "/docs", "/redoc",
                                                     "/v1/completions/../models", "/%2e%2e/%2e%2e/etc/passwd",
