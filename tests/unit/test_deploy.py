@@ -183,14 +183,12 @@ def test_chart_lints_clean(example):
 
 def test_chart_renders_a_rayservice_and_two_services(rendered):
     """The HTTP Service is KubeRay's (the RayService's serveService); the chart renders
-    the gRPC alias and the metrics Service. The GPU example turns the ServiceMonitor on, and
-    its worker groups of two pods each get a PodDisruptionBudget (the default's groups of
-    one pod get none: see test_disruption_budgets_leave_each_group_all_but_max_unavailable)."""
+    the gRPC alias and the metrics Service. The GPU example turns the ServiceMonitor on."""
     for case, docs in rendered.items():
         kinds = sorted(d["kind"] for d in docs)
         expected = ["RayService", "Service", "Service"]
         if case == "gpu":
-            expected = sorted([*expected, "ServiceMonitor", "PodDisruptionBudget", "PodDisruptionBudget"])
+            expected = sorted([*expected, "ServiceMonitor"])
         assert kinds == expected, f"{case}: rendered {kinds}"
 
 
@@ -415,27 +413,90 @@ def test_no_port_is_named_metrics_so_kuberay_adds_rays_own(rendered):
     assert not re.search(r";metrics\b", prometheus), "the endpoints example keeps the port named `metrics`"
 
 
-def test_workers_are_ready_when_their_raylet_is_and_stay_scrape_targets_when_not(chart, rendered):
-    """KubeRay's default readiness probe for a RayService worker also checks Serve's proxy
-    on the `serve` port (8000); with proxyLocation HeadOnly no worker runs one, so the
-    workers set their own probe: the raylet's health on the dashboard agent's port."""
+# KubeRay's readiness probe when a template sets none (common/pod.go,
+# initLivenessAndReadinessProbe): the raylet's health on the dashboard agent (52365), the
+# GCS's on the dashboard (8265) for the head, and for a RayService worker also Serve's
+# proxy on the `serve` port.
+_KUBERAY_PROBE_PORTS = {"head": {52365, 8265}, "worker": {52365, 8000}}
+
+
+def _probe_ports(probe: dict) -> set[int]:
+    """The ports a readiness probe needs a listener on."""
+    if "httpGet" in probe:
+        return {probe["httpGet"]["port"]}
+    if "tcpSocket" in probe:
+        return {probe["tcpSocket"]["port"]}
+    return {int(p) for p in re.findall(r":(\d+)/", " ".join(probe["exec"]["command"]))}
+
+
+def _client_endpoints(rs: dict, docs: list[dict], cluster: str = f"{RELEASE}-x7k2p") -> dict[str, set[str]]:
+    """For each client Service, the kinds of pod (head, prefill, decode) that can become its
+    endpoints: the pods KubeRay makes that its selector matches and that can be Ready.
+
+    - `-http` is KubeRay's serve Service: selector ray.io/cluster=<active> and
+      ray.io/serve=true. KubeRay labels every RayService worker pod ray.io/serve=true
+      (common/pod.go, BuildPod) and the head once its Serve proxy answers.
+    - `-grpc` is an alias of KubeRay's head Service: the active cluster's head pod.
+    A pod can be Ready when every port its readiness probe checks (the template's, else
+    KubeRay's) has a listener on it: the dashboard agent on every pod, the dashboard and
+    Serve's HTTP and gRPC ingress on the head only (proxyLocation HeadOnly)."""
+    ports = {p["name"]: p["containerPort"] for p in _containers(rs)[0]["ports"]}
+    listening = {"head": {52365, 8265, ports["serve"], ports["grpc"]}, "worker": {52365}}
+    selectors = {
+        "-http": {"ray.io/cluster": cluster, "ray.io/serve": "true"},
+        "-grpc": {"ray.io/cluster": cluster, "ray.io/node-type": "head"},
+    }
+    grpc = _service(docs, "-grpc")["spec"]["externalName"]
+    assert grpc.startswith(f"{rs['metadata']['name']}-head-svc.")  # KubeRay's head Service
+    endpoints = {}
+    for suffix, selector in selectors.items():
+        endpoints[suffix] = set()
+        for pod in _kuberay_pods(rs, cluster):
+            kind = pod["labels"]["ray.io/node-type"]
+            labels = {**pod["labels"], "ray.io/serve": "true"}  # a worker's always, the head's once its proxy answers
+            probe = pod["spec"]["containers"][0].get("readinessProbe")
+            needs = _probe_ports(probe) if probe else _KUBERAY_PROBE_PORTS[kind]
+            if selector.items() <= labels.items() and needs <= listening[kind]:
+                endpoints[suffix].add("head" if kind == "head" else pod["group"])
+    return endpoints
+
+
+def test_only_the_head_that_serves_becomes_an_endpoint_of_the_client_services(rendered):
+    """KubeRay's serve Service takes every Ready worker (it labels them all
+    ray.io/serve=true), and no worker runs Serve's proxy: a worker that were Ready would get
+    HTTP connections with nothing listening. Workers are Ready only while a Serve proxy
+    answers on their `serve` port, so never; the head serves both Services."""
     for case, docs in rendered.items():
         (rs,) = _by_kind(docs, "RayService")
+        assert _client_endpoints(rs, docs) == {"-http": {"head"}, "-grpc": {"head"}}, case
         for role, group in _groups(rs).items():
             (c,) = group["template"]["spec"]["containers"]
-            probe = c.get("readinessProbe")
-            assert probe, f"{case}/{role}: KubeRay would inject its probe, which waits for a proxy on 8000"
-            assert probe["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}, (case, role)
-        # the headless metrics Service keeps every pod in DNS, Ready or not
+            assert c["readinessProbe"]["httpGet"] == {"path": "/-/healthz", "port": 8000}, (case, role)
+        # not Ready, still scraped: the headless metrics Service keeps every pod in DNS
         assert _service(docs, "-metrics")["spec"]["publishNotReadyAddresses"] is True
-    # a group that moves its dashboard agent is probed there
-    moved = _split(chart.render({"decode": {"rayStartParams": {"dashboard-agent-listen-port": 52400}}}, name=RELEASE))
-    decode = _groups(_by_kind(moved, "RayService")[0])["decode"]
-    assert decode["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] == 52400
-    # with a proxy on every node, KubeRay's own probe (which checks it) is the right one
-    every = _split(chart.render({"serve": {"proxyLocation": "EveryNode"}}, name=RELEASE))
-    for group in _groups(_by_kind(every, "RayService")[0]).values():
-        assert "readinessProbe" not in group["template"]["spec"]["containers"][0]
+
+
+def test_the_endpoint_check_finds_workers_that_are_ready_without_a_proxy(rendered):
+    """The chart's earlier probe (the raylet's health only) let every worker in."""
+    docs = rendered["gpu"]
+    (rs,) = _by_kind(docs, "RayService")
+    raylet_only = copy.deepcopy(rs)
+    for group in _groups(raylet_only).values():
+        group["template"]["spec"]["containers"][0]["readinessProbe"] = {
+            "httpGet": {"path": "/api/local_raylet_healthz", "port": 52365}}
+    assert _client_endpoints(raylet_only, docs)["-http"] == {"head", "prefill", "decode"}
+    # KubeRay's own probe (none in the template) asks the proxy too
+    for group in _groups(raylet_only).values():
+        del group["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert _client_endpoints(raylet_only, docs)["-http"] == {"head"}
+
+
+def test_notes_port_forward_to_the_head_service(chart):
+    """`kubectl port-forward svc/<serve Service>` picks any pod its selector matches, Ready
+    or not, workers included: the notes name KubeRay's head Service, the head alone."""
+    notes = chart.render({}, name=RELEASE, namespace=NAMESPACE)["tandem/templates/NOTES.txt"]
+    forwards = re.findall(r"kubectl port-forward -n tandem (\S+) (.*)", notes)
+    assert forwards == [(f"svc/{RELEASE}-head-svc", "8000:8000 9000:9000")], forwards
 
 
 def test_every_container_start_empties_the_pods_metrics_folder(rendered, tmp_path):
@@ -691,7 +752,7 @@ def test_dockerfiles_pin_ray_to_the_charts_ray_version(chart, flavour):
     assert pin < text.index("RUN pip install .") if flavour == "cpu" else pin < text.index('RUN pip install ".[gpu]"')
 
 
-# ------------------------------------- pod security, /dev/shm, disruption budgets, pod fields
+# ------------------------------------------------------ pod security, /dev/shm, pod fields
 
 
 def _kuberay_pods(rs: dict, cluster: str = f"{RELEASE}-x7k2p") -> list[dict]:
@@ -948,55 +1009,6 @@ def test_the_head_offers_ray_no_gpus(rendered):
             assert "num-gpus" not in group["rayStartParams"], case
 
 
-def _matches(selector: dict, labels: dict) -> bool:
-    return selector.items() <= labels.items()
-
-
-def test_worker_groups_get_disruption_budgets_on_labels_that_outlive_a_cluster(rendered):
-    """Each budget selects its group's worker pods in whichever RayCluster KubeRay runs
-    (the name is generated, and a NewCluster upgrade runs two), and no other pod: not the
-    head, not the other group, not another release's. minAvailable is an integer: with
-    maxUnavailable (or a percentage) Kubernetes needs the pods' owner's scale subresource,
-    which a RayCluster lacks, and the budget then allows no eviction at all."""
-    docs = rendered["gpu"]
-    (rs,) = _by_kind(docs, "RayService")
-    budgets = {b["metadata"]["name"]: b["spec"] for b in _by_kind(docs, "PodDisruptionBudget")}
-    assert set(budgets) == {f"{rs['metadata']['name']}-prefill", f"{rs['metadata']['name']}-decode"}
-    pods = _kuberay_pods(rs, cluster=f"{RELEASE}-old01") + _kuberay_pods(rs, cluster=f"{RELEASE}-new02")
-    other_release = _kuberay_pods(rs)
-    for p in other_release:
-        p["labels"]["app.kubernetes.io/instance"] = "other"
-    for name, spec in budgets.items():
-        role = name.rsplit("-", 1)[1]
-        assert "maxUnavailable" not in spec and isinstance(spec["minAvailable"], int)
-        assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
-        selector = spec["selector"]["matchLabels"]
-        assert "ray.io/cluster" not in selector
-        assert [p["group"] for p in pods if _matches(selector, p["labels"])] == [role, role]
-        assert not [p for p in other_release if _matches(selector, p["labels"])]
-
-
-@pytest.mark.parametrize(
-    "values, min_available",
-    [
-        ({}, {}),                                                          # one pod a group: no budget
-        ({"prefill": {"replicas": 3, "maxReplicas": 4}}, {"prefill": 2}),
-        ({"prefill": {"replicas": 3, "maxReplicas": 4}, "podDisruptionBudget": {"maxUnavailable": 2}},
-         {"prefill": 1}),
-        ({"autoscaling": {"enabled": True}, "decode": {"minReplicas": 2, "replicas": 3, "maxReplicas": 6}},
-         {"decode": 1}),                                                   # the floor the autoscaler keeps
-        ({"decode": {"replicas": 2}, "podDisruptionBudget": {"enabled": False}}, {}),
-    ],
-)
-def test_disruption_budgets_leave_each_group_all_but_max_unavailable(chart, values, min_available):
-    docs = _split(chart.render(values, name=RELEASE, namespace=NAMESPACE))
-    budgets = {b["metadata"]["name"].rsplit("-", 1)[1]: b["spec"]["minAvailable"]
-               for b in _by_kind(docs, "PodDisruptionBudget")}
-    assert budgets == min_available
-    for budget in _by_kind(docs, "PodDisruptionBudget"):
-        kubernetes_validate.validate(budget, KUBE_VERSION, strict=True)
-
-
 def test_standard_pod_fields_reach_each_groups_pods(chart, rendered, ray_service_schema):
     spread = [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
                "labelSelector": {"matchLabels": {"tandem.dev/role": "decode"}}, "matchLabelKeys": ["ray.io/cluster"]}]
@@ -1090,7 +1102,6 @@ def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema
         ({"prefill": {"image": {"repo": "x"}}}, "repo"),
         ({"decode": {"topologySpreadConstraints": [{"maxSkew": 1}]}}, "topologyKey"),
         ({"head": {"priorityClassName": "Not A Name"}}, "priorityClassName"),
-        ({"podDisruptionBudget": {"maxUnavailable": 0}}, "maxUnavailable"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(chart, values_schema, override, where):

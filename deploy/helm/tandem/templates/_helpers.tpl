@@ -305,11 +305,6 @@ counts one), the SLOs and the control loop's timings.
 {{- toYaml (merge $own (default dict .Values.podAnnotations)) }}
 {{- end }}
 
-{{/* The port of a group's dashboard agent, which answers the raylet's health check. */}}
-{{- define "tandem.agentPort" -}}
-{{- index (default dict .rayStartParams) "dashboard-agent-listen-port" | default 52365 | int }}
-{{- end }}
-
 {{/*
 A volume every Ray pod mounts must be readable from every node: the head and the worker
 pods land on different nodes, and a ReadWriteOnce claim attaches to one node only (pods
