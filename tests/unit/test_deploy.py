@@ -491,6 +491,16 @@ def test_the_endpoint_check_finds_workers_that_are_ready_without_a_proxy(rendere
     assert _client_endpoints(raylet_only, docs)["-http"] == {"head"}
 
 
+@pytest.mark.parametrize("location", ["EveryNode", "Disabled"])
+def test_a_proxy_location_other_than_head_only_fails_to_render(chart, location):
+    """Serve starts a proxy only on the head and on nodes with a replica of an app; the
+    router, Tandem's one replica, runs on the head: EveryNode would add no proxy anywhere."""
+    with pytest.raises(helm.HelmRenderError, match=f'serve.proxyLocation: only HeadOnly works \\(got "{location}"\\)'):
+        chart.render({"serve": {"proxyLocation": location}}, name=RELEASE)
+    (rs,) = _by_kind(_split(chart.render({}, name=RELEASE)), "RayService")
+    assert yaml.safe_load(rs["spec"]["serveConfigV2"])["proxy_location"] == "HeadOnly"
+
+
 def test_notes_port_forward_to_the_head_service(chart):
     """`kubectl port-forward svc/<serve Service>` picks any pod its selector matches, Ready
     or not, workers included: the notes name KubeRay's head Service, the head alone."""
