@@ -15,6 +15,7 @@ Prometheus config and Dockerfiles, checked offline (no cluster, Docker or helm b
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
@@ -183,10 +184,11 @@ def test_chart_lints_clean(example):
 
 def test_chart_renders_a_rayservice_and_two_services(rendered):
     """The HTTP Service is KubeRay's (the RayService's serveService); the chart renders
-    the gRPC alias and the metrics Service. The GPU example turns the ServiceMonitor on."""
+    the gRPC alias and the metrics Service, Ray's auth token and the NetworkPolicy. The GPU
+    example turns the ServiceMonitor on."""
     for case, docs in rendered.items():
         kinds = sorted(d["kind"] for d in docs)
-        expected = ["RayService", "Service", "Service"]
+        expected = sorted(["RayService", "Service", "Service", "Secret", "NetworkPolicy"])
         if case == "gpu":
             expected = sorted([*expected, "ServiceMonitor"])
         assert kinds == expected, f"{case}: rendered {kinds}"
@@ -1053,7 +1055,11 @@ def test_each_group_may_run_its_own_image(chart, gpu_values):
 
 # RayService fields the chart may render, and the first KubeRay release that knows each
 # (older operators drop an unknown field without a word).
-KUBERAY_FIELD_SINCE = {("spec", "upgradeStrategy"): (1, 3)}
+KUBERAY_FIELD_SINCE = {
+    ("spec", "upgradeStrategy"): (1, 3),
+    ("spec", "rayClusterConfig", "authOptions"): (1, 5),   # 1.5.1
+    ("spec", "rayClusterConfig", "authOptions", "secretName"): (1, 6),
+}
 
 
 def _kuberay_floor() -> tuple[int, int]:
@@ -1072,9 +1078,142 @@ def test_the_stated_kuberay_floor_knows_every_field_the_chart_renders(chart, ren
                 node = node.get(key) if isinstance(node, dict) else None
             if node is not None:
                 assert floor >= since, f"{'.'.join(path)} needs KubeRay {since}, the chart states {floor}"
-    assert floor >= (1, 3)
+    assert floor >= (1, 6)
     readme = (REPO / "README.md").read_text()
     assert re.findall(r"KubeRay operator (\d+)\.(\d+) or newer", readme) == [tuple(map(str, floor))]
+
+
+# ------------------------------------------------------- Ray's token auth, NetworkPolicy
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_ray_token_auth_is_on_by_default_in_every_ray_container(chart, rendered):
+    """`ray start` (what KubeRay runs) turns token auth on only when told: every Ray
+    container (and KubeRay's autoscaler) gets RAY_AUTH_MODE=token and the token, and
+    authOptions names the same Secret, from which the operator reads the token for its own
+    calls to the dashboard."""
+    for case, docs in rendered.items():
+        (secret,) = _by_kind(docs, "Secret")
+        (rs,) = _by_kind(docs, "RayService")
+        name = secret["metadata"]["name"]
+        assert name == f"{rs['metadata']['name']}-ray-auth"
+        token = base64.b64decode(secret["data"]["auth_token"]).decode()
+        assert re.fullmatch(r"[A-Za-z0-9]{48}", token), token
+        assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": name}
+        for c in _containers(rs):
+            env = _env(c)
+            assert env["RAY_AUTH_MODE"]["value"] == "token", (case, c["name"])
+            assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": name, "key": "auth_token"}
+    (rs,) = _by_kind(_split(chart.render({"autoscaling": {"enabled": True}}, name=RELEASE)), "RayService")
+    autoscaler = _env(rs["spec"]["rayClusterConfig"]["autoscalerOptions"])
+    assert autoscaler["RAY_AUTH_MODE"]["value"] == "token" and "RAY_AUTH_TOKEN" in autoscaler
+
+
+def test_ray_auth_takes_an_existing_secret_or_can_be_turned_off(chart):
+    docs = _split(chart.render({"rayAuth": {"existingSecret": "my-ray-token"}}, name=RELEASE))
+    assert _by_kind(docs, "Secret") == []
+    (rs,) = _by_kind(docs, "RayService")
+    assert rs["spec"]["rayClusterConfig"]["authOptions"]["secretName"] == "my-ray-token"
+    for c in _containers(rs):
+        assert _env(c)["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-ray-token"
+    docs = _split(chart.render({"rayAuth": {"enabled": False}}, name=RELEASE))
+    (rs,) = _by_kind(docs, "RayService")
+    assert _by_kind(docs, "Secret") == [] and "authOptions" not in rs["spec"]["rayClusterConfig"]
+    assert not [c for c in _containers(rs) if {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(_env(c))]
+
+
+def test_the_auth_token_is_made_once_and_kept_across_upgrades(tmp_path, chart):
+    """A new token on a running cluster would lock the operator out of its head. The Secret
+    takes the token lookup finds in the live one (offline lookup finds nothing, so a chart
+    copy feeds the helper a live Secret in its place), else a new random one."""
+    import shutil
+
+    first = _by_kind(_split(chart.render({}, name=RELEASE)), "Secret")[0]["data"]["auth_token"]
+    second = _by_kind(_split(chart.render({}, name=RELEASE)), "Secret")[0]["data"]["auth_token"]
+    assert first != second, "a first install draws a new token"
+    copy_dir = tmp_path / "tandem"
+    shutil.copytree(CHART, copy_dir)
+    (copy_dir / "templates" / "zz-live.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: live}\ndata:\n'
+        '  kept: {{ include "tandem.rayAuthTokenB64" (dict "live" (dict "data" (dict "auth_token" "a2VwdA=="))) | quote }}\n'
+        '  none: {{ include "tandem.rayAuthTokenB64" (dict "live" dict) | quote }}\n')
+    copied = helm.Chart.load(copy_dir)
+    try:
+        (live,) = [d for d in _split(copied.render({}, name=RELEASE)) if d["kind"] == "ConfigMap"]
+    finally:
+        copied.close()
+    assert live["data"]["kept"] == "a2VwdA=="
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", base64.b64decode(live["data"]["none"]).decode())
+    template = (CHART / "templates" / "secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"the check reads matchLabels only: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _admits(policy: dict, namespace: str, ns_labels: dict, labels: dict, port: int) -> bool:
+    """Whether a NetworkPolicy admits a TCP connection from a pod (its namespace, that
+    namespace's labels, its labels) to ``port`` of the pods it selects."""
+    for rule in policy["spec"]["ingress"]:
+        if "ports" in rule and port not in [p["port"] for p in rule["ports"]]:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            if "ipBlock" in peer:
+                continue
+            in_ns = _selects(peer["namespaceSelector"], ns_labels) if "namespaceSelector" in peer else namespace == NAMESPACE
+            if in_ns and _selects(peer.get("podSelector", {}), labels):
+                return True
+    return False
+
+
+RAY_PORTS = [6379, 8265, 10001, 52365, 30000, 40000]  # GCS, dashboard, client, agent, router replica's HTTP, gRPC
+
+
+def _reachable(policy: dict, source: tuple[str, dict, dict], ports: list[int]) -> list[int]:
+    return [p for p in ports if _admits(policy, *source, p)]
+
+
+def test_the_network_policy_admits_clients_to_the_api_and_prometheus_to_metrics_only(chart, rendered):
+    """Ray's internal ports only from the release's own pods (of any of its clusters);
+    clients to HTTP and gRPC; Prometheus to Tandem's, Ray's and HAProxy's metrics ports;
+    KubeRay's operator to the dashboard and the serve port."""
+    api, metrics = [8000, 9000], [8081, 8080, 9101]
+    every = RAY_PORTS + api + metrics
+    (policy,) = _by_kind(rendered["default"], "NetworkPolicy")
+    (rs,) = _by_kind(rendered["default"], "RayService")
+    pods = _kuberay_pods(rs, cluster=f"{RELEASE}-old01") + _kuberay_pods(rs, cluster=f"{RELEASE}-new02")
+    assert all(_selects(policy["spec"]["podSelector"], p["labels"]) for p in pods)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    client = ("apps", {"kubernetes.io/metadata.name": "apps"}, {"app": "web"})
+    prometheus = ("monitoring", {"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "prometheus"})
+    operator = ("kuberay", {"kubernetes.io/metadata.name": "kuberay"}, {"app.kubernetes.io/name": "kuberay-operator"})
+    other_release = (NAMESPACE, {}, {**pods[0]["labels"], "app.kubernetes.io/instance": "other"})
+    for pod in pods:  # old cluster and new, during an upgrade
+        assert _reachable(policy, (NAMESPACE, {}, pod["labels"]), every) == every
+    assert _reachable(policy, client, every) == api
+    assert _reachable(policy, prometheus, every) == api + metrics
+    assert _reachable(policy, operator, every) == [8265, 8000, 9000]
+    assert _reachable(policy, other_release, every) == api
+    # narrowed: only the ingress controller reaches the API, only Prometheus the metrics
+    narrowed = {"networkPolicy": {
+        "clients": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]}}
+    (policy,) = _by_kind(_split(chart.render(narrowed, name=RELEASE, namespace=NAMESPACE)), "NetworkPolicy")
+    ingress = ("ingress-nginx", {"kubernetes.io/metadata.name": "ingress-nginx"}, {"app": "controller"})
+    assert _reachable(policy, ingress, every) == api
+    assert _reachable(policy, client, every) == []
+    assert _reachable(policy, prometheus, every) == metrics
+    assert _reachable(policy, operator, every) == [8265, 8000]
+    # the Python proxy has no exporter; off, no policy
+    proxy = _split(chart.render({"serve": {"ingress": "proxy"}}, name=RELEASE, namespace=NAMESPACE))
+    assert _reachable(_by_kind(proxy, "NetworkPolicy")[0], prometheus, every) == api + [8081, 8080]
+    assert _by_kind(_split(chart.render({"networkPolicy": {"enabled": False}}, name=RELEASE)), "NetworkPolicy") == []
 
 
 # ---------------------------------------------------------------------- values schema

@@ -79,9 +79,41 @@ its controller and in every proxy and replica it starts, on any pod. */}}
       name: {{ .Values.apiKey.existingSecret }}
       key: {{ .Values.apiKey.secretKey }}
 {{- end }}
+{{- include "tandem.rayAuthEnv" . }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+Ray's token authentication (rayAuth): the Secret that holds the token (key auth_token,
+KubeRay's name for it), the chart's own unless rayAuth.existingSecret names one.
+*/}}
+{{- define "tandem.rayAuthSecret" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* RAY_AUTH_MODE and RAY_AUTH_TOKEN for a container that talks to Ray: set by the chart,
+not left to the operator, so that no Ray process of the release ever starts without
+authentication (KubeRay adds the same two only where a container lacks them). */}}
+{{- define "tandem.rayAuthEnv" -}}
+{{- if .Values.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.rayAuthSecret" . }}
+      key: auth_token
+{{- end }}
+{{- end }}
+
+{{/* The chart's token, base64 as a Secret holds it: the live Secret's (`live`, what
+lookup found; empty on a first install and offline) so an upgrade keeps it, else a new
+random one. A new token on a running cluster would lock the operator out of it. */}}
+{{- define "tandem.rayAuthTokenB64" -}}
+{{- $data := (default dict .live).data | default dict -}}
+{{- index $data "auth_token" | default (randAlphaNum 48 | b64enc) }}
 {{- end }}
 
 {{/*
