@@ -700,6 +700,7 @@ def test_upgrade_strategy_is_a_value_and_reaches_the_rayservice(chart, rendered,
 
 
 POOL_SETTINGS = "tandem.dev/pool-settings"
+WORKER_GROUPS = "tandem.dev/worker-groups"
 
 
 def _pool_settings_hashes(chart, values: dict) -> set[str]:
@@ -738,9 +739,99 @@ def test_router_settings_and_the_start_deadline_apply_in_place(chart):
 def test_pod_annotations_are_kept_beside_the_pool_settings_hash(chart):
     (rs,) = _by_kind(_split(chart.render({"podAnnotations": {"team": "llm"}}, name=RELEASE)), "RayService")
     for pod in _pods(rs):
-        assert pod["metadata"]["annotations"].keys() == {"team", POOL_SETTINGS}
-    with pytest.raises(helm.HelmRenderError, match=POOL_SETTINGS):
-        chart.render({"podAnnotations": {POOL_SETTINGS: "mine"}}, name=RELEASE)
+        assert pod["metadata"]["annotations"].keys() == {"team", POOL_SETTINGS, WORKER_GROUPS}
+    for own in (POOL_SETTINGS, WORKER_GROUPS):
+        with pytest.raises(helm.HelmRenderError, match=f"podAnnotations: {own} is the chart's own"):
+            chart.render({"podAnnotations": {own: "mine"}}, name=RELEASE)
+
+
+def _kuberay_cluster_hash(rs: dict) -> str:
+    """What KubeRay compares to decide whether a RayService needs a new cluster
+    (rayservice_controller.go, generateHashWithoutReplicasAndWorkersToDelete): the
+    rayClusterConfig with each worker group's replicas, minReplicas, maxReplicas and
+    workersToDelete left out."""
+    config = copy.deepcopy(rs["spec"]["rayClusterConfig"])
+    for group in config["workerGroupSpecs"]:
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            group.pop(key, None)
+        group.get("scaleStrategy", {}).pop("workersToDelete", None)
+    return json.dumps(config, sort_keys=True)
+
+
+def _rayservice(chart, values: dict) -> dict:
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE, namespace=NAMESPACE)), "RayService")
+    return rs
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prefill": {"replicas": 2}},                                   # a spare pod
+        {"decode": {"replicas": 2}},
+        {"prefill": {"replicas": 3}, "decode": {"replicas": 2}},
+    ],
+)
+def test_a_change_of_replicas_alone_reaches_kuberay(chart, change):
+    """KubeRay's cluster hash leaves the replica counts out: without the worker-groups
+    annotation on the pod templates, a change to them alone would never reach the
+    running cluster; with it, KubeRay starts a new cluster with the new counts. (With
+    autoscaling, minReplicas and maxReplicas are in the pool settings' hash as well.)"""
+    before, after = _rayservice(chart, {}), _rayservice(chart, change)
+    assert _kuberay_cluster_hash(after) != _kuberay_cluster_hash(before), f"KubeRay would not act on {change}"
+    for rs in (before, after):
+        for pod in _pods(rs):
+            del pod["metadata"]["annotations"][WORKER_GROUPS]
+    assert _kuberay_cluster_hash(after) == _kuberay_cluster_hash(before), "the annotation is what KubeRay sees"
+
+
+def test_the_worker_groups_annotation_spells_out_each_groups_capacity(chart, rendered):
+    (rs,) = _by_kind(rendered["gpu"], "RayService")
+    assert {p["metadata"]["annotations"][WORKER_GROUPS] for p in _pods(rs)} == {
+        "prefill=2x(GPU=1,tandem_prefill=1) decode=2x(GPU=1,tandem_decode=1)"}
+    autoscaled = _rayservice(chart, {"autoscaling": {"enabled": True}})
+    assert _pods(autoscaled)[0]["metadata"]["annotations"][WORKER_GROUPS] == (
+        "prefill=1..4x(GPU=0,tandem_prefill=1) decode=1..4x(GPU=0,tandem_decode=1)")
+    # with autoscaling, replicas is only where the autoscaler starts: no new cluster for it
+    started_higher = _rayservice(chart, {"autoscaling": {"enabled": True}, "decode": {"replicas": 3}})
+    assert _kuberay_cluster_hash(started_higher) == _kuberay_cluster_hash(autoscaled)
+
+
+def _render_upgrade(tmp_path, live_groups: str | None, values: dict) -> None:
+    """Render a copy of the chart whose in-place check sees a live RayService carrying
+    ``live_groups`` (None: no such annotation), as lookup would return it on an upgrade
+    (offline, lookup returns nothing)."""
+    import shutil
+
+    copy_dir = tmp_path / "tandem"
+    shutil.copytree(CHART, copy_dir, dirs_exist_ok=True)
+    annotations = "{}" if live_groups is None else "{tandem.dev/worker-groups: %s}" % json.dumps(live_groups)
+    live = "spec: {rayClusterConfig: {headGroupSpec: {template: {metadata: {annotations: %s}}}}}" % annotations
+    (copy_dir / "templates" / "zz-live.yaml").write_text(
+        "{{- include \"tandem.checkInPlaceUpgrade\" (dict \"root\" . \"live\" (%s | fromYaml)) }}\n" % json.dumps(live))
+    copied = helm.Chart.load(copy_dir)
+    try:
+        copied.render(values, name=RELEASE, namespace=NAMESPACE)
+    finally:
+        copied.close()
+
+
+def test_upgrade_strategy_none_refuses_an_upgrade_that_changes_the_worker_groups(tmp_path):
+    """None applies no rayClusterConfig change: the groups keep their pods while the new
+    Serve config is applied in place, and pools sized for the new groups would not fit
+    the old ones (the app retires the old pools first: a full outage)."""
+    live = "prefill=1x(GPU=0,tandem_prefill=1) decode=1x(GPU=0,tandem_decode=1)"
+    more = {"upgradeStrategy": "None", "decode": {"replicas": 2}, "serve": {"topology": {"decode_workers": 2}}}
+    with pytest.raises(helm.HelmRenderError, match=r"upgradeStrategy None: this upgrade changes the worker groups "
+                                                    r'from "prefill=1x.*decode=1x.*" to "prefill=1x.*decode=2x'):
+        _render_upgrade(tmp_path, live, more)
+    with pytest.raises(helm.HelmRenderError, match="upgradeStrategy None"):  # replicas alone
+        _render_upgrade(tmp_path, live, {"upgradeStrategy": "None", "decode": {"replicas": 2}})
+    # same groups: applied in place (the pools restart, and fit the pods they had)
+    _render_upgrade(tmp_path, live, {"upgradeStrategy": "None", "serve": {"topology": {"engine": {"max_num_seqs": 8}}}})
+    _render_upgrade(tmp_path, live, {**more, "upgradeStrategy": "NewCluster"})  # a new cluster brings the pods
+    _render_upgrade(tmp_path, None, more)  # a release from before the annotation: not checked
+    template = (CHART / "templates" / "rayservice.yaml").read_text()
+    assert 'lookup "ray.io/v1" "RayService" .Release.Namespace $fullname' in template
 
 
 def test_the_start_deadline_is_a_value_and_reaches_the_app(chart, rendered):

@@ -329,15 +329,55 @@ counts one), the SLOs and the control loop's timings.
 {{- toJson $topo -}}
 {{- end }}
 
-{{/* Every Ray pod's annotations: the pool settings' hash, then podAnnotations. */}}
+{{/*
+The worker groups' capacity, as the pools' fit is checked against it: per group its
+pods (replicas, or minReplicas..maxReplicas with autoscaling), GPUs per pod and the Ray
+custom resources each offers, e.g. "prefill=2x(GPU=1,tandem_prefill=1)
+decode=2x(GPU=1,tandem_decode=1)". Every pod template carries it
+(tandem.dev/worker-groups): KubeRay's cluster hash leaves replicas, minReplicas and
+maxReplicas out, so a change to them alone would never reach the running cluster; as
+an annotation it changes rayClusterConfig, and KubeRay starts a new cluster with the
+new counts (upgradeStrategy NewCluster).
+*/}}
+{{- define "tandem.workerGroups" -}}
+{{- $out := list -}}
+{{- range $role := list "prefill" "decode" }}
+{{- $g := index $.Values $role -}}
+{{- $pods := ternary (printf "%v..%v" $g.minReplicas $g.maxReplicas) (toString $g.replicas) $.Values.autoscaling.enabled -}}
+{{- $offers := list (printf "GPU=%v" $g.gpus) -}}
+{{- range $name, $units := (default dict $g.rayResources) }}{{ $offers = append $offers (printf "%s=%v" $name $units) }}{{ end -}}
+{{- $out = append $out (printf "%s=%sx(%s)" $role $pods (join "," $offers)) -}}
+{{- end }}
+{{- join " " $out }}
+{{- end }}
+
+{{/* Every Ray pod's annotations: the pool settings' hash and the worker groups'
+capacity, then podAnnotations. */}}
 {{- define "tandem.podAnnotations" -}}
-{{- $own := dict "tandem.dev/pool-settings" (include "tandem.poolSettingsHash" .) -}}
-{{- with .Values.podAnnotations }}
-{{- if hasKey . "tandem.dev/pool-settings" }}
-{{- fail "podAnnotations: tandem.dev/pool-settings is the chart's own (a hash of the pool settings)" }}
+{{- $own := dict "tandem.dev/pool-settings" (include "tandem.poolSettingsHash" .) "tandem.dev/worker-groups" (include "tandem.workerGroups" .) -}}
+{{- range $key, $_ := $own }}
+{{- if hasKey (default dict $.Values.podAnnotations) $key }}
+{{- fail (printf "podAnnotations: %s is the chart's own (see values.yaml: upgradeStrategy)" $key) }}
 {{- end }}
 {{- end }}
 {{- toYaml (merge $own (default dict .Values.podAnnotations)) }}
+{{- end }}
+
+{{/*
+upgradeStrategy None starts no new cluster: KubeRay applies no rayClusterConfig change,
+so the worker groups keep their pods, while a new Serve config is applied in place. An
+upgrade that changes the groups' capacity (pods, GPUs, custom resources) is refused then:
+the replicas would not change, and pools checked against the new groups (checkPoolsFit)
+would start on the old ones; the app retires the old pools first, so new pools that do
+not fit are a full outage. `live` is the RayService lookup finds (empty on a first
+install and offline); one rendered by a chart without the annotation is not checked.
+*/}}
+{{- define "tandem.checkInPlaceUpgrade" -}}
+{{- $live := dig "spec" "rayClusterConfig" "headGroupSpec" "template" "metadata" "annotations" "tandem.dev/worker-groups" "" (default dict .live) -}}
+{{- $new := include "tandem.workerGroups" .root -}}
+{{- if and (eq .root.Values.upgradeStrategy "None") $live (ne $live $new) }}
+{{- fail (printf "upgradeStrategy None: this upgrade changes the worker groups from %q to %q, which KubeRay applies only by starting a new Ray cluster, and None starts none: the groups would keep their pods while the new Serve config starts pools sized for the new ones (pools that do not fit the old pods stop serving altogether). Upgrade with upgradeStrategy NewCluster (twice the GPUs while it runs), or uninstall and install again" $live $new) }}
+{{- end }}
 {{- end }}
 
 {{/*
