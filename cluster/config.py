@@ -22,6 +22,7 @@ Example YAML::
       slo: {ttft_ms: 1000, itl_ms: 50}
       interval_s: 5
       scale_down_delay_s: 30
+      allow_role_switch: true   # a warm worker may move between roles (same resources and KV cache)
 """
 
 from __future__ import annotations
@@ -127,9 +128,22 @@ class ClusterConfig:
             if not bounds.min_workers <= n <= bounds.max_workers:
                 raise ValueError(f"{role}_workers ({n}) must be within autoscaling.{role} "
                                  f"[{bounds.min_workers}, {bounds.max_workers}]: it is where the pool starts")
-        if a.allow_role_switch:
-            raise ValueError("autoscaling.allow_role_switch: moving a warm worker between roles is not built yet; "
-                             "leave it false (the pools scale by starting and draining workers)")
+        if a.allow_role_switch and (why := self.role_switch_problem()) is not None:
+            raise ValueError(f"autoscaling.allow_role_switch: {why}")
+
+    def role_switch_problem(self) -> str | None:
+        """Why a worker cannot switch between prefill and decode in place, or None: it
+        keeps its bundle, model and KV cache, so both roles must ask the same resources and
+        differ in engine settings only where an engine reset can (``EngineConfig.RESETTABLE``)."""
+        if self.colocated:
+            return "a colocated deployment has one role"
+        if self.prefill_resources != self.decode_resources:
+            return (f"prefill_resources {self.prefill_resources} and decode_resources {self.decode_resources} "
+                    f"differ: a switched worker keeps its bundle")
+        if fixed := self.engine_config("prefill").fixed_differences(self.engine_config("decode")):
+            return (f"the prefill and decode engines differ in {', '.join(fixed)}, which a worker cannot change "
+                    f"without reloading its model or KV cache; set them in `engine`, for both roles")
+        return None
 
     @property
     def colocated(self) -> bool:

@@ -174,6 +174,10 @@ class ClusterController:
         """Take a worker out of its pool without losing a request (``TandemCluster.drain_worker``)."""
         return self.cluster.drain_worker(worker_id, timeout_s)
 
+    def switch_worker(self, worker_id: str, role: str, timeout_s: float = 60.0) -> dict:
+        """Move a warm worker to the other pool without restarting it (``TandemCluster.switch_worker``)."""
+        return self.cluster.switch_worker(worker_id, role, timeout_s)
+
     def autoscaling(self) -> dict | None:
         """The control loop's pending changes and latest decisions (None: pools of fixed size)."""
         return None if self.scaler is None else self.scaler.status()

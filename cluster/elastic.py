@@ -4,7 +4,9 @@ Every ``autoscaling.interval_s`` the cluster controller's loop reads each listed
 worker's load and engine counters, turns them into one ``RoleObservation`` per role,
 and hands those to ``cluster.autoscaler.Autoscaler``; a decision to add starts a worker
 (``TandemCluster.add_worker``), one to remove drains the role's least busy worker
-(``drain_worker``, ``autoscaling.drain_timeout_s``). Each runs on a thread of its own
+(``drain_worker``, ``autoscaling.drain_timeout_s``), and one to switch moves the other
+role's least busy worker over warm (``switch_worker``: drained the same way, then reset
+in place, its model kept). Each runs on a thread of its own
 and counts as pending for its role until it is done, so the next rounds wait for it.
 
 What stands for each role's latency, measured on the workers over the last interval
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class PoolScaler:
     """``cluster``: a ``TandemCluster`` (or anything with its ``pool_state``,
-    ``add_worker`` and ``drain_worker``); ``metrics``: an ``engine.metrics.PoolMetrics``."""
+    ``add_worker``, ``drain_worker`` and ``switch_worker``); ``metrics``: an ``engine.metrics.PoolMetrics``."""
 
     def __init__(self, cluster, config: AutoscalingConfig, metrics=None,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
@@ -41,7 +43,8 @@ class PoolScaler:
         self.metrics = metrics
         self.clock = clock
         self.decisions: deque[tuple[float, Decision]] = deque(maxlen=32)  # the latest, for status
-        self._pending = {"prefill": 0, "decode": 0}
+        self._pending = {"prefill": 0, "decode": 0}  # changes under way that touch each role
+        self._arriving = {"prefill": 0, "decode": 0}  # workers on their way into each role
         self._before: dict[str, tuple[float, dict]] = {}  # worker id -> (time, counters) last round
         self._state: dict[str, list] = {}  # the pools as the last round saw them
         self._lock = threading.Lock()
@@ -98,10 +101,20 @@ class PoolScaler:
             self.decisions.append((now, d))
             self._act(d)
         if self.metrics is not None:
-            with self._lock:
-                targets = {r: seen[r].workers + self._pending[r] for r in seen}
-            self.metrics.on_pools({r: o.workers for r, o in seen.items()}, targets)
+            self.metrics.on_pools({r: o.workers for r, o in seen.items()}, self.targets(seen, decisions))
         return decisions
+
+    def targets(self, seen: dict[str, RoleObservation], decisions: list[Decision]) -> dict[str, int]:
+        """The workers each role is heading for: those listed and not draining, plus those
+        on their way in (started, or switching over), less those this round takes out
+        (draining ones are not listed from the next round on)."""
+        with self._lock:
+            target = {r: seen[r].workers + self._arriving[r] for r in seen}
+        for d in decisions:
+            leaving = d.role if d.action == "remove" else ("decode" if d.role == "prefill" else "prefill")
+            if d.action != "add" and leaving in target:
+                target[leaving] -= 1
+        return target
 
     def _least_busy(self, role: str) -> str:
         """The ``role`` worker with the least work in hand, as this round saw it."""
@@ -111,30 +124,48 @@ class PoolScaler:
         return min(self._state[role], key=lambda w: work(w[2]))[0]
 
     def _act(self, d: Decision) -> None:
+        timeout_s = self.config.drain_timeout_s
         if d.action == "add":
-            self._background(d.role, +1, lambda: self.cluster.add_worker(d.role))
+            self._background((d.role,), "adding", lambda: self.cluster.add_worker(d.role), arriving=d.role)
         elif d.action == "remove":
             victim = self._least_busy(d.role)
-            self._background(d.role, -1, lambda: self.cluster.drain_worker(victim, self.config.drain_timeout_s))
-        else:  # switch: warm role switching is not built (ClusterConfig refuses allow_role_switch)
+            self._background((d.role,), "removing", lambda: self.cluster.drain_worker(victim, timeout_s))
+        elif d.action == "switch":  # the other role's least busy worker becomes one of d.role's
+            other = "decode" if d.role == "prefill" else "prefill"
+            victim = self._least_busy(other)
+            self._background((d.role, other), "switching",
+                             lambda: self.cluster.switch_worker(victim, d.role, timeout_s), arriving=d.role)
+        else:
             raise ValueError(f"cannot carry out {d}")
         if self.metrics is not None:
-            self.metrics.on_decision(d.role, "up" if d.action == "add" else "down", d.cause)
+            self.metrics.on_decision(d.role, "down" if d.action == "remove" else "up", d.cause)
+            if d.action == "switch":
+                self.metrics.on_decision(other, "down", "switch")
+                self.metrics.on_role_switch(other, d.role)
 
-    def _background(self, role: str, change: int, fn: Callable[[], object]) -> None:
+    def _background(self, roles: tuple[str, ...], doing: str, fn: Callable[[], object],
+                    arriving: str | None = None) -> None:
+        """Run ``fn`` on a thread of its own; each of ``roles`` counts it as pending until
+        it ends (and ``arriving``'s target counts the worker it brings in)."""
         with self._lock:
-            self._pending[role] += 1
+            for role in roles:
+                self._pending[role] += 1
+            if arriving is not None:
+                self._arriving[arriving] += 1
 
         def run() -> None:
             try:
                 fn()
-            except Exception:  # the next rounds see the pool as it is and decide again
-                log.exception("autoscaling: %s a %s worker failed", "adding" if change > 0 else "removing", role)
+            except Exception:  # the next rounds see the pools as they are and decide again
+                log.exception("autoscaling: %s a %s worker failed", doing, roles[0])
             finally:
                 with self._lock:
-                    self._pending[role] -= 1
+                    for role in roles:
+                        self._pending[role] -= 1
+                    if arriving is not None:
+                        self._arriving[arriving] -= 1
 
-        thread = threading.Thread(target=run, name=f"tandem-scale-{role}", daemon=True)
+        thread = threading.Thread(target=run, name=f"tandem-scale-{roles[0]}", daemon=True)
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 

@@ -41,9 +41,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig, Resources
 from cluster.metrics_server import ENV as METRICS_ENV
-from decode_worker.worker import ColocatedWorker, DecodeWorker
+from cluster.pool_worker import PoolWorker
+from decode_worker.worker import ColocatedWorker
 from kv_transfer.config import TransferConfig
-from prefill_worker.worker import PrefillWorker
 from router.dispatch import Dispatcher, DispatchConfig, WorkerRef
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,22 @@ class _Slot:
 def _idle(stats: dict) -> bool:
     """A worker's stats say it holds no request and no block (cached prefixes are free)."""
     return not (stats["num_running"] or stats["num_waiting"] or stats["num_swapped"] or stats["num_blocks_in_use"])
+
+
+def _drain(handle, timeout_s: float, poll_s: float) -> bool:
+    """Tell a worker to drain and wait up to ``timeout_s`` for it to hold nothing;
+    whether it did (a dead or hung worker did not)."""
+    t0 = time.monotonic()
+    try:
+        ray.get(handle.drain.remote(), timeout=PING_TIMEOUT_S)
+        while True:  # looked at once at least, however short the deadline
+            if _idle(ray.get(handle.stats.remote(), timeout=PING_TIMEOUT_S)):
+                return True
+            if time.monotonic() - t0 >= timeout_s:
+                return False
+            time.sleep(poll_s)
+    except (RayActorError, GetTimeoutError):
+        return False
 
 
 def _forget_metrics(pid: int | None) -> None:
@@ -195,16 +211,22 @@ class TandemCluster:
             remove_placement_group(pg)
 
     def _spawn(self, slot: _Slot) -> WorkerRef:
+        """Start the actor for ``slot``: a ``PoolWorker`` in its role (one that can switch
+        roles later) in a prefill or decode pool, a ``ColocatedWorker`` otherwise."""
         cfg = self.config
-        cls = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}[slot.role]
         resources: Resources = cfg.prefill_resources if slot.role == "prefill" else cfg.decode_resources
         worker_id = f"{slot.role}-{slot.index}"
         name = f"{cfg.name}-{worker_id}-{next(self._names)}"
-        extra = {} if slot.role == "prefill" else {
+        decode_options = {
             "stream_interval_s": cfg.stream_interval_s,
             "token_channel_host": cfg.token_channel_host if cfg.token_channel == "tcp" else None,
             "channel": cfg.channel,
         }
+        if slot.role == "colocated":
+            cls, args = ColocatedWorker, (worker_id, cfg.engine_config("decode"))
+        else:
+            engines = {role: cfg.engine_config(role) for role in ("prefill", "decode")}
+            cls, args = PoolWorker, (slot.role, worker_id, engines)
         handle = (
             ray.remote(cls)
             .options(
@@ -218,15 +240,9 @@ class TandemCluster:
                     placement_group=slot.pg, placement_group_bundle_index=slot.bundle
                 ),
             )
-            .remote(
-                worker_id,
-                cfg.engine_config("prefill" if slot.role == "prefill" else "decode"),
-                cfg.transfer,
-                cfg.torch_threads,
-                **extra,
-            )
+            .remote(*args, cfg.transfer, cfg.torch_threads, **decode_options)
         )
-        return WorkerRef(worker_id, handle, incarnation=name)
+        return WorkerRef(worker_id, handle, incarnation=name, epoch=None if slot.role == "colocated" else 0)
 
     def set_transfer(self, transfer: TransferConfig) -> None:
         """New transfer settings for every worker, replacements included; the backend
@@ -298,18 +314,7 @@ class TandemCluster:
             slot.ref = dataclasses.replace(slot.ref, draining=True)
             handle = slot.ref.handle
         t0 = time.monotonic()
-        drained = False
-        try:
-            ray.get(handle.drain.remote(), timeout=PING_TIMEOUT_S)
-            while True:  # looked at once at least, however short the deadline
-                if _idle(ray.get(handle.stats.remote(), timeout=PING_TIMEOUT_S)):
-                    drained = True
-                    break
-                if time.monotonic() - t0 >= timeout_s:
-                    break
-                time.sleep(poll_s)
-        except (RayActorError, GetTimeoutError):
-            pass  # dead or hung: removed all the same
+        drained = _drain(handle, timeout_s, poll_s)
         with self._lock:
             self._slots.remove(slot)
         ray.kill(handle, no_restart=True)
@@ -319,6 +324,54 @@ class TandemCluster:
         log.info("removed %s worker %s after %.1f s (%s)", slot.role, worker_id, seconds,
                  "drained" if drained else f"not idle within {timeout_s:g} s: what it had moves on")
         return {"worker_id": worker_id, "drained": drained, "seconds": seconds}
+
+    def switch_worker(self, worker_id: str, role: str, timeout_s: float = 60.0, poll_s: float = 0.1) -> dict:
+        """Move worker ``worker_id`` to the other pool, ``role``, without restarting it
+        (``cluster.pool_worker``): listed as draining, it finishes what it has for up to
+        ``timeout_s`` like a drained worker, then retires its role (what is left moves on
+        by the re-run and migration rules), resets its engine and is listed in ``role``'s
+        pool under a new id and epoch. One that cannot reset (blocks still pinned) or dies
+        meanwhile is replaced by a new ``role`` worker in its bundle. Returns its new id,
+        whether it drained in time, whether it switched in place, and how long it took."""
+        role = self._role_of(role)
+        if (why := self.config.role_switch_problem()) is not None:
+            raise ValueError(f"workers cannot switch roles here: {why}")
+        with self._lock:
+            slot = next((s for s in self._slots if s.ref is not None and s.ref.worker_id == worker_id), None)
+            if slot is None:
+                raise KeyError(f"no listed worker {worker_id!r}")
+            if slot.role == role or slot.ref.draining:
+                raise ValueError(f"{worker_id} is {'draining' if slot.ref.draining else f'a {role} worker'} already")
+            if slot.role == "decode" and sum(s.role == "decode" for s in self._slots) == 1:
+                raise ValueError(f"{worker_id} is the last decode worker")
+            slot.ref = dataclasses.replace(slot.ref, draining=True)
+            old = slot.ref
+            index = next(self._indices.setdefault(role, itertools.count()))
+        t0 = time.monotonic()
+        drained = _drain(old.handle, timeout_s, poll_s)
+        new_id = f"{role}-{index}"
+        try:
+            info = ray.get(old.handle.switch_role.remote(role, new_id), timeout=READY_TIMEOUT_S)
+            ref = WorkerRef(new_id, old.handle, incarnation=f"{old.incarnation}@{info['epoch']}", epoch=info["epoch"])
+            in_place = True
+        except (RayActorError, GetTimeoutError, RuntimeError) as e:
+            log.warning("worker %s could not switch in place (%s); starting a new %s worker in its bundle",
+                        worker_id, e, role)
+            ray.kill(old.handle, no_restart=True)
+            _forget_metrics(slot.pid)
+            ref, in_place = None, False
+        with self._lock:
+            slot.role, slot.index = role, index
+            if self._stop.is_set():
+                return {"worker_id": new_id, "drained": drained, "in_place": in_place, "seconds": 0.0}
+            slot.ref = ref if ref is not None else self._spawn(slot)
+        if ref is None:
+            self._await_replacements([slot])
+        seconds = time.monotonic() - t0
+        log.info("worker %s is now %s worker %s after %.1f s (%s, %s)", worker_id, role, new_id, seconds,
+                 "drained" if drained else "not idle in time: what it had moved on",
+                 "in place" if in_place else "restarted")
+        return {"worker_id": new_id, "drained": drained, "in_place": in_place, "seconds": seconds}
 
     def status(self) -> dict[str, list[dict]]:
         """Every listed worker by role ("prefill", "decode" or "colocated"), draining ones

@@ -313,6 +313,16 @@ class DecodeWorker(WorkerBase):
                 self.metrics.on_transfer_failure("timeout")
             self._ended(e)
 
+    async def _let_go(self) -> None:
+        for _, outbox in await self.runtime.call(self.runtime.outboxes):
+            outbox.claim()  # its reader's stream ends: the router moves on as from a gone worker
+        if self._channel is not None:
+            self._channel.close()
+
+    def _abort_everything(self) -> None:
+        for rid in {*self.engine.request_ids(), *self.handoff.records}:
+            self.abort_now(rid)
+
     def abort_now(self, request_id: str) -> None:
         with self._handoff_lock:
             ended = self.handoff.abort(request_id)

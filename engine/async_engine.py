@@ -199,6 +199,13 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
 
+    async def stop(self) -> None:
+        """Shut the step thread down and wait until it has stopped (the engine is then
+        free for another caller; calls still queued are dropped)."""
+        self.shutdown()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
     def add_periodic(self, fn: Callable[[float], None]) -> None:
         """Run ``fn(now)`` on the step thread on every loop turn (deadlines, leases);
         ``now`` is ``time.monotonic()``."""

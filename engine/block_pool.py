@@ -75,6 +75,11 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_usable_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that stand for a cached prefix (free or in use)."""
+        return len(self._cached)
+
     def allocate(self, n: int) -> list[KVBlock] | None:
         """Take ``n`` blocks from the head of the free queue, or None if there are fewer."""
         if n > len(self._free):

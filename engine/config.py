@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from engine.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
-from engine.scheduler import check_modes
+from engine.scheduler import SchedulerConfig, check_modes
 
 GiB = 1 << 30
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -56,6 +56,32 @@ class EngineConfig:
     seed: int = 0
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
     prefix_hash_seed: str | int | None = None
+
+    # What an engine can change without reloading its model or reallocating its KV cache
+    # (``LLMEngine.reset``, a worker's role switch): the scheduler's and prefix cache's settings.
+    RESETTABLE = frozenset({
+        "max_num_batched_tokens", "max_num_seqs", "max_model_len", "enable_chunked_prefill",
+        "enable_prefix_caching", "preemption_mode", "policy", "batching", "seed", "prefix_hash_algo",
+        "prefix_hash_seed",
+    })
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings for an engine whose context is ``max_model_len``
+        (without chunked prefill, one step's budget takes a whole prompt)."""
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            budget = max(budget, max_model_len)
+        return SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
+            policy=self.policy, batching=self.batching,
+        )
+
+    def fixed_differences(self, other: "EngineConfig") -> list[str]:
+        """The settings outside ``RESETTABLE`` on which ``other`` differs from this config:
+        what a reset to ``other`` cannot change."""
+        return [f.name for f in fields(self) if f.name not in self.RESETTABLE
+                and getattr(self, f.name) != getattr(other, f.name)]
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -40,7 +40,7 @@ from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -174,25 +174,7 @@ class LLMEngine:
         self.kv_cache = KVCache(
             self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks
         )
-        self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
-            BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed),
-        )
-        budget = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            budget = max(budget, self.max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=budget,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                preemption_mode=config.preemption_mode,
-                policy=config.policy,
-                batching=config.batching,
-            ),
-            self.kv_manager,
-        )
+        self.kv_manager, self.scheduler = self._make_scheduler(config, num_blocks, num_cpu_blocks)
         self.attention = create_attention_backend(
             config.attention_backend, device, config.block_size, self.model_config.head_dim, dtype
         )
@@ -214,6 +196,36 @@ class LLMEngine:
         self._generation_tokens = 0
         self._forward_s = 0.0
         self._forward_cpu_s = 0.0
+
+    def _make_scheduler(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int):
+        """A fresh block manager (every block free, the prefix cache empty) and scheduler."""
+        kv_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
+            BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed),
+        )
+        return kv_manager, Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
+
+    def reset(self, config: EngineConfig) -> None:
+        """Start over under ``config`` on the same model and KV cache (a worker switching
+        roles): every block free, the prefix cache emptied, the scheduler and its counters
+        new. Only an engine that holds nothing may reset (``RuntimeError`` otherwise), and
+        only to settings it can change in place (``EngineConfig.RESETTABLE``; ``ValueError``
+        naming the others)."""
+        if fixed := self.config.fixed_differences(config):
+            raise ValueError(f"a reset cannot change {', '.join(fixed)} (the model and the KV cache stay)")
+        busy = self.request_ids() + sorted(self.scheduler.held)
+        if busy or self.kv_manager.pool.num_used_blocks:
+            raise RuntimeError(f"the engine still holds requests {busy[:5]} or "
+                               f"{self.kv_manager.pool.num_used_blocks} blocks; drain it before a reset")
+        self.config = config
+        self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
+        self.kv_manager, self.scheduler = self._make_scheduler(
+            config, self.kv_cache.num_blocks, self.kv_cache.num_cpu_blocks)
+        self._tracked.clear()
+        self._arrivals.clear()
+        self._rng = random.Random(config.seed)
+        self._prompt_tokens = self._generation_tokens = 0
+        self._forward_s = self._forward_cpu_s = 0.0
 
     # -- intake ----------------------------------------------------------------
 

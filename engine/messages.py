@@ -168,3 +168,9 @@ class PrefillResult:
     transfer_s: float
     kv_bytes: int
     error: str | None = None
+
+
+class StalePlacement(RuntimeError):
+    """A worker refused a placement made by an out-of-date view of it: it has switched
+    roles (or is switching, or draining) since the caller's worker list was made, so the
+    caller's epoch for it is not the worker's. Nothing was done; place the request again."""

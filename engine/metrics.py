@@ -101,6 +101,10 @@ SCALING_DECISIONS = Counter("tandem:scaling_decisions", "The control loop's deci
                             "and reason (slo, queue, idle, switch).", POOL_LABELS + ("direction", "reason"))
 
 
+ROLE_SWITCHES = Counter("tandem:role_switches", "Warm workers moved from one pool to the other, by the role "
+                        "they left and the role they took.", ("model", "from_role", "to_role"))
+
+
 class EngineMetrics:
     """Exports one engine's state and finished requests (a worker's view)."""
 
@@ -226,6 +230,9 @@ class PoolMetrics:
 
     def on_decision(self, role: str, direction: str, reason: str) -> None:
         SCALING_DECISIONS.labels(self.model, role, direction, reason).inc()
+
+    def on_role_switch(self, from_role: str, to_role: str) -> None:
+        ROLE_SWITCHES.labels(self.model, from_role, to_role).inc()
 
 
 class RouterMetrics:

@@ -47,16 +47,24 @@ class WorkerBase:
         engine_config: EngineConfig,
         transfer: TransferConfig,
         torch_threads: int = 1,
+        previous: WorkerBase | None = None,
     ) -> None:
+        """``previous``: the retired worker (``retire``) of another role in this process
+        whose model, KV cache and transfer backend this one takes over (a role switch:
+        its engine is reset to ``engine_config``, nothing is reloaded)."""
         torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.transfer = transfer
-        self.engine = LLMEngine(engine_config)
+        if previous is None:
+            self.engine = LLMEngine(engine_config)
+            # Transfers read and write the paged cache: packed backends through an adapter.
+            self.backend = as_paged(transfer.make_backend())
+            self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
+        else:
+            self.engine, self.backend = previous.engine, previous.backend
+            self.engine.reset(engine_config)
         self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
         self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
-        # Transfers read and write the paged cache: packed backends through an adapter.
-        self.backend = as_paged(transfer.make_backend())
-        self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
         self.layout = kv_layout(self.engine)
         self.draining = False  # leaving its pool (``drain``)
 
@@ -69,6 +77,30 @@ class WorkerBase:
         """This worker is leaving its pool: it finishes what it has and takes no new
         reservation (a router with an older worker list places elsewhere)."""
         self.draining = True
+
+    def idle(self) -> bool:
+        """Step thread (or none running): nothing here holds a request or a block."""
+        return not (self.engine.request_ids() or self.engine.scheduler.held
+                    or self.engine.kv_manager.pool.num_used_blocks)
+
+    async def retire(self) -> bool:
+        """Leave this role, for a worker of another role to take over the engine: end
+        the streams out of it (``_let_go``: their readers move on as from a gone worker), abort whatever it still holds, and stop the step thread. Returns whether
+        it ended idle (False: blocks stay pinned, by a read in flight say, and its engine
+        cannot be reset)."""
+        await self._let_go()
+        await self.runtime.call(self._abort_everything)
+        await self.runtime.stop()
+        return self.idle()
+
+    async def _let_go(self) -> None:
+        """On the event loop, as it retires: end what this role keeps outside the engine
+        (decode: its subscribers' streams; prefill: its hand-offs)."""
+
+    def _abort_everything(self) -> None:
+        """On the step thread, as it retires: abort every request here."""
+        for rid in self.engine.request_ids():
+            self.abort_now(rid)
 
     async def set_transfer(self, transfer: TransferConfig) -> None:
         """Take new transfer settings (deadlines, failure policy, injected faults) without

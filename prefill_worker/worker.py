@@ -48,6 +48,7 @@ class PrefillWorker(WorkerBase):
         self._transfer_ids = itertools.count()
         self._sending = 0
         self.offers = Sender()  # one hand-off record per attempt being prefilled or sent
+        self._let_go_of: list[str] = []  # attempts whose hand-offs ended as it retired
         self.runtime.add_periodic(self._tend_offers)
 
     def _load(self) -> PrefillLoad:
@@ -195,6 +196,13 @@ class PrefillWorker(WorkerBase):
                     offer.stop.set_result(None)
                 ended.append(aid)
         return ended
+
+    async def _let_go(self) -> None:
+        self._let_go_of = self._end_handoffs(list(self.offers.records))  # their sends stop waiting
+
+    def _abort_everything(self) -> None:
+        super()._abort_everything()
+        self._release_held(self._let_go_of)
 
     def _abort_and_release(self, request_id: str, ended: list[str]) -> None:
         # One call on the step thread, so no step comes between: a prefill still running

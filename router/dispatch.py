@@ -68,7 +68,7 @@ from ray.exceptions import RayActorError
 
 from engine import token_channel
 from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
-from engine.messages import ErrorKind, StreamDelta, attempt_id
+from engine.messages import ErrorKind, StalePlacement, StreamDelta, attempt_id
 from engine.token_channel import ChannelConfig, Notice, NoticeKind
 from engine.sampling_params import SamplingParams
 from router.placement import (
@@ -94,12 +94,18 @@ class WorkerRef:
 
     worker_id: str
     handle: object  # a Ray actor handle
-    incarnation: str = ""  # unique per actor: a replacement reuses worker_id, not this
+    incarnation: str = ""  # unique per actor and role: a replacement reuses worker_id, not this
     draining: bool = False  # leaving its pool: nothing new is placed on it
+    epoch: int | None = None  # a worker that can switch roles: which of its roles this ref is
 
     @property
     def key(self) -> str:
         return self.incarnation or self.worker_id
+
+    def fence(self) -> dict:
+        """The keyword a placement call carries so that the worker refuses it if it has
+        switched roles since this ref was made (``StalePlacement``)."""
+        return {} if self.epoch is None else {"epoch": self.epoch}
 
 
 class WorkerDied(RuntimeError):
@@ -323,6 +329,7 @@ class Dispatcher:
         self.config = config or DispatchConfig()
         self.metrics = metrics  # an ``engine.metrics.RouterMetrics``, or None
         self.num_migrations = 0
+        self.num_stale_placements = 0  # placements and load polls refused by a worker that switched roles
         self.num_local_prefills: Counter = Counter()  # requests computed by their decode worker, by reason
         self._loads: dict[str, object] = {}  # worker id -> its latest load report
         self._load_times: dict[str, float] = {}  # worker id -> event-loop time of that report
@@ -373,8 +380,10 @@ class Dispatcher:
 
     async def _ask_load(self, worker: WorkerRef) -> None:
         try:
-            load = await worker.handle.load.remote()
-        except Exception:
+            load = await worker.handle.load.remote(**worker.fence())
+        except StalePlacement as e:  # it switched roles: nothing goes there by this list
+            self._stale(worker, e)
+        except Exception:  # gone or broken: not placeable for now
             self._forget_load(worker.worker_id)
         else:
             self._note_load(worker.worker_id, load)
@@ -444,10 +453,13 @@ class Dispatcher:
 
     def _choose_prefill(
         self, prompt: list[int], affinity: Affinity | None = None, hashes: Sequence[bytes] | None = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> WorkerRef | None:
         """The prefill worker for ``prompt``; with an ``affinity``, its worker first.
-        ``hashes``: the prompt's ``prefix_hashes`` when the caller has them already."""
-        workers = [w for w in self._prefill() if w.worker_id in self._loads and not w.draining]
+        ``hashes``: the prompt's ``prefix_hashes`` when the caller has them already;
+        ``exclude``: the keys of workers not to choose."""
+        workers = [w for w in self._prefill()
+                   if w.worker_id in self._loads and not w.draining and w.key not in exclude]
         loads = [self._loads[w.worker_id] for w in workers]
         pending = [self._pending_tokens.get(w.worker_id, 0) for w in workers]
         load_aware = self.config.placement != "round_robin"
@@ -606,9 +618,8 @@ class Dispatcher:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.capacity_wait_s
-        # A decode worker's prefix cache holds a prompt's blocks once a request of that
-        # prompt has run there (colocated) or its KV has come (disaggregated: then only
-        # the blocks after them are sent): requests go where their prefix is, if not much busier.
+        # A decode worker's prefix cache holds a prompt's blocks once a request of it ran there or its
+        # KV came (then only the blocks after them are sent): requests go there, if not much busier.
         hashes = self.prefix_hashes(prompt)
         while True:
             await self._fresh_loads()
@@ -621,11 +632,14 @@ class Dispatcher:
                 try:
                     if not self._prefill() or local:
                         await _unless_ended(reading, decode.handle.submit.remote(
-                            aid, prompt, params, subscriber, list(resume), priority))
+                            aid, prompt, params, subscriber, list(resume), priority, **decode.fence()))
                         self._count_local(local)
                         return decode
                     reservation = await _unless_ended(reading, decode.handle.reserve.remote(
-                        aid, prompt, params, subscriber, list(resume), priority))
+                        aid, prompt, params, subscriber, list(resume), priority, **decode.fence()))
+                except StalePlacement as e:  # it switched roles since our list was made: nothing was taken
+                    self._stale(decode, e, aid, exclude)
+                    continue
                 except (RayActorError, WorkerDied):
                     # Died (or its stream did: hung) before taking the request: place it
                     # elsewhere. A hung worker that wakes up frees what the call took.
@@ -648,9 +662,8 @@ class Dispatcher:
                     return decode
                 self.subscriptions.close(decode, aid)
             if loop.time() > deadline:
-                raise NoCapacityError(
-                    f"no decode worker had room for {blocks} KV blocks within {self.config.capacity_wait_s}s"
-                )
+                raise NoCapacityError(f"no decode worker had room for {blocks} KV blocks within "
+                                      f"{self.config.capacity_wait_s}s")
             await asyncio.sleep(self.config.load_poll_s)
 
     def _prefill_here(self, prompt: list[int], held_blocks: int, decode: WorkerRef) -> str | None:
@@ -673,19 +686,35 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.on_local_prefill(reason)
 
+    def _stale(self, worker: WorkerRef, e: StalePlacement, aid: str | None = None, exclude: set | None = None) -> None:
+        """``worker`` refused a placement as stale: count it and forget its load until the
+        next worker list says what it is now; a decode worker's refusal of attempt ``aid``
+        also closes its route there and keeps the attempt's next choice off it (``exclude``)."""
+        log.info("worker %s refused a stale placement (%s); placing elsewhere", worker.worker_id, e)
+        self.num_stale_placements += 1
+        self._forget_load(worker.worker_id)
+        if aid is not None:
+            self.subscriptions.close(worker, aid)
+            exclude.add(worker.key)
+
     def _start_prefill(
         self, aid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
-        priority: int, hashes: Sequence[bytes] | None = None,
+        priority: int, hashes: Sequence[bytes] | None = None, exclude: frozenset[str] = frozenset(),
     ) -> None:
-        prefill = self._choose_prefill(prompt + resume, affinity, hashes)
+        prefill = self._choose_prefill(prompt + resume, affinity, hashes, exclude)
         if prefill is None:
             decode.handle.transfer_failed.remote(aid)  # no prefill worker: policy decides
             return
-        ref = prefill.handle.prefill.remote(aid, prompt, params, decode.handle, reservation, resume, priority)
+        ref = prefill.handle.prefill.remote(
+            aid, prompt, params, decode.handle, reservation, resume, priority, **prefill.fence())
 
         async def watch() -> None:
             try:
                 await ref
+            except StalePlacement as e:  # refused untouched: the reservation waits for another
+                self._stale(prefill, e)
+                self._start_prefill(aid, prompt, params, decode, reservation, resume, None, priority, hashes,
+                                    exclude | {prefill.key})
             except Exception as e:
                 # The prefill worker died or broke: don't make the decode side wait out the deadline.
                 self._forget_load(prefill.worker_id)

@@ -45,31 +45,15 @@ def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_
         async def call(method, *args):
             return await asyncio.to_thread(ray.get, method.remote(*args))
 
-        async def busy(role: str):
-            """A worker of ``role`` with work in hand (decode: streaming), once it has some."""
-            found = {}
-
-            async def has_work():
-                prefill, decode = workers(svc)
-                pool = prefill if role == "prefill" else decode
-                loads = await asyncio.gather(*(w.handle.load.remote() for w in pool))
-                found["w"] = next((w for w, load in zip(pool, loads) if (
-                    load.running if role == "decode" else load.queued_prefill_tokens or load.running_chunks
-                )), None)
-                return found["w"] is not None
-
-            await until(has_work, f"a {role} worker with work")
-            return found["w"]
-
         async def chaos(progress):
             for _ in range(CYCLES):
-                victim = await busy("decode")  # streams in flight: it finishes them
+                victim = await _busy(svc, "decode")  # streams in flight: it finishes them
                 drains.append(await call(controller.drain_worker, victim.worker_id, 60.0))
                 await call(controller.add_worker, "decode")
                 await call(controller.add_worker, "prefill")  # then the old one goes, prompts queued
-                victim = await busy("prefill")
+                victim = await _busy(svc, "prefill")
                 drains.append(await call(controller.drain_worker, victim.worker_id, 60.0))
-                victim = await busy("decode")  # too short to finish: its streams move
+                victim = await _busy(svc, "decode")  # too short to finish: its streams move
                 drains.append({**await call(controller.drain_worker, victim.worker_id, 0.05), "short": True})
                 await call(controller.add_worker, "decode")
 
@@ -145,3 +129,96 @@ async def _decode_pool(svc, n: int) -> bool:
 
 async def _at_least(progress: dict, n: int) -> bool:
     return progress["finished"] >= n
+
+
+def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles_places_elsewhere(
+    ray_cluster, tiny_model,
+):
+    """While requests stream (1 prefill + 2 decode workers at the start), a decode worker
+    with streams in flight switches to prefill (it finishes them first), then the original
+    prefill worker switches to decode with a deadline too short to finish its prompts
+    (they move on by the re-run rules). Each switch keeps its process: the same pid, no
+    model reloaded. Then a second router that still holds the worker lists from before
+    the switches places requests: the switched workers refuse it (their epochs moved on)
+    and it places elsewhere. Every request of both routers ends with the undisturbed
+    text, none errors, and no worker keeps a block."""
+    from engine import SamplingParams
+    from router.dispatch import DispatchConfig, Dispatcher
+    from tests.helpers import running_service
+
+    workload = _workload(tiny_model)
+    settings = dict(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64})
+    with running_service(tiny_model, **settings) as svc:
+        controller = svc.controller
+        before = workers(svc)
+        pids = {w.worker_id: ray.get(w.handle.ready.remote())["pid"] for w in (*before[0], *before[1])}
+        switches: list[dict] = []
+
+        async def call(method, *args):
+            return await asyncio.to_thread(ray.get, method.remote(*args))
+
+        async def chaos(progress):
+            victim = await _busy(svc, "decode")
+            switches.append({"from": victim.worker_id, **await call(controller.switch_worker, victim.worker_id,
+                                                                      "prefill", 60.0)})
+            victim = await _busy(svc, "prefill", not_id=switches[0]["worker_id"])
+            switches.append({"from": victim.worker_id, **await call(controller.switch_worker, victim.worker_id,
+                                                                      "decode", 0.05), "short": True})
+
+        outcomes = asyncio.run(run_load(svc.http_url, model_name(tiny_model), workload, chaos, None, CONCURRENCY))
+        judge("roles switched", outcomes, workload, svc, may_fail=False, count=len(outcomes))
+        print(f"switches: {switches}")
+        assert switches[0]["drained"] and switches[0]["in_place"], switches
+        prefill, decode = workers(svc)
+        assert (len(prefill), len(decode)) == (1, 2) and not any(w.draining for w in (*prefill, *decode))
+        now = {w.worker_id: ray.get(w.handle.ready.remote())["pid"] for w in (*prefill, *decode)}
+        for s in switches:
+            if s["in_place"]:
+                assert now[s["worker_id"]] == pids[s["from"]], f"{s['from']} restarted to switch: {s}"
+        assert prefill[0].worker_id == switches[0]["worker_id"] and prefill[0].epoch == 1
+
+        async def stale_router():
+            dispatcher = Dispatcher(lambda: before[0], lambda: before[1],
+                                    DispatchConfig(**ray.get(controller.dispatch_settings.remote())))
+            tokenizer = _tokenizer(tiny_model)
+            prompts, lengths, want = workload
+
+            async def one(i: int) -> str:
+                params = SamplingParams(max_tokens=lengths[i], temperature=0, ignore_eos=True)
+                deltas = [d async for d in dispatcher.generate(tokenizer.encode(prompts[i]), params, f"stale-{i}")]
+                assert deltas[-1].finish_reason == "length", deltas[-1]
+                return "".join(d.text for d in deltas)
+
+            try:
+                texts = await asyncio.gather(*(one(i) for i in range(CONCURRENCY)))
+            finally:
+                dispatcher.close()
+            assert texts == want[:CONCURRENCY], "the stale router's requests must end with the reference text"
+            return dispatcher.num_stale_placements
+
+        refused = asyncio.run(stale_router())
+        assert refused >= 2, f"both switched workers should have refused the stale router ({refused} refusals)"
+        judge("after the stale router", [], workload, svc, may_fail=False, count=0)  # no block left anywhere
+
+
+async def _busy(svc, role: str, not_id: str | None = None):
+    """A worker of ``role`` (not ``not_id``) with work in hand (decode: streaming), once it has some."""
+    found = {}
+
+    async def has_work():
+        prefill, decode = workers(svc)
+        pool = [w for w in (prefill if role == "prefill" else decode) if w.worker_id != not_id]
+        loads = await asyncio.gather(*(w.handle.load.remote() for w in pool))
+        found["w"] = next((w for w, load in zip(pool, loads) if (
+            load.running if role == "decode" else load.queued_prefill_tokens or load.running_chunks
+        )), None)
+        return found["w"] is not None
+
+    await until(has_work, f"a {role} worker with work")
+    return found["w"]
+
+
+def _tokenizer(model: str):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(model)

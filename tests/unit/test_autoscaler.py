@@ -159,6 +159,11 @@ def test_a_topology_s_autoscaling_section_is_checked_against_its_pool_sizes():
     assert cfg.autoscaling.decode == PoolBounds(1, 3) and cfg.autoscaling.prefill == PoolBounds(1, 1)
     with pytest.raises(ValueError, match=r"decode_workers \(3\) must be within autoscaling.decode \[1, 2\]"):
         ClusterConfig.from_dict({"decode_workers": 3, "autoscaling": {"decode": {"max_workers": 2}}})
-    with pytest.raises(ValueError, match="allow_role_switch: moving a warm worker between roles is not built"):
-        ClusterConfig.from_dict({"autoscaling": {"allow_role_switch": True}})
+    assert ClusterConfig.from_dict({"autoscaling": {"allow_role_switch": True}}).role_switch_problem() is None
+    with pytest.raises(ValueError, match="allow_role_switch: the prefill and decode engines differ in num_kv_blocks"):
+        ClusterConfig.from_dict({"decode_engine": {"num_kv_blocks": 64}, "autoscaling": {"allow_role_switch": True}})
+    with pytest.raises(ValueError, match="allow_role_switch: prefill_resources .* differ"):
+        ClusterConfig.from_dict({"decode_resources": {"num_cpus": 0.5}, "autoscaling": {"allow_role_switch": True}})
+    # Scheduler settings may differ: a switch resets them.
+    assert ClusterConfig.from_dict({"decode_engine": {"max_num_seqs": 8}, "autoscaling": {"allow_role_switch": True}})
     assert ClusterConfig().autoscaling is None, "pools keep their sizes unless asked"

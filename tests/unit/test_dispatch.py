@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, request_of
+from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, StalePlacement, request_of
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelServer, Notice, NoticeKind
 from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
@@ -20,8 +20,8 @@ class _Method:
     def __init__(self, fn) -> None:
         self.fn = fn
 
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
+    def remote(self, *args, **kwargs):
+        return asyncio.ensure_future(self.fn(*args, **kwargs))
 
     def options(self, **_):
         return self
@@ -893,3 +893,69 @@ def test_every_request_is_disaggregated_with_both_rules_off():
     decode, prefill = _LocalDecode(), _FakePrefill()
     _place({"a": [1] * 3, "b": [2] * 40}, decode, prefill)
     assert decode.submitted == [] and list(prefill.prefilled) == ["a", "b"]
+
+
+# -- workers that switched roles -----------------------------------------------------
+
+
+class _SwitchedDecode(_FakeDecode):
+    """A decode stand-in now at epoch ``epoch``: a reservation made for another epoch is
+    refused untouched; its load (polled before it switched) says it has the most room."""
+
+    def __init__(self, epoch: int, free: int = 100) -> None:
+        super().__init__(room=True)
+        self.release_reserve.set()
+        self.epoch, self.free = epoch, free
+
+    async def _load(self, epoch=None):
+        return DecodeLoad("decode-x", free_blocks=self.free, total_blocks=200, running=0, waiting=0, waiting_for_kv=0)
+
+    async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0, epoch=None):
+        if epoch != self.epoch:
+            raise StalePlacement(f"placed for epoch {epoch}, the worker is at {self.epoch}")
+        return await super()._reserve(rid, prompt, params, subscriber, resume, priority)
+
+
+class _SwitchedPrefill(_FakePrefill):
+    def __init__(self, epoch: int, queued: int) -> None:
+        super().__init__()
+        self.epoch, self.queued, self.refused = epoch, queued, 0
+
+    async def _load(self, epoch=None):
+        return PrefillLoad("prefill-x", self.queued, 0, 0, 0, 0)
+
+    async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0, epoch=None):
+        if epoch != self.epoch:
+            self.refused += 1
+            raise StalePlacement(f"placed for epoch {epoch}, the worker is at {self.epoch}")
+        await super()._prefill(rid, prompt, params, decode_worker, reservation, resume, priority)
+
+
+def test_placements_refused_as_stale_by_switched_workers_go_to_the_next_worker_of_each_role():
+    """A router whose list is older than two switches places by it: the decode worker and
+    the prefill worker it would choose refuse (their epochs moved on), and the request's
+    reservation and prefill land on the next of each, exactly once."""
+    stale_decode, decode = _SwitchedDecode(epoch=1, free=190), _SwitchedDecode(epoch=0)
+    stale_prefill, prefill = _SwitchedPrefill(epoch=1, queued=0), _SwitchedPrefill(epoch=0, queued=500)
+    prefills = [WorkerRef("prefill-0", stale_prefill, epoch=0), WorkerRef("prefill-1", prefill, epoch=0)]
+    decodes = [WorkerRef("decode-0", stale_decode, epoch=0), WorkerRef("decode-1", decode, epoch=0)]
+
+    async def main():
+        dispatcher = Dispatcher(lambda: prefills, lambda: decodes, DispatchConfig())
+
+        async def consume():
+            async for _ in dispatcher.generate(list(range(40)), SamplingParams(max_tokens=4), "r1"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await _until(lambda: "r1" in prefill.prefilled, "the prefill to reach the worker that is still one")
+        assert dispatcher.abort("r1")
+        await task
+        dispatcher.close()
+        return dispatcher
+
+    dispatcher = asyncio.run(main())
+    assert stale_prefill.refused == 1 and not stale_prefill.prefilled
+    assert not stale_decode.priorities and list(decode.priorities) == ["r1"], "reserved once, on the worker that is one"
+    assert prefill.prefilled["r1"][0] == "reservation-r1", "the reservation of the decode worker that took it"
+    assert dispatcher.num_stale_placements == 2

@@ -23,6 +23,7 @@ class FakeCluster:
                        ("decode-1", _stats(), DecodeLoad("decode-1", 100, 100, 1, 0, 0))]
         self.added: list[str] = []
         self.drained: list[tuple[str, float]] = []
+        self.switched: list[tuple[str, str, float]] = []
         self.release = threading.Event()
         self.release.set()
 
@@ -35,6 +36,10 @@ class FakeCluster:
 
     def drain_worker(self, worker_id, timeout_s):
         self.drained.append((worker_id, timeout_s))
+
+    def switch_worker(self, worker_id, role, timeout_s):
+        self.release.wait(5)
+        self.switched.append((worker_id, role, timeout_s))
 
 
 def _settle(scaler: PoolScaler) -> None:
@@ -83,3 +88,46 @@ def test_an_idle_decode_pool_drains_its_least_busy_worker_after_the_delay():
     assert [(d.action, d.role, d.cause) for d in decisions] == [("remove", "decode", "idle")]
     assert cluster.drained == [("decode-0", CONFIG.drain_timeout_s)], "decode-1 still runs a request"
     assert [d["action"] for d in scaler.status()["decisions"]] == ["remove"]
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.pools: list[tuple[dict, dict]] = []
+        self.decisions: list[tuple[str, str, str]] = []
+        self.switches: list[tuple[str, str]] = []
+
+    def on_pools(self, workers, targets):
+        self.pools.append((workers, targets))
+
+    def on_decision(self, role, direction, reason):
+        self.decisions.append((role, direction, reason))
+
+    def on_role_switch(self, from_role, to_role):
+        self.switches.append((from_role, to_role))
+
+
+def test_a_pressed_decode_pool_takes_the_least_busy_idle_prefill_worker_warm_and_both_roles_wait_for_it():
+    cluster, metrics = FakeCluster(), RecordingMetrics()
+    cluster.prefill = [("prefill-0", _stats(), PrefillLoad("prefill-0", 0, 1, 0, 0, 0)),
+                       ("prefill-1", _stats(), PrefillLoad("prefill-1", 0, 0, 0, 0, 0))]
+    cluster.decode = cluster.decode[:1]
+    config = AutoscalingConfig(**{**CONFIG.__dict__, "allow_role_switch": True})
+    scaler = PoolScaler(cluster, config, metrics)
+    for t in (0.0, 5.0):  # the prefill pool idles; decode steps take 10 ms, within the ITL SLO
+        cluster.decode = [("decode-0", _stats(num_steps=int(20 * t), forward_s=0.2 * t),
+                           DecodeLoad("decode-0", 50, 100, 8, 0, 0))]
+        assert scaler.step(t) == []
+    cluster.decode = [("decode-0", _stats(num_steps=200, forward_s=6.3),  # 100 more steps, 53 ms each
+                       DecodeLoad("decode-0", 50, 100, 8, 0, 0))]
+    cluster.release.clear()  # the switch takes its time
+    decisions = scaler.step(10.0)  # the prefill pool has idled for scale_down_delay_s (10 s)
+    assert [(d.action, d.role, d.cause) for d in decisions] == [("switch", "decode", "slo")]
+    assert scaler.status()["pending"] == {"prefill": 1, "decode": 1}, "a switch is under way for both roles"
+    assert metrics.pools[-1] == ({"prefill": 2, "decode": 1}, {"prefill": 1, "decode": 2})
+    assert scaler.step(15.0) == [], "neither role changes again while the switch runs"
+    cluster.release.set()
+    _settle(scaler)
+    assert cluster.switched == [("prefill-1", "decode", config.drain_timeout_s)], "prefill-0 had a chunk running"
+    assert ("decode", "up", "slo") in metrics.decisions and ("prefill", "down", "switch") in metrics.decisions
+    assert metrics.switches == [("prefill", "decode")]
+    assert scaler.status()["pending"] == {"prefill": 0, "decode": 0}

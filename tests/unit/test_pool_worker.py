@@ -1,0 +1,98 @@
+"""A pool worker switching roles in this process (no Ray): its model and KV cache stay,
+every block comes back, and calls made by an out-of-date view of it are refused before
+anything is done (``StalePlacement``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from cluster.pool_worker import PoolWorker
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.messages import DecodeLoad, PrefillLoad, StalePlacement
+from kv_transfer.config import TransferConfig
+
+PROMPT = list(range(5, 45))
+SHORT = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_model) -> dict[str, EngineConfig]:
+    decode = EngineConfig(model=tiny_model, num_kv_blocks=64, max_num_seqs=4)
+    return {"prefill": dataclasses.replace(decode, max_num_batched_tokens=256, max_num_seqs=2), "decode": decode}
+
+
+@pytest.fixture(scope="module")
+def reference(configs) -> list[int]:
+    engine = LLMEngine(configs["decode"])
+    engine.add_request(PROMPT, SHORT, request_id="ref")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.token_ids
+    return tokens
+
+
+async def _run(worker: PoolWorker, rid: str, params: SamplingParams, epoch: int, stop_after: int | None = None):
+    """Submit a whole request and read its tokens from the worker's stream; with
+    ``stop_after``, return (the tokens so far, the stream) after that many messages."""
+    stream = worker.subscribe(f"router-{rid}")
+    await worker.submit(rid, PROMPT, params, f"router-{rid}", epoch=epoch)
+    tokens, finished = [], False
+    async for _, deltas in stream:
+        for delta in deltas:
+            tokens += delta[1]
+            finished = finished or delta[3]
+        if finished:
+            await stream.aclose()
+            return tokens, None
+        if stop_after is not None and (stop_after := stop_after - 1) == 0:
+            return tokens, stream
+    return tokens, None
+
+
+def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_older_view(configs, reference):
+    async def scenario():
+        worker = PoolWorker("decode", "decode-0", configs, TransferConfig(backend="inprocess"))
+        await worker.ready()
+        engine, model = worker.worker.engine, worker.worker.engine.model
+        assert isinstance(await worker.load(epoch=0), DecodeLoad)
+        assert (await _run(worker, "a", SHORT, epoch=0))[0] == reference
+        with pytest.raises(StalePlacement, match="decode worker at epoch 0"):
+            await worker.prefill("p", PROMPT, SHORT, None, None, epoch=0)  # not a prefill worker
+        with pytest.raises(StalePlacement, match="made for epoch 3"):
+            await worker.reserve("r", PROMPT, SHORT, "router-r", epoch=3)
+
+        # Switched while a long request streams (its drain ran out): the stream ends, the
+        # request is aborted, and every block comes back before the engine resets.
+        partial, stream = await _run(worker, "b", LONG, epoch=0, stop_after=2)
+        assert 0 < len(partial) < LONG.max_tokens
+        info = await worker.switch_role("prefill", "prefill-1")
+        assert info["epoch"] == 1 and info["worker_id"] == "prefill-1" and not info["idle"]
+        assert [m async for m in stream] == [], "the old role's stream ends once it has retired"
+        assert worker.worker.engine is engine and engine.model is model, "nothing is reloaded"
+        assert engine.kv_manager.pool.num_used_blocks == 0 and engine.kv_manager.pool.num_cached_blocks == 0
+        assert engine.scheduler.config.max_num_seqs == 2, "the prefill role's scheduler settings"
+        assert isinstance(await worker.load(epoch=1), PrefillLoad)
+        with pytest.raises(StalePlacement):
+            await worker.load(epoch=0)  # a router's poll by its old view: no decode load from a prefill worker
+        with pytest.raises(StalePlacement):
+            await worker.submit("c", PROMPT, SHORT, "router-c", epoch=1)  # no such call for prefill
+
+        # And back: the same greedy tokens, from an empty prefix cache.
+        assert (await worker.switch_role("decode", "decode-2"))["epoch"] == 2
+        assert (await _run(worker, "d", SHORT, epoch=2))[0] == reference
+        assert (await worker.stats())["prefix_cache_hits"] == 0
+
+        await worker.drain()  # leaving its pool: placements are refused, polls answered
+        with pytest.raises(StalePlacement, match="draining"):
+            await worker.submit("e", PROMPT, SHORT, "router-e", epoch=2)
+        assert isinstance(await worker.load(epoch=2), DecodeLoad)
+        assert (await worker.stats())["num_blocks_in_use"] == 0
+        await worker.worker.runtime.stop()
+
+    asyncio.run(scenario())
