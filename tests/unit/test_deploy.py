@@ -7,8 +7,8 @@ Prometheus config and Dockerfiles, checked offline (no cluster, Docker or helm b
 - The RayService is validated against KubeRay's CRD schema (vendored in
   deploy/helm/crds-for-tests/), with unknown fields rejected as well: the API server
   would silently prune a misspelled field instead of failing.
-- The ServiceMonitor is checked against a small schema of the fields the chart sets
-  (the prometheus-operator CRD is not vendored).
+- The ServiceMonitor and the PodMonitor are checked against small schemas of the fields
+  the chart sets (the prometheus-operator CRDs are not vendored).
 - The serveConfigV2 is checked with Ray Serve's own config schema, and its topology with
   cluster.config.ClusterConfig.
 """
@@ -620,6 +620,91 @@ def test_service_monitor_is_off_by_default_and_scrapes_the_metrics_service(rende
     assert sm["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
     assert {e["port"] for e in sm["spec"]["endpoints"]} <= {p["name"] for p in metrics["spec"]["ports"]}
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+# The PodMonitor fields the chart sets, as prometheus-operator's CRD defines them.
+POD_MONITOR_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "spec": {
+            "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]["selector"],
+                "namespaceSelector": SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]["namespaceSelector"],
+                "podMetricsEndpoints": SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]["endpoints"],
+            },
+        },
+    },
+}
+MONITORING_ON = {"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                             "grafanaDashboard": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+
+
+def test_monitoring_objects_are_off_by_default(rendered):
+    for case, docs in rendered.items():
+        assert not [d for d in docs if d["kind"] in ("PodMonitor", "PrometheusRule", "ConfigMap")], case
+
+
+def test_the_pod_monitor_scrapes_rays_haproxys_and_tandems_ports_on_every_ray_pod(chart):
+    """Ray's metrics (the port KubeRay adds as `metrics`, 8080), HAProxy's exporter (9101,
+    the head's `haproxy-metrics`) and Tandem's, on every Ray pod of either cluster during
+    an upgrade, Ready or not; Tandem's only where the ServiceMonitor does not scrape it."""
+    docs = _split(chart.render(MONITORING_ON, name=RELEASE, namespace=NAMESPACE))
+    (pm,) = _by_kind(docs, "PodMonitor")
+    jsonschema.validate(pm, POD_MONITOR_SCHEMA)
+    assert pm["metadata"]["labels"]["release"] == "kps"
+    (rs,) = _by_kind(docs, "RayService")
+    pods = _kuberay_pods(rs, cluster=f"{RELEASE}-old01") + _kuberay_pods(rs, cluster=f"{RELEASE}-new02")
+    assert all(pm["spec"]["selector"]["matchLabels"].items() <= p["labels"].items() for p in pods)
+    ports = [e["port"] for e in pm["spec"]["podMetricsEndpoints"]]
+    assert ports == ["metrics", "haproxy-metrics", "tandem-metrics"]
+    declared = {p["name"]: p["containerPort"] for p in _containers(rs)[0]["ports"]}
+    assert (declared["haproxy-metrics"], declared["tandem-metrics"]) == (9101, 8081)
+    assert "metrics" not in declared  # KubeRay adds it, 8080, to every Ray container
+    both = _split(chart.render({"metrics": {"podMonitor": {"enabled": True}, "serviceMonitor": {"enabled": True}},
+                                "serve": {"ingress": "proxy"}}, name=RELEASE, namespace=NAMESPACE))
+    (pm,) = _by_kind(both, "PodMonitor")
+    assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]  # no HAProxy; no double scrape
+
+
+def test_the_dashboard_and_alert_rules_render_from_the_files_in_deploy(chart):
+    """One source: files/ in the chart links to deploy/grafana and deploy/prometheus."""
+    import os
+
+    for name, target in [("tandem-dashboard.json", DEPLOY / "grafana" / "tandem-dashboard.json"),
+                         ("alerts.yml", DEPLOY / "prometheus" / "alerts.yml")]:
+        assert os.path.realpath(CHART / "files" / name) == str(target.resolve())
+    docs = _split(chart.render(MONITORING_ON, name=RELEASE, namespace=NAMESPACE))
+    (cm,) = _by_kind(docs, "ConfigMap")
+    kubernetes_validate.validate(cm, KUBE_VERSION, strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == NAMESPACE
+    assert json.loads(cm["data"]["tandem-dashboard.json"]) == _dashboard()
+    (rule,) = _by_kind(docs, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())["groups"]
+    elsewhere = _split(chart.render({"metrics": {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}}},
+                                    name=RELEASE, namespace=NAMESPACE))
+    assert _by_kind(elsewhere, "ConfigMap")[0]["metadata"]["namespace"] == "monitoring"
+
+
+def test_rdma_asks_for_the_device_plugins_resources_and_ipc_lock_on_worker_pods(chart):
+    rdma = {"rdma": {"enabled": True, "resources": {"rdma/rdma_shared_device_a": 1}}}
+    (rs,) = _by_kind(_split(chart.render(rdma, name=RELEASE)), "RayService")
+    for role, group in _groups(rs).items():
+        (c,) = group["template"]["spec"]["containers"]
+        for side in ("requests", "limits"):
+            assert c["resources"][side]["rdma/rdma_shared_device_a"] == "1", (role, side)
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}, role
+    head = _containers(rs)[0]
+    assert "add" not in head["securityContext"]["capabilities"]
+    # IPC_LOCK leaves "restricted" (the worker pods need "baseline"); the head stays in it
+    assert {p["group"] for p in _kuberay_pods(rs) if _restricted_violations(p["spec"])} == {"prefill", "decode"}
+    (rs,) = _by_kind(_split(chart.render({"rdma": {**rdma["rdma"], "ipcLock": False}}, name=RELEASE)), "RayService")
+    assert not [p for p in _kuberay_pods(rs) if _restricted_violations(p["spec"])]
+    (rs,) = _by_kind(_split(chart.render({}, name=RELEASE)), "RayService")
+    assert not [c for c in _containers(rs) if "rdma/rdma_shared_device_a" in c["resources"]["limits"]]
 
 
 def test_replicas_outside_min_max_fail_to_render(chart):

@@ -121,9 +121,16 @@ A Ray container's securityContext: its group's own where set (it replaces the to
 whole: merging would leave a `drop: [ALL]` beside an `add` nobody asked for), else the
 top-level `securityContext`. KubeRay copies it to the wait-gcs-ready init container it adds
 to every worker pod; the head's also goes to the autoscaler sidecar (autoscalerOptions).
+`ipcLock` (worker groups, with rdma.enabled and rdma.ipcLock) adds IPC_LOCK to it.
 */}}
 {{- define "tandem.containerSecurityContext" -}}
-{{- toYaml (.own | default .root.Values.securityContext) }}
+{{- $sc := deepCopy (.own | default .root.Values.securityContext) -}}
+{{- if .ipcLock }}
+{{- $caps := default dict $sc.capabilities -}}
+{{- $_ := set $caps "add" (append (default list $caps.add) "IPC_LOCK" | uniq) -}}
+{{- $_ := set $sc "capabilities" $caps -}}
+{{- end }}
+{{- toYaml $sc }}
 {{- end }}
 
 {{/* Scheduling and identity fields of a pod, from its group's values (head or worker group). */}}
@@ -252,20 +259,15 @@ limit, "" when it has none), request (its memory request), params (its rayStartP
 {{- end }}
 {{- end }}
 
-{{/* A worker group's container resources: CPU, memory and, when asked, GPUs. */}}
+{{/* A worker group's container resources: CPU, memory, GPUs when asked, and with
+rdma.enabled the RDMA device plugin's resources (dict "g" $g "rdma" .Values.rdma). */}}
 {{- define "tandem.workerResources" -}}
-requests:
-  cpu: {{ .cpu | quote }}
-  memory: {{ .memory | quote }}
-  {{- if gt (int .gpus) 0 }}
-  nvidia.com/gpu: {{ .gpus | quote }}
-  {{- end }}
-limits:
-  cpu: {{ .cpu | quote }}
-  memory: {{ .memory | quote }}
-  {{- if gt (int .gpus) 0 }}
-  nvidia.com/gpu: {{ .gpus | quote }}
-  {{- end }}
+{{- $r := dict "cpu" (toString .g.cpu) "memory" (toString .g.memory) -}}
+{{- if gt (int .g.gpus) 0 }}{{ $_ := set $r "nvidia.com/gpu" (toString .g.gpus) }}{{ end -}}
+{{- if .rdma.enabled }}
+{{- range $name, $n := .rdma.resources }}{{ $_ := set $r $name (toString $n) }}{{ end -}}
+{{- end }}
+{{- toYaml (dict "requests" $r "limits" $r) }}
 {{- end }}
 
 {{/*
