@@ -1244,17 +1244,29 @@ def _kuberay_floor() -> tuple[int, int]:
     return tuple(map(int, floor))
 
 
+def _kuberay_needed(rs: dict) -> tuple[int, int]:
+    """The first KubeRay release that knows every field of KUBERAY_FIELD_SINCE ``rs`` has."""
+    needed = (1, 0)
+    for path, since in KUBERAY_FIELD_SINCE.items():
+        node = rs
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            needed = max(needed, since)
+    return needed
+
+
 def test_the_stated_kuberay_floor_knows_every_field_the_chart_renders(chart, rendered):
     floor = _kuberay_floor()
     for docs in [*rendered.values(), _split(chart.render({"upgradeStrategy": "None"}, name=RELEASE))]:
         (rs,) = _by_kind(docs, "RayService")
-        for path, since in KUBERAY_FIELD_SINCE.items():
-            node = rs
-            for key in path:
-                node = node.get(key) if isinstance(node, dict) else None
-            if node is not None:
-                assert floor >= since, f"{'.'.join(path)} needs KubeRay {since}, the chart states {floor}"
+        assert floor >= _kuberay_needed(rs), f"the chart states KubeRay {floor}"
     assert floor >= (1, 6)
+    # without Ray's token auth, the operator that knows upgradeStrategy will do
+    (no_auth,) = _by_kind(_split(chart.render({"rayAuth": {"enabled": False}}, name=RELEASE)), "RayService")
+    assert _kuberay_needed(no_auth) == (1, 3)
+    requires = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["tandem.dev/requires"]
+    assert "from 1.3, all that rayAuth.enabled=false needs" in requires
     readme = (REPO / "README.md").read_text()
     assert re.findall(r"KubeRay operator (\d+)\.(\d+) or newer", readme) == [tuple(map(str, floor))]
 
