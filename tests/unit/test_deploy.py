@@ -881,18 +881,23 @@ def test_the_worker_groups_annotation_spells_out_each_groups_capacity(chart, ren
     assert _kuberay_cluster_hash(started_higher) == _kuberay_cluster_hash(autoscaled)
 
 
-def _render_upgrade(tmp_path, live_groups: str | None, values: dict) -> None:
-    """Render a copy of the chart whose in-place check sees a live RayService carrying
-    ``live_groups`` (None: no such annotation), as lookup would return it on an upgrade
-    (offline, lookup returns nothing)."""
+def _live(groups: str | None = None, env: list | None = None) -> dict:
+    """A live RayService as lookup returns it, as far as the in-place check reads it."""
+    head = {"metadata": {"annotations": {} if groups is None else {WORKER_GROUPS: groups}},
+            "spec": {"containers": [{"name": "ray-head", "env": env or []}]}}
+    return {"spec": {"rayClusterConfig": {"headGroupSpec": {"template": head}}}}
+
+
+def _render_upgrade(tmp_path, live: dict, values: dict) -> None:
+    """Render a copy of the chart whose in-place check sees ``live`` as the release's live
+    RayService, as lookup would return it on an upgrade (offline, lookup returns nothing)."""
     import shutil
 
     copy_dir = tmp_path / "tandem"
     shutil.copytree(CHART, copy_dir, dirs_exist_ok=True)
-    annotations = "{}" if live_groups is None else "{tandem.dev/worker-groups: %s}" % json.dumps(live_groups)
-    live = "spec: {rayClusterConfig: {headGroupSpec: {template: {metadata: {annotations: %s}}}}}" % annotations
     (copy_dir / "templates" / "zz-live.yaml").write_text(
-        "{{- include \"tandem.checkInPlaceUpgrade\" (dict \"root\" . \"live\" (%s | fromYaml)) }}\n" % json.dumps(live))
+        "{{- include \"tandem.checkInPlaceUpgrade\" (dict \"root\" . \"live\" (%s | fromJson)) }}\n"
+        % json.dumps(json.dumps(live)))
     copied = helm.Chart.load(copy_dir)
     try:
         copied.render(values, name=RELEASE, namespace=NAMESPACE)
@@ -904,7 +909,7 @@ def test_upgrade_strategy_none_refuses_an_upgrade_that_changes_the_worker_groups
     """None applies no rayClusterConfig change: the groups keep their pods while the new
     Serve config is applied in place, and pools sized for the new groups would not fit
     the old ones (the app retires the old pools first: a full outage)."""
-    live = "prefill=1x(GPU=0,tandem_prefill=1) decode=1x(GPU=0,tandem_decode=1)"
+    live = _live("prefill=1x(GPU=0,tandem_prefill=1) decode=1x(GPU=0,tandem_decode=1)")
     more = {"upgradeStrategy": "None", "decode": {"replicas": 2}, "serve": {"topology": {"decode_workers": 2}}}
     with pytest.raises(helm.HelmRenderError, match=r"upgradeStrategy None: this upgrade changes the worker groups "
                                                     r'from "prefill=1x.*decode=1x.*" to "prefill=1x.*decode=2x'):
@@ -914,9 +919,23 @@ def test_upgrade_strategy_none_refuses_an_upgrade_that_changes_the_worker_groups
     # same groups: applied in place (the pools restart, and fit the pods they had)
     _render_upgrade(tmp_path, live, {"upgradeStrategy": "None", "serve": {"topology": {"engine": {"max_num_seqs": 8}}}})
     _render_upgrade(tmp_path, live, {**more, "upgradeStrategy": "NewCluster"})  # a new cluster brings the pods
-    _render_upgrade(tmp_path, None, more)  # a release from before the annotation: not checked
+    _render_upgrade(tmp_path, _live(), more)  # a release from before the annotation: not checked
     template = (CHART / "templates" / "rayservice.yaml").read_text()
     assert 'lookup "ray.io/v1" "RayService" .Release.Namespace $fullname' in template
+
+
+def test_upgrade_strategy_none_refuses_an_api_key_the_running_pods_lack(tmp_path):
+    """The Serve config naming the key's variable is applied in place; the pods' env is
+    not: the router would read no key and serve without one."""
+    key = {"apiKey": {"existingSecret": "tandem-api-key"}, "upgradeStrategy": "None"}
+    with pytest.raises(helm.HelmRenderError, match='sets the API key from Secret tandem-api-key, which the running '
+                                                   'pods do not have \\(their TANDEM_API_KEY comes from ""\\)'):
+        _render_upgrade(tmp_path, _live(), key)
+    has_it = [{"name": "TANDEM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}}}]
+    _render_upgrade(tmp_path, _live(env=has_it), key)
+    with pytest.raises(helm.HelmRenderError, match='comes from "tandem-api-key"'):
+        _render_upgrade(tmp_path, _live(env=has_it), {**key, "apiKey": {"existingSecret": "rotated-key"}})
+    _render_upgrade(tmp_path, _live(), {**key, "upgradeStrategy": "NewCluster"})
 
 
 def test_the_start_deadline_is_a_value_and_reaches_the_app(chart, rendered):

@@ -371,14 +371,30 @@ so the worker groups keep their pods, while a new Serve config is applied in pla
 upgrade that changes the groups' capacity (pods, GPUs, custom resources) is refused then:
 the replicas would not change, and pools checked against the new groups (checkPoolsFit)
 would start on the old ones; the app retires the old pools first, so new pools that do
-not fit are a full outage. `live` is the RayService lookup finds (empty on a first
-install and offline); one rendered by a chart without the annotation is not checked.
+not fit are a full outage. Nor would a new API key reach the pods (below). `live` is the
+RayService lookup finds (empty on a first install and offline); one rendered by a chart
+without the annotation is not checked for its groups.
 */}}
 {{- define "tandem.checkInPlaceUpgrade" -}}
-{{- $live := dig "spec" "rayClusterConfig" "headGroupSpec" "template" "metadata" "annotations" "tandem.dev/worker-groups" "" (default dict .live) -}}
+{{- if and .live (eq .root.Values.upgradeStrategy "None") }}
+{{- $live := dig "spec" "rayClusterConfig" "headGroupSpec" "template" "metadata" "annotations" "tandem.dev/worker-groups" "" .live -}}
 {{- $new := include "tandem.workerGroups" .root -}}
-{{- if and (eq .root.Values.upgradeStrategy "None") $live (ne $live $new) }}
-{{- fail (printf "upgradeStrategy None: this upgrade changes the worker groups from %q to %q, which KubeRay applies only by starting a new Ray cluster, and None starts none: the groups would keep their pods while the new Serve config starts pools sized for the new ones (pools that do not fit the old pods stop serving altogether). Upgrade with upgradeStrategy NewCluster (twice the GPUs while it runs), or uninstall and install again" $live $new) }}
+{{- if and $live (ne $live $new) }}
+{{- fail (printf "upgradeStrategy None: this upgrade changes the worker groups from %q to %q, which KubeRay applies only by starting a new Ray cluster, and None starts none: the groups would keep their pods while the new Serve config starts pools sized for the new ones (pools that do not fit the old pools' pods stop serving altogether). Upgrade with upgradeStrategy NewCluster (twice the GPUs while it runs), or uninstall and install again" $live $new) }}
+{{- end }}
+{{- /* The API key reaches the router through its pods' env, which None leaves as it was,
+while the Serve config that names the variable is applied: a key set now would be
+missing, and the router would serve without one. */}}
+{{- with .root.Values.apiKey.existingSecret }}
+{{- $var := $.root.Values.apiKey.envVar -}}
+{{- $from := "" -}}
+{{- range (first (dig "spec" "rayClusterConfig" "headGroupSpec" "template" "spec" "containers" (list dict) $.live)).env }}
+{{- if eq .name $var }}{{ $from = dig "valueFrom" "secretKeyRef" "name" "" . }}{{ end }}
+{{- end }}
+{{- if ne $from . }}
+{{- fail (printf "upgradeStrategy None: this upgrade sets the API key from Secret %s, which the running pods do not have (their %s comes from %q): None starts no new cluster and leaves the pods' environment as it was, while the new Serve config is applied, so the router would run without the key. Upgrade with upgradeStrategy NewCluster, or uninstall and install again" . $var $from) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
