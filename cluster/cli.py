@@ -1,6 +1,6 @@
 """The tandem command: serve (up), query a server (request, status), fetch a named model
 (pull), make the built-in test model (make-model), generate offline (generate), run
-benchmarks (bench)."""
+benchmarks (bench), simulate a deployment (sim) and plan one (plan)."""
 
 from __future__ import annotations
 
@@ -197,6 +197,12 @@ def format_status(status: dict) -> str:
         for w in workers:
             name = w["worker_id"] + (" (draining)" if w["draining"] else "")
             lines.append(f"  {name:24} {_load_line(w['load'])}")
+    if "slo" in scaling:
+        seen, slo = scaling.get("router_latency"), scaling["slo"]
+        clients = "no requests lately" if seen is None else (
+            f"TTFT p90 {_ms(seen['ttft_ms'])}, ITL p90 {_ms(seen['itl_ms'])} "
+            f"over {seen['requests']} requests, {seen['tokens']} tokens")
+        lines.append(f"clients saw: {clients}  (SLO: TTFT {slo['ttft_ms']:g} ms, ITL {slo['itl_ms']:g} ms)")
     if "decisions" in scaling:
         lines.append("autoscaling decisions (latest last):" if scaling["decisions"] else "no autoscaling decisions yet")
         for d in scaling["decisions"][-10:]:
@@ -204,6 +210,10 @@ def format_status(status: dict) -> str:
     elif not scaling:
         lines.append("autoscaling: off (pools of fixed size)")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
 
 
 def _load_line(load: dict | None) -> str:
@@ -303,10 +313,25 @@ def _add_bench(sub) -> None:
     bench.set_defaults(func=_cmd_bench)
 
 
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from sim.cli import main as sim_main
+
+    return sim_main([args.command, *args.rest])
+
+
+def _add_sim(sub) -> None:
+    # Every argument goes to sim.cli's own parser (docs/SIMULATOR.md), --help included.
+    for name, what in (("sim", "replay a trace or workload on a simulated deployment"),
+                       ("plan", "search pool splits, chunk budgets and batch caps for the most load under SLOs")):
+        p = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_cmd_sim)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_make_model, _add_pull, _add_generate, _add_up, _add_request, _add_status, _add_bench):
+    for add in (_add_make_model, _add_pull, _add_generate, _add_up, _add_request, _add_status, _add_bench, _add_sim):
         add(sub)
     return p
 

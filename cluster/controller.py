@@ -26,6 +26,7 @@ import json
 import logging
 import re
 import threading
+import time
 from concurrent.futures import Future
 
 import ray
@@ -36,10 +37,12 @@ from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
 from engine.metrics import PoolMetrics
 from kv_transfer.config import TransferConfig
+from router.latency import LatencyReport, merge
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 60.0
+LATENCY_REPORT_TTL_S = 5.0  # a router's latency report counts this long (they come every second)
 
 
 def controller_name(config: ClusterConfig, metrics_port: int | None = None) -> str:
@@ -88,6 +91,8 @@ class ClusterController:
         self._start_lock = threading.Lock()
         self._started: Future | None = None  # the last start's outcome, or the one running
         self.scaler: PoolScaler | None = None  # the pools' control loop, with ``autoscaling``
+        self._latency: dict[str, tuple[float, LatencyReport]] = {}  # router replica -> (when, its report)
+        self._latency_lock = threading.Lock()
 
     def start(self) -> dict:
         """Start the pools and return the model's description. Idempotent (see the
@@ -115,7 +120,8 @@ class ClusterController:
             raise
         self.cluster, self._model_info = cluster, model_info
         if self.config.autoscaling is not None:
-            self.scaler = PoolScaler(cluster, self.config.autoscaling, PoolMetrics(model_info["name"]))
+            self.scaler = PoolScaler(cluster, self.config.autoscaling, PoolMetrics(model_info["name"]),
+                                     latency=self.router_latency)
             threading.Thread(target=self.scaler.run, args=(self._stop,), name="tandem-autoscaling", daemon=True).start()
         if self._exporters is not None:
             threading.Thread(target=self._sync_exporters, name="tandem-metrics-nodes", daemon=True).start()
@@ -178,6 +184,21 @@ class ClusterController:
         """Move a warm worker to the other pool without restarting it (``TandemCluster.switch_worker``)."""
         return self.cluster.switch_worker(worker_id, role, timeout_s)
 
+    def report_latency(self, router: str, report: LatencyReport) -> None:
+        """A router replica's recent TTFT / ITL (it reports with each worker-list refresh)."""
+        with self._latency_lock:
+            self._latency[router] = (time.monotonic(), report)
+
+    def router_latency(self) -> LatencyReport | None:
+        """What the routers' clients saw lately: the worst p90 among the replicas that
+        reported within ``LATENCY_REPORT_TTL_S`` (None: no request anywhere lately)."""
+        now = time.monotonic()
+        with self._latency_lock:
+            for router in [r for r, (at, _) in self._latency.items() if now - at > LATENCY_REPORT_TTL_S]:
+                del self._latency[router]  # a replica that stopped reporting is gone
+            reports = [report for _, report in self._latency.values()]
+        return merge(reports)
+
     def autoscaling(self) -> dict | None:
         """The control loop's pending changes and latest decisions (None: pools of fixed size)."""
         return None if self.scaler is None else self.scaler.status()
@@ -190,7 +211,10 @@ class ClusterController:
                "autoscaling": None}
         if self.scaler is not None:
             scaling, bounds = self.scaler.status(), self.config.autoscaling
-            out["autoscaling"] = {**scaling, "targets": {
+            latency = self.router_latency()
+            out["autoscaling"] = {**scaling, "slo": dataclasses.asdict(bounds.slo),
+                                  "router_latency": None if latency is None else dataclasses.asdict(latency),
+                                  "targets": {
                 role: {"workers": (n := sum(not w["draining"] for w in pools.get(role, []))),
                        "target": n + scaling["pending"].get(role, 0),
                        "min": bounds.bounds(role).min_workers, "max": bounds.bounds(role).max_workers}

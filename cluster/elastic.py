@@ -9,8 +9,10 @@ role's least busy worker over warm (``switch_worker``: drained the same way, the
 in place, its model kept). Each runs on a thread of its own
 and counts as pending for its role until it is done, so the next rounds wait for it.
 
-What stands for each role's latency, measured on the workers over the last interval
-(the router's own TTFT and ITL histograms are exported, not read back here):
+What stands for each role's latency is the later of what the routers' clients saw
+(each router replica reports its p90 TTFT and ITL over its last ``latency_window_s``
+with every worker-list refresh: ``router/latency.py``) and what the workers show over
+the last interval, which sees trouble coming before clients do:
 
 - prefill: the time its queue takes to clear, at the rate it prefilled: queued prompt
   tokens per worker over prompt tokens prefilled per second a worker;
@@ -36,7 +38,10 @@ class PoolScaler:
     ``add_worker``, ``drain_worker`` and ``switch_worker``); ``metrics``: an ``engine.metrics.PoolMetrics``."""
 
     def __init__(self, cluster, config: AutoscalingConfig, metrics=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, latency: Callable[[], object] | None = None) -> None:
+        """``latency``: what the routers' clients saw lately (a ``router.latency.LatencyReport``,
+        or None), held against the SLO beside the workers' own estimates."""
+        self.latency = latency
         self.cluster = cluster
         self.config = config
         self.policy = Autoscaler(config)
@@ -56,6 +61,7 @@ class PoolScaler:
         """Each role's observation from the workers' state now and at the last round."""
         state = self._state = self.cluster.pool_state()  # role -> [(id, stats, load)]: listed, not draining
         before, self._before = self._before, {}
+        clients = self.latency() if self.latency is not None else None
         seen = {}
         for role, workers in state.items():
             queued = kv = 0.0
@@ -84,6 +90,9 @@ class PoolScaler:
                 latency = 1e3 * (queued / n) / rate if rate > 0 else float("inf")  # queued, and none prefilled
             elif role != "prefill" and step_s:
                 latency = 1e3 * max(step_s)
+            seen_by_clients = None if clients is None else (clients.ttft_ms if role == "prefill" else clients.itl_ms)
+            if seen_by_clients is not None:  # the later of the two: either over the SLO presses the role
+                latency = seen_by_clients if latency is None else max(latency, seen_by_clients)
             with self._lock:
                 pending = self._pending[role]
             seen[role] = RoleObservation(len(workers), pending, latency, queued / n if role == "prefill" else queued, kv)

@@ -63,6 +63,7 @@ from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from engine.messages import ErrorKind, StreamDelta
 from router.dispatch import Affinity, Dispatcher, DispatchConfig, aborted_delta
 from router.grammar_check import GrammarChecker
+from router.latency import LatencyWindow
 from router.openai_api import Accumulator, Envelope, echo_logprobs, model_list, prompt_logprobs_json, sse
 from router.tokenization import detokenize, tokenize
 from router.tool_calls import ToolStream
@@ -98,7 +99,8 @@ class RouterConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)  # block size etc. come from the cluster
     max_body_bytes: int = 1 << 20
     api_key: str | None = None  # None: no auth
-    workers_refresh_s: float = 1.0
+    workers_refresh_s: float = 1.0  # also how often the replica reports its latency to the controller
+    latency_window_s: float = 10.0  # the span of the TTFT / ITL percentiles it reports
 
 
 app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -156,7 +158,9 @@ class RouterCore:
         self.model = ServedModel(**info)
         self.created = int(time.time())
         self.admission = Admission(config.admission)
-        self.metrics = RouterMetrics(self.model.name, f"router-{os.getpid()}")
+        self.replica_id = f"router-{os.getpid()}"
+        self.metrics = RouterMetrics(self.model.name, self.replica_id)
+        self.latency = LatencyWindow(config.latency_window_s)  # reported for the pools' control loop
         self._prefill, self._decode = workers
         self._refresher: asyncio.Task | None = None
         # Block size and running cap must match the workers' engines, and the prefix hash
@@ -184,10 +188,13 @@ class RouterCore:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh())
 
     async def _refresh(self) -> None:
+        """Every ``workers_refresh_s``: the live worker list from the controller, and this
+        replica's recent latency to it (the pools' control loop reads it against the SLO)."""
         while True:
             await asyncio.sleep(self.config.workers_refresh_s)
             try:
                 self._prefill, self._decode = await self.controller.workers.remote()
+                self.controller.report_latency.remote(self.replica_id, self.latency.report(time.monotonic()))
             except Exception:  # the controller restarting is no reason to stop serving
                 log.exception("could not refresh the worker list")
 
@@ -276,8 +283,10 @@ class RouterCore:
                     if ttft is None:
                         ttft = now - start
                         self.metrics.on_first_token(ttft)
+                        self.latency.first_token(ttft, now)
                     else:
                         self.metrics.on_tokens(len(delta.token_ids), now - last)
+                        self.latency.tokens(len(delta.token_ids), now - last, now)
                     last = now
                     output_tokens += len(delta.token_ids)
                 if delta.finished:

@@ -69,7 +69,7 @@ def test_workers_drained_and_added_under_load_lose_no_request(ray_cluster, tiny_
 
 def test_the_control_loop_scales_decode_out_under_load_and_back_in_once_it_stops(ray_cluster, tiny_model, metrics_dir):
     """``autoscaling:`` on a live service: an ITL target no step can meet presses the
-    decode pool while requests stream (one more worker, then it is at its maximum), and
+    decode pool while requests stream (the router reports what its clients saw) (one more worker, then it is at its maximum), and
     once they stop the idle pool gives the worker back after ``scale_down_delay_s``.
     Every request completes with the undisturbed text; the decisions show in the
     controller's status and the metrics."""
@@ -90,6 +90,9 @@ def test_the_control_loop_scales_decode_out_under_load_and_back_in_once_it_stops
             await until(lambda: _decode_pool(svc, 2), "the decode pool scaled out to 2")
             served = progress["finished"]
             await until(lambda: _at_least(progress, served + CONCURRENCY), "requests served by the larger pool")
+            clients = await asyncio.to_thread(ray.get, svc.controller.router_latency.remote())
+            assert clients is not None and clients.requests > 0 and clients.itl_ms > 0, (
+                f"the router should report what its clients saw: {clients}")
 
         outcomes = asyncio.run(run_load(svc.http_url, model_name(tiny_model), workload, chaos, None, CONCURRENCY))
         judge("decode scaled out and in", outcomes, workload, svc, may_fail=False, count=len(outcomes))
@@ -118,6 +121,7 @@ def _check_tandem_status(svc) -> None:
     assert "prefill: 1 worker  (target 1, min 1, max 1)" in text, text
     assert "decode: 1 worker  (target 1, min 1, max 2)" in text, text
     assert "add decode:" in text and "remove decode:" in text, text
+    assert re.search(r"clients saw: (TTFT p90 \d+ ms, ITL p90 \d+ ms over|no requests lately)", text), text
     assert re.search(r"decode-\d +0 running, 0 waiting, 0 waiting for KV, KV 0/\d+ blocks", text), (
         "an idle decode worker holds no blocks: " + text
     )

@@ -131,3 +131,22 @@ def test_a_pressed_decode_pool_takes_the_least_busy_idle_prefill_worker_warm_and
     assert ("decode", "up", "slo") in metrics.decisions and ("prefill", "down", "switch") in metrics.decisions
     assert metrics.switches == [("prefill", "decode")]
     assert scaler.status()["pending"] == {"prefill": 0, "decode": 0}
+
+
+def test_what_the_routers_clients_saw_presses_a_role_the_workers_own_estimates_call_fine():
+    """A prefill pool with nothing queued and decode steps well within the ITL target:
+    the workers' estimates see no trouble, but the routers report a p90 TTFT over the
+    SLO (requests wait elsewhere: admission, transfers). The prefill pool gets a worker;
+    the decode pool, whose clients' ITL is fine, does not."""
+    from router.latency import LatencyReport
+
+    cluster = FakeCluster()
+    cluster.decode = cluster.decode[:1]
+    seen = {"report": LatencyReport(ttft_ms=1400.0, itl_ms=20.0, requests=30, tokens=900)}
+    scaler = PoolScaler(cluster, CONFIG, latency=lambda: seen["report"])
+    decisions = scaler.step(0.0)
+    _settle(scaler)
+    assert [(d.action, d.role, d.cause) for d in decisions] == [("add", "prefill", "slo")]
+    assert "TTFT 1400 ms over the SLO's 1000 ms" in decisions[0].reason
+    seen["report"] = None  # no request lately: the workers' own estimates only
+    assert scaler.observe(5.0)["prefill"].latency_ms is None

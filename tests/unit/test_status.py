@@ -31,11 +31,15 @@ def test_autoscaled_pools_show_targets_draining_workers_and_the_latest_decisions
         "targets": {"prefill": {"workers": 1, "target": 1, "min": 1, "max": 2},
                     "decode": {"workers": 1, "target": 1, "min": 1, "max": 4}},
         "decisions": [{"at": 1.0, "ago_s": 12.5, "action": "remove", "role": "decode", "reason": "idle for 30 s"}],
+        "slo": {"ttft_ms": 1000, "itl_ms": 50},
+        "router_latency": {"ttft_ms": 812.4, "itl_ms": None, "requests": 7, "tokens": 0},
     }
     text = format_status({"model": "m", "pools": {"prefill": [PREFILL], "decode": [DECODE, draining]},
                           "autoscaling": scaling})
     assert "decode: 1 worker  (target 1, min 1, max 4)" in text
     assert "  decode-1 (draining)      no answer" in text
+    assert ("clients saw: TTFT p90 812 ms, ITL p90 - over 7 requests, 0 tokens  (SLO: TTFT 1000 ms, ITL 50 ms)"
+            in text)
     assert text.splitlines()[-2:] == ["autoscaling decisions (latest last):",
                                       "     12.5 s ago  remove decode: idle for 30 s"]
 
