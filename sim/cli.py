@@ -1,0 +1,254 @@
+"""``tandem sim`` (replay a trace or a workload on a simulated deployment) and ``tandem plan``
+(search the configuration that serves the most load under SLOs); docs/SIMULATOR.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from router.admission import AdmissionConfig
+from sim.cost import DEVICES, LINKS, MODELS, cost_model, model_spec
+from sim.topology import RouterSettings, SimTopology
+
+PLAN_HELP = "search P:D splits, chunk budgets and batch caps for the most load under SLOs"
+
+
+def _add_hardware(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-kind", default="H100", choices=sorted(DEVICES), help="default: H100")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS),
+                   help="the served model's sizes (default: llama-3.1-8b)")
+    p.add_argument("--profile", default=None,
+                   help="a profile table (python -m bench.steps --profile) to fit the device's corrections from")
+    p.add_argument("--link", default=None, choices=LINKS, help="KV transfer link (default: ib on GPUs, pcie on cpu)")
+
+
+def add_sim(sub) -> None:
+    """The ``tandem sim`` subcommand."""
+    p = sub.add_parser("sim", help="replay a trace or workload on a simulated deployment (docs/SIMULATOR.md)")
+    p.add_argument("--config", default=None, help="topology YAML (cluster/config.py); default 1 prefill + 1 decode")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", default=None, help="a bench.serve result JSON or a JSON-lines trace")
+    src.add_argument("--workload", default=None, help="e.g. sharegpt:n=2000,rate=20,seed=0 (sim/workload.py)")
+    p.add_argument("--run-index", type=int, default=0, help="which run of a bench.serve result to replay")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="replay the trace this many times faster")
+    p.add_argument("--prefill-workers", type=int, default=None)
+    p.add_argument("--decode-workers", type=int, default=None)
+    _add_hardware(p)
+    _add_router(p)
+    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft:200,itl:50")
+    p.add_argument("--result-json", default=None, help="write the summary as JSON")
+    p.set_defaults(func=cmd_sim)
+
+
+def _add_router(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--placement", default="load", choices=("load", "round_robin"))
+    p.add_argument("--local-prefill-tokens", type=int, default=0)
+    p.add_argument("--local-prefill-backlog-tokens", type=int, default=0)
+    p.add_argument("--max-outstanding-requests", type=int, default=256)
+    p.add_argument("--max-outstanding-prompt-tokens", type=int, default=262_144)
+
+
+def _router(args: argparse.Namespace) -> RouterSettings:
+    return RouterSettings(
+        placement=args.placement, local_prefill_tokens=args.local_prefill_tokens,
+        local_prefill_backlog_tokens=args.local_prefill_backlog_tokens,
+        admission=AdmissionConfig(max_requests=args.max_outstanding_requests,
+                                  max_prompt_tokens=args.max_outstanding_prompt_tokens),
+    )
+
+
+def _topology(args: argparse.Namespace, router: RouterSettings) -> SimTopology:
+    if args.config:
+        from cluster.config import ClusterConfig
+
+        ClusterConfig.from_yaml(args.config)  # the file is a valid Tandem topology
+        topo = SimTopology.from_yaml(args.config, router)
+    else:
+        topo = SimTopology(router=router)
+    changes = {k: getattr(args, k, None) for k in ("prefill_workers", "decode_workers")}
+    return topo.replace(**{k: v for k, v in changes.items() if v is not None})
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from sim.report import format_report, parse_slo, summary
+    from sim.simulator import run
+    from sim.workload import generate, load_trace, parse_spec, scaled
+
+    cost = cost_model(args.device_kind, model_spec(args.model), args.profile, args.link)
+    topo = _topology(args, _router(args))
+    if args.trace:
+        requests = scaled(load_trace(args.trace, args.run_index), args.rate_scale)
+    else:
+        requests = generate(parse_spec(args.workload))
+    slo = parse_slo(args.slo) if args.slo else None
+    s = summary(run(topo, cost, requests), slo)
+    label = (f"{topo.prefill_workers}P+{topo.decode_workers}D" if not topo.colocated
+             else f"colocated {topo.decode_workers}") + f" on {args.device_kind} ({cost.corrections.source} costs)"
+    print(format_report(s, label))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(s, indent=2))
+        print(f"wrote {args.result_json}")
+    return 0
+
+
+def add_plan(sub) -> None:
+    """The ``tandem plan`` subcommand."""
+    p = sub.add_parser("plan", help=PLAN_HELP)
+    p.add_argument("--slo", required=True, help="ttft:MS,itl:MS (ITL as each request's mean time per token)")
+    p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
+    p.add_argument("--rate", type=float, required=True, help="the request rate to serve (requests/s)")
+    p.add_argument("--devices", type=int, required=True, help="devices (GPUs) to split into workers")
+    p.add_argument("--workload", default="sharegpt", help="length mix, e.g. sharegpt or synthetic:in=1024,out=128")
+    p.add_argument("--config", default=None, help="a topology YAML whose engine settings the candidates start from")
+    _add_hardware(p)
+    p.add_argument("--chunks", default="512,2048,8192", help="chunk budgets to try (max_num_batched_tokens)")
+    p.add_argument("--batch-caps", default="64,256", help="batch caps to try (max_num_seqs)")
+    p.add_argument("--max-unit", type=int, default=8, help="devices per simulated unit, at most")
+    p.add_argument("--iters", type=int, default=5, help="bisection steps per candidate")
+    p.add_argument("--trial-s", type=float, default=30.0, help="simulated seconds of arrivals per trial")
+    p.add_argument("--out-dir", default=None, help="write topology.yaml and values.yaml here")
+    p.add_argument("--json", default=None, help="write every candidate's numbers as JSON")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from sim.planner import PlanSettings, plan
+    from sim.report import parse_slo
+    from sim.workload import parse_spec
+
+    slo = parse_slo(args.slo, args.attainment)
+    cost = cost_model(args.device_kind, model_spec(args.model), args.profile, args.link)
+    # Admission is sized from the plan (Helm values), so it does not bind while searching.
+    router = RouterSettings(admission=AdmissionConfig(max_requests=10**9, max_prompt_tokens=10**12))
+    base = SimTopology.from_yaml(args.config, router) if args.config else SimTopology(router=router)
+    spec = parse_spec(args.workload)
+    settings = PlanSettings(chunks=_ints(args.chunks, "--chunks"), batch_caps=_ints(args.batch_caps, "--batch-caps"),
+                            max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s)
+
+    def progress(ev, replicas):
+        print(f"  {ev.candidate.label(replicas):40} estimate {ev.estimate * replicas:8.2f} req/s, "
+              f"sustains {ev.rate * replicas:8.2f} req/s ({ev.trials} trials)", file=sys.stderr, flush=True)
+
+    result = plan(args.devices, base, cost, spec, slo, settings, progress=progress)
+    print(format_plan(result, base, args, cost))
+    if args.out_dir:
+        write_plan(result, base, args, Path(args.out_dir))
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan_record(result), indent=2))
+    return 0
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def best_topology(result, base: SimTopology, cost) -> SimTopology:
+    """The best candidate over all the devices, its KV blocks written out explicitly."""
+    topo = result.best.candidate.topology(base, result.replicas)
+    roles = ("decode",) if topo.colocated else ("prefill", "decode")
+    engines = {f"{role}_engine": {**getattr(topo, f"{role}_engine"), "num_kv_blocks": topo.kv_blocks(role, cost)[0]}
+               for role in roles}
+    if topo.colocated:
+        engines["prefill_engine"] = {}
+    return topo.replace(**engines)
+
+
+def outstanding(result) -> int:
+    """An admission bound that lets the planned load in: twice the requests in flight at the
+    sustained rate (Little's law over the E2E p99), and never under the service's 256."""
+    s = result.verified or result.best.summary or {}
+    e2e_s = ((s.get("e2e_ms") or {}).get("p99") or 0) / 1e3
+    return max(256, math.ceil(2 * result.best.rate * result.replicas * e2e_s))
+
+
+def _model_note(model: str) -> str:
+    return f"# planned for {model}: set model: to its checkpoint (a path or a registered name)"
+
+
+def helm_values(topo: SimTopology, max_outstanding: int = 256) -> dict:
+    """Helm values (deploy/helm/tandem) for ``topo``: one GPU a worker."""
+    topology = {**topo.to_topology(), "prefill_resources": {"num_cpus": 1, "num_gpus": 1},
+                "decode_resources": {"num_cpus": 1, "num_gpus": 1}}
+    pools = {role: {"replicas": n, "minReplicas": n, "maxReplicas": n, "gpus": 1}
+             for role, n in (("prefill", topo.prefill_workers), ("decode", topo.decode_workers))}
+    return {**pools, "serve": {"topology": topology, "maxOutstandingRequests": max_outstanding}}
+
+
+def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> str:
+    import yaml
+
+    if not result.ranked or result.best.rate <= 0:
+        return "no candidate met the SLO at any rate tried"
+    r, best = result.replicas, result.best
+    need = math.ceil(args.rate / best.rate) * result.unit if best.rate > 0 else None
+    lines = [f"best on {args.devices} x {args.device_kind} ({result.unit} devices a unit, {r} units): "
+             f"{best.candidate.label(r)} sustains {best.rate * r:.2f} req/s "
+             f"({'meets' if best.rate * r >= args.rate else 'short of'} --rate {args.rate:g}; "
+             f"{need} devices would serve it)"]
+    if result.best_colocated is not None:
+        c = result.best_colocated
+        ratio = best.rate / c.rate if c.rate > 0 else math.inf
+        lines.append(f"best colocated: {c.candidate.label(r)} sustains {c.rate * r:.2f} req/s "
+                     f"(best / colocated: {ratio:.2f}x)")
+    if result.verified is not None:
+        v = result.verified
+        lines.append(f"whole-cluster check at {best.rate * r:.2f} req/s: SLO attainment {v['slo_attainment']:.1%}, "
+                     f"TTFT p90 {v['ttft_ms']['p90']:.1f} ms, TPOT p90 {v['tpot_ms']['p90']:.1f} ms")
+    lines.append("runners-up:")
+    for ev in result.ranked[1:6]:
+        lines.append(f"  {ev.candidate.label(r):40} {ev.rate * r:8.2f} req/s")
+    topo = best_topology(result, base, cost)
+    lines += ["", "# topology.yaml", _model_note(args.model), yaml.safe_dump(topo.to_topology(), sort_keys=False).rstrip(),
+              "", "# Helm values", _model_note(args.model),
+              yaml.safe_dump(helm_values(topo, outstanding(result)), sort_keys=False).rstrip()]
+    return "\n".join(lines)
+
+
+def write_plan(result, base: SimTopology, args: argparse.Namespace, out: Path) -> None:
+    import yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    topo = best_topology(result, base, cost_model(args.device_kind, model_spec(args.model), args.profile, args.link))
+    note = _model_note(args.model) + "\n"
+    (out / "topology.yaml").write_text(note + yaml.safe_dump(topo.to_topology(), sort_keys=False))
+    (out / "values.yaml").write_text(note + yaml.safe_dump(helm_values(topo, outstanding(result)), sort_keys=False))
+    print(f"wrote {out / 'topology.yaml'} and {out / 'values.yaml'}")
+
+
+def plan_record(result) -> dict:
+    """Every evaluated candidate's numbers (per the whole cluster), for ``--json``."""
+    r = result.replicas
+    return {"unit": result.unit, "replicas": r, "verified": result.verified, "candidates": [
+        {"config": ev.candidate.label(r), "estimate": ev.estimate * r, "sustained_rate": ev.rate * r,
+         "trials": ev.trials, "summary": ev.summary} for ev in result.ranked]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    add_sim(sub)
+    add_plan(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tandem sim ...`` / ``tandem plan ...`` (also ``python -m sim.cli sim ...``)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

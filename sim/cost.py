@@ -1,0 +1,335 @@
+"""The cost model: how long a model step and a KV transfer take on a device kind.
+
+Pure (no torch, no clock). A step's work is read off the engine's own plan
+(``engine.scheduler.SchedulerOutput``) as a ``StepShape``: tokens computed, batch size,
+attention pairs (a prompt of L tokens computed whole has L(L+1)/2: the "sum of squared
+prompt lengths" term), KV tokens read, and tokens sampled. Its time is
+
+    overhead_s + per_layer_s * layers + per_request_s * batch
+        + max(compute, memory)                           # the roofline
+        + per_token_s * tokens + per_pair_s * pairs + per_kv_token_s * kv_read
+
+where ``compute`` is the step's FLOPs (2 per weight per token, 4 per head dimension per
+attention pair per layer, the LM head only for sampled tokens) over the device's bf16
+FLOP/s times ``mfu``, and ``memory`` the bytes it moves (every weight once, the KV it
+reads and writes) over the HBM bandwidth times ``mbu``. The datasheet figures are in
+``DEVICES``; the corrections (the ``Corrections`` fields) are fitted per device kind from
+a profile table (``fit``), or, where none was measured, set to the assumed defaults
+``GPU_DEFAULTS``.
+
+A KV transfer takes ``link latency + bytes / link bandwidth``; the simulator queues
+transfers that share a worker's link (``sim.simulator``), which is the contention.
+
+The profile table (``write_profile`` / ``read_profile``; ``python -m bench.steps
+--profile FILE`` writes one on this CPU) is one JSON object::
+
+    {"format": "tandem-step-profile/1", "device": "cpu", "dtype_bytes": 4,
+     "model": {ModelSpec fields}, "rows": [{"batch": 8, "num_tokens": 8,
+     "prefill_tokens": 0, "attn_pairs": 1060, "kv_read_tokens": 1060,
+     "num_sampled": 8, "step_ms": 9.1}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+PROFILE_FORMAT = "tandem-step-profile/1"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Datasheet figures of one device kind (dense bf16 FLOP/s; bandwidths in bytes/s, one
+    direction): what the roofline and the transfer times are made of."""
+
+    name: str
+    flops: float  # dense bf16 (fp32 for the CPU, which serves in float32)
+    hbm_bw: float
+    memory_bytes: float
+    nvlink_bw: float
+    ib_bw: float
+    pcie_bw: float
+    dtype_bytes: int = 2
+    is_gpu: bool = True
+
+
+# SXM parts; NVLink is per GPU per direction, InfiniBand one NDR/HDR port per GPU.
+DEVICES = {
+    "A100": DeviceSpec("A100", 312e12, 2.039e12, 80 * GB, 300 * GB, 25 * GB, 32 * GB),
+    "H100": DeviceSpec("H100", 989e12, 3.35e12, 80 * GB, 450 * GB, 50 * GB, 64 * GB),
+    "H200": DeviceSpec("H200", 989e12, 4.8e12, 141 * GB, 450 * GB, 50 * GB, 64 * GB),
+    "B200": DeviceSpec("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB, 64 * GB),
+    # This machine: 2 vCPUs of a Xeon with AVX-512 (2 FMA units x 16 fp32 lanes at about
+    # 2.5 GHz), its memory bandwidth a guess; the fitted corrections carry the rest.
+    "cpu": DeviceSpec("cpu", 2 * 160e9, 20 * GB, 8 * GB, 10 * GB, 10 * GB, 10 * GB, dtype_bytes=4, is_gpu=False),
+}
+LINKS = ("nvlink", "ib", "pcie")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder's sizes, as far as the cost model needs them."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    max_model_len: int = 4096
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of every layer's projections (attention and MLP), norms left out."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        return self.num_layers * (attn + 3 * self.hidden_size * self.intermediate_size)
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        return self.layer_params + embed * (1 if self.tie_word_embeddings else 2)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """K and V of one block across all layers (``engine.kv_cache.bytes_per_block``)."""
+        return block_size * self.kv_bytes_per_token(dtype_bytes)
+
+    @classmethod
+    def from_model_config(cls, name: str, config) -> "ModelSpec":
+        """From an ``engine.model_config.ModelConfig`` (read, not imported: no torch)."""
+        return cls(name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                   config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings,
+                   config.max_position_embeddings)
+
+
+MODELS = {
+    "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 8192),
+    "qwen2.5-14b": ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, False, 8192),
+    "smollm2-135m": ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 2048),
+    # The built-in test model (engine/default_model.py), as its config.json says.
+    "tandem-tiny-llama": ModelSpec("tandem-tiny-llama", 6, 384, 6, 2, 64, 1024, 4096, False, 2048),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A named model's sizes; ValueError naming the known ones."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r} for the simulator: one of {sorted(MODELS)}")
+    return MODELS[name]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step's work, read off the scheduler's plan."""
+
+    batch: int = 0  # requests in the step
+    num_tokens: int = 0  # tokens computed
+    prefill_tokens: int = 0  # of those, in chunks of more than one token
+    attn_pairs: int = 0  # (query, key) pairs: a chunk of n from position s has n*s + n(n+1)/2
+    kv_read_tokens: int = 0  # KV tokens the step's attention reads (context plus new)
+    num_sampled: int = 0  # tokens sampled (the LM head's rows)
+    swap_blocks: int = 0  # blocks copied to or from swap space
+
+
+def shape_of(out) -> StepShape:
+    """The ``StepShape`` of an ``engine.scheduler.SchedulerOutput``."""
+    batch = tokens = prefill = pairs = kv = sampled = 0
+    for item in out.scheduled:
+        n, start = len(item.token_ids), item.start_pos
+        batch += 1
+        tokens += n
+        if n > 1:
+            prefill += n
+        pairs += n * start + n * (n + 1) // 2
+        kv += start + n
+        sampled += item.sample
+    return StepShape(batch, tokens, prefill, pairs, kv, sampled, len(out.swap_in) + len(out.swap_out))
+
+
+def decode_shape(batch: int, context: int) -> StepShape:
+    """``batch`` requests decoding one token each after ``context`` tokens."""
+    return StepShape(batch, batch, 0, batch * (context + 1), batch * (context + 1), batch)
+
+
+def prefill_shape(lengths: list[int]) -> StepShape:
+    """Whole prompts of ``lengths`` computed in one step, each sampling its first token."""
+    return StepShape(len(lengths), sum(lengths), sum(n for n in lengths if n > 1),
+                     sum(n * (n + 1) // 2 for n in lengths), sum(lengths), len(lengths))
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """What the datasheet roofline leaves out: per-step, per-layer and per-request overheads,
+    the achieved shares of peak (``mfu``, ``mbu``), and linear terms over tokens, attention
+    pairs and KV tokens read. Fitted from a profile table, or assumed (``GPU_DEFAULTS``)."""
+
+    overhead_s: float = 0.0
+    per_layer_s: float = 0.0
+    per_request_s: float = 0.0
+    mfu: float = 0.5
+    mbu: float = 0.75
+    per_token_s: float = 0.0
+    per_pair_s: float = 0.0
+    per_kv_token_s: float = 0.0
+    source: str = "assumed"  # "assumed", or the profile table it was fitted from
+
+
+# Not measured: a GPU engine's step with a Python scheduler, launches and sampling; the
+# shares of peak that serving kernels reach on Hopper (MFU 0.5, MBU 0.75).
+GPU_DEFAULTS = Corrections(overhead_s=1.5e-3, per_layer_s=20e-6, per_request_s=15e-6, mfu=0.5, mbu=0.75)
+
+
+class CostModel:
+    """Step and transfer times of one device kind serving one model."""
+
+    def __init__(self, device: DeviceSpec, model: ModelSpec, corrections: Corrections | None = None,
+                 link: str = "ib", link_latency_s: float | None = None, block_size: int = 16) -> None:
+        if link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        self.device, self.model = device, model
+        self.corrections = corrections or (GPU_DEFAULTS if device.is_gpu else Corrections())
+        self.link = link
+        self.block_size = block_size
+        self.link_bw = getattr(device, f"{link}_bw")
+        self.link_latency_s = link_latency_s if link_latency_s is not None else (20e-6 if device.is_gpu else 1e-3)
+        db = device.dtype_bytes
+        self._kv_bytes_per_token = model.kv_bytes_per_token(db)
+        self._weight_bytes = (model.layer_params + model.vocab_size * model.hidden_size) * db
+        self._attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
+        self._head_flops = 2 * model.vocab_size * model.hidden_size
+        c = self.corrections
+        self._fixed_s = c.overhead_s + c.per_layer_s * model.num_layers
+        self._flops_per_s = device.flops * c.mfu
+        self._bytes_per_s = device.hbm_bw * c.mbu
+
+    def roofline_s(self, s: StepShape) -> float:
+        """The larger of the step's compute time and memory time at the fitted shares of peak."""
+        m = self.model
+        flops = 2 * m.layer_params * s.num_tokens + self._head_flops * s.num_sampled
+        flops += self._attn_flops_per_pair * s.attn_pairs
+        moved = self._weight_bytes + self._kv_bytes_per_token * (s.kv_read_tokens + s.num_tokens)
+        return max(flops / self._flops_per_s, moved / self._bytes_per_s)
+
+    def step_s(self, s: StepShape) -> float:
+        """Seconds one step of this shape takes (0 for an empty one)."""
+        if not s.batch and not s.swap_blocks:
+            return 0.0
+        c = self.corrections
+        t = self._fixed_s + c.per_request_s * s.batch + self.roofline_s(s)
+        t += c.per_token_s * s.num_tokens + c.per_pair_s * s.attn_pairs + c.per_kv_token_s * s.kv_read_tokens
+        if s.swap_blocks:
+            t += s.swap_blocks * self.block_bytes(self.block_size) / self.device.pcie_bw
+        return t
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.model.bytes_per_block(block_size, self.device.dtype_bytes)
+
+    def transfer_s(self, num_bytes: int) -> float:
+        """A KV hand-off of ``num_bytes`` over the link, alone on it."""
+        return self.link_latency_s + num_bytes / self.link_bw
+
+    def kv_blocks_fitting(self, block_size: int, memory_share: float = 0.9) -> int:
+        """KV blocks that fit in a device's memory beside the weights (``memory_share`` of it used)."""
+        free = self.device.memory_bytes * memory_share - self.model.num_params * self.device.dtype_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.name} ({self.model.num_params / 1e9:.1f}B parameters) does not fit "
+                             f"one {self.device.name} ({self.device.memory_bytes / GB:.0f} GB)")
+        return int(free // self.block_bytes(block_size))
+
+
+# -- profile tables and fitting ------------------------------------------------
+
+FEATURES = ("num_tokens", "attn_pairs", "kv_read_tokens", "batch")
+
+
+def write_profile(path: str | Path, device: str, model: ModelSpec, dtype_bytes: int, rows: list[dict]) -> None:
+    """Write a profile table: each row a ``StepShape``'s fields plus the measured ``step_ms``."""
+    doc = {"format": PROFILE_FORMAT, "device": device, "dtype_bytes": dtype_bytes, "model": asdict(model),
+           "rows": rows}
+    Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def profile_row(shape: StepShape, step_ms: float) -> dict:
+    return {**{f.name: getattr(shape, f.name) for f in fields(StepShape) if f.name != "swap_blocks"},
+            "step_ms": round(step_ms, 4)}
+
+
+def read_profile(path: str | Path) -> dict:
+    """A profile table, checked: ValueError names what is missing."""
+    doc = json.loads(Path(path).read_text())
+    if doc.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path}: not a {PROFILE_FORMAT} table (format {doc.get('format')!r})")
+    for i, row in enumerate(doc["rows"]):
+        missing = [k for k in (*FEATURES, "step_ms") if k not in row]
+        if missing:
+            raise ValueError(f"{path}: row {i} lacks {missing}")
+    return doc
+
+
+def _shape(row: dict) -> StepShape:
+    return StepShape(**{f.name: row.get(f.name, 0) for f in fields(StepShape)})
+
+
+def fit(device: DeviceSpec, model: ModelSpec, rows: list[dict], source: str = "profile") -> Corrections:
+    """Corrections fitted to measured steps: non-negative least squares of what the roofline
+    leaves (measured - roofline) over a constant, batch, tokens, attention pairs and KV tokens.
+    The overhead is split evenly per step; ``per_layer_s`` stays 0 (one model per table)."""
+    base = CostModel(device, model, Corrections(mfu=1.0, mbu=1.0))
+    cols = [[1.0, float(r["batch"]), float(r["num_tokens"]), float(r["attn_pairs"]), float(r["kv_read_tokens"])]
+            for r in rows]
+    target = [r["step_ms"] / 1e3 - base.roofline_s(_shape(r)) for r in rows]
+    coef = nnls(cols, target)
+    return Corrections(overhead_s=coef[0], per_request_s=coef[1], mfu=1.0, mbu=1.0, per_token_s=coef[2],
+                       per_pair_s=coef[3], per_kv_token_s=coef[4], source=source)
+
+
+def nnls(a: list[list[float]], b: list[float], iters: int = 20) -> list[float]:
+    """Least squares with every coefficient >= 0: solve, drop the negative ones, solve again
+    (columns scaled to unit norm first)."""
+    import numpy as np
+
+    A, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    scale = np.linalg.norm(A, axis=0)
+    scale[scale == 0] = 1.0
+    As = A / scale
+    active = np.ones(A.shape[1], dtype=bool)
+    x = np.zeros(A.shape[1])
+    for _ in range(iters):
+        x = np.zeros(A.shape[1])
+        if active.any():
+            x[active] = np.linalg.lstsq(As[:, active], y, rcond=None)[0]
+        if (x >= 0).all():
+            break
+        active &= x > 0
+    return [float(v) for v in np.maximum(x, 0) / scale]
+
+
+def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None, link: str | None = None) -> CostModel:
+    """The cost model of a device kind: fitted from ``profile`` when given, else the assumed
+    corrections (``GPU_DEFAULTS``; none for the CPU, whose roofline alone is far too fast)."""
+    if device not in DEVICES:
+        raise ValueError(f"unknown device kind {device!r}: one of {sorted(DEVICES)}")
+    spec = DEVICES[device]
+    corrections = None
+    if profile is not None:
+        doc = read_profile(profile)
+        if doc["device"] != device:
+            raise ValueError(f"{profile} was measured on {doc['device']!r}, not {device!r}")
+        spec = replace(spec, dtype_bytes=doc.get("dtype_bytes", spec.dtype_bytes))
+        corrections = fit(spec, model, doc["rows"], source=str(profile))
+    return CostModel(spec, model, corrections, link or ("ib" if spec.is_gpu else "pcie"))
+
+
+def relative_error(cost: CostModel, rows: list[dict]) -> float:
+    """The mean |predicted - measured| / measured over a table's rows."""
+    errs = [abs(cost.step_s(_shape(r)) * 1e3 - r["step_ms"]) / r["step_ms"] for r in rows if r["step_ms"] > 0]
+    return sum(errs) / len(errs) if errs else math.nan

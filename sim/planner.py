@@ -1,0 +1,239 @@
+"""The planner: which prefill:decode split, chunk budget and batch cap serve the most load
+under latency SLOs on N devices of one kind.
+
+The search, for a workload's length mix and an ``SloTarget``:
+
+1. **Units.** N devices are split into N / U identical units of U devices (U the
+   largest divisor of N up to ``max_unit``); a unit is simulated at 1 / (N / U) of the
+   rate, as the router spreads load evenly over like workers. The best configuration is
+   then simulated whole (``verify``).
+2. **Rate matching** (the prune): for every split (p prefill + d decode workers, p + d =
+   U) the cost model estimates what a prefill worker and a decode worker each sustain
+   (prefill: tokens a step of the chunk budget computes; decode: the largest batch whose
+   step stays under the ITL limit and whose KV fits), and the unit's capacity is the
+   smaller side. Splits within ``keep_share`` of the best estimate are kept (at most
+   ``keep``), and the colocated unit (all U workers run requests whole) always is.
+3. **Bisection**: for each kept split and each chunk budget and batch cap, the highest
+   request rate whose simulation meets the SLO (``SloTarget.attainment`` of the requests
+   meet both limits), to ``iters`` halvings of the bracket around the estimate.
+
+Candidates are ranked by the rate they sustain (the goodput the N devices serve).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from sim.cost import CostModel, StepShape, decode_shape
+from sim.report import SloTarget, summary
+from sim.simulator import run
+from sim.topology import SimTopology
+from sim.workload import WorkloadSpec, generate, sharegpt_lengths
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of a unit: pool sizes, the chunk budget (``max_num_batched_tokens`` of the
+    workers that prefill) and the batch cap (``max_num_seqs`` of the workers that decode)."""
+
+    prefill_workers: int
+    decode_workers: int
+    chunk: int
+    max_num_seqs: int
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill_workers == 0
+
+    def label(self, replicas: int = 1) -> str:
+        p, d = self.prefill_workers * replicas, self.decode_workers * replicas
+        pools = f"colocated {d}" if self.colocated else f"{p}P+{d}D"
+        return f"{pools} chunk {self.chunk} seqs {self.max_num_seqs}"
+
+    def topology(self, base: SimTopology, replicas: int = 1) -> SimTopology:
+        """``base`` with this candidate's pools (times ``replicas``) and engine settings."""
+        prefill_role = "decode" if self.colocated else "prefill"
+        engines = {"prefill_engine": dict(base.prefill_engine), "decode_engine": dict(base.decode_engine)}
+        engines[f"{prefill_role}_engine"]["max_num_batched_tokens"] = self.chunk
+        engines["decode_engine"]["max_num_seqs"] = self.max_num_seqs
+        return base.replace(prefill_workers=self.prefill_workers * replicas,
+                            decode_workers=self.decode_workers * replicas, **engines)
+
+
+@dataclass
+class Evaluated:
+    """A candidate with its rate-matching estimate and the rate it sustained (per unit), and the
+    summary of the simulation at that rate."""
+
+    candidate: Candidate
+    estimate: float
+    rate: float = 0.0
+    summary: dict | None = None
+    trials: int = 0
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The search's space and effort."""
+
+    chunks: tuple[int, ...] = (512, 2048, 8192)
+    batch_caps: tuple[int, ...] = (64, 256)
+    max_unit: int = 8
+    keep: int = 3
+    keep_share: float = 0.5
+    iters: int = 5
+    trial_s: float = 30.0  # simulated seconds of arrivals per trial
+    min_requests: int = 200
+    max_requests: int = 6000
+
+
+@dataclass
+class PlanResult:
+    """The ranked candidates (best first), the unit size and how many units make N devices."""
+
+    ranked: list[Evaluated]
+    unit: int
+    replicas: int
+    verified: dict | None = None
+    best_colocated: Evaluated | None = None
+    evaluated: list[Evaluated] = field(default_factory=list)
+
+    @property
+    def best(self) -> Evaluated:
+        return self.ranked[0]
+
+
+def unit_size(devices: int, max_unit: int) -> int:
+    """The largest divisor of ``devices`` that is at most ``max_unit``."""
+    return max(u for u in range(1, min(devices, max_unit) + 1) if devices % u == 0)
+
+
+def mean_lengths(spec: WorkloadSpec, n: int = 2000) -> tuple[float, float]:
+    """The workload's mean prompt and output lengths (from a sample of its generator)."""
+    if spec.kind == "sharegpt":
+        rng = random.Random(spec.seed)
+        pairs = [sharegpt_lengths(rng) for _ in range(n)]
+    else:
+        pairs = [(r.prompt_tokens, r.output_tokens) for r in generate(spec.with_rate(math.inf, min(n, spec.n)))]
+    return sum(p for p, _ in pairs) / len(pairs), sum(o for _, o in pairs) / len(pairs)
+
+
+def worker_rates(c: Candidate, base: SimTopology, cost: CostModel, lengths: tuple[float, float],
+                 slo: SloTarget) -> tuple[float, float]:
+    """Requests/s one prefill worker and one decode worker of ``c`` sustain, by the cost model."""
+    prompt, output = lengths
+    per_step = max(1, min(c.chunk, 8192))
+    reqs = max(1, round(per_step / max(prompt, 1)))
+    shape = StepShape(reqs, per_step, per_step, int(reqs * prompt * (prompt + 1) / 2), per_step, reqs)
+    prefill_rate = per_step / cost.step_s(shape) / max(prompt, 1)
+    context = int(prompt + output / 2)
+    topo = c.topology(base)
+    blocks, _ = topo.kv_blocks("decode", cost)
+    fits = blocks * topo.engine_config("decode").block_size // max(context, 1)
+    best = 0.0
+    for batch in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, c.max_num_seqs}):
+        batch = min(batch, c.max_num_seqs, max(1, fits))
+        step = cost.step_s(decode_shape(batch, context))
+        if step * 1e3 <= slo.itl_ms or batch == 1:
+            best = max(best, batch / (step * output))
+    return prefill_rate, best
+
+
+def estimate(c: Candidate, base: SimTopology, cost: CostModel, lengths: tuple[float, float],
+             slo: SloTarget) -> float:
+    """The unit's rate-matching capacity (requests/s): the smaller side of prefill and decode."""
+    prefill_rate, decode_rate = worker_rates(c, base, cost, lengths, slo)
+    if c.colocated:  # each worker does both: the time shares add up
+        return c.decode_workers / (1 / prefill_rate + 1 / decode_rate)
+    return min(c.prefill_workers * prefill_rate, c.decode_workers * decode_rate)
+
+
+def trial(c: Candidate, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget, rate: float,
+          s: PlanSettings) -> dict:
+    """One simulation of a unit of ``c`` at ``rate``: its summary."""
+    n = int(min(s.max_requests, max(s.min_requests, rate * s.trial_s)))
+    return summary(run(c.topology(base), cost, generate(spec.with_rate(rate, n))), slo)
+
+
+def sustained(c: Candidate, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget,
+              guess: float, s: PlanSettings) -> Evaluated:
+    """The highest rate at which a unit of ``c`` meets the SLO: a bracket found by doubling or
+    halving from the estimate (at most 4 steps), then ``iters`` bisections."""
+    ev = Evaluated(c, guess)
+
+    def meets(rate: float) -> bool:
+        res = trial(c, base, cost, spec, slo, rate, s)
+        ev.trials += 1
+        if res["slo_attainment"] >= slo.attainment and rate > ev.rate:
+            ev.rate, ev.summary = rate, res
+        return res["slo_attainment"] >= slo.attainment
+
+    rate = max(guess, 1e-3)
+    if meets(rate):
+        lo, hi = rate, rate * 2
+        for _ in range(4):
+            if not meets(hi):
+                break
+            lo, hi = hi, hi * 2
+    else:
+        lo, hi = rate / 2, rate
+        for _ in range(4):
+            if meets(lo):
+                break
+            lo, hi = lo / 2, lo
+        else:
+            return ev  # under a 16th of the estimate: counted as sustaining nothing
+    for _ in range(s.iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    return ev
+
+
+def candidates(unit: int, s: PlanSettings) -> list[Candidate]:
+    splits = [(p, unit - p) for p in range(1, unit)] + [(0, unit)]
+    return [Candidate(p, d, chunk, cap) for p, d in splits for chunk in s.chunks for cap in s.batch_caps]
+
+
+def prune(cands: list[Candidate], estimates: dict[Candidate, float], s: PlanSettings) -> list[Candidate]:
+    """The splits the rate matching keeps (the colocated one always), with all their knobs."""
+    best_of = {}
+    for c in cands:
+        key = (c.prefill_workers, c.decode_workers)
+        best_of[key] = max(best_of.get(key, 0.0), estimates[c])
+    disagg = sorted((k for k in best_of if k[0] > 0), key=lambda k: -best_of[k])
+    top = best_of[disagg[0]] if disagg else 0.0
+    kept = {k for k in disagg[: s.keep] if best_of[k] >= s.keep_share * top} | {k for k in best_of if k[0] == 0}
+    return [c for c in cands if (c.prefill_workers, c.decode_workers) in kept]
+
+
+def plan(devices: int, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget,
+         s: PlanSettings | None = None, verify: bool = True, progress=None) -> PlanResult:
+    """Search the configurations of ``devices`` devices; the best first (module docstring)."""
+    s = s or PlanSettings()
+    if devices < 2:
+        raise ValueError(f"--devices must be >= 2 (a prefill and a decode worker), got {devices}")
+    unit = unit_size(devices, s.max_unit)
+    if unit < 2:
+        unit = devices  # a prime count above max_unit: the whole cluster is one unit
+    replicas = devices // unit
+    lengths = mean_lengths(spec)
+    cands = candidates(unit, s)
+    estimates = {c: estimate(c, base, cost, lengths, slo) for c in cands}
+    evaluated = []
+    for c in prune(cands, estimates, s):
+        ev = sustained(c, base, cost, spec, slo, estimates[c], s)
+        evaluated.append(ev)
+        if progress is not None:
+            progress(ev, replicas)
+    ranked = sorted(evaluated, key=lambda e: -e.rate)
+    colocated = [e for e in ranked if e.candidate.colocated]
+    result = PlanResult(ranked, unit, replicas, best_colocated=colocated[0] if colocated else None,
+                        evaluated=evaluated)
+    if verify and ranked and ranked[0].rate > 0 and replicas > 1:
+        best = ranked[0]
+        n = int(min(s.max_requests * replicas, max(s.min_requests, best.rate * replicas * s.trial_s)))
+        result.verified = summary(run(best.candidate.topology(base, replicas), cost,
+                                      generate(spec.with_rate(best.rate * replicas, n))), slo)
+    return result

@@ -1,0 +1,116 @@
+"""A simulated run in the serving benchmark's terms: its per-request records and summary.
+
+Each replayed request becomes a ``bench.serve.RequestResult`` (TTFT, ITL gaps and E2E
+from its arrival, on the simulated clock) and the run is summarized by
+``bench.serve.summarize``, so simulated and measured runs print and compare alike.
+To that the simulator adds preemptions, steps, queue lengths over time and autoscaling
+decisions.
+
+Goodput here counts a request that meets a TTFT and a TPOT (mean inter-token latency
+after the first token) limit; a configuration *sustains* a load when at least
+``attainment`` of the requests meet both (DistServe's SLO attainment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.serve import RequestResult, Slo, format_summary, summarize
+from sim.simulator import Record, SimResult
+
+
+@dataclass(frozen=True)
+class SloTarget:
+    """The planner's and ``tandem sim``'s latency targets: TTFT and ITL (as per-request TPOT)
+    limits in ms, and the share of requests that must meet both."""
+
+    ttft_ms: float
+    itl_ms: float
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.itl_ms > 0):
+            raise ValueError(f"SLO limits must be > 0 ms, got ttft {self.ttft_ms}, itl {self.itl_ms}")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"SLO attainment must be in (0, 1], got {self.attainment}")
+
+    @property
+    def bench_slo(self) -> Slo:
+        return Slo(ttft_ms=self.ttft_ms, tpot_ms=self.itl_ms)
+
+
+def parse_slo(text: str, attainment: float = 0.9) -> SloTarget:
+    """``ttft:MS,itl:MS``; ValueError names what is missing or unknown."""
+    values = {}
+    for item in filter(None, text.replace(" ", ",").split(",")):
+        key, _, ms = item.partition(":")
+        if key not in ("ttft", "itl", "tpot"):
+            raise ValueError(f"SLO item {item!r}: expected ttft:MS or itl:MS")
+        values["itl" if key == "tpot" else key] = float(ms)
+    if set(values) != {"ttft", "itl"}:
+        raise ValueError(f"--slo needs both ttft:MS and itl:MS, got {text!r}")
+    return SloTarget(values["ttft"], values["itl"], attainment)
+
+
+def request_result(rec: Record) -> RequestResult:
+    """The benchmark's record of one simulated request."""
+    req = rec.req
+    result = RequestResult(rec.index, "", req.prompt_tokens, req.output_tokens, sent_s=req.arrival_s)
+    if rec.error is not None or rec.end_s is None:
+        result.fail(rec.error or "unfinished")
+        return result
+    result.ok = True
+    result.output_tokens = len(rec.token_times)
+    result.cached_tokens = rec.cached_tokens
+    result.record_stream(req.arrival_s, list(rec.token_times), rec.end_s)
+    return result
+
+
+def summary(result: SimResult, slo: SloTarget | None = None) -> dict:
+    """``bench.serve.summarize``'s numbers for the run, plus the simulator's own: preemptions,
+    steps, queue peaks, SLO attainment, CPU time, autoscaling decisions."""
+    results = [request_result(r) for r in result.records]
+    sent = [r.req.arrival_s for r in result.records]
+    ends = [r.end_s for r in result.records if r.end_s is not None]
+    duration = (max(ends) - min(sent)) if ends and sent else 0.0
+    out = summarize(results, max(duration, 1e-9), slo.bench_slo if slo else Slo())
+    done = [r for r in results if r.ok]
+    if slo is not None:
+        met = sum(slo.bench_slo.met_by(r) for r in results)
+        out["slo_attainment"] = met / len(results) if results else 0.0
+    out["num_preemptions"] = result.num_preemptions
+    out["num_steps"] = result.num_steps
+    out["local_prefills"] = result.local_prefills
+    out["max_devices"] = result.num_devices_max
+    out["sim_cpu_s"] = result.sim_cpu_s
+    out["completed_tokens"] = sum(r.output_tokens for r in done)
+    out["queues"] = queue_peaks(result.queue_samples)
+    out["scaling_decisions"] = [{"t": t, "action": a, "role": role, "reason": why}
+                                for t, a, role, why in result.scaling_decisions]
+    return out
+
+
+def queue_peaks(samples: list[dict]) -> dict:
+    """The largest and the mean of each sampled queue length over the run."""
+    keys = sorted({k for s in samples for k in s if k != "t"})
+    out = {}
+    for k in keys:
+        values = [s[k] for s in samples if k in s]
+        out[k] = {"max": max(values), "mean": sum(values) / len(values)} if values else None
+    return out
+
+
+def format_report(s: dict, label: str) -> str:
+    """The benchmark's text summary, then the simulator's lines."""
+    lines = [format_summary(s, label)]
+    if "slo_attainment" in s:
+        lines.append(f"SLO attainment:              {s['slo_attainment']:.1%}")
+    lines.append(f"preemptions:                 {s['num_preemptions']}")
+    lines.append(f"steps simulated:             {s['num_steps']} in {s['sim_cpu_s']:.2f} s of CPU")
+    for key in ("prefill_waiting", "decode_waiting", "decode_running", "decode_kv_usage"):
+        q = s["queues"].get(key)
+        if q:
+            lines.append(f"{key + ' (max / mean):':29}{q['max']:.3g} / {q['mean']:.3g}")
+    for d in s["scaling_decisions"][-10:]:
+        lines.append(f"  t={d['t']:8.1f} s  {d['action']} {d['role']}: {d['reason']}")
+    return "\n".join(lines)

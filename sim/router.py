@@ -1,0 +1,87 @@
+"""The simulated router's placement: ``router.placement``'s policies over the simulated workers.
+
+The calls are the dispatcher's (``router.dispatch.Dispatcher._choose_decode``,
+``_choose_prefill`` and ``_prefill_here``), minus what only a live service has (stale
+load reports, pending counts of placements still in flight, affinities of ``n`` > 1,
+workers that died): the loads are the workers' reports as of their last change, and a
+reservation is taken at once, so no placement is pending.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from engine.block_hash import BlockHasher
+from engine.config import EngineConfig
+from router.placement import PrefixIndex, decode_has_room, pick_decode, pick_prefill, prefill_here, round_robin
+from sim.topology import RouterSettings
+from sim.worker import SimWorker
+
+
+class SimRouter:
+    """Placement state of one router replica: prefix indexes and tie-break counters, over the
+    simulator's pools (a dict of role to live ``SimWorker`` lists, shared, not copied)."""
+
+    def __init__(self, settings: RouterSettings, decode_engine: EngineConfig, pools: dict[str, list[SimWorker]]):
+        self.settings = settings
+        self.block_size = decode_engine.block_size
+        self.max_running = decode_engine.max_num_seqs
+        seed = decode_engine.prefix_hash_seed if decode_engine.prefix_hash_seed is not None else 0
+        self._hasher = BlockHasher(decode_engine.prefix_hash_algo, seed)
+        self.pools = pools
+        self._prefixes = PrefixIndex()
+        self._decode_prefixes = PrefixIndex()
+        self._decode_ties = itertools.count()
+        self._prefill_ties = itertools.count()
+        self._uses_prefixes = settings.placement != "round_robin" and settings.prefix_affinity
+
+    def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        return self._hasher.hash_blocks(prompt, self.block_size) if self._uses_prefixes else []
+
+    def choose_decode(self, prompt: list[int], now: float) -> tuple[SimWorker, int] | None:
+        """A decode worker with room for the prompt and its first token, and how many of its
+        leading blocks that worker likely caches; None when none has room."""
+        workers = [w for w in self.pools["decode"] if not w.draining]
+        blocks = -(-(len(prompt) + 1) // self.block_size)
+        loads = [w.decode_load() for w in workers]
+        hashes = self.prefix_hashes(prompt)
+        if self.settings.placement == "round_robin":
+            room = [decode_has_room(load, blocks, self.max_running) for load in loads]
+            i = round_robin(len(workers), next(self._decode_ties), room)
+        else:
+            cached = [self._decode_prefixes.matched_blocks(w.worker_id, hashes) for w in workers] if hashes else ()
+            i = pick_decode(loads, blocks, self.max_running, (), next(self._decode_ties), cached,
+                            self.settings.max_imbalance_requests)
+        if i is None:
+            return None
+        chosen = workers[i]
+        held = self._decode_prefixes.matched_blocks(chosen.worker_id, hashes) if hashes else 0
+        if hashes:
+            self._decode_prefixes.record(chosen.worker_id, hashes)
+        return chosen, held
+
+    def choose_prefill(self, prompt: list[int]) -> SimWorker:
+        """The prefill worker for ``prompt`` (least queued, or the one caching its prefix)."""
+        workers = [w for w in self.pools["prefill"] if not w.draining]
+        hashes = self.prefix_hashes(prompt)
+        if self.settings.placement == "round_robin":
+            i = round_robin(len(workers), next(self._prefill_ties))
+        else:
+            loads = [w.prefill_load() for w in workers]
+            cached = [self._prefixes.matched_blocks(w.worker_id, hashes) * self.block_size for w in workers]
+            i = pick_prefill(loads, (), next(self._prefill_ties), cached, self.settings.max_imbalance_tokens)
+        chosen = workers[i]
+        self._prefixes.record(chosen.worker_id, hashes)
+        return chosen
+
+    def prefill_here(self, prompt: list[int], held_blocks: int, decode: SimWorker) -> str | None:
+        """Why ``decode`` should compute the prompt itself (``placement.prefill_here``), or None."""
+        s = self.settings
+        prefill = [w for w in self.pools["prefill"] if not w.draining]
+        if not (s.local_prefill_tokens or s.local_prefill_backlog_tokens) or not prefill:
+            return None
+        queues = [w.prefill_load().queued_prefill_tokens for w in prefill]
+        uncached = len(prompt) - min(held_blocks * self.block_size, len(prompt))
+        return prefill_here(uncached, queues, decode.decode_load(), s.local_prefill_tokens,
+                            s.local_prefill_backlog_tokens)

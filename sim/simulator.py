@@ -1,0 +1,333 @@
+"""The discrete-event simulator: Tandem's scheduler, placement, admission and autoscaling on
+simulated time, with the model and the KV transfers replaced by a cost model.
+
+Everything that decides is the project's own code, called with the simulated ``now``:
+
+- each worker's ``engine.scheduler.Scheduler`` and ``engine.block_pool.KVCacheManager``
+  (``sim.worker``), stepped one plan at a time;
+- the router's ``router.admission.Admission`` and ``router.placement`` (``pick_decode``,
+  ``pick_prefill``, ``prefill_here``, ``round_robin``, ``PrefixIndex``), fed the
+  workers' load reports (``engine.messages.DecodeLoad`` / ``PrefillLoad``);
+- with ``autoscaling``, the controller's ``cluster.elastic.PoolScaler.observe`` and
+  ``cluster.autoscaler.Autoscaler.decide``.
+
+What the simulator itself does is the plumbing that is Ray and asyncio in the service
+(``router.dispatch``): the order of the calls, as the dispatcher makes them. A request's
+way, disaggregated::
+
+    arrive ─▶ admit ─▶ pick decode worker ─▶ reserve blocks (add_remote)
+        ─▶ pick prefill worker ─▶ prefill (max_tokens 1, hold_kv) ─▶ KV transfer
+        ─▶ remote_arrived: first token ─▶ decode steps ─▶ finished, ticket released
+    no decode worker with room: try again every ``load_poll_s`` until ``capacity_wait_s``
+    colocated, or ``prefill_here``: the decode worker runs the request whole
+
+Tokens reach the client at the end of the step that sampled them (a stream interval of
+0), the first one of a disaggregated request when its KV has arrived. A transfer waits
+for both workers' links to be free (each link carries one transfer at a time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from array import array
+from dataclasses import dataclass, field, replace
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from router.admission import Admission, Rejection, Ticket
+from sim.cost import CostModel, shape_of
+from sim.router import SimRouter
+from sim.topology import SimTopology
+from sim.worker import SAMPLED_TOKEN, SimWorker
+from sim.workload import SimRequest
+
+
+@dataclass(slots=True)
+class Record:
+    """One replayed request as the client sees it: token times on the simulated clock, the
+    workers it went to, its admission ticket and how it ended."""
+
+    index: int
+    req: SimRequest
+    ticket: Ticket | None = None
+    decode: SimWorker | None = None
+    prefill: SimWorker | None = None
+    held_blocks: int = 0
+    token_times: array = field(default_factory=lambda: array("d"))
+    end_s: float | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    deadline_s: float = math.inf
+
+
+@dataclass
+class SimResult:
+    """A run's records and what the workers counted (preemptions, steps, queue samples), with
+    the simulation's own CPU time."""
+
+    records: list[Record]
+    num_preemptions: int
+    num_steps: int
+    queue_samples: list[dict]
+    sim_cpu_s: float
+    num_devices_max: int
+    scaling_decisions: list[tuple[float, str, str, str]]
+    local_prefills: int = 0
+
+
+class Simulator:
+    """One run: a topology on a cost model replays a list of requests (``run``)."""
+
+    def __init__(self, topology: SimTopology, cost: CostModel, requests: list[SimRequest],
+                 sample_interval_s: float = 1.0) -> None:
+        self.topology = topology
+        self.cost = cost
+        self.requests = requests
+        self.sample_interval_s = sample_interval_s
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.admission = Admission(topology.router.admission)
+        self.pools: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
+        self._retired: list[SimWorker] = []
+        self._ids = itertools.count()
+        for role, n in (("prefill", topology.prefill_workers), ("decode", topology.decode_workers)):
+            for _ in range(n):
+                self.pools[role].append(self._new_worker(role))
+        self.router = SimRouter(topology.router, topology.engine_config("decode"), self.pools)
+        self.records = [Record(i, r) for i, r in enumerate(requests)]
+        self._open = len(self.records)
+        self.samples: list[dict] = []
+        self.scaling = self.latency = None
+        if topology.autoscaling is not None:
+            from router.latency import LatencyWindow
+            from sim.scaling import SimScaling
+
+            self.latency = LatencyWindow(span_s=10.0)  # what the routers' clients saw, as the router keeps it
+            self.scaling = SimScaling(self, topology.autoscaling)
+        self._max_devices = self.num_devices()
+        self.local_prefills = 0
+
+    # -- the event loop ---------------------------------------------------------
+
+    def at(self, t: float, fn, arg=None) -> None:
+        """Call ``fn(arg)`` at simulated time ``t``."""
+        heapq.heappush(self._events, (t, next(self._seq), fn, arg))
+
+    def run(self) -> SimResult:
+        cpu0 = time.process_time()
+        for rec in self.records:
+            self.at(rec.req.arrival_s, self._arrive, rec)
+        if self.records:
+            self.at(0.0, self._sample)
+        if self.scaling is not None:
+            self.at(self.scaling.config.interval_s, self.scaling.tick)
+        events, pop = self._events, heapq.heappop
+        while events and self._open:
+            self.now, _, fn, arg = pop(events)
+            fn(arg)
+        workers = [w for pool in self.pools.values() for w in pool] + self._retired
+        return SimResult(
+            self.records,
+            sum(w.scheduler.stats.num_preemptions for w in workers),
+            sum(w.num_steps for w in workers),
+            self.samples,
+            time.process_time() - cpu0,
+            self._max_devices,
+            self.scaling.decisions if self.scaling is not None else [],
+            self.local_prefills,
+        )
+
+    def num_devices(self) -> int:
+        return sum(len(p) for p in self.pools.values())
+
+    def note_devices(self, starting: int = 0) -> None:
+        """Keep the most devices held at once (workers still starting hold theirs)."""
+        self._max_devices = max(self._max_devices, self.num_devices() + starting)
+
+    def add_worker(self, role: str) -> SimWorker:
+        """A new worker joins ``role``'s pool (autoscaling), empty."""
+        w = self._new_worker(role)
+        self.pools[role].append(w)
+        self.note_devices(self.scaling.starting if self.scaling is not None else 0)
+        return w
+
+    def retire_worker(self, w: SimWorker) -> None:
+        """A drained worker leaves its pool; its counters still count."""
+        self.pools[w.role].remove(w)
+        self._retired.append(w)
+
+    def _new_worker(self, role: str) -> SimWorker:
+        config = self.topology.engine_config(role)
+        blocks, cpu_blocks = self.topology.kv_blocks(role, self.cost)
+        max_len = min(config.max_model_len or 1 << 62, self.cost.model.max_model_len)
+        return SimWorker(f"{role}-{next(self._ids)}", role, config, blocks, cpu_blocks, max_len)
+
+    def _sample(self, _=None) -> None:
+        """Queue lengths and KV use of each pool, every ``sample_interval_s``."""
+        row = {"t": self.now}
+        for role, pool in self.pools.items():
+            if pool:
+                row[f"{role}_waiting"] = sum(w.scheduler.num_waiting for w in pool)
+                row[f"{role}_running"] = sum(len(w.scheduler.running) for w in pool)
+                row[f"{role}_kv_usage"] = max(w.kv.pool.usage for w in pool)
+                row[f"{role}_workers"] = len(pool)
+        self.samples.append(row)
+        self.at(self.now + self.sample_interval_s, self._sample)
+
+    # -- requests ---------------------------------------------------------------
+
+    def _arrive(self, rec: Record) -> None:
+        decision = self.admission.try_admit(rec.req.prompt_tokens, self.now)
+        if isinstance(decision, Rejection):
+            self._fail(rec, "http_429")
+            return
+        rec.ticket = decision
+        rec.deadline_s = self.now + self.topology.router.capacity_wait_s
+        self._place(rec)
+
+    def _place(self, rec: Record) -> None:
+        """The dispatcher's ``_start``: a decode worker with room, then the request's way there."""
+        req, rid = rec.req, str(rec.index)
+        prompt = req.prompt_ids(rec.index)
+        chosen = self.router.choose_decode(prompt, self.now)
+        if chosen is not None:
+            decode, held = chosen
+            params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True)
+            request = Request(rid, prompt, params, arrival_time=self.now)
+            local = self.router.prefill_here(prompt, held, decode)
+            if self.topology.colocated or local:
+                self.local_prefills += local is not None
+                rec.decode = decode
+                decode.scheduler.add_request(request)
+                decode.prompt_tokens += req.prompt_tokens
+                decode.touch()
+                self.kick(decode)
+                return
+            reserved = decode.scheduler.add_remote(request)
+            decode.touch()
+            if reserved is not None:
+                rec.decode, rec.held_blocks = decode, reserved[1]
+                self._start_prefill(rec, prompt)
+                return
+        if self.now + self.topology.router.load_poll_s > rec.deadline_s:
+            self._fail(rec, "no_capacity")
+            return
+        self.at(self.now + self.topology.router.load_poll_s, self._place, rec)
+
+    def _start_prefill(self, rec: Record, prompt: list[int]) -> None:
+        prefill = self.router.choose_prefill(prompt)
+        rec.prefill = prefill
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        prefill.scheduler.add_request(Request(str(rec.index), prompt, params, arrival_time=self.now, hold_kv=True))
+        prefill.prompt_tokens += rec.req.prompt_tokens
+        self.kick(prefill)
+
+    def _fail(self, rec: Record, kind: str) -> None:
+        rec.error, rec.end_s = kind, self.now
+        self._close(rec)
+
+    def _close(self, rec: Record) -> None:
+        if rec.ticket is not None:
+            self.admission.release(rec.ticket, self.now)
+            rec.ticket = None
+        self._open -= 1
+
+    # -- steps ------------------------------------------------------------------
+
+    def kick(self, w: SimWorker) -> None:
+        """Start a step on ``w`` if it is idle and has work it can step."""
+        if w.in_flight is not None or not w.scheduler.has_schedulable_work():
+            return
+        out = w.scheduler.schedule()
+        w.touch()
+        if out.is_empty and not out.finished:
+            return  # nothing fits now: the next arrival or freed blocks kick it again
+        dt = self.cost.step_s(shape_of(out))
+        w.in_flight = out
+        w.num_steps += 1
+        w.forward_s += dt
+        self.at(self.now + dt, self._step_done, w)
+
+    def _step_done(self, w: SimWorker) -> None:
+        out, w.in_flight = w.in_flight, None
+        sampled = {item.request.request_id: SAMPLED_TOKEN for item in out.scheduled if item.sample}
+        results = w.scheduler.update(out, sampled)
+        w.touch()
+        if w.role == "prefill":
+            for request, token in results:
+                if token is not None and request.is_finished:
+                    self._send_kv(w, self.records[int(request.request_id)], request)
+        else:
+            now, latency = self.now, self.latency
+            for request, token in results:
+                if token is not None:
+                    rec = self.records[int(request.request_id)]
+                    if latency is None:
+                        rec.token_times.append(now)
+                    else:
+                        self._token(rec)
+                    if request.is_finished:
+                        self._finish(rec, request)
+        for request in out.finished:  # ended while planning: it can never fit
+            self._fail(self.records[int(request.request_id)], "too_long")
+        self.kick(w)
+        if w.draining and self.scaling is not None:
+            self.scaling.check_drained(w)
+
+    def _token(self, rec: Record) -> None:
+        """A token reached the client now (counted in the routers' latency window with autoscaling)."""
+        times, now = rec.token_times, self.now
+        if self.latency is not None:
+            if times:
+                self.latency.tokens(1, now - times[-1], now)
+            else:
+                self.latency.first_token(now - rec.req.arrival_s, now)
+        times.append(now)
+
+    def _finish(self, rec: Record, request: Request) -> None:
+        rec.end_s = self.now
+        rec.cached_tokens = request.num_cached_tokens
+        self._close(rec)
+
+    # -- KV hand-off ------------------------------------------------------------
+
+    def _send_kv(self, prefill: SimWorker, rec: Record, request: Request) -> None:
+        """The prefill finished: send the prompt's blocks the decode worker does not hold."""
+        blocks = prefill.kv.num_blocks_needed(request.num_tokens - 1) - rec.held_blocks
+        decode = rec.decode
+        start = max(self.now, prefill.link_free_at, decode.link_free_at)
+        busy = max(0, blocks) * self.cost.block_bytes(prefill.config.block_size) / self.cost.link_bw
+        prefill.link_free_at = decode.link_free_at = start + busy
+        self.at(start + busy + self.cost.link_latency_s, self._kv_arrived, rec)
+
+    def _kv_arrived(self, rec: Record) -> None:
+        rid = str(rec.index)
+        rec.prefill.scheduler.release_held(rid)
+        self.kick(rec.prefill)
+        request = rec.decode.scheduler.remote_arrived(rid, SAMPLED_TOKEN)
+        rec.decode.touch()
+        if request is None:
+            return
+        self._token(rec)
+        if request.is_finished:
+            self._finish(rec, request)
+        self.kick(rec.decode)
+        if rec.prefill.draining and self.scaling is not None:
+            self.scaling.check_drained(rec.prefill)
+
+
+def run(topology: SimTopology, cost: CostModel, requests: list[SimRequest], **kwargs) -> SimResult:
+    """Simulate ``requests`` on ``topology``."""
+    return Simulator(topology, cost, requests, **kwargs).run()
+
+
+def with_engine(topology: SimTopology, role: str | None = None, **settings) -> SimTopology:
+    """``topology`` with engine settings changed for both roles (or one)."""
+    if role is None:
+        return replace(topology, engine={**topology.engine, **settings})
+    key = f"{role}_engine"
+    return replace(topology, **{key: {**getattr(topology, key), **settings}})

@@ -1,0 +1,101 @@
+"""One simulated worker: the engine's own scheduler and block manager, stepped on simulated time.
+
+``build_scheduler`` wires ``engine.block_pool.KVCacheManager`` and
+``engine.scheduler.Scheduler`` from an ``EngineConfig`` as ``LLMEngine._make_scheduler``
+does (the budget raised to the context without chunked prefill); nothing of them is
+copied. A step is the engine's: ``schedule()``, then, once the cost model's time has
+passed, ``update()`` with a sampled token for every request the plan samples. No model
+runs: generated token ids are a constant that is no stop token (requests ask for a
+fixed output length, as the serving benchmark's do).
+
+A worker's step lifecycle::
+
+    idle ──kick (work it can step)──▶ stepping (plan in flight until busy_until)
+      ▲                                   │
+      └──── step done: update(), kick ◀───┘
+    a plan with nothing in it (no blocks for anyone) leaves the worker idle until the
+    next arrival or freed blocks kick it
+
+Draining (autoscaling): a draining worker takes no new requests and leaves its pool
+once it holds none.
+"""
+
+from __future__ import annotations
+
+from engine.block_hash import BlockHasher
+from engine.block_pool import KVCacheManager
+from engine.config import EngineConfig
+from engine.messages import DecodeLoad, PrefillLoad
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+SAMPLED_TOKEN = 3  # what every simulated step samples: never a stop token (ignore_eos)
+
+
+def build_scheduler(config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
+                    max_model_len: int) -> tuple[KVCacheManager, Scheduler]:
+    """The block manager and scheduler an ``LLMEngine`` with ``config`` builds."""
+    kv_manager = KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
+        BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed if config.prefix_hash_seed is not None else 0),
+    )
+    budget = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode,
+            policy=config.policy,
+            batching=config.batching,
+        ),
+        kv_manager,
+    )
+    return kv_manager, scheduler
+
+
+class SimWorker:
+    """A prefill or decode worker of the simulated cluster: its scheduler, the plan in flight, the
+    counters the autoscaler's observation reads, and its link's next free time."""
+
+    def __init__(self, worker_id: str, role: str, config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
+                 max_model_len: int) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv, self.scheduler = build_scheduler(config, num_blocks, num_cpu_blocks, max_model_len)
+        self.in_flight: SchedulerOutput | None = None
+        self.draining = False
+        self.link_free_at = 0.0  # when this worker's link is next free (transfers queue on it)
+        self.prompt_tokens = 0  # prompt tokens taken in (the autoscaler's prefill rate)
+        self.forward_s = 0.0  # simulated model time, summed over steps
+        self.num_steps = 0
+        self._load: DecodeLoad | None = None  # the last report, until the worker's state changes
+
+    def touch(self) -> None:
+        """The worker's state changed: its next load report is made anew."""
+        self._load = None
+
+    def holds_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.scheduler.held) or self.in_flight is not None
+
+    def decode_load(self) -> DecodeLoad:
+        """The load report a decode worker sends with every step message."""
+        if self._load is None:
+            s, pool = self.scheduler, self.kv.pool
+            self._load = DecodeLoad(self.worker_id, pool.num_free_blocks, pool.num_usable_blocks, len(s.running),
+                                    s.num_waiting, len(s.remote))
+        return self._load
+
+    def prefill_load(self) -> PrefillLoad:
+        """The load report a prefill worker answers placement polls with."""
+        s = self.scheduler
+        return PrefillLoad(self.worker_id, s.num_queued_tokens(), len(s.running), s.num_waiting,
+                           self.kv.stats.queries, self.kv.stats.hits, len(s.held))
+
+    def stats(self) -> dict:
+        """The engine counters the pools' control loop reads (``EngineStats``' names)."""
+        return {"prompt_tokens": self.prompt_tokens, "num_steps": self.num_steps, "forward_s": self.forward_s}

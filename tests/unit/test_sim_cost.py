@@ -1,0 +1,137 @@
+"""The cost model: step times grow with the work, never beat the datasheet roofline, and a
+profile table's fit recovers the corrections that made it."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.cost import (
+    DEVICES,
+    Corrections,
+    CostModel,
+    StepShape,
+    cost_model,
+    decode_shape,
+    fit,
+    model_spec,
+    prefill_shape,
+    profile_row,
+    read_profile,
+    relative_error,
+    shape_of,
+    write_profile,
+)
+
+LLAMA = model_spec("llama-3.1-8b")
+
+
+@pytest.mark.parametrize("kind", ["A100", "H100", "H200", "B200"])
+def test_decode_steps_grow_with_batch_and_context(kind):
+    cost = cost_model(kind, LLAMA)
+    by_batch = [cost.step_s(decode_shape(b, 1024)) for b in (1, 8, 64, 256)]
+    by_context = [cost.step_s(decode_shape(32, c)) for c in (128, 1024, 4096)]
+    assert by_batch == sorted(by_batch) and by_batch[0] < by_batch[-1], by_batch
+    assert by_context == sorted(by_context) and by_context[0] < by_context[-1], by_context
+
+
+@pytest.mark.parametrize("kind", ["A100", "H100", "H200", "B200"])
+def test_prefill_steps_grow_with_tokens_and_with_the_square_of_the_prompt(kind):
+    cost = cost_model(kind, LLAMA)
+    times = [cost.step_s(prefill_shape([n])) for n in (128, 512, 2048, 8192)]
+    assert times == sorted(times), times
+    # Same tokens, one long prompt instead of many short ones: more attention pairs, more time.
+    assert cost.step_s(prefill_shape([4096])) > cost.step_s(prefill_shape([512] * 8))
+
+
+@pytest.mark.parametrize("kind", ["A100", "H100", "H200", "B200"])
+def test_no_step_beats_the_datasheet_roofline(kind):
+    spec = DEVICES[kind]
+    cost = cost_model(kind, LLAMA)
+    for shape in (decode_shape(1, 16), decode_shape(256, 2048), prefill_shape([8192]), prefill_shape([64] * 16)):
+        weights = LLAMA.layer_params * spec.dtype_bytes
+        flops = 2 * LLAMA.layer_params * shape.num_tokens
+        floor = max(weights / spec.hbm_bw, flops / spec.flops)
+        assert cost.step_s(shape) >= floor, f"{kind} {shape}: {cost.step_s(shape)} s under the roofline {floor} s"
+
+
+def test_a_small_batch_decode_step_is_bound_by_memory_bandwidth():
+    h100, h200 = cost_model("H100", LLAMA), cost_model("H200", LLAMA)
+    shape = decode_shape(1, 512)
+    # Same FLOP/s, 1.43x the bandwidth: the memory-bound step is faster on the H200.
+    assert h200.roofline_s(shape) < h100.roofline_s(shape) / 1.3
+    # ... while a long prefill, compute-bound, takes the same time on both.
+    big = prefill_shape([8192])
+    assert h200.roofline_s(big) == pytest.approx(h100.roofline_s(big))
+
+
+def test_transfer_time_is_latency_plus_bytes_over_the_link():
+    ib = cost_model("H100", LLAMA, link="ib")
+    nvlink = cost_model("H100", LLAMA, link="nvlink")
+    one_gb = 10**9
+    assert ib.transfer_s(2 * one_gb) - ib.transfer_s(one_gb) == pytest.approx(one_gb / DEVICES["H100"].ib_bw)
+    assert nvlink.transfer_s(one_gb) < ib.transfer_s(one_gb)
+    assert ib.transfer_s(0) == ib.link_latency_s
+
+
+def test_kv_blocks_fit_beside_the_weights_and_a_model_too_large_is_refused():
+    cost = cost_model("H100", LLAMA)
+    blocks = cost.kv_blocks_fitting(16)
+    per_block = LLAMA.bytes_per_block(16, 2)
+    assert blocks * per_block + LLAMA.num_params * 2 <= 0.9 * DEVICES["H100"].memory_bytes
+    assert (blocks + 1) * per_block + LLAMA.num_params * 2 > 0.9 * DEVICES["H100"].memory_bytes - per_block
+    with pytest.raises(ValueError, match="does not fit"):
+        CostModel(DEVICES["cpu"], model_spec("qwen2.5-14b")).kv_blocks_fitting(16)
+
+
+def test_shape_of_reads_the_schedulers_plan():
+    from engine.block_pool import KVCacheManager
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100), KVCacheManager(64, 16, enable_caching=False))
+    sched.add_request(Request("a", list(range(60)), SamplingParams(max_tokens=4)))
+    sched.add_request(Request("b", list(range(100, 180)), SamplingParams(max_tokens=4)))
+    shape = shape_of(sched.schedule())
+    # a: 60 tokens whole; b: the 40 the budget leaves, from position 0, not sampled yet.
+    assert (shape.batch, shape.num_tokens, shape.prefill_tokens, shape.num_sampled) == (2, 100, 100, 1)
+    assert shape.attn_pairs == 60 * 61 // 2 + 40 * 41 // 2
+    assert shape.kv_read_tokens == 100
+
+
+def _synthetic_rows(cost: CostModel) -> list[dict]:
+    shapes = [decode_shape(b, c) for b in (1, 2, 4, 8, 16, 32) for c in (64, 256)]
+    shapes += [prefill_shape([n]) for n in (16, 64, 128, 256, 512)] + [prefill_shape([128] * 4)]
+    return [profile_row(s, cost.step_s(s) * 1e3) for s in shapes]
+
+
+def test_fitting_a_profile_table_recovers_the_corrections_that_made_it(tmp_path):
+    tiny = model_spec("tandem-tiny-llama")
+    truth = Corrections(overhead_s=4e-3, per_request_s=0.5e-3, mfu=1.0, mbu=1.0, per_token_s=30e-6,
+                        per_pair_s=2e-9, per_kv_token_s=1e-6)
+    made = CostModel(DEVICES["cpu"], tiny, truth)
+    path = tmp_path / "profile.json"
+    write_profile(path, "cpu", tiny, 4, _synthetic_rows(made))
+    fitted = cost_model("cpu", tiny, profile=path)
+    assert fitted.corrections.source == str(path)
+    assert fitted.corrections.overhead_s == pytest.approx(truth.overhead_s, rel=0.05)
+    assert fitted.corrections.per_request_s == pytest.approx(truth.per_request_s, rel=0.05)
+    assert relative_error(fitted, read_profile(path)["rows"]) < 0.01
+
+
+def test_a_profile_of_another_device_or_format_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    write_profile(path, "cpu", LLAMA, 4, [profile_row(decode_shape(1, 8), 5.0)])
+    with pytest.raises(ValueError, match="measured on 'cpu'"):
+        cost_model("H100", LLAMA, profile=path)
+    path.write_text('{"format": "something-else", "rows": []}')
+    with pytest.raises(ValueError, match="not a tandem-step-profile/1 table"):
+        read_profile(path)
+
+
+def test_an_empty_step_costs_nothing_and_unknown_kinds_are_named():
+    assert cost_model("H100", LLAMA).step_s(StepShape()) == 0.0
+    with pytest.raises(ValueError, match="unknown device kind 'TPU'"):
+        cost_model("TPU", LLAMA)
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
+        model_spec("gpt-5")

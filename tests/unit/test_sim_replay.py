@@ -1,0 +1,102 @@
+"""Replaying traces: deterministic numbers, the latencies the cost model implies, the
+serving benchmark's trace format, admission, preemption and autoscaling on simulated time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.autoscaler import AutoscalingConfig, PoolBounds, SLO
+from router.admission import AdmissionConfig
+from sim.cost import DEVICES, Corrections, CostModel, decode_shape, model_spec, prefill_shape
+from sim.report import parse_slo, summary
+from sim.simulator import run
+from sim.topology import RouterSettings, SimTopology
+from sim.workload import SimRequest, generate, load_trace, parse_spec, write_trace
+
+LLAMA = model_spec("llama-3.1-8b")
+COST = CostModel(DEVICES["H100"], LLAMA)
+
+
+def test_replaying_the_same_trace_twice_gives_the_same_percentiles():
+    requests = generate(parse_spec("sharegpt:n=150,rate=30,seed=4"))
+    topo = SimTopology(prefill_workers=1, decode_workers=2)
+    a, b = (summary(run(topo, COST, requests), parse_slo("ttft:100,itl:20")) for _ in range(2))
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert a[key] == b[key], f"{key} differs between two replays: {a[key]} vs {b[key]}"
+    assert a["completed"] == 150 and a["total_output_tokens"] == sum(r.output_tokens for r in requests)
+    assert a["slo_attainment"] == b["slo_attainment"]
+
+
+def test_one_colocated_request_takes_its_prefill_step_then_one_decode_step_a_token():
+    cost = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5))
+    topo = SimTopology(prefill_workers=0, decode_workers=1, engine={"enable_prefix_caching": False})
+    rec = run(topo, cost, [SimRequest(0.0, 100, 5)]).records[0]
+    prefill = cost.step_s(prefill_shape([100]))
+    assert rec.token_times[0] == pytest.approx(prefill)
+    gaps = [b - a for a, b in zip(rec.token_times, rec.token_times[1:])]
+    # The k-th decode step reads the prompt and the k tokens before it.
+    expected = [cost.step_s(decode_shape(1, 100 + k)) for k in range(4)]
+    assert gaps == pytest.approx(expected)
+    assert rec.end_s == pytest.approx(rec.token_times[-1])
+
+
+def test_a_disaggregated_request_gets_its_first_token_when_its_kv_has_arrived():
+    cost = CostModel(DEVICES["H100"], LLAMA, link="ib")
+    rec = run(SimTopology(prefill_workers=1, decode_workers=1), cost, [SimRequest(0.0, 160, 3)]).records[0]
+    blocks = 160 // 16  # every prompt block is sent: the decode worker caches none of it
+    expected = cost.step_s(prefill_shape([160])) + cost.transfer_s(blocks * cost.block_bytes(16))
+    assert rec.token_times[0] == pytest.approx(expected)
+    assert len(rec.token_times) == 3
+
+
+def test_a_bench_serve_result_replays_as_its_requests_were_sent(tmp_path):
+    records = [{"sent_s": 0.5 * i, "prompt_tokens": 50 + i, "requested_output_tokens": 8, "index": i}
+               for i in range(6)]
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"runs": [{"request_rate": "2", "requests": records}]}))
+    requests = load_trace(path)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in requests] == [
+        (0.5 * i, 50 + i, 8) for i in range(6)]
+    s = summary(run(SimTopology(), COST, requests))
+    assert s["completed"] == 6 and s["total_output_tokens"] == 48
+
+
+def test_a_json_lines_trace_round_trips(tmp_path):
+    requests = generate(parse_spec("synthetic:n=20,in=64,out=16,range=0.5,rate=10,seed=2"))
+    write_trace(tmp_path / "t.jsonl", requests)
+    assert load_trace(tmp_path / "t.jsonl") == requests
+
+
+def test_admission_rejects_what_is_over_its_bound():
+    router = RouterSettings(admission=AdmissionConfig(max_requests=4))
+    requests = [SimRequest(0.0, 100, 50) for _ in range(10)]
+    s = summary(run(SimTopology(router=router), COST, requests))
+    assert s["completed"] == 4 and s["errors"] == {"http_429": 6}
+
+
+def test_a_small_kv_pool_preempts_and_still_finishes_every_request():
+    topo = SimTopology(prefill_workers=0, decode_workers=1, engine={"num_kv_blocks": 40, "swap_space": 0})
+    requests = [SimRequest(0.0, 100, 120) for _ in range(6)]
+    s = summary(run(topo, COST, requests))
+    assert s["completed"] == 6
+    assert s["num_preemptions"] > 0, "six requests growing to 14 blocks each cannot share 39 blocks without preemption"
+
+
+def test_shared_prefixes_hit_the_prefix_cache_of_the_worker_they_are_placed_on():
+    requests = [SimRequest(0.01 * i, 600, 4, prefix_group=0, prefix_len=512) for i in range(8)]
+    s = summary(run(SimTopology(prefill_workers=0, decode_workers=2), COST, requests))
+    # The first request computes the prefix; affinity sends the rest where it is cached.
+    assert s["cached_prompt_tokens"] >= 7 * 512
+
+
+def test_autoscaling_adds_decode_workers_under_load_and_counts_them():
+    scaling = AutoscalingConfig(prefill=PoolBounds(1, 2), decode=PoolBounds(1, 4), slo=SLO(ttft_ms=500, itl_ms=8),
+                                interval_s=2.0, scale_down_delay_s=10.0)
+    topo = SimTopology(prefill_workers=1, decode_workers=1, autoscaling=scaling, worker_start_s=5.0,
+                       router=RouterSettings(admission=AdmissionConfig(max_requests=10**6)))
+    result = run(topo, COST, generate(parse_spec("sharegpt:n=1500,rate=40,seed=1")))
+    adds = [d for d in result.scaling_decisions if d[1] == "add" and d[2] == "decode"]
+    assert adds, f"an ITL SLO of 8 ms under load should add decode workers: {result.scaling_decisions}"
+    assert result.num_devices_max > 2
