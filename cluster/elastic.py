@@ -67,6 +67,8 @@ class PoolScaler:
             queued = kv = 0.0
             rates, step_s = [], []
             for wid, stats, load in workers:
+                if stats is None:  # no answer in time: counted in the pool, not in its load
+                    continue
                 now_counts = {"prompt": stats["prompt_tokens"], "steps": stats["num_steps"],
                               "forward": stats["forward_s"], "queued": getattr(load, "queued_prefill_tokens", 0)}
                 self._before[wid] = (now, now_counts)
@@ -83,7 +85,7 @@ class PoolScaler:
                     rates.append(max(0.0, done) / (now - then))
                 elif role != "prefill" and now_counts["steps"] > counts["steps"]:
                     step_s.append((now_counts["forward"] - counts["forward"]) / (now_counts["steps"] - counts["steps"]))
-            n = max(1, len(workers))
+            n = max(1, sum(stats is not None for _, stats, _ in workers))  # those whose queues are summed
             latency = None
             if role == "prefill" and queued and rates:  # the first round has no rate yet
                 rate = sum(rates) / len(rates)
@@ -126,11 +128,13 @@ class PoolScaler:
         return target
 
     def _least_busy(self, role: str) -> str:
-        """The ``role`` worker with the least work in hand, as this round saw it."""
+        """The ``role`` worker with the least work in hand, as this round saw it (one that
+        did not answer is left alone)."""
         def work(load) -> int:
             return load.queued_prefill_tokens + load.running_chunks if role == "prefill" else load.running + load.waiting
 
-        return min(self._state[role], key=lambda w: work(w[2]))[0]
+        answering = [w for w in self._state[role] if w[2] is not None]
+        return min(answering, key=lambda w: work(w[2]))[0]
 
     def _act(self, d: Decision) -> None:
         timeout_s = self.config.drain_timeout_s

@@ -388,10 +388,11 @@ class TandemCluster:
             out.setdefault(role, []).append({"worker_id": ref.worker_id, "draining": ref.draining, "load": answer})
         return out
 
-    def pool_state(self) -> dict[str, list[tuple[str, dict, object]]]:
+    def pool_state(self) -> dict[str, list[tuple[str, dict | None, object]]]:
         """Per role ("prefill", "decode"; colocated workers count as decode), each listed
         worker that is not draining: (its id, its engine stats, its load). A worker that
-        does not answer within ``PING_TIMEOUT_S`` is left out (the health thread sees to it)."""
+        does not answer within ``PING_TIMEOUT_S`` (busy, or dying: the health thread sees
+        to it) is there with None for both: it still counts against the pool's size."""
         with self._lock:
             refs = [s.ref for s in self._slots if s.ref is not None and not s.ref.draining]
         calls = [(w, w.handle.stats.remote(), w.handle.load.remote()) for w in refs]
@@ -400,7 +401,7 @@ class TandemCluster:
             try:
                 answer = ray.get([stats, load], timeout=PING_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
-                continue
+                answer = (None, None)
             state["prefill" if w.worker_id.startswith("prefill") else "decode"].append((w.worker_id, *answer))
         return state
 

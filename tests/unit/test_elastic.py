@@ -150,3 +150,16 @@ def test_what_the_routers_clients_saw_presses_a_role_the_workers_own_estimates_c
     assert "TTFT 1400 ms over the SLO's 1000 ms" in decisions[0].reason
     seen["report"] = None  # no request lately: the workers' own estimates only
     assert scaler.observe(5.0)["prefill"].latency_ms is None
+
+
+def test_a_worker_that_does_not_answer_still_counts_against_the_pools_maximum():
+    """Under load a worker may not answer the round's poll in time: it is still listed,
+    so a pressed pool at its maximum adds none (it once grew past ``max_workers``)."""
+    cluster = FakeCluster()
+    scaler = PoolScaler(cluster, CONFIG)  # decode: max_workers 2, two listed
+    scaler.step(0.0)
+    cluster.decode = [("decode-0", _stats(num_steps=100, forward_s=8.0), DecodeLoad("decode-0", 10, 100, 30, 0, 0)),
+                      ("decode-1", None, None)]  # 80 ms steps: over the ITL SLO; decode-1 silent
+    seen = scaler.observe(5.0)
+    assert seen["decode"].workers == 2 and seen["decode"].latency_ms == 80
+    assert [d for d in scaler.policy.decide(seen, 5.0) if d.role == "decode"] == []
