@@ -12,11 +12,17 @@ default one, and reports the ratio (baseline step time / default): ``unpacked`` 
 ``--unpacked``) has plain ``nn.Linear`` projections (``pack_weights=False``),
 ``torch-attention`` gathers K/V and calls SDPA (``attention_backend="torch"``) where the
 default reads the paged cache in place (``cpu``).
+
+``--profile FILE`` also times whole-prompt prefill steps (``--prefill-lengths``, one
+prompt and four at once) and writes every measured step as a profile table for the
+simulator's cost model (``sim.cost``: the format is in its docstring), from which
+``tandem sim --device-kind cpu --profile FILE`` fits this machine's corrections.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Sequence
@@ -47,6 +53,42 @@ def step_times(engine: LLMEngine, batches: Sequence[int], context: int, steps: i
     return rows
 
 
+def prefill_times(engine: LLMEngine, lengths: Sequence[int], repeats: int = 3) -> list[tuple[list[int], float]]:
+    """(prompt lengths, median ms) of steps that each compute whole fresh prompts: one of each
+    length alone, then four of it at once while that fits the step's budget."""
+    budget = engine.scheduler.config.max_num_batched_tokens
+    batches = [[n] for n in lengths] + [[n] * 4 for n in lengths if 4 * n <= budget]
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    rows, fresh = [], itertools.count(1)
+    for batch in batches:
+        times = []
+        for _ in range(repeats):
+            for n in batch:  # a first token no earlier prompt had: no prefix-cache hit
+                k = next(fresh)
+                engine.add_request([5 + k % 97, 5 + k // 97 % 97] + [7] * (n - 2), params)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append((time.perf_counter() - t0) * 1000)
+        rows.append((batch, sorted(times)[len(times) // 2]))
+    return rows
+
+
+def write_profile(path: str, engine: LLMEngine, name: str, decodes: dict[int, list[dict]], steps: int,
+                  prefills: list[tuple[list[int], float]]) -> None:
+    """The measured steps as a ``sim.cost`` profile table: ``decodes`` maps a prompt length to
+    its decode rows, each taken at its mean context (the prompt, the warm-up steps, half the
+    timed ones)."""
+    from sim.cost import ModelSpec, decode_shape, prefill_shape, profile_row
+    from sim.cost import write_profile as write_table
+
+    rows = [profile_row(decode_shape(r["batch"], context + 5 + steps // 2), r["step_ms"])
+            for context, decode_rows in decodes.items() for r in decode_rows]
+    rows += [profile_row(prefill_shape(batch), ms) for batch, ms in prefills]
+    dtype_bytes = engine.kv_cache.k.element_size()
+    write_table(path, "cpu", ModelSpec.from_model_config(name, engine.model_config), dtype_bytes, rows)
+    print(f"wrote {path} ({len(rows)} steps)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: the built-in model)")
@@ -56,10 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (workers use 1)")
     ap.add_argument("--baseline", choices=sorted(BASELINES), help="compare with a second engine")
     ap.add_argument("--unpacked", dest="baseline", action="store_const", const="unpacked", help="--baseline unpacked")
+    ap.add_argument("--profile", default=None, help="also time prefill steps and write a profile table here")
+    ap.add_argument("--prefill-lengths", default="16,64,128,256,512,1024")
+    ap.add_argument("--profile-contexts", default="512", help="more prompt lengths to time decode steps at")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    num_kv_blocks = max(batches) * (args.context // 16 + 8) + 64
+    longest = max([args.context] + ([int(c) for c in args.profile_contexts.split(",")] if args.profile else []))
+    num_kv_blocks = max(batches) * (longest // 16 + 8) + 64
     engines = [LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks)]
     if args.baseline:
         engines.append(LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks, **BASELINES[args.baseline]))
@@ -74,6 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = f", {name} {row[f'{name}_step_ms']:7.2f} ms ({row[f'{name}_over_default']:.2f}x)" if base else ""
         print(f"batch {b:4d}: decode step {row['step_ms']:7.2f} ms, {row['tokens_per_s']:8.1f} tokens/s{extra}")
     print(json.dumps(rows))
+    if args.profile:
+        prefills = prefill_times(engines[0], [int(n) for n in args.prefill_lengths.split(",")])
+        for batch, ms in prefills:
+            print(f"prefill {len(batch)} x {batch[0]:5d} tokens: {ms:7.2f} ms")
+        decodes = {args.context: rows}
+        for context in (int(c) for c in args.profile_contexts.split(",") if int(c) != args.context):
+            decodes[context] = step_times(engines[0], batches, context, args.steps)
+            print(f"decode at {context}: " + ", ".join(f"{r['batch']}: {r['step_ms']} ms" for r in decodes[context]))
+        write_profile(args.profile, engines[0], args.model or "tandem-tiny-llama", decodes, args.steps, prefills)
     assert all(e.stats().num_blocks_in_use == 0 for e in engines)
     return 0
 

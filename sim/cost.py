@@ -281,12 +281,15 @@ def _shape(row: dict) -> StepShape:
 
 def fit(device: DeviceSpec, model: ModelSpec, rows: list[dict], source: str = "profile") -> Corrections:
     """Corrections fitted to measured steps: non-negative least squares of what the roofline
-    leaves (measured - roofline) over a constant, batch, tokens, attention pairs and KV tokens.
-    The overhead is split evenly per step; ``per_layer_s`` stays 0 (one model per table)."""
+    leaves (measured - roofline) over a constant, batch, tokens, attention pairs and KV tokens,
+    each row weighted by 1 / its time (relative errors count, so short decode steps weigh as
+    much as long prefills). ``per_layer_s`` stays 0: one model per table."""
     base = CostModel(device, model, Corrections(mfu=1.0, mbu=1.0))
-    cols = [[1.0, float(r["batch"]), float(r["num_tokens"]), float(r["attn_pairs"]), float(r["kv_read_tokens"])]
-            for r in rows]
-    target = [r["step_ms"] / 1e3 - base.roofline_s(_shape(r)) for r in rows]
+    cols, target = [], []
+    for r in rows:
+        w = 1e3 / r["step_ms"]
+        cols.append([w, w * r["batch"], w * r["num_tokens"], w * r["attn_pairs"], w * r["kv_read_tokens"]])
+        target.append(w * (r["step_ms"] / 1e3 - base.roofline_s(_shape(r))))
     coef = nnls(cols, target)
     return Corrections(overhead_s=coef[0], per_request_s=coef[1], mfu=1.0, mbu=1.0, per_token_s=coef[2],
                        per_pair_s=coef[3], per_kv_token_s=coef[4], source=source)

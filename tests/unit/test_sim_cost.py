@@ -135,3 +135,17 @@ def test_an_empty_step_costs_nothing_and_unknown_kinds_are_named():
         cost_model("TPU", LLAMA)
     with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
         model_spec("gpt-5")
+
+
+def test_the_shipped_cpu_profile_fits_this_machines_steps_within_a_quarter():
+    from pathlib import Path
+
+    from sim.cost import ModelSpec
+
+    path = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "cpu-tandem-tiny-llama.json"
+    doc = read_profile(path)
+    cost = cost_model("cpu", ModelSpec(**doc["model"]), profile=path)
+    err = relative_error(cost, doc["rows"])
+    assert err < 0.25, f"the fitted CPU model is off by {err:.0%} on average on its own table"
+    # What issue 12 measured: a CPU decode step grows with its batch.
+    assert cost.step_s(decode_shape(32, 128)) > 2 * cost.step_s(decode_shape(1, 128))
