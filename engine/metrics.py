@@ -102,7 +102,7 @@ SCALING_DECISIONS = Counter("tandem:scaling_decisions", "The control loop's deci
 
 
 ROLE_SWITCHES = Counter("tandem:role_switches", "Warm workers moved from one pool to the other, by the role "
-                        "they left and the role they took.", ("model", "from_role", "to_role"))
+                        "they took (role) and the one they left (from_role).", POOL_LABELS + ("from_role",))
 
 
 class EngineMetrics:
@@ -232,7 +232,7 @@ class PoolMetrics:
         SCALING_DECISIONS.labels(self.model, role, direction, reason).inc()
 
     def on_role_switch(self, from_role: str, to_role: str) -> None:
-        ROLE_SWITCHES.labels(self.model, from_role, to_role).inc()
+        ROLE_SWITCHES.labels(self.model, to_role, from_role).inc()
 
 
 class RouterMetrics:

@@ -58,6 +58,7 @@ METRICS_SPEC = {
     # counters
     "tandem:prompt_tokens_total",
     "tandem:scaling_decisions_total",
+    "tandem:role_switches_total",
     "tandem:generation_tokens_total",
     "tandem:request_success_total",
     "tandem:num_preemptions_total",
@@ -1614,3 +1615,22 @@ def test_autoscaling_values_become_the_topologys_section_and_the_groups_bounds(c
     assert (a.decode.max_workers, a.slo.itl_ms, a.drain_timeout_s) == (5, 40, 45)
     off = yaml.safe_load(_by_kind(_split(chart.render({}, name=RELEASE)), "RayService")[0]["spec"]["serveConfigV2"])
     assert "autoscaling" not in off["applications"][0]["args"]["topology"], "off: the pools keep their sizes"
+
+
+def test_role_switching_renders_only_where_both_roles_ask_the_same_resources(chart):
+    """``autoscaling.allowRoleSwitch``: a switched worker keeps its pod, so the chart refuses
+    it with the default per-role resources (each pool pinned to its own group), and with
+    shared ones renders the topology the controller accepts."""
+    from cluster.config import ClusterConfig
+
+    switching = {"autoscaling": {"enabled": True, "allowRoleSwitch": True}}
+    with pytest.raises(helm.HelmRenderError, match="allowRoleSwitch: a switched worker keeps its pod"):
+        chart.render(switching, name=RELEASE)
+    shared = {**switching, "serve": {"workerResources": {"prefill": {"tandem_worker": 1, "tandem_prefill": None},
+                                                         "decode": {"tandem_worker": 1, "tandem_decode": None}}},
+              "prefill": {"rayResources": {"tandem_worker": 1}}, "decode": {"rayResources": {"tandem_worker": 1}}}
+    (rs,) = _by_kind(_split(chart.render(shared, name=RELEASE)), "RayService")
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    topology = app["args"]["topology"]
+    assert topology["autoscaling"]["allow_role_switch"] is True
+    assert ClusterConfig.from_dict(topology).role_switch_problem() is None

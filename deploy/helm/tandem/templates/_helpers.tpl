@@ -315,13 +315,21 @@ The router's settings and startTimeoutSeconds are left out: they apply in place.
 The topology the app runs (JSON): serve.topology and, with `autoscaling.enabled`, its
 `autoscaling` section from the chart's values: each pool between its worker group's
 minReplicas and maxReplicas workers (one worker per pod; a pod that fits more still
-counts one), the SLOs and the control loop's timings.
+counts one), the SLOs, the control loop's timings and, with allowRoleSwitch, warm role
+switches (refused unless both roles ask the same resources).
 */}}
 {{- define "tandem.topology" -}}
 {{- $topo := deepCopy .Values.serve.topology -}}
 {{- $a := .Values.autoscaling -}}
 {{- if $a.enabled }}
 {{- $section := dict "slo" (dict "ttft_ms" $a.slo.ttftMs "itl_ms" $a.slo.itlMs) "interval_s" $a.intervalSeconds "scale_down_delay_s" $a.scaleDownDelaySeconds "drain_timeout_s" $a.drainTimeoutSeconds -}}
+{{- if $a.allowRoleSwitch }}
+{{- $res := default dict .Values.serve.workerResources -}}
+{{- if or (ne (toJson (index $res "prefill")) (toJson (index $res "decode"))) (ne (toJson $topo.prefill_resources) (toJson $topo.decode_resources)) }}
+{{- fail "autoscaling.allowRoleSwitch: a switched worker keeps its pod and its Ray resources, so both roles must ask the same ones: set serve.workerResources.prefill and .decode alike (and serve.topology's prefill_resources and decode_resources), and run them in one worker group's kind of pod" }}
+{{- end }}
+{{- $_ := set $section "allow_role_switch" true -}}
+{{- end }}
 {{- range $role := list "prefill" "decode" }}
 {{- $g := index $.Values $role -}}
 {{- $_ := set $section $role (dict "min_workers" (int $g.minReplicas) "max_workers" (int $g.maxReplicas)) -}}
