@@ -15,7 +15,9 @@ FLOP/s times ``mfu``, and ``memory`` the bytes it moves (every weight once, the 
 reads and writes) over the HBM bandwidth times ``mbu``. The datasheet figures are in
 ``DEVICES``; the corrections (the ``Corrections`` fields) are fitted per device kind from
 a profile table (``fit``), or, where none was measured, set to the assumed defaults
-``GPU_DEFAULTS``.
+``GPU_DEFAULTS``. A GPU's shares of peak can come from the table ``bench.gpu --profile``
+writes (``tandem-gpu-profile/1``: its measured decode-attention bandwidth and
+prefill-attention FLOP/s; ``gpu_corrections``).
 
 A KV transfer takes ``link latency + bytes / link bandwidth``; the simulator queues
 transfers that share a worker's link (``sim.simulator``), which is the contention.
@@ -37,6 +39,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 PROFILE_FORMAT = "tandem-step-profile/1"
+GPU_PROFILE_FORMAT = "tandem-gpu-profile/1"  # bench.gpu's kernel table (docs/BENCHMARKS.md)
+PROFILES = Path(__file__).resolve().parent / "profiles"  # tables measured here, by device and model
 GB = 1e9
 
 
@@ -263,9 +267,26 @@ def profile_row(shape: StepShape, step_ms: float) -> dict:
             "step_ms": round(step_ms, 4)}
 
 
+def gpu_corrections(doc: dict, device: DeviceSpec, source: str) -> Corrections:
+    """``GPU_DEFAULTS`` with the shares of peak a ``bench.gpu`` table measured: ``mbu`` from its
+    paged decode attention (or its copy) over the HBM bandwidth, ``mfu`` from its prefill
+    attention over the bf16 FLOP/s (each capped at 1; a share it did not measure stays assumed)."""
+    best: dict[str, float] = {}
+    for row in doc.get("rows", []):
+        if row.get("op") in ("decode_attention", "copy", "prefill_attention") and row.get("throughput", 0) > 0:
+            best[row["op"]] = max(best.get(row["op"], 0.0), float(row["throughput"]))
+    bw = best.get("decode_attention") or best.get("copy")
+    mbu = min(1.0, bw * 1e12 / device.hbm_bw) if bw else GPU_DEFAULTS.mbu
+    flops = best.get("prefill_attention")
+    mfu = min(1.0, flops * 1e12 / device.flops) if flops else GPU_DEFAULTS.mfu
+    return replace(GPU_DEFAULTS, mfu=mfu, mbu=mbu, source=source)
+
+
 def read_profile(path: str | Path) -> dict:
     """A profile table, checked: ValueError names what is missing."""
     doc = json.loads(Path(path).read_text())
+    if doc.get("format") == GPU_PROFILE_FORMAT:
+        return doc
     if doc.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{path}: not a {PROFILE_FORMAT} table (format {doc.get('format')!r})")
     for i, row in enumerate(doc["rows"]):
@@ -317,14 +338,23 @@ def nnls(a: list[list[float]], b: list[float], iters: int = 20) -> list[float]:
 
 
 def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None, link: str | None = None) -> CostModel:
-    """The cost model of a device kind: fitted from ``profile`` when given, else the assumed
-    corrections (``GPU_DEFAULTS``; none for the CPU, whose roofline alone is far too fast)."""
+    """The cost model of a device kind: fitted from ``profile`` when given (for the CPU, by
+    default the table shipped for the model in ``sim/profiles``, if there is one), else the
+    assumed corrections (``GPU_DEFAULTS``; none for the CPU, whose roofline alone is far too
+    fast)."""
     if device not in DEVICES:
         raise ValueError(f"unknown device kind {device!r}: one of {sorted(DEVICES)}")
     spec = DEVICES[device]
+    shipped = PROFILES / f"{device}-{model.name}.json"
+    if profile is None and not spec.is_gpu and shipped.exists():
+        profile = shipped
     corrections = None
     if profile is not None:
         doc = read_profile(profile)
+        if doc["format"] == GPU_PROFILE_FORMAT:
+            if device not in doc.get("device", ""):
+                raise ValueError(f"{profile} was measured on {doc.get('device')!r}, not {device!r}")
+            return CostModel(spec, model, gpu_corrections(doc, spec, str(profile)), link or "ib")
         if doc["device"] != device:
             raise ValueError(f"{profile} was measured on {doc['device']!r}, not {device!r}")
         spec = replace(spec, dtype_bytes=doc.get("dtype_bytes", spec.dtype_bytes))

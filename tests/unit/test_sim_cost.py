@@ -3,6 +3,8 @@ profile table's fit recovers the corrections that made it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sim.cost import (
@@ -149,3 +151,17 @@ def test_the_shipped_cpu_profile_fits_this_machines_steps_within_a_quarter():
     assert err < 0.25, f"the fitted CPU model is off by {err:.0%} on average on its own table"
     # What issue 12 measured: a CPU decode step grows with its batch.
     assert cost.step_s(decode_shape(32, 128)) > 2 * cost.step_s(decode_shape(1, 128))
+
+
+def test_a_bench_gpu_table_sets_the_measured_shares_of_peak(tmp_path):
+    path = tmp_path / "gpu-profile.json"
+    rows = [{"op": "copy", "dtype": "uint8", "params": {}, "ms": 1.0, "throughput": 4.0, "unit": "TB/s"},
+            {"op": "decode_attention", "dtype": "bfloat16", "params": {}, "ms": 1.0, "throughput": 3.6, "unit": "TB/s"},
+            {"op": "prefill_attention", "dtype": "bfloat16", "params": {}, "ms": 1.0, "throughput": 494.5,
+             "unit": "TFLOP/s"}]
+    path.write_text(json.dumps({"format": "tandem-gpu-profile/1", "device": "NVIDIA H200", "rows": rows}))
+    cost = cost_model("H200", LLAMA, profile=path)
+    assert cost.corrections.mbu == pytest.approx(3.6e12 / DEVICES["H200"].hbm_bw)
+    assert cost.corrections.mfu == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="measured on 'NVIDIA H200', not 'H100'"):
+        cost_model("H100", LLAMA, profile=path)
