@@ -1,0 +1,250 @@
+"""The simulator's benchmarks (docs/SIMULATOR.md): its own speed, and two studies on simulated H100s.
+
+    python -m bench.sim speed [--devices 512] [--seconds 5] [--rate-per-device 8]
+    python -m bench.sim batching [--requests 1000]
+    python -m bench.sim disagg [--devices 64] [--slo ttft:150,itl:15]
+    python -m bench.sim validate [--rates 4,12]
+
+``speed``: CPU time to simulate ``--devices`` H100s (1 prefill to 3 decode workers,
+Llama-3.1-8B) serving ShareGPT-shaped traffic for ``--seconds`` simulated seconds, and
+what that makes 10 minutes of traffic cost (the issue's target: under 2 minutes of CPU
+for 512 GPUs). ``batching``: one simulated H100 serving the same requests with static
+batching, continuous batching, and continuous batching with chunked prefill: offline
+throughput (every request at once) and, at a rate, TBT (ITL) percentiles. ``disagg``:
+``tandem plan`` on ``--devices`` H100s under a tight TTFT + ITL SLO, the planned
+configuration's goodput against the best colocated one. ``validate``: one real engine
+(tandem-tiny-llama on this CPU, in process, no Ray) against its CPU-calibrated
+simulation on the same traces at two rates.
+
+Each prints its numbers and, with ``--json FILE``, writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from router.admission import AdmissionConfig
+from sim.cost import cost_model, model_spec
+from sim.report import parse_slo, summary
+from sim.simulator import run
+from sim.topology import RouterSettings, SimTopology
+from sim.workload import generate, parse_spec
+
+UNBOUNDED = RouterSettings(admission=AdmissionConfig(max_requests=10**9, max_prompt_tokens=10**12))
+
+
+def speed(args: argparse.Namespace) -> dict:
+    """CPU seconds per simulated second at ``args.devices`` devices, and the 10-minute extrapolation."""
+    cost = cost_model("H100", model_spec("llama-3.1-8b"))
+    prefill = max(1, args.devices // 4)
+    topo = SimTopology(prefill_workers=prefill, decode_workers=args.devices - prefill, router=UNBOUNDED)
+    rate = args.rate_per_device * args.devices
+    n = int(rate * args.seconds)
+    requests = generate(parse_spec(f"sharegpt:n={n},rate={rate},seed=0"))
+    wall = time.perf_counter()
+    result = run(topo, cost, requests)
+    wall = time.perf_counter() - wall
+    s = summary(result)
+    simulated = max(r.end_s for r in result.records)  # arrivals plus the drain of the last requests
+    out = {"devices": args.devices, "requests": n, "arrival_seconds": args.seconds, "simulated_seconds": simulated,
+           "sim_cpu_s": result.sim_cpu_s, "wall_s": wall, "steps": result.num_steps,
+           "output_tokens": s["completed_tokens"], "cpu_s_per_output_token_us": 1e6 * result.sim_cpu_s / max(1, s["completed_tokens"]),
+           "cpu_ms_per_request": 1e3 * result.sim_cpu_s / n}
+    # Ten minutes of arrivals at this rate cost as many times the CPU per request (the work
+    # per request does not depend on how long the run is).
+    out["extrapolated_cpu_s_for_600s"] = result.sim_cpu_s / n * rate * 600
+    print(f"{args.devices} simulated H100s, {n} requests over {args.seconds:g} s ({simulated:.1f} s simulated "
+          f"with the drain): {result.sim_cpu_s:.1f} s of CPU, {result.num_steps} steps, "
+          f"{out['cpu_s_per_output_token_us']:.1f} us of CPU a generated token, {out['cpu_ms_per_request']:.2f} ms a request")
+    print(f"10 minutes of this traffic: about {out['extrapolated_cpu_s_for_600s']:.0f} s of CPU "
+          f"(target: 120 s)")
+    return out
+
+
+BATCHING = {
+    "static": {"batching": "static", "enable_chunked_prefill": False, "max_num_batched_tokens": 8192},
+    "continuous": {"batching": "continuous", "enable_chunked_prefill": False, "max_num_batched_tokens": 8192},
+    "continuous+chunked": {"batching": "continuous", "enable_chunked_prefill": True, "max_num_batched_tokens": 512},
+}
+
+
+def batching(args: argparse.Namespace) -> dict:
+    """Static vs continuous vs chunked on one simulated H100: throughput and TBT."""
+    cost = cost_model("H100", model_spec("llama-3.1-8b"))
+    out = {}
+    for name, engine in BATCHING.items():
+        topo = SimTopology(prefill_workers=0, decode_workers=1, engine={**engine, "max_num_seqs": args.max_num_seqs},
+                           router=UNBOUNDED)
+        offline = summary(run(topo, cost, generate(parse_spec(f"sharegpt:n={args.requests},seed=0"))))
+        online_spec = parse_spec(f"{args.online},n={args.requests},rate={args.rate},seed=1")
+        online = summary(run(topo, cost, generate(online_spec)))
+        out[name] = {"offline_output_tokens_per_s": offline["output_throughput"],
+                     "offline_requests_per_s": offline["request_throughput"],
+                     "itl_ms": online["itl_ms"], "ttft_ms": online["ttft_ms"], "preemptions": online["num_preemptions"]}
+        print(f"{name:20} offline {offline['output_throughput']:8.0f} output tokens/s "
+              f"({offline['request_throughput']:.2f} req/s); {args.online} at {args.rate:g} req/s: TBT p50/p99 "
+              f"{online['itl_ms']['median']:.1f}/{online['itl_ms']['p99']:.1f} ms, TTFT p99 {online['ttft_ms']['p99']:.0f} ms")
+    base = out["static"]["offline_output_tokens_per_s"]
+    print(f"continuous / static throughput: {out['continuous']['offline_output_tokens_per_s'] / base:.2f}x; "
+          f"chunked / static: {out['continuous+chunked']['offline_output_tokens_per_s'] / base:.2f}x")
+    return out
+
+
+def disagg(args: argparse.Namespace) -> dict:
+    """The planner on ``args.devices`` H100s: planned vs best colocated goodput."""
+    from sim.planner import PlanSettings, plan
+
+    cost = cost_model("H100", model_spec("llama-3.1-8b"))
+    slo = parse_slo(args.slo)
+    settings = PlanSettings(chunks=tuple(int(c) for c in args.chunks.split(",")),
+                            batch_caps=tuple(int(c) for c in args.batch_caps.split(",")),
+                            max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s,
+                            max_requests=args.max_requests)
+
+    def progress(ev, replicas):
+        print(f"  {ev.candidate.label(replicas):40} estimate {ev.estimate * replicas:8.1f}, sustains "
+              f"{ev.rate * replicas:8.1f} req/s ({ev.trials} trials)", flush=True)
+
+    t0 = time.process_time()
+    result = plan(args.devices, SimTopology(router=UNBOUNDED), cost, parse_spec("sharegpt:seed=0"), slo, settings,
+                  progress=progress)
+    r = result.replicas
+    best, colo = result.best, result.best_colocated
+    out = {"devices": args.devices, "slo": args.slo, "unit": result.unit, "cpu_s": time.process_time() - t0,
+           "best": {"config": best.candidate.label(r), "goodput": best.rate * r},
+           "best_colocated": {"config": colo.candidate.label(r), "goodput": colo.rate * r} if colo else None,
+           "verified": result.verified,
+           "candidates": [{"config": e.candidate.label(r), "goodput": e.rate * r, "estimate": e.estimate * r}
+                          for e in result.ranked]}
+    ratio = best.rate / colo.rate if colo and colo.rate > 0 else math.inf
+    out["ratio"] = ratio
+    print(f"planned: {out['best']['config']} at {out['best']['goodput']:.1f} req/s; best colocated: "
+          f"{out['best_colocated']['config'] if colo else '-'} at {colo.rate * r if colo else 0:.1f} req/s; "
+          f"ratio {ratio:.2f}x ({out['cpu_s']:.0f} s of CPU)")
+    return out
+
+
+def replay_on_engine(requests, settings: dict) -> list:
+    """The trace replayed on a real ``LLMEngine`` (tandem-tiny-llama, one torch thread) on the
+    wall clock, in process: each request added at its arrival, every token timed at the end of
+    the step that produced it. Returns ``sim.simulator.Record`` s, as a simulation would."""
+    import collections
+
+    import torch
+
+    from engine import LLMEngine, SamplingParams
+    from sim.simulator import Record
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(**settings)
+    records = [Record(i, r) for i, r in enumerate(requests)]
+    pending = collections.deque(records)
+    engine.add_request([5] * 32, SamplingParams(max_tokens=4, ignore_eos=True), request_id="warm-up")
+    while engine.has_unfinished_requests():
+        engine.step()
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while pending and pending[0].req.arrival_s <= now:
+            rec = pending.popleft()
+            prompt = [5 + (rec.index * 7919 + j) % 4000 for j in range(rec.req.prompt_tokens)]
+            params = SamplingParams(max_tokens=rec.req.output_tokens, ignore_eos=True, temperature=0.0)
+            engine.add_request(prompt, params, request_id=str(rec.index))
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0].req.arrival_s - now))
+            continue
+        outputs = engine.step()
+        t = time.perf_counter() - t0
+        for out in outputs:
+            rec = records[int(out.request_id)]
+            rec.token_times.extend([t] * len(out.new_token_ids))
+            if out.finished:
+                rec.end_s = t
+    return records
+
+
+def calibrate(path: str) -> str:
+    """Measure a CPU profile table now (``bench.steps``' measurements), so that the validation's
+    costs come from the machine as busy as it is during the replays."""
+    import torch
+
+    from bench.steps import prefill_times, step_times, write_profile
+    from engine import LLMEngine
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(num_kv_blocks=32 * (512 // 16 + 8) + 64)
+    batches = [1, 2, 4, 8, 16, 32]
+    decodes = {c: step_times(engine, batches, c, 20) for c in (128, 512)}
+    write_profile(path, engine, "tandem-tiny-llama", decodes, 20, prefill_times(engine, [16, 64, 128, 256, 512, 1024]))
+    return path
+
+
+def validate(args: argparse.Namespace) -> dict:
+    """One engine on this CPU against the CPU-calibrated simulation of it, on the same traces."""
+    from sim.simulator import SimResult
+
+    settings = {"num_kv_blocks": args.num_kv_blocks, "max_num_batched_tokens": args.budget}
+    cost = cost_model("cpu", model_spec("tandem-tiny-llama"), calibrate(args.profile_out) if args.calibrate else None)
+    topo = SimTopology(prefill_workers=0, decode_workers=1, engine=settings, router=UNBOUNDED)
+    out = {}
+    for rate in (float(r) for r in args.rates.split(",")):
+        requests = generate(parse_spec(f"{args.workload},n={args.requests},rate={rate},seed=7"))
+        measured = summary(SimResult(replay_on_engine(requests, settings), 0, 0, [], 0.0, 1, []))
+        simulated = summary(run(topo, cost, requests))
+        row = {}
+        for name, get in (("throughput_tok_s", lambda s: s["output_throughput"]),
+                          ("ttft_p50_ms", lambda s: s["ttft_ms"]["median"]), ("ttft_p90_ms", lambda s: s["ttft_ms"]["p90"]),
+                          ("tpot_mean_ms", lambda s: s["tpot_ms"]["mean"]), ("e2e_mean_ms", lambda s: s["e2e_ms"]["mean"])):
+            m, p = get(measured), get(simulated)
+            row[name] = {"measured": m, "simulated": p, "error": (p - m) / m if m else None}
+        out[str(rate)] = row
+        print(f"rate {rate:g} req/s: " + ", ".join(
+            f"{k} {v['measured']:.1f} vs {v['simulated']:.1f} ({v['error']:+.0%})" for k, v in row.items()))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="study", required=True)
+    sp = sub.add_parser("speed")
+    sp.add_argument("--devices", type=int, default=512)
+    sp.add_argument("--seconds", type=float, default=5.0)
+    sp.add_argument("--rate-per-device", type=float, default=8.0)
+    b = sub.add_parser("batching")
+    b.add_argument("--requests", type=int, default=1000)
+    b.add_argument("--rate", type=float, default=20.0)
+    b.add_argument("--max-num-seqs", type=int, default=256)
+    b.add_argument("--online", default="sharegpt:", help="the workload at --rate (kind:settings, no n or rate)")
+    d = sub.add_parser("disagg")
+    d.add_argument("--devices", type=int, default=64)
+    d.add_argument("--slo", default="ttft:150,itl:15")
+    d.add_argument("--chunks", default="512,2048")
+    d.add_argument("--batch-caps", default="256")
+    d.add_argument("--max-unit", type=int, default=8)
+    d.add_argument("--iters", type=int, default=3)
+    d.add_argument("--trial-s", type=float, default=10.0)
+    d.add_argument("--max-requests", type=int, default=3000)
+    v = sub.add_parser("validate")
+    v.add_argument("--rates", default="4,12")
+    v.add_argument("--requests", type=int, default=120)
+    v.add_argument("--workload", default="synthetic:in=128,out=64,range=0.5")
+    v.add_argument("--num-kv-blocks", type=int, default=512)
+    v.add_argument("--budget", type=int, default=2048)
+    v.add_argument("--calibrate", action="store_true", help="measure a fresh CPU profile first (else the shipped one)")
+    v.add_argument("--profile-out", default="cpu-profile-now.json", help="where --calibrate writes its table")
+    for p in (sp, b, d, v):
+        p.add_argument("--json", default=None, help="write the numbers here")
+    args = ap.parse_args(argv)
+    out = {"speed": speed, "batching": batching, "disagg": disagg, "validate": validate}[args.study](args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
