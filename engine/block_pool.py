@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from engine.block_hash import BlockHash, BlockHasher
 from engine.request import Request
 
-NULL_BLOCK_ID = 0
+NULL_BLOCK_ID = 0  # never handed out; in a block table, the place of a block given back (release_outside_window)
 
 
 class KVBlock:
@@ -168,6 +168,12 @@ class KVCacheManager:
     ``blocks`` list turns an id back into its ``KVBlock`` when references change.
     ``hasher`` names full blocks in the prefix cache; by default a ``BlockHasher`` of
     the default algorithm with a random seed of its own.
+
+    ``window`` > 0: every layer attends to at most that many latest keys (a model whose
+    layers all slide), so a block whose tokens are all further back than that is never
+    read again: ``release_outside_window`` gives it back to the pool (still in the prefix
+    cache until evicted) and leaves ``NULL_BLOCK_ID`` in its place in the table, which keeps
+    its positions; the attention masks read nothing there.
     """
 
     def __init__(
@@ -177,9 +183,13 @@ class KVCacheManager:
         enable_caching: bool = True,
         num_cpu_blocks: int = 0,
         hasher: BlockHasher | None = None,
+        window: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.window = window
+        self._released: dict[str, int] = {}  # request id -> leading table entries given back (NULL_BLOCK_ID)
+        self.num_released = 0  # blocks given back from behind the window, in all
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
@@ -204,7 +214,7 @@ class KVCacheManager:
 
     def _held(self, table: Sequence[int]) -> list[KVBlock]:
         blocks = self.pool.blocks
-        return [blocks[i] for i in table]
+        return [blocks[i] for i in table if i != NULL_BLOCK_ID]
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -299,12 +309,32 @@ class KVCacheManager:
         table = self._tables[rid]
         blocks = self.pool.blocks
         for i in range(done, n_full):
-            self.pool.cache(blocks[table[i]], hashes[i])
+            if table[i] != NULL_BLOCK_ID:  # (given back, once back from swap space)
+                self.pool.cache(blocks[table[i]], hashes[i])
         self._num_hashed[rid] = n_full
+
+    def release_outside_window(self, request: Request) -> int:
+        """Give back the request's blocks that no layer reads again (``window``): those
+        whose every token is more than ``window`` positions behind the next one to compute.
+        Returns how many were given back now."""
+        if not self.window:
+            return 0
+        rid = request.request_id
+        table = self._tables.get(rid)
+        done = self._released.get(rid, 0)
+        upto = min(len(table or ()), max(0, request.num_computed_tokens - self.window) // self.block_size)
+        if upto <= done:
+            return 0
+        self.pool.free(self._held(table[done:upto]))
+        table[done:upto] = [NULL_BLOCK_ID] * (upto - done)
+        self._released[rid] = upto
+        self.num_released += upto - done
+        return upto - done
 
     def free(self, request: Request) -> None:
         """Return every block the request holds, on the GPU pool and in swap space."""
         rid = request.request_id
+        self._released.pop(rid, None)
         table = self._tables.pop(rid, None)
         if table:
             # Tail blocks first: they are the least likely to be shared prefixes.
@@ -330,14 +360,15 @@ class KVCacheManager:
         """Move the request's blocks to swap space; returns (device, cpu) pairs to copy."""
         rid = request.request_id
         table = self._tables.get(rid, [])
-        cpu = self.cpu_pool.allocate(len(table))
+        kept = table[self._released.get(rid, 0):]  # the blocks given back stay so
+        cpu = self.cpu_pool.allocate(len(kept))
         if cpu is None:
             return None
         self._tables.pop(rid, None)
         self._num_hashed.pop(rid, None)
         self._cpu_blocks[rid] = cpu
-        self.pool.free(reversed(self._held(table)))
-        return list(zip(table, cpu))
+        self.pool.free(reversed(self._held(kept)))
+        return list(zip(kept, cpu))
 
     def num_swapped_blocks(self, request_id: str) -> int:
         return len(self._cpu_blocks.get(request_id, ()))
@@ -348,11 +379,12 @@ class KVCacheManager:
         Returns (cpu, device) pairs to copy; None (and no change) if the pool is short.
         """
         rid = request.request_id
-        need = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+        released = self._released.get(rid, 0)
+        need = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - released
         new = self.pool.allocate(max(need, self.num_swapped_blocks(rid)))
         if new is None:
             return None
         cpu = self._cpu_blocks.pop(rid)
-        self._tables[rid] = [b.block_id for b in new]
+        self._tables[rid] = [NULL_BLOCK_ID] * released + [b.block_id for b in new]
         self.cpu_pool.free(cpu)
-        return list(zip(cpu, self._tables[rid]))
+        return list(zip(cpu, (b.block_id for b in new)))

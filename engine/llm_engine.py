@@ -122,6 +122,7 @@ class EngineStats:
     # and CPU of the step thread (below the wall clock when the step waited for a core).
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0
+    num_window_released_blocks: int = 0  # blocks given back from behind a sliding window
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class LLMEngine:
         """A fresh block manager (every block free, the prefix cache empty) and scheduler."""
         kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
-            BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed),
+            BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed), window=self.model_config.kv_window,
         )
         return kv_manager, Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
 
@@ -683,4 +684,5 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             forward_s=self._forward_s,
             forward_cpu_s=self._forward_cpu_s,
+            num_window_released_blocks=self.kv_manager.num_released,
         )

@@ -232,6 +232,12 @@ class ModelConfig:
         return max(self.layer_windows, default=0)
 
     @property
+    def kv_window(self) -> int:
+        """How far back any layer reads keys when every layer slides (its widest window),
+        so the blocks behind it can be given back; 0 when some layer reads them all."""
+        return self.sliding_window if self.layer_windows and all(self.layer_windows) else 0
+
+    @property
     def rotary_dims(self) -> int:
         """How many leading dims of each head the rotary turns."""
         return self.rotary_dim or self.head_dim

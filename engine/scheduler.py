@@ -436,6 +436,7 @@ class Scheduler:
             # Cache before any stop check, so a request that ends now (a prefill-role
             # request always does) still leaves its full blocks in the prefix cache.
             self.kv_manager.cache_blocks(request)
+            self.kv_manager.release_outside_window(request)
             token = sampled.get(request.request_id) if item.sample else None
             if token is not None:
                 request.output_token_ids.append(token)
