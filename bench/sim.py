@@ -2,7 +2,7 @@
 
     python -m bench.sim speed [--devices 512] [--seconds 5] [--rate-per-device 8]
     python -m bench.sim batching [--requests 1000]
-    python -m bench.sim disagg [--devices 64] [--slo ttft:150,itl:15]
+    python -m bench.sim disagg [--devices 64] [--slo ttft:60,itl:11] [--workload sharegpt:seed=0]
     python -m bench.sim validate [--rates 4,12]
 
 ``speed``: CPU time to simulate ``--devices`` H100s (1 prefill to 3 decode workers,
@@ -96,11 +96,12 @@ def batching(args: argparse.Namespace) -> dict:
 
 
 def disagg(args: argparse.Namespace) -> dict:
-    """The planner on ``args.devices`` H100s: planned vs best colocated goodput."""
+    """The planner on ``args.devices`` H100s: the best disaggregated configuration's goodput against
+    the best colocated one's, per unit times the units, then each simulated whole."""
     from sim.planner import PlanSettings, plan
 
     cost = cost_model("H100", model_spec("llama-3.1-8b"))
-    slo = parse_slo(args.slo)
+    slo, spec = parse_slo(args.slo), parse_spec(args.workload)
     settings = PlanSettings(chunks=tuple(int(c) for c in args.chunks.split(",")),
                             batch_caps=tuple(int(c) for c in args.batch_caps.split(",")),
                             max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s,
@@ -111,22 +112,37 @@ def disagg(args: argparse.Namespace) -> dict:
               f"{ev.rate * replicas:8.1f} req/s ({ev.trials} trials)", flush=True)
 
     t0 = time.process_time()
-    result = plan(args.devices, SimTopology(router=UNBOUNDED), cost, parse_spec("sharegpt:seed=0"), slo, settings,
+    result = plan(args.devices, SimTopology(router=UNBOUNDED), cost, spec, slo, settings, verify=False,
                   progress=progress)
     r = result.replicas
-    best, colo = result.best, result.best_colocated
-    out = {"devices": args.devices, "slo": args.slo, "unit": result.unit, "cpu_s": time.process_time() - t0,
-           "best": {"config": best.candidate.label(r), "goodput": best.rate * r},
-           "best_colocated": {"config": colo.candidate.label(r), "goodput": colo.rate * r} if colo else None,
-           "verified": result.verified,
+    out = {"devices": args.devices, "slo": args.slo, "workload": args.workload, "unit": result.unit,
            "candidates": [{"config": e.candidate.label(r), "goodput": e.rate * r, "estimate": e.estimate * r}
                           for e in result.ranked]}
-    ratio = best.rate / colo.rate if colo and colo.rate > 0 else math.inf
-    out["ratio"] = ratio
-    print(f"planned: {out['best']['config']} at {out['best']['goodput']:.1f} req/s; best colocated: "
-          f"{out['best_colocated']['config'] if colo else '-'} at {colo.rate * r if colo else 0:.1f} req/s; "
-          f"ratio {ratio:.2f}x ({out['cpu_s']:.0f} s of CPU)")
+    split = next((e for e in result.ranked if not e.candidate.colocated), None)
+    for name, ev in (("disaggregated", split), ("colocated", result.best_colocated)):
+        out[name] = _whole(ev, r, cost, spec, slo, settings) if ev is not None else None
+    out["cpu_s"] = time.process_time() - t0
+    d, c = out["disaggregated"], out["colocated"]
+    if d and c:
+        out["ratio_units"] = d["unit_goodput"] / c["unit_goodput"] if c["unit_goodput"] else math.inf
+        out["ratio_whole"] = d["goodput"] / c["goodput"] if c["goodput"] else math.inf
+        print(f"disaggregated / colocated: {out['ratio_units']:.2f}x by units, {out['ratio_whole']:.2f}x simulated "
+              f"whole ({out['cpu_s']:.0f} s of CPU)")
     return out
+
+
+def _whole(ev, replicas: int, cost, spec, slo, settings) -> dict:
+    """A candidate's goodput by units and simulated whole (``sim.planner.whole_cluster``)."""
+    from sim.planner import whole_cluster
+
+    rate, res = whole_cluster(ev, SimTopology(router=UNBOUNDED), cost, spec, slo, settings, replicas)
+    row = {"config": ev.candidate.label(replicas), "unit_goodput": ev.rate * replicas, "goodput": rate,
+           "slo_attainment": res["slo_attainment"], "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"],
+           "itl_ms": res["itl_ms"]}
+    print(f"{row['config']}: {row['unit_goodput']:.1f} req/s by units, {rate:.1f} req/s simulated whole "
+          f"(SLO attainment {res['slo_attainment']:.1%}, TTFT p90 {res['ttft_ms']['p90']:.0f} ms, "
+          f"TPOT p90 {res['tpot_ms']['p90']:.1f} ms)")
+    return row
 
 
 def replay_on_engine(requests, settings: dict) -> list:
@@ -222,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--online", default="sharegpt:", help="the workload at --rate (kind:settings, no n or rate)")
     d = sub.add_parser("disagg")
     d.add_argument("--devices", type=int, default=64)
-    d.add_argument("--slo", default="ttft:150,itl:15")
+    d.add_argument("--slo", default="ttft:60,itl:11")
+    d.add_argument("--workload", default="sharegpt:seed=0", help="the length mix (rates are the planner's)")
     d.add_argument("--chunks", default="512,2048")
     d.add_argument("--batch-caps", default="256")
     d.add_argument("--max-unit", type=int, default=8)

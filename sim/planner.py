@@ -96,7 +96,8 @@ class PlanResult:
     ranked: list[Evaluated]
     unit: int
     replicas: int
-    verified: dict | None = None
+    verified: dict | None = None  # the best candidate simulated whole at ``verified_rate``
+    verified_rate: float = 0.0
     best_colocated: Evaluated | None = None
     evaluated: list[Evaluated] = field(default_factory=list)
 
@@ -232,8 +233,20 @@ def plan(devices: int, base: SimTopology, cost: CostModel, spec: WorkloadSpec, s
     result = PlanResult(ranked, unit, replicas, best_colocated=colocated[0] if colocated else None,
                         evaluated=evaluated)
     if verify and ranked and ranked[0].rate > 0 and replicas > 1:
-        best = ranked[0]
-        n = int(min(s.max_requests * replicas, max(s.min_requests, best.rate * replicas * s.trial_s)))
-        result.verified = summary(run(best.candidate.topology(base, replicas), cost,
-                                      generate(spec.with_rate(best.rate * replicas, n))), slo)
+        result.verified_rate, result.verified = whole_cluster(ranked[0], base, cost, spec, slo, s, replicas)
     return result
+
+
+def whole_cluster(ev: Evaluated, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget,
+                  s: PlanSettings, replicas: int, backoffs: int = 4) -> tuple[float, dict]:
+    """The candidate over all ``replicas`` units at its unit rate times ``replicas``; while it
+    misses the SLO, again at 10% less (up to ``backoffs`` times). (rate, its summary); the rate
+    is 0 when even the last one missed."""
+    rate = ev.rate * replicas
+    for _ in range(backoffs + 1):
+        n = int(min(s.max_requests * replicas, max(s.min_requests, rate * s.trial_s)))
+        res = summary(run(ev.candidate.topology(base, replicas), cost, generate(spec.with_rate(rate, n))), slo)
+        if res["slo_attainment"] >= slo.attainment:
+            return rate, res
+        rate *= 0.9
+    return 0.0, res

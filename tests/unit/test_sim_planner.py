@@ -3,6 +3,8 @@ rate the chosen configuration really sustains, and its topology file is a valid 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from router.admission import AdmissionConfig
@@ -17,8 +19,8 @@ COST = cost_model("H100", model_spec("llama-3.1-8b"))
 BASE = SimTopology(router=RouterSettings(admission=AdmissionConfig(max_requests=10**9, max_prompt_tokens=10**12)))
 SLO = SloTarget(ttft_ms=200, itl_ms=20)
 SPEC = parse_spec("sharegpt:seed=3")
-SMALL = PlanSettings(chunks=(2048,), batch_caps=(128,), max_unit=3, keep=1, iters=2, trial_s=4, min_requests=60,
-                     max_requests=400)
+SMALL = PlanSettings(chunks=(2048,), batch_caps=(128,), max_unit=3, keep=1, iters=2, trial_s=3, min_requests=60,
+                     max_requests=300)
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,15 @@ def test_the_planned_topology_loads_as_a_tandem_topology_and_helm_values_agree(p
 def test_one_device_cannot_be_planned():
     with pytest.raises(ValueError, match="--devices must be >= 2"):
         plan(1, BASE, COST, SPEC, SLO, SMALL)
+
+
+def test_simulated_whole_the_cluster_is_held_to_the_slo_and_backs_off_until_it_meets_it(planned):
+    from sim.planner import whole_cluster
+
+    best = planned.best
+    rate, res = whole_cluster(best, BASE, COST, SPEC, SLO, SMALL, replicas=2)
+    assert 0 < rate <= 2 * best.rate
+    assert res["slo_attainment"] >= SLO.attainment
+    # Far over what it sustains, with no back-off left: it reports nothing sustained.
+    rate, res = whole_cluster(replace(best, rate=4 * best.rate), BASE, COST, SPEC, SLO, SMALL, replicas=2, backoffs=0)
+    assert rate == 0.0 and res["slo_attainment"] < SLO.attainment
