@@ -125,9 +125,10 @@ def disagg(args: argparse.Namespace) -> dict:
     d, c = out["disaggregated"], out["colocated"]
     if d and c:
         out["ratio_units"] = d["unit_goodput"] / c["unit_goodput"] if c["unit_goodput"] else math.inf
-        out["ratio_whole"] = d["goodput"] / c["goodput"] if c["goodput"] else math.inf
-        print(f"disaggregated / colocated: {out['ratio_units']:.2f}x by units, {out['ratio_whole']:.2f}x simulated "
-              f"whole ({out['cpu_s']:.0f} s of CPU)")
+        out["ratio_whole"] = d["goodput"] / c["goodput"] if c["goodput"] else None
+        whole = f"{out['ratio_whole']:.2f}x" if out["ratio_whole"] is not None else "- (colocated sustained nothing tried)"
+        print(f"disaggregated / colocated: {out['ratio_units']:.2f}x by units, {whole} simulated whole "
+              f"({out['cpu_s']:.0f} s of CPU)")
     return out
 
 
@@ -135,7 +136,8 @@ def _whole(ev, replicas: int, cost, spec, slo, settings) -> dict:
     """A candidate's goodput by units and simulated whole (``sim.planner.whole_cluster``)."""
     from sim.planner import whole_cluster
 
-    rate, res = whole_cluster(ev, SimTopology(router=UNBOUNDED), cost, spec, slo, settings, replicas)
+    rate, res = whole_cluster(ev, SimTopology(router=UNBOUNDED), cost, spec, slo, settings, replicas,
+                              backoffs=8, factor=0.8)
     row = {"config": ev.candidate.label(replicas), "unit_goodput": ev.rate * replicas, "goodput": rate,
            "slo_attainment": res["slo_attainment"], "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"],
            "itl_ms": res["itl_ms"]}

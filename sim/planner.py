@@ -238,15 +238,15 @@ def plan(devices: int, base: SimTopology, cost: CostModel, spec: WorkloadSpec, s
 
 
 def whole_cluster(ev: Evaluated, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget,
-                  s: PlanSettings, replicas: int, backoffs: int = 4) -> tuple[float, dict]:
+                  s: PlanSettings, replicas: int, backoffs: int = 4, factor: float = 0.9) -> tuple[float, dict]:
     """The candidate over all ``replicas`` units at its unit rate times ``replicas``; while it
-    misses the SLO, again at 10% less (up to ``backoffs`` times). (rate, its summary); the rate
-    is 0 when even the last one missed."""
+    misses the SLO, again at ``factor`` times the rate (up to ``backoffs`` times). (rate, its
+    summary); the rate is 0 when even the last one missed."""
     rate = ev.rate * replicas
     for _ in range(backoffs + 1):
         n = int(min(s.max_requests * replicas, max(s.min_requests, rate * s.trial_s)))
         res = summary(run(ev.candidate.topology(base, replicas), cost, generate(spec.with_rate(rate, n))), slo)
         if res["slo_attainment"] >= slo.attainment:
             return rate, res
-        rate *= 0.9
+        rate *= factor
     return 0.0, res
