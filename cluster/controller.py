@@ -94,14 +94,18 @@ class ClusterController:
         self._latency: dict[str, tuple[float, LatencyReport]] = {}  # router replica -> (when, its report)
         self._latency_lock = threading.Lock()
 
-    def start(self) -> dict:
+    def start(self, start_timeout_s: float | None = None) -> dict:
         """Start the pools and return the model's description. Idempotent (see the
-        module's docstring): a redeployed application finds the pools running."""
+        module's docstring): a redeployed application finds the pools running.
+        ``start_timeout_s``: the bound of a start this call begins (the controller's name
+        leaves it out, so a build with a changed timeout finds this controller)."""
         with self._start_lock:
             attempt = self._started
             mine = attempt is None or (attempt.done() and attempt.exception() is not None)
             if mine:
                 attempt = self._started = Future()
+                if start_timeout_s is not None:
+                    self.config = dataclasses.replace(self.config, start_timeout_s=start_timeout_s)
         if mine:
             try:
                 attempt.set_result(self._start())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -27,6 +28,7 @@ from ray.exceptions import GetTimeoutError
 from cluster import flags
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterController, controller_name, retire_other_controllers
+from cluster.pools import StartTimeout
 from cluster.ingress import (
     DEFAULT_INGRESS,
     ENABLE_HAPROXY,
@@ -318,7 +320,9 @@ def app(args: dict):
     start is still waiting for resources, and that build waits for the same start. Its
     name carries a hash of the settings (``controller_name``): changed settings get a new
     controller, and the old ones are stopped first, so their pools free what the new
-    ones need. ``start_timeout_s`` in ``args`` bounds the start (``ClusterConfig``).
+    ones need. ``start_timeout_s`` in ``args`` bounds each start (a running controller
+    takes a changed one too); a start past it is retried (``start_retrying``; at most
+    ``start_attempts`` starts when ``args`` says).
     With ``metrics_port`` in ``args`` it serves every node's metrics on that port (each pod
     sets ``PROMETHEUS_MULTIPROC_DIR``). ``ingress`` in ``args`` must be the one the pods'
     environment runs (cluster/ingress.py). With ``head_resource`` (a custom resource only
@@ -338,8 +342,31 @@ def app(args: dict):
         )
         .remote(cluster, metrics_port=metrics_port)
     )
-    wait_started(controller, cluster)
+    start_retrying(lambda: wait_started(controller, cluster), args.get("start_attempts"))
     return router_deployment(head_resource).bind(controller, router)
+
+
+START_BACKOFF_S = (10.0, 300.0)  # the wait before a start's first retry, and the most it grows to
+
+
+def start_retrying(start, attempts: int | None = None, sleep=time.sleep) -> dict:
+    """``start()``'s result, trying again after a ``StartTimeout`` (the cluster lacked
+    the pools' resources in time: GPUs not there yet, pods still scheduling) with a
+    backoff from 10 s doubling to 5 min, up to ``attempts`` starts in all (None: until one
+    succeeds). KubeRay submits an application once per config, so a build that gave up
+    would leave the service failed until the config changed; each failed start has
+    removed its placement groups and actors. Any other error is raised at once: a start
+    that fails for a reason the cluster cannot outgrow fails the application."""
+    wait, most = START_BACKOFF_S
+    for attempt in itertools.count(1):
+        try:
+            return start()
+        except StartTimeout as e:
+            if attempts is not None and attempt >= attempts:
+                raise
+            log.warning("start attempt %d timed out (%s); trying again in %.0f s", attempt, e, wait)
+            sleep(wait)
+            wait = min(most, 2 * wait)
 
 
 # The controller enforces start_timeout_s itself; this margin only keeps a caller from
@@ -352,6 +379,6 @@ def wait_started(controller, cluster: ClusterConfig, started=None) -> dict:
     ``started``: the reference of a ``start`` call already made."""
     limit = cluster.start_timeout_s + START_WAIT_MARGIN_S
     try:
-        return ray.get(started or controller.start.remote(), timeout=limit)
+        return ray.get(started or controller.start.remote(cluster.start_timeout_s), timeout=limit)
     except GetTimeoutError:
         raise TimeoutError(f"the cluster controller's start did not return within {limit:g} s") from None

@@ -5,7 +5,8 @@ as Serve's build task calls it (no Serve here).
   placement groups, one result; a finished start returns its result to later builds.
 - A start past ``start_timeout_s`` removes every placement group it made (also the
   pools that were placed) and raises an error naming the pool, what it asked for and
-  the deadline; the next build starts afresh.
+  the deadline; the build tries again after a backoff (the next build, too, starts
+  afresh), under the timeout its args give.
 - The controller's name carries a hash of its settings: changed settings get a new
   controller and the old one is stopped with its pools; the same settings reuse it.
 """
@@ -27,7 +28,8 @@ from tests.helpers import wait_for
 BUILDS_AT_ONCE = 3
 
 
-def _args(model: str, start_timeout_s: float | None = None, worker_resources: dict | None = None, **topology) -> dict:
+def _args(model: str, start_timeout_s: float | None = None, worker_resources: dict | None = None,
+          start_attempts: int | None = None, **topology) -> dict:
     """Application args as the chart renders them: a colocated worker on a tiny model."""
     settings = {
         "model": model,
@@ -43,6 +45,8 @@ def _args(model: str, start_timeout_s: float | None = None, worker_resources: di
     args = {"topology": settings, "worker_resources": worker_resources or {}}
     if start_timeout_s is not None:
         args["start_timeout_s"] = start_timeout_s
+    if start_attempts is not None:
+        args["start_attempts"] = start_attempts
     return args
 
 
@@ -92,9 +96,10 @@ def test_builds_at_once_share_one_start(builder, tiny_model):
 
 
 def test_a_start_past_its_deadline_removes_its_placement_groups(builder, tiny_model):
-    """The prefill pool is placed; the decode pool asks for a resource no node offers."""
+    """The prefill pool is placed; the decode pool asks for a resource no node offers.
+    (One start a build here: ``start_attempts``; the next test retries.)"""
     before = set(placement_group_table())
-    args = _args(tiny_model, start_timeout_s=2, prefill_workers=1,
+    args = _args(tiny_model, start_timeout_s=2, prefill_workers=1, start_attempts=1,
                  worker_resources={"decode": {"tandem_missing": 1}})
     results = _build_at_once(args, 2)
     for error in results:
@@ -111,6 +116,26 @@ def test_a_start_past_its_deadline_removes_its_placement_groups(builder, tiny_mo
     assert len(_groups_since(before)) == 4
     wait_for(lambda: set(_groups_since(before).values()) == {"REMOVED"}, 30,
              lambda: f"the second start's placement groups removed: {_groups_since(before)}")
+
+
+def test_a_build_retries_a_timed_out_start_under_the_timeout_it_is_given_and_each_try_cleans_up(
+    builder, tiny_model, monkeypatch,
+):
+    """A build whose start times out tries again after a backoff (shortened here), each
+    failed start having removed its placement groups; a build with a longer timeout finds
+    the same controller (the timeout is not in its name) and starts under the new one."""
+    monkeypatch.setattr(service, "START_BACKOFF_S", (0.1, 0.1))
+    before = set(placement_group_table())
+    missing = {"decode": {"tandem_missing": 1}}
+    with pytest.raises(StartTimeout, match="start_timeout_s=1 s"):
+        builder.app(_args(tiny_model, start_timeout_s=1, start_attempts=3, worker_resources=missing))
+    assert len(_groups_since(before)) == 3, "three starts, one group each"
+    wait_for(lambda: set(_groups_since(before).values()) == {"REMOVED"}, 30,
+             lambda: f"every start's placement group removed: {_groups_since(before)}")
+    (name,) = _controllers()
+    with pytest.raises(StartTimeout, match="start_timeout_s=2 s"):
+        builder.app(_args(tiny_model, start_timeout_s=2, start_attempts=1, worker_resources=missing))
+    assert _controllers() == [name], "a changed timeout keeps the controller"
 
 
 def test_changed_settings_get_a_new_controller_and_stop_the_old(builder, tiny_model):
