@@ -102,18 +102,22 @@ def slo_from(results: Sequence[serve.RequestResult], factor: float) -> serve.Slo
     return serve.Slo(ttft_ms=round(1000 * factor * ttft, 1), tpot_ms=round(1000 * factor * tpot, 1))
 
 
-async def _poll_pools(base_url: str, samples: list, stop: asyncio.Event, t0: float) -> None:
-    """(seconds from t0, prefill workers, decode workers, decisions so far) every 0.5 s."""
+async def _poll_pools(base_url: str, samples: list, decisions: dict, stop: asyncio.Event, t0: float) -> None:
+    """Every 0.5 s: (seconds from t0, prefill workers, decode workers) into ``samples``, and
+    each decision the controller reports into ``decisions`` (its time from t0 -> (action,
+    role)), dated by the answer's ``ago_s``: a status that answers late under load loses
+    no decision."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=5) as http:
+    async with httpx.AsyncClient(timeout=60) as http:
         while not stop.is_set():
             with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
                 status = (await http.get(f"{base_url}/status")).json()
+                now = time.perf_counter() - t0
                 live = {role: sum(not w["draining"] for w in ws) for role, ws in status["pools"].items()}
-                decisions = (status.get("autoscaling") or {}).get("decisions", [])
-                samples.append((time.perf_counter() - t0, live.get("prefill", 0), live.get("decode", 0),
-                                [(d["action"], d["role"]) for d in decisions]))
+                for d in (status.get("autoscaling") or {}).get("decisions", []):
+                    decisions.setdefault(round(d["at"], 3), (round(now - d["ago_s"], 1), d["action"], d["role"]))
+                samples.append((now, live.get("prefill", 0), live.get("decode", 0)))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
 
@@ -146,9 +150,10 @@ async def _run_all(name, args, runs, base_url, grpc_target, vocab) -> list[dict]
         await serve.warm_up(client, vocab, 0, base_url)
         for plan in runs:
             samples: list = []
+            decisions: dict = {}
             stop = asyncio.Event()
             t0 = time.perf_counter()
-            poller = asyncio.ensure_future(_poll_pools(base_url, samples, stop, t0))
+            poller = asyncio.ensure_future(_poll_pools(base_url, samples, decisions, stop, t0))
             if isinstance(plan, int):  # calibration: everything at once
                 plan = serve.RunPlan(0.0, [BenchRequest(workloads.random_tokens(64, vocab, random.Random(i)), 64)
                                            for i in range(plan)], [0.0] * plan)
@@ -157,7 +162,8 @@ async def _run_all(name, args, runs, base_url, grpc_target, vocab) -> list[dict]
             await poller
             failed = sum(not r.ok for r in results)
             print(f"{name}: {len(results)} requests in {duration:.1f} s, {failed} failed", flush=True)
-            out.append({"results": results, "duration_s": duration, "pools": samples})
+            out.append({"results": results, "duration_s": duration, "pools": samples,
+                        "decisions": sorted(decisions.values())})
     return out
 
 
@@ -191,7 +197,7 @@ def step_experiment(args, vocab) -> dict:
         entry = {"goodput_rps": round(goodput(results, slo, step_from, step_to), 2),
                  "failed": sum(not r.ok for r in results)}
         if "autoscaling" in topology:
-            entry |= _scaling_times(run["pools"], step_from)
+            entry |= _scaling_times(run["pools"], run["decisions"], step_from)
         figures[name] = entry
         print(f"step {name}: {entry}", flush=True)
     fixed_goodput = figures["fixed"]["goodput_rps"]
@@ -199,18 +205,16 @@ def step_experiment(args, vocab) -> dict:
     return figures
 
 
-def _scaling_times(samples: list, step_s: float) -> dict:
-    """From the pool-size samples: seconds from the step to the first scale-out and to the
-    largest pools, and the largest pools."""
-    sizes = [(t, p + d) for t, p, d, _ in samples]
-    peak = max((n for _, n in sizes), default=0)
-    first_out = next((t for t, n in sizes if t >= step_s and n > sizes[0][1]), None) if sizes else None
-    at_peak = next((t for t, n in sizes if t >= step_s and n == peak), None)
-    largest = next(((p, d) for t, p, d, _ in samples if p + d == peak), None)
-    return {"s_to_first_scale_out": None if first_out is None else round(first_out - step_s, 1),
-            "s_to_largest_pools": None if at_peak is None else round(at_peak - step_s, 1),
-            "largest_pools": {"prefill": largest[0], "decode": largest[1]} if largest else None,
-            "decisions": samples[-1][3] if samples else []}
+def _scaling_times(samples: list, decisions: list, step_s: float) -> dict:
+    """Seconds from the step to the first decision to add a worker and to the largest
+    pools seen, the largest pools, and every decision (seconds from the start, action, role)."""
+    first_add = next((t for t, action, _ in decisions if t >= step_s and action != "remove"), None)
+    peak = max((p + d for _, p, d in samples), default=0)
+    at_peak = next(((t, p, d) for t, p, d in samples if t >= step_s and p + d == peak), None)
+    return {"s_to_first_scale_out": None if first_add is None else round(first_add - step_s, 1),
+            "s_to_largest_pools": None if at_peak is None else round(at_peak[0] - step_s, 1),
+            "largest_pools": None if at_peak is None else {"prefill": at_peak[1], "decode": at_peak[2]},
+            "decisions": decisions}
 
 
 def flip_experiment(args, vocab, slo: serve.Slo) -> dict:
@@ -223,8 +227,7 @@ def flip_experiment(args, vocab, slo: serve.Slo) -> dict:
         (run,) = run_config(name, topology, [plan], args.model, args.num_cpus, vocab)
         windows = attainment(run["results"], slo)
         figures[name] = {"s_to_slo_again": recovery_s(windows, args.flip_s), "windows": windows,
-                         "decisions": run["pools"][-1][3] if run["pools"] else [],
-                         "failed": sum(not r.ok for r in run["results"])}
+                         "decisions": run["decisions"], "failed": sum(not r.ok for r in run["results"])}
         print(f"flip {name}: back within the SLO {figures[name]['s_to_slo_again']} s after the flip; "
               f"decisions {figures[name]['decisions']}", flush=True)
     return figures

@@ -22,6 +22,7 @@ the last interval, which sees trouble coming before clients do:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -54,6 +55,7 @@ class PoolScaler:
         self._state: dict[str, list] = {}  # the pools as the last round saw them
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self.last_round: dict | None = None  # when the latest round ran, how long it took, what it saw
 
     # -- observing ---------------------------------------------------------------
 
@@ -107,6 +109,8 @@ class PoolScaler:
         now = self.clock() if now is None else now
         seen = self.observe(now)
         decisions = self.policy.decide(seen, now)
+        self.last_round = {"at": now, "took_s": round(self.clock() - now, 3),
+                           "seen": {role: dataclasses.asdict(o) for role, o in seen.items()}}
         for d in decisions:
             log.info("autoscaling: %s a %s worker: %s", d.action, d.role, d.reason)
             self.decisions.append((now, d))
@@ -201,4 +205,4 @@ class PoolScaler:
         return {"pending": pending, "decisions": [
             {"at": at, "ago_s": round(now - at, 1), "action": d.action, "role": d.role, "reason": d.reason}
             for at, d in self.decisions
-        ]}
+        ], "last_round": self.last_round}

@@ -38,3 +38,13 @@ def test_recovery_is_the_first_window_after_the_flip_from_which_every_window_mee
     assert [w["met"] for w in windows] == [1.0, 1.0, 0.0, 0.0, 1.0, 0.83, 1.0]
     assert recovery_s(windows, flip_s=10) == 20.0
     assert recovery_s(windows[:6], flip_s=10) is None, "the load ended out of the SLO"
+
+
+def test_scaling_times_come_from_the_decisions_dates_and_the_pool_sizes_seen():
+    from bench.elastic import _scaling_times
+
+    samples = [(0.0, 1, 1), (21.0, 1, 1), (24.0, 1, 2), (30.0, 2, 2), (80.0, 1, 1)]
+    decisions = [(5.0, "remove", "decode"), (22.5, "add", "decode"), (26.0, "add", "prefill")]
+    times = _scaling_times(samples, decisions, step_s=20.0)
+    assert times["s_to_first_scale_out"] == 2.5 and times["s_to_largest_pools"] == 10.0
+    assert times["largest_pools"] == {"prefill": 2, "decode": 2}
