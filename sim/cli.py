@@ -165,9 +165,10 @@ def best_topology(result, base: SimTopology, cost) -> SimTopology:
 def outstanding(result) -> int:
     """An admission bound that lets the planned load in: twice the requests in flight at the
     sustained rate (Little's law over the E2E p99), and never under the service's 256."""
-    s = result.verified or result.best.summary or {}
+    best = result.best
+    s = best.whole or best.summary or {}
     e2e_s = ((s.get("e2e_ms") or {}).get("p99") or 0) / 1e3
-    return max(256, math.ceil(2 * result.best.rate * result.replicas * e2e_s))
+    return max(256, math.ceil(2 * result.cluster_rate(best) * e2e_s))
 
 
 def _model_note(model: str) -> str:
@@ -186,26 +187,21 @@ def helm_values(topo: SimTopology, max_outstanding: int = 256) -> dict:
 def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> str:
     import yaml
 
-    if not result.ranked or result.best.rate <= 0:
+    if not result.ranked or result.cluster_rate(result.best) <= 0:
         return "no candidate met the SLO at any rate tried"
     r, best = result.replicas, result.best
-    need = math.ceil(args.rate / best.rate) * result.unit if best.rate > 0 else None
+    rate = result.cluster_rate(best)
+    need = math.ceil(args.rate / rate * args.devices)
     lines = [f"best on {args.devices} x {args.device_kind} ({result.unit} devices a unit, {r} units): "
-             f"{best.candidate.label(r)} sustains {best.rate * r:.2f} req/s "
-             f"({'meets' if best.rate * r >= args.rate else 'short of'} --rate {args.rate:g}; "
-             f"{need} devices would serve it)"]
-    if result.best_colocated is not None:
-        c = result.best_colocated
-        ratio = best.rate / c.rate if c.rate > 0 else math.inf
-        lines.append(f"best colocated: {c.candidate.label(r)} sustains {c.rate * r:.2f} req/s "
-                     f"(best / colocated: {ratio:.2f}x)")
-    if result.verified is not None:
-        v = result.verified
-        lines.append(f"simulated whole, it sustains {result.verified_rate:.2f} req/s: SLO attainment "
-                     f"{v['slo_attainment']:.1%}, TTFT p90 {v['ttft_ms']['p90']:.1f} ms, TPOT p90 {v['tpot_ms']['p90']:.1f} ms")
-    lines.append("runners-up:")
-    for ev in result.ranked[1:6]:
-        lines.append(f"  {ev.candidate.label(r):40} {ev.rate * r:8.2f} req/s")
+             f"{best.candidate.label(r)} sustains {rate:.2f} req/s "
+             f"({'meets' if rate >= args.rate else 'short of'} --rate {args.rate:g}; about {need} devices would serve it)"]
+    for ev in result.ranked[:6]:
+        lines.append(f"  {ev.candidate.label(r):40} {_rates(result, ev)}")
+    split = next((e for e in result.ranked if not e.candidate.colocated), None)
+    colo = next((e for e in result.ranked if e.candidate.colocated), None)
+    if split is not None and colo is not None and result.cluster_rate(colo) > 0:
+        lines.append(f"best disaggregated / best colocated: "
+                     f"{result.cluster_rate(split) / result.cluster_rate(colo):.2f}x")
     topo = best_topology(result, base, cost)
     lines += ["", "# topology.yaml", _model_note(args.model), yaml.safe_dump(topo.to_topology(), sort_keys=False).rstrip(),
               "", "# Helm values", _model_note(args.model),
@@ -224,13 +220,22 @@ def write_plan(result, base: SimTopology, args: argparse.Namespace, out: Path) -
     print(f"wrote {out / 'topology.yaml'} and {out / 'values.yaml'}")
 
 
+def _rates(result, ev) -> str:
+    by_units = f"{ev.rate * result.replicas:8.2f} req/s by units"
+    if ev.whole_rate is None:
+        return by_units
+    w = ev.whole
+    return (f"{by_units}, {ev.whole_rate:8.2f} simulated whole (SLO attainment {w['slo_attainment']:.1%}, "
+            f"TTFT p90 {w['ttft_ms']['p90']:.0f} ms, TPOT p90 {w['tpot_ms']['p90']:.1f} ms)")
+
+
 def plan_record(result) -> dict:
     """Every evaluated candidate's numbers (per the whole cluster), for ``--json``."""
     r = result.replicas
-    return {"unit": result.unit, "replicas": r, "verified": result.verified, "verified_rate": result.verified_rate,
-            "candidates": [
-        {"config": ev.candidate.label(r), "estimate": ev.estimate * r, "sustained_rate": ev.rate * r,
-         "trials": ev.trials, "summary": ev.summary} for ev in result.ranked]}
+    return {"unit": result.unit, "replicas": r, "candidates": [
+        {"config": ev.candidate.label(r), "estimate": ev.estimate * r, "sustained_rate_by_units": ev.rate * r,
+         "sustained_rate_whole": ev.whole_rate, "trials": ev.trials, "summary": ev.summary, "whole": ev.whole}
+        for ev in result.ranked]}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -63,3 +63,17 @@ def test_tandem_sim_names_a_bad_workload():
     from cluster.cli import main
 
     assert main(["sim", "--workload", "poisson:n=3"]) == 2
+
+
+def test_tandem_plan_prints_and_writes_a_topology_that_tandem_loads(tmp_path, capsys):
+    from cluster.cli import main
+    from cluster.config import ClusterConfig
+
+    rc = main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--chunks", "2048",
+               "--batch-caps", "64", "--iters", "1", "--trial-s", "2", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "best on 2 x H100" in text and "# Helm values" in text
+    cluster = ClusterConfig.from_yaml(tmp_path / "topology.yaml")
+    assert cluster.prefill_workers + cluster.decode_workers == 2
+    assert "replicas" in (tmp_path / "values.yaml").read_text()
