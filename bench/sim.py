@@ -116,11 +116,15 @@ def disagg(args: argparse.Namespace) -> dict:
                   progress=progress)
     r = result.replicas
     out = {"devices": args.devices, "slo": args.slo, "workload": args.workload, "unit": result.unit,
+           "placement": "load",
            "candidates": [{"config": e.candidate.label(r), "goodput": e.rate * r, "estimate": e.estimate * r}
                           for e in result.ranked]}
     split = next((e for e in result.ranked if not e.candidate.colocated), None)
     for name, ev in (("disaggregated", split), ("colocated", result.best_colocated)):
         out[name] = _whole(ev, r, cost, spec, slo, settings) if ev is not None else None
+    if args.also_round_robin and result.best_colocated is not None:
+        rr = RouterSettings(placement="round_robin", admission=UNBOUNDED.admission)
+        out["colocated_round_robin"] = _whole(result.best_colocated, r, cost, spec, slo, settings, rr)
     out["cpu_s"] = time.process_time() - t0
     d, c = out["disaggregated"], out["colocated"]
     if d and c:
@@ -132,12 +136,13 @@ def disagg(args: argparse.Namespace) -> dict:
     return out
 
 
-def _whole(ev, replicas: int, cost, spec, slo, settings) -> dict:
-    """A candidate's goodput by units and simulated whole (``sim.planner.whole_cluster``)."""
+def _whole(ev, replicas: int, cost, spec, slo, settings, router: RouterSettings = UNBOUNDED) -> dict:
+    """A candidate's goodput by units and simulated whole (``sim.planner.whole_cluster``), 10%
+    slower at a time while it misses the SLO."""
     from sim.planner import whole_cluster
 
-    rate, res = whole_cluster(ev, SimTopology(router=UNBOUNDED), cost, spec, slo, settings, replicas,
-                              backoffs=8, factor=0.8)
+    rate, res = whole_cluster(ev, SimTopology(router=router), cost, spec, slo, settings, replicas,
+                              backoffs=10, factor=0.9)
     row = {"config": ev.candidate.label(replicas), "unit_goodput": ev.rate * replicas, "goodput": rate,
            "slo_attainment": res["slo_attainment"], "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"],
            "itl_ms": res["itl_ms"]}
@@ -248,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--iters", type=int, default=3)
     d.add_argument("--trial-s", type=float, default=10.0)
     d.add_argument("--max-requests", type=int, default=3000)
+    d.add_argument("--also-round-robin", action="store_true",
+                   help="also simulate the best colocated configuration whole with round-robin placement")
     v = sub.add_parser("validate")
     v.add_argument("--rates", default="4,12")
     v.add_argument("--requests", type=int, default=120)
