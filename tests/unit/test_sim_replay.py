@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.autoscaler import AutoscalingConfig, PoolBounds, SLO
+from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
 from router.admission import AdmissionConfig
 from sim.cost import DEVICES, Corrections, CostModel, decode_shape, model_spec, prefill_shape
 from sim.report import parse_slo, summary
@@ -100,3 +100,25 @@ def test_autoscaling_adds_decode_workers_under_load_and_counts_them():
     adds = [d for d in result.scaling_decisions if d[1] == "add" and d[2] == "decode"]
     assert adds, f"an ITL SLO of 8 ms under load should add decode workers: {result.scaling_decisions}"
     assert result.num_devices_max > 2
+
+
+def _one_h100(**engine) -> SimTopology:
+    unbounded = RouterSettings(admission=AdmissionConfig(max_requests=10**9, max_prompt_tokens=10**12))
+    return SimTopology(prefill_workers=0, decode_workers=1, router=unbounded, engine={"max_num_seqs": 64, **engine})
+
+
+def test_continuous_batching_outserves_static_batching_on_a_simulated_h100():
+    requests = generate(parse_spec("sharegpt:n=200,seed=5"))  # all at once: throughput
+    static = summary(run(_one_h100(batching="static", enable_chunked_prefill=False, max_num_batched_tokens=8192),
+                         COST, requests))
+    continuous = summary(run(_one_h100(enable_chunked_prefill=False, max_num_batched_tokens=8192), COST, requests))
+    ratio = continuous["output_throughput"] / static["output_throughput"]
+    assert ratio > 1.5, f"continuous batching should keep the batch full: {ratio:.2f}x static"
+
+
+def test_chunked_prefill_keeps_long_prompts_from_stalling_token_gaps():
+    requests = generate(parse_spec("long-mix:n=150,in=161,out=200,range=0.5,long=0.1,long_len=6000,rate=12,seed=3"))
+    whole = summary(run(_one_h100(enable_chunked_prefill=False, max_num_batched_tokens=8192), COST, requests))
+    chunked = summary(run(_one_h100(max_num_batched_tokens=512), COST, requests))
+    assert chunked["itl_ms"]["p99"] < whole["itl_ms"]["p99"], (
+        f"ITL p99 {chunked['itl_ms']['p99']:.1f} ms chunked vs {whole['itl_ms']['p99']:.1f} ms unchunked")
