@@ -84,12 +84,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
     else:
         requests = generate(parse_spec(args.workload))
     slo = parse_slo(args.slo) if args.slo else None
-    s = summary(run(topo, cost, requests), slo)
+    result = run(topo, cost, requests)
+    s = summary(result, slo)
     label = (f"{topo.prefill_workers}P+{topo.decode_workers}D" if not topo.colocated
              else f"colocated {topo.decode_workers}") + f" on {args.device_kind} ({cost.corrections.source} costs)"
     print(format_report(s, label))
-    if args.result_json:
-        Path(args.result_json).write_text(json.dumps(s, indent=2))
+    if args.result_json:  # with the queue lengths over time, one sample a simulated second
+        Path(args.result_json).write_text(json.dumps({**s, "queue_samples": result.queue_samples}, indent=2))
         print(f"wrote {args.result_json}")
     return 0
 
@@ -194,7 +195,8 @@ def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> st
     need = math.ceil(args.rate / rate * args.devices)
     lines = [f"best on {args.devices} x {args.device_kind} ({result.unit} devices a unit, {r} units): "
              f"{best.candidate.label(r)} sustains {rate:.2f} req/s "
-             f"({'meets' if rate >= args.rate else 'short of'} --rate {args.rate:g}; about {need} devices would serve it)"]
+             f"({'meets' if rate >= args.rate else 'short of'} --rate {args.rate:g}; "
+             f"about {need} devices would serve it)"]
     for ev in result.ranked[:6]:
         lines.append(f"  {ev.candidate.label(r):40} {_rates(result, ev)}")
     split = next((e for e in result.ranked if not e.candidate.colocated), None)
@@ -203,7 +205,8 @@ def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> st
         lines.append(f"best disaggregated / best colocated: "
                      f"{result.cluster_rate(split) / result.cluster_rate(colo):.2f}x")
     topo = best_topology(result, base, cost)
-    lines += ["", "# topology.yaml", _model_note(args.model), yaml.safe_dump(topo.to_topology(), sort_keys=False).rstrip(),
+    lines += ["", "# topology.yaml", _model_note(args.model),
+              yaml.safe_dump(topo.to_topology(), sort_keys=False).rstrip(),
               "", "# Helm values", _model_note(args.model),
               yaml.safe_dump(helm_values(topo, outstanding(result)), sort_keys=False).rstrip()]
     return "\n".join(lines)

@@ -47,7 +47,9 @@ def test_tandem_sim_replays_a_workload_and_writes_its_summary(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "completed / failed:          30 / 0" in text and "SLO attainment" in text
-    assert json.loads(out.read_text())["completed"] == 30
+    written = json.loads(out.read_text())
+    assert written["completed"] == 30
+    assert written["queue_samples"][0]["t"] == 0.0 and "decode_running" in written["queue_samples"][-1]
 
 
 def test_tandem_sim_reads_a_topology_file(tmp_path, capsys):
