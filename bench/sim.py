@@ -53,14 +53,16 @@ def speed(args: argparse.Namespace) -> dict:
     simulated = max(r.end_s for r in result.records)  # arrivals plus the drain of the last requests
     out = {"devices": args.devices, "requests": n, "arrival_seconds": args.seconds, "simulated_seconds": simulated,
            "sim_cpu_s": result.sim_cpu_s, "wall_s": wall, "steps": result.num_steps,
-           "output_tokens": s["completed_tokens"], "cpu_s_per_output_token_us": 1e6 * result.sim_cpu_s / max(1, s["completed_tokens"]),
+           "output_tokens": s["completed_tokens"],
+           "cpu_s_per_output_token_us": 1e6 * result.sim_cpu_s / max(1, s["completed_tokens"]),
            "cpu_ms_per_request": 1e3 * result.sim_cpu_s / n}
     # Ten minutes of arrivals at this rate cost as many times the CPU per request (the work
     # per request does not depend on how long the run is).
     out["extrapolated_cpu_s_for_600s"] = result.sim_cpu_s / n * rate * 600
     print(f"{args.devices} simulated H100s, {n} requests over {args.seconds:g} s ({simulated:.1f} s simulated "
           f"with the drain): {result.sim_cpu_s:.1f} s of CPU, {result.num_steps} steps, "
-          f"{out['cpu_s_per_output_token_us']:.1f} us of CPU a generated token, {out['cpu_ms_per_request']:.2f} ms a request")
+          f"{out['cpu_s_per_output_token_us']:.1f} us of CPU a generated token, "
+          f"{out['cpu_ms_per_request']:.2f} ms a request")
     print(f"10 minutes of this traffic: about {out['extrapolated_cpu_s_for_600s']:.0f} s of CPU "
           f"(target: 120 s)")
     return out
@@ -88,7 +90,8 @@ def batching(args: argparse.Namespace) -> dict:
                      "itl_ms": online["itl_ms"], "ttft_ms": online["ttft_ms"], "preemptions": online["num_preemptions"]}
         print(f"{name:20} offline {offline['output_throughput']:8.0f} output tokens/s "
               f"({offline['request_throughput']:.2f} req/s); {args.online} at {args.rate:g} req/s: TBT p50/p99 "
-              f"{online['itl_ms']['median']:.1f}/{online['itl_ms']['p99']:.1f} ms, TTFT p99 {online['ttft_ms']['p99']:.0f} ms")
+              f"{online['itl_ms']['median']:.1f}/{online['itl_ms']['p99']:.1f} ms, "
+              f"TTFT p99 {online['ttft_ms']['p99']:.0f} ms")
     base = out["static"]["offline_output_tokens_per_s"]
     print(f"continuous / static throughput: {out['continuous']['offline_output_tokens_per_s'] / base:.2f}x; "
           f"chunked / static: {out['continuous+chunked']['offline_output_tokens_per_s'] / base:.2f}x")
@@ -130,7 +133,8 @@ def disagg(args: argparse.Namespace) -> dict:
     if d and c:
         out["ratio_units"] = d["unit_goodput"] / c["unit_goodput"] if c["unit_goodput"] else math.inf
         out["ratio_whole"] = d["goodput"] / c["goodput"] if c["goodput"] else None
-        whole = f"{out['ratio_whole']:.2f}x" if out["ratio_whole"] is not None else "- (colocated sustained nothing tried)"
+        whole = ("- (colocated sustained nothing tried)" if out["ratio_whole"] is None
+                 else f"{out['ratio_whole']:.2f}x")
         print(f"disaggregated / colocated: {out['ratio_units']:.2f}x by units, {whole} simulated whole "
               f"({out['cpu_s']:.0f} s of CPU)")
     return out
@@ -152,10 +156,49 @@ def _whole(ev, replicas: int, cost, spec, slo, settings, router: RouterSettings 
     return row
 
 
-def replay_on_engine(requests, settings: dict) -> list:
-    """The trace replayed on a real ``LLMEngine`` (tandem-tiny-llama, one torch thread) on the
-    wall clock, in process: each request added at its arrival, every token timed at the end of
-    the step that produced it. Returns ``sim.simulator.Record`` s, as a simulation would."""
+class _WallClock:
+    """Seconds on the wall clock since the replay began; idle time is slept through."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+    def step(self, engine):
+        outputs = engine.step()
+        return outputs, self.now()
+
+
+class _CpuClock:
+    """Virtual seconds: each engine step advances them by the CPU time the step's thread used,
+    idle time jumps to the next arrival. What one uncontended core would take, whatever else
+    the machine runs."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def wait_until(self, t: float) -> None:
+        self.t = max(self.t, t)
+
+    def step(self, engine):
+        c0 = time.thread_time()
+        outputs = engine.step()
+        self.t += time.thread_time() - c0
+        return outputs, self.t
+
+
+def replay_on_engine(requests, settings: dict, clock: str = "wall") -> list:
+    """The trace replayed on a real ``LLMEngine`` (tandem-tiny-llama, one torch thread) in
+    process: each request added at its arrival, every token timed at the end of the step that
+    produced it, on the wall clock or the step thread's CPU clock (``clock="cpu"``). Returns
+    ``sim.simulator.Record`` s, as a simulation would."""
     import collections
 
     import torch
@@ -170,19 +213,18 @@ def replay_on_engine(requests, settings: dict) -> list:
     engine.add_request([5] * 32, SamplingParams(max_tokens=4, ignore_eos=True), request_id="warm-up")
     while engine.has_unfinished_requests():
         engine.step()
-    t0 = time.perf_counter()
+    timer = _CpuClock() if clock == "cpu" else _WallClock()
     while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - t0
+        now = timer.now()
         while pending and pending[0].req.arrival_s <= now:
             rec = pending.popleft()
             prompt = [5 + (rec.index * 7919 + j) % 4000 for j in range(rec.req.prompt_tokens)]
             params = SamplingParams(max_tokens=rec.req.output_tokens, ignore_eos=True, temperature=0.0)
             engine.add_request(prompt, params, request_id=str(rec.index))
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[0].req.arrival_s - now))
+            timer.wait_until(pending[0].req.arrival_s)
             continue
-        outputs = engine.step()
-        t = time.perf_counter() - t0
+        outputs, t = timer.step(engine)
         for out in outputs:
             rec = records[int(out.request_id)]
             rec.token_times.extend([t] * len(out.new_token_ids))
@@ -191,19 +233,30 @@ def replay_on_engine(requests, settings: dict) -> list:
     return records
 
 
-def calibrate(path: str) -> str:
+def calibrate(path: str, clock: str = "wall") -> str:
     """Measure a CPU profile table now (``bench.steps``' measurements), so that the validation's
-    costs come from the machine as busy as it is during the replays."""
+    costs come from the machine as busy as it is during the replays; ``clock="cpu"`` times the
+    steps by the thread's CPU time instead of the wall clock."""
+    import types
+
     import torch
 
+    import bench.steps
     from bench.steps import prefill_times, step_times, write_profile
     from engine import LLMEngine
 
     torch.set_num_threads(1)
     engine = LLMEngine(num_kv_blocks=32 * (512 // 16 + 8) + 64)
     batches = [1, 2, 4, 8, 16, 32]
-    decodes = {c: step_times(engine, batches, c, 20) for c in (128, 512)}
-    write_profile(path, engine, "tandem-tiny-llama", decodes, 20, prefill_times(engine, [16, 64, 128, 256, 512, 1024]))
+    saved = bench.steps.time
+    if clock == "cpu":  # bench.steps reads time.perf_counter: hand it the thread's CPU clock
+        bench.steps.time = types.SimpleNamespace(perf_counter=time.thread_time)
+    try:
+        decodes = {c: step_times(engine, batches, c, 20) for c in (128, 512)}
+        prefills = prefill_times(engine, [16, 64, 128, 256, 512, 1024])
+    finally:
+        bench.steps.time = saved
+    write_profile(path, engine, "tandem-tiny-llama", decodes, 20, prefills)
     return path
 
 
@@ -212,17 +265,20 @@ def validate(args: argparse.Namespace) -> dict:
     from sim.simulator import SimResult
 
     settings = {"num_kv_blocks": args.num_kv_blocks, "max_num_batched_tokens": args.budget}
-    cost = cost_model("cpu", model_spec("tandem-tiny-llama"), calibrate(args.profile_out) if args.calibrate else None)
+    profile = calibrate(args.profile_out, args.clock) if args.calibrate else None
+    cost = cost_model("cpu", model_spec("tandem-tiny-llama"), profile)
     topo = SimTopology(prefill_workers=0, decode_workers=1, engine=settings, router=UNBOUNDED)
     out = {}
     for rate in (float(r) for r in args.rates.split(",")):
         requests = generate(parse_spec(f"{args.workload},n={args.requests},rate={rate},seed=7"))
-        measured = summary(SimResult(replay_on_engine(requests, settings), 0, 0, [], 0.0, 1, []))
+        measured = summary(SimResult(replay_on_engine(requests, settings, args.clock), 0, 0, [], 0.0, 1, []))
         simulated = summary(run(topo, cost, requests))
         row = {}
         for name, get in (("throughput_tok_s", lambda s: s["output_throughput"]),
-                          ("ttft_p50_ms", lambda s: s["ttft_ms"]["median"]), ("ttft_p90_ms", lambda s: s["ttft_ms"]["p90"]),
-                          ("tpot_mean_ms", lambda s: s["tpot_ms"]["mean"]), ("e2e_mean_ms", lambda s: s["e2e_ms"]["mean"])):
+                          ("ttft_p50_ms", lambda s: s["ttft_ms"]["median"]),
+                          ("ttft_p90_ms", lambda s: s["ttft_ms"]["p90"]),
+                          ("tpot_mean_ms", lambda s: s["tpot_ms"]["mean"]),
+                          ("e2e_mean_ms", lambda s: s["e2e_ms"]["mean"])):
             m, p = get(measured), get(simulated)
             row[name] = {"measured": m, "simulated": p, "error": (p - m) / m if m else None}
         out[str(rate)] = row
@@ -263,6 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     v.add_argument("--budget", type=int, default=2048)
     v.add_argument("--calibrate", action="store_true", help="measure a fresh CPU profile first (else the shipped one)")
     v.add_argument("--profile-out", default="cpu-profile-now.json", help="where --calibrate writes its table")
+    v.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time the engine (and --calibrate) by the step thread's CPU time, "
+                        "as one uncontended core would run it")
     for p in (sp, b, d, v):
         p.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args(argv)
