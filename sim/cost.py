@@ -108,7 +108,7 @@ class ModelSpec:
         return block_size * self.kv_bytes_per_token(dtype_bytes)
 
     @classmethod
-    def from_model_config(cls, name: str, config) -> "ModelSpec":
+    def from_model_config(cls, name: str, config) -> ModelSpec:
         """From an ``engine.model_config.ModelConfig`` (read, not imported: no torch)."""
         return cls(name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                    config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings,

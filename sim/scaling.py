@@ -4,8 +4,9 @@ simulated workers.
 Every ``interval_s`` of simulated time ``cluster.elastic.PoolScaler.observe`` reads the
 simulated pools (``pool_state``: each listed worker's engine counters and load report,
 as the live cluster gives them) and what clients saw over the last 10 s (a
-``router.latency.LatencyWindow`` the simulator feeds every token), and ``cluster.autoscaler.Autoscaler.decide`` says what
-to change; the simulator carries it out instead of Ray:
+``router.latency.LatencyWindow`` the simulator feeds every token), and
+``cluster.autoscaler.Autoscaler.decide`` says what to change; the simulator carries it
+out instead of Ray:
 
 - add: a new worker joins its pool ``worker_start_s`` later (starting, it counts as
   pending and as a device);

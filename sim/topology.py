@@ -104,7 +104,7 @@ class SimTopology:
         return blocks, config.swap_space // per_block
 
     @classmethod
-    def from_dict(cls, d: dict, router: RouterSettings | None = None, **extra) -> "SimTopology":
+    def from_dict(cls, d: dict, router: RouterSettings | None = None, **extra) -> SimTopology:
         unknown = set(d) - USED_KEYS - IGNORED_KEYS
         if unknown:
             raise ValueError(f"unknown topology settings: {sorted(unknown)}")
@@ -114,7 +114,7 @@ class SimTopology:
         return cls(**kwargs, router=router or RouterSettings(), **extra)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, router: RouterSettings | None = None, **extra) -> "SimTopology":
+    def from_yaml(cls, path: str | Path, router: RouterSettings | None = None, **extra) -> SimTopology:
         import yaml
 
         data = yaml.safe_load(Path(path).read_text()) or {}
@@ -135,5 +135,5 @@ class SimTopology:
             out["autoscaling"] = dataclasses.asdict(self.autoscaling)
         return out
 
-    def replace(self, **changes) -> "SimTopology":
+    def replace(self, **changes) -> SimTopology:
         return dataclasses.replace(self, **changes)

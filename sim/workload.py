@@ -75,7 +75,7 @@ class WorkloadSpec:
     long_fraction: float = 0.1
     long_len: int = 4096
 
-    def with_rate(self, rate: float, n: int | None = None) -> "WorkloadSpec":
+    def with_rate(self, rate: float, n: int | None = None) -> WorkloadSpec:
         return replace(self, rate=rate, n=self.n if n is None else n)
 
 

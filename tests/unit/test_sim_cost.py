@@ -14,7 +14,6 @@ from sim.cost import (
     StepShape,
     cost_model,
     decode_shape,
-    fit,
     model_spec,
     prefill_shape,
     profile_row,

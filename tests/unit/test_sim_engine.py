@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import engine.scheduler
 from engine.block_pool import KVCacheManager
-from sim.cost import CostModel, Corrections, DEVICES, model_spec
+from sim.cost import DEVICES, CostModel, model_spec
 from sim.report import summary
 from sim.simulator import Simulator, run
 from sim.topology import SimTopology
