@@ -12,7 +12,9 @@ and counts as pending for its role until it is done, so the next rounds wait for
 What stands for each role's latency is the later of what the routers' clients saw
 (each router replica reports its p90 TTFT and ITL over its last ``latency_window_s``
 with every worker-list refresh: ``router/latency.py``) and what the workers show over
-the last interval, which sees trouble coming before clients do:
+the last interval, which sees trouble coming before clients do. The clients' TTFT counts
+against the prefill pool only while prompts wait there: with its queue empty, a long
+TTFT comes from elsewhere (decode workers without room), and the pool may be idle.
 
 - prefill: the time its queue takes to clear, at the rate it prefilled: queued prompt
   tokens per worker over prompt tokens prefilled per second a worker;
@@ -29,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from cluster.autoscaler import AutoscalingConfig, Autoscaler, Decision, RoleObservation
+from cluster.autoscaler import Autoscaler, AutoscalingConfig, Decision, RoleObservation
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,11 @@ class PoolScaler:
 
     def observe(self, now: float) -> dict[str, RoleObservation]:
         """Each role's observation from the workers' state now and at the last round."""
+        # The changes under way first, then the pools: a change that ends in between is
+        # seen as pending with its result listed (a round without a decision), never as
+        # not pending with its worker missing (which added that worker a second time).
+        with self._lock:
+            pending = dict(self._pending)
         state = self._state = self.cluster.pool_state()  # role -> [(id, stats, load)]: listed, not draining
         before, self._before = self._before, {}
         clients = self.latency() if self.latency is not None else None
@@ -95,11 +102,14 @@ class PoolScaler:
             elif role != "prefill" and step_s:
                 latency = 1e3 * max(step_s)
             seen_by_clients = None if clients is None else (clients.ttft_ms if role == "prefill" else clients.itl_ms)
+            if role == "prefill" and not queued:
+                # Nothing waits to be prefilled: a long TTFT comes from elsewhere (a decode
+                # pool without room, say), which another worker here would not shorten.
+                seen_by_clients = None
             if seen_by_clients is not None:  # the later of the two: either over the SLO presses the role
                 latency = seen_by_clients if latency is None else max(latency, seen_by_clients)
-            with self._lock:
-                pending = self._pending[role]
-            seen[role] = RoleObservation(len(workers), pending, latency, queued / n if role == "prefill" else queued, kv)
+            per_worker = queued / n if role == "prefill" else queued
+            seen[role] = RoleObservation(len(workers), pending[role], latency, per_worker, kv)
         return seen
 
     # -- deciding and acting -----------------------------------------------------
@@ -135,7 +145,9 @@ class PoolScaler:
         """The ``role`` worker with the least work in hand, as this round saw it (one that
         did not answer is left alone)."""
         def work(load) -> int:
-            return load.queued_prefill_tokens + load.running_chunks if role == "prefill" else load.running + load.waiting
+            if role == "prefill":
+                return load.queued_prefill_tokens + load.running_chunks
+            return load.running + load.waiting
 
         answering = [w for w in self._state[role] if w[2] is not None]
         return min(answering, key=lambda w: work(w[2]))[0]

@@ -134,22 +134,31 @@ def test_a_pressed_decode_pool_takes_the_least_busy_idle_prefill_worker_warm_and
 
 
 def test_what_the_routers_clients_saw_presses_a_role_the_workers_own_estimates_call_fine():
-    """A prefill pool with nothing queued and decode steps well within the ITL target:
-    the workers' estimates see no trouble, but the routers report a p90 TTFT over the
-    SLO (requests wait elsewhere: admission, transfers). The prefill pool gets a worker;
-    the decode pool, whose clients' ITL is fine, does not."""
+    """Prompts queue at the prefill pool, but it clears them fast by its own estimate; the
+    routers report a p90 TTFT over the SLO (requests wait elsewhere too: admission,
+    transfers). The prefill pool gets a worker; the decode pool, whose clients' ITL is
+    fine, does not. With nothing queued at the prefill pool, the same TTFT is not its
+    doing: it stays as it is."""
     from router.latency import LatencyReport
 
     cluster = FakeCluster()
     cluster.decode = cluster.decode[:1]
     seen = {"report": LatencyReport(ttft_ms=1400.0, itl_ms=20.0, requests=30, tokens=900)}
     scaler = PoolScaler(cluster, CONFIG, latency=lambda: seen["report"])
-    decisions = scaler.step(0.0)
+    cluster.prefill = [("prefill-0", _stats(prompt_tokens=1000), PrefillLoad("prefill-0", 200, 1, 0, 0, 0))]
+    scaler.step(0.0)
+    cluster.prefill = [("prefill-0", _stats(prompt_tokens=21000), PrefillLoad("prefill-0", 200, 1, 0, 0, 0))]
+    decisions = scaler.step(5.0)  # 4000 tokens/s prefilled, 200 queued: 50 ms by its own estimate
     _settle(scaler)
     assert [(d.action, d.role, d.cause) for d in decisions] == [("add", "prefill", "slo")]
     assert "TTFT 1400 ms over the SLO's 1000 ms" in decisions[0].reason
+
+    idle = FakeCluster()  # its prefill worker has nothing queued
+    quiet = PoolScaler(idle, CONFIG, latency=lambda: seen["report"])
+    assert quiet.observe(0.0)["prefill"].latency_ms is None
     seen["report"] = None  # no request lately: the workers' own estimates only
-    assert scaler.observe(5.0)["prefill"].latency_ms is None
+    cluster.prefill = [("prefill-0", _stats(prompt_tokens=41000), PrefillLoad("prefill-0", 200, 1, 0, 0, 0))]
+    assert scaler.observe(10.0)["prefill"].latency_ms == 50.0
 
 
 def test_a_worker_that_does_not_answer_still_counts_against_the_pools_maximum():
@@ -163,3 +172,29 @@ def test_a_worker_that_does_not_answer_still_counts_against_the_pools_maximum():
     seen = scaler.observe(5.0)
     assert seen["decode"].workers == 2 and seen["decode"].latency_ms == 80
     assert [d for d in scaler.policy.decide(seen, 5.0) if d.role == "decode"] == []
+
+
+def test_an_add_that_ends_while_the_pools_are_read_is_not_made_twice():
+    """The pools were read before the added worker was listed, and the add ended while
+    they were read: the round must see it as still under way, not as a pool one short
+    with nothing under way (the pools once grew past ``max_workers`` this way)."""
+    cluster = FakeCluster()
+    cluster.decode = cluster.decode[:1]
+    scaler = PoolScaler(cluster, CONFIG)
+    busy = [("decode-0", _stats(num_steps=100, forward_s=8.0), DecodeLoad("decode-0", 10, 100, 30, 0, 0))]
+    scaler.step(0.0)
+    cluster.decode = busy
+    cluster.release.clear()
+    assert [(d.action, d.role) for d in scaler.step(5.0)] == [("add", "decode")]
+    snapshot = cluster.pool_state
+
+    def read_while_the_add_ends():
+        state = snapshot()  # the new worker is not listed yet ...
+        cluster.release.set()  # ... when the add ends
+        _settle(scaler)
+        return state
+
+    cluster.pool_state = read_while_the_add_ends
+    cluster.decode = [(wid, _stats(num_steps=200, forward_s=16.0), load) for wid, _, load in busy]
+    assert [d for d in scaler.step(10.0) if d.role == "decode"] == [], "the add under way was made again"
+    assert cluster.added == ["decode"]
