@@ -100,7 +100,8 @@ def hf_step_times(model, batches: Sequence[int], context: int, steps: int) -> di
             ids = torch.tensor([[5 + i] * context for i in range(b)])
             clock = Clock()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 2, do_sample=False,
-                           eos_token_id=None, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+                           eos_token_id=None, pad_token_id=0,
+                           logits_processor=LogitsProcessorList([clock]))  # fmt: skip
             # times[0] ends the prefill, times[1] the first decode step (a warm-up).
             out[b] = (clock.times[-1] - clock.times[1]) / (len(clock.times) - 2)
     return out

@@ -60,7 +60,8 @@ from cluster.flags import add_service_flags
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
 SLO_KEYS = ("ttft", "tpot", "e2e")
 LAUNCH_FLAGS = (
-    "config", "prefill_workers", "decode_workers", "num_kv_blocks", "kv_transfer_backend", "engine", "stream_interval_s",
+    "config", "prefill_workers", "decode_workers", "num_kv_blocks", "kv_transfer_backend", "engine",
+    "stream_interval_s",
     "token_channel",
     "max_outstanding_requests", "max_outstanding_prompt_tokens", "placement", "num_cpus",
 )

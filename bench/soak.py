@@ -50,15 +50,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import workloads
-from bench.serve import (
-    HttpClient,
-    RequestResult,
-    RunPlan,
-    open_client,
-    percentile,
-    run_load,
-    warm_up,
-)
+from bench.serve import HttpClient, RequestResult, RunPlan, open_client, percentile, run_load, warm_up
 from bench.workloads import BenchRequest
 from cluster.flags import add_service_flags
 
@@ -742,7 +734,6 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
             service.shutdown()
     finally:
         ray.shutdown()
-        import shutil
 
         remove_metrics_dir(metrics_dir)
 

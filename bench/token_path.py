@@ -59,7 +59,8 @@ class StepWorker:
     def _load(self):
         from engine.messages import DecodeLoad
 
-        return DecodeLoad("decode[0]", running=len(self.active), waiting=0, waiting_for_kv=0, free_blocks=1 << 20, total_blocks=1 << 20)
+        return DecodeLoad("decode[0]", running=len(self.active), waiting=0, waiting_for_kv=0,
+                          free_blocks=1 << 20, total_blocks=1 << 20)
 
     def _submit(self, rid, prompt, params, subscriber, resume, priority) -> None:
         self.active[rid] = [subscriber, len(prompt), 0]
@@ -72,7 +73,8 @@ class StepWorker:
             state[2] = made = made + 1
             finished = made == self.output_len
             messages[subscriber].append(
-                (rid, [made], self.text, finished, "length" if finished else None, prompt_len, made, 0, None, None, None, None)
+                (rid, [made], self.text, finished, "length" if finished else None, prompt_len, made, 0,
+                 None, None, None, None)
             )
             if finished:
                 del self.active[rid]

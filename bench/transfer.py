@@ -47,7 +47,6 @@ import ray
 import torch
 
 from bench.common import init_local_ray, write_result
-
 from kv_transfer import KVLayout, TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.nixl import unavailable_reason
@@ -285,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                 ray.kill(actor)
         summary = result["results"][f"{size}MiB"] = _summary(size, rows)
         print(f"{size} MiB: " + ", ".join(
-            f"{k} {v['median_s'] * 1e3:.1f} ms ({v['GiB_per_s']:.2f} GiB/s)" for k, v in summary.items() if isinstance(v, dict)
+            f"{k} {v['median_s'] * 1e3:.1f} ms ({v['GiB_per_s']:.2f} GiB/s)"
+            for k, v in summary.items() if isinstance(v, dict)
         ) + "; " + ", ".join(
-            f"{k.removesuffix('_vs_raw_gloo')}/raw gloo = {v:.2f}" for k, v in summary.items() if k.endswith("_vs_raw_gloo")
+            f"{k.removesuffix('_vs_raw_gloo')}/raw gloo = {v:.2f}"
+            for k, v in summary.items() if k.endswith("_vs_raw_gloo")
         ) + "; " + ", ".join(
             f"{k} {v:+.1%}" for k, v in summary.items() if k.endswith("_checksums_added") or k.endswith("_vs_read")
         ), flush=True)

@@ -27,6 +27,7 @@ again after each change, so the pools step, never flap.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 ROLES = ("prefill", "decode")
 
@@ -87,7 +88,7 @@ class AutoscalingConfig:
         return self.prefill if role == "prefill" else self.decode
 
     @classmethod
-    def from_dict(cls, d: dict) -> "AutoscalingConfig":
+    def from_dict(cls, d: dict[str, Any]) -> AutoscalingConfig:
         d = dict(d)
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
@@ -141,7 +142,8 @@ class Autoscaler:
             what = "TTFT" if role == "prefill" else "ITL"
             return "slo", f"{what} {seen.latency_ms:.0f} ms over the SLO's {target:g} ms"
         if role == "prefill" and seen.queued > cfg.max_queued_tokens:
-            return "queue", f"{seen.queued:.0f} prompt tokens queued a worker (max_queued_tokens {cfg.max_queued_tokens})"
+            return "queue", (f"{seen.queued:.0f} prompt tokens queued a worker "
+                             f"(max_queued_tokens {cfg.max_queued_tokens})")
         if role == "decode" and seen.queued > 0 and seen.kv_usage >= cfg.kv_full:
             return "queue", f"{seen.queued:.0f} requests wait with KV {seen.kv_usage:.0%} full"
         return None
@@ -184,8 +186,9 @@ class Autoscaler:
                 decisions.append(Decision("add", role, why, cause))
                 changed.add(role)
         for role in roles:
-            if role not in changed and spare(role):
-                decisions.append(Decision("remove", role, f"idle for {now - self._idle_since[role]:.0f} s", "idle"))
+            since = self._idle_since[role]
+            if role not in changed and since is not None and spare(role):
+                decisions.append(Decision("remove", role, f"idle for {now - since:.0f} s", "idle"))
                 changed.add(role)
         for role in changed:
             self._idle_since[role] = None

@@ -172,7 +172,7 @@ class ClusterConfig:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ClusterConfig":
+    def from_dict(cls, d: dict) -> ClusterConfig:
         d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
@@ -190,7 +190,7 @@ class ClusterConfig:
         return cls(**d)
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "ClusterConfig":
+    def from_yaml(cls, path: str | Path, **overrides) -> ClusterConfig:
         import yaml
 
         data = yaml.safe_load(Path(path).read_text()) or {}
@@ -199,5 +199,5 @@ class ClusterConfig:
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(data)
 
-    def replace(self, **changes) -> "ClusterConfig":
+    def replace(self, **changes) -> ClusterConfig:
         return dataclasses.replace(self, **changes)

@@ -57,7 +57,7 @@ def add_service_flags(
     parser.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS, help=f"default: {backend}")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
     parser.add_argument("--engine", type=engine_item, action="append", default=[], metavar="KEY=VALUE",
-                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")  # fmt: skip
+                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")
     parser.add_argument(
         "--stream-interval-s", type=float, default=None,
         help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
@@ -65,7 +65,7 @@ def add_service_flags(
     parser.add_argument("--token-channel", default=None, choices=("tcp", "ray"),
                         help="how decode workers stream to routers: TCP (default), or Ray streaming")  # fmt: skip
     parser.add_argument("--ingress", default=None, choices=INGRESSES,
-                        help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")  # fmt: skip
+                        help="Serve's ingress: HAProxy (default), or its Python proxy where HAProxy cannot run")
     cpus = defaults.get("num_cpus") or "all"
     parser.add_argument("--num-cpus", type=int, default=None, help=f"CPUs for the local Ray (default: {cpus})")
     if admission:
@@ -73,7 +73,7 @@ def add_service_flags(
         parser.add_argument("--max-outstanding-prompt-tokens", type=int, default=None,
                             help="admission bound (262144)")  # fmt: skip
         parser.add_argument("--placement", default=None, choices=PLACEMENTS,
-                            help="worker choice: load-aware with prefix affinity (default), or round-robin")  # fmt: skip
+                            help="worker choice: load-aware with prefix affinity (default), or round-robin")
         parser.add_argument("--local-prefill-tokens", type=int, default=None,
                             help="compute a prompt with at most this many tokens uncached on its decode worker "
                                  "there, not in the prefill pool (default 0: never)")  # fmt: skip

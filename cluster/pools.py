@@ -44,7 +44,7 @@ from cluster.metrics_server import ENV as METRICS_ENV
 from cluster.pool_worker import PoolWorker
 from decode_worker.worker import ColocatedWorker
 from kv_transfer.config import TransferConfig
-from router.dispatch import Dispatcher, DispatchConfig, WorkerRef
+from router.dispatch import DispatchConfig, Dispatcher, WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class TandemCluster:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def start(self) -> "TandemCluster":
+    def start(self) -> TandemCluster:
         """Place the pools, start their workers and wait until each is ready, all within
         ``config.start_timeout_s`` (a ``StartTimeout`` past it). A start that fails, on
         its deadline or otherwise, kills the workers it started and removes its placement

@@ -28,17 +28,17 @@ from ray.exceptions import GetTimeoutError
 from cluster import flags
 from cluster.config import ClusterConfig
 from cluster.controller import ClusterController, controller_name, retire_other_controllers
-from cluster.pools import StartTimeout
 from cluster.ingress import (
     DEFAULT_INGRESS,
     ENABLE_HAPROXY,
-    LOCAL_DRAIN_S,
     HAPROXY_SIDE_PORTS,
+    LOCAL_DRAIN_S,
     check_environment,
     check_ingress,
     haproxy_threads,
     serve_env,
 )
+from cluster.pools import StartTimeout
 from router.admission import AdmissionConfig
 from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
@@ -196,7 +196,7 @@ class TandemService:
         self.model_info: dict | None = None
         self.serve_env: dict[str, str] = {}  # what Serve's controller and proxies run with
 
-    def start(self) -> "TandemService":
+    def start(self) -> TandemService:
         from ray import serve
         from ray.serve.config import gRPCOptions
 

@@ -43,6 +43,7 @@ import os
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 HASH_ALGOS = ("blake2b", "sha256")
 DEFAULT_HASH_ALGO = "blake2b"
@@ -78,6 +79,7 @@ class BlockHasher:
         check_hash_seed(seed)
         key = os.urandom(32) if seed is None else hashlib.sha256(str(seed).encode()).digest()
         self.algo = algo
+        self._base: Any  # a hashlib object, keyed where the algorithm takes a key
         if algo == "blake2b":
             # The keyed state is copied per block rather than rebuilt: keying costs a
             # compression of its own.

@@ -293,6 +293,7 @@ class KVCacheManager:
             table.extend(b.block_id for b in new_computed_blocks)
             self._num_hashed[rid] = len(table)
         new = self.pool.allocate(need) if need > 0 else []
+        assert new is not None  # there were enough free blocks
         table.extend(b.block_id for b in new)
         return new
 
@@ -322,7 +323,9 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.get(rid)
         done = self._released.get(rid, 0)
-        upto = min(len(table or ()), max(0, request.num_computed_tokens - self.window) // self.block_size)
+        if table is None:
+            return 0
+        upto = min(len(table), max(0, request.num_computed_tokens - self.window) // self.block_size)
         if upto <= done:
             return 0
         self.pool.free(self._held(table[done:upto]))

@@ -77,7 +77,7 @@ class EngineConfig:
             policy=self.policy, batching=self.batching,
         )
 
-    def fixed_differences(self, other: "EngineConfig") -> list[str]:
+    def fixed_differences(self, other: EngineConfig) -> list[str]:
         """The settings outside ``RESETTABLE`` on which ``other`` differs from this config:
         what a reset to ``other`` cannot change."""
         return [f.name for f in fields(self) if f.name not in self.RESETTABLE

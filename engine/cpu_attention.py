@@ -173,7 +173,8 @@ class CpuAttention(TorchAttention):
             prefills=[self._chunk(c) for c in layout.chunks],
             workspace=self._workspace,
             paged_decode=PagedDecode(
-                block_tables=torch.tensor(padded_rows(layout.decode_block_ids, lens, self.block_size), dtype=torch.long),
+                block_tables=torch.tensor(
+                    padded_rows(layout.decode_block_ids, lens, self.block_size), dtype=torch.long),
                 context_lens=torch.tensor(lens, dtype=torch.long),
             ) if lens else None,
         )  # fmt: skip

@@ -149,7 +149,7 @@ _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 
-def is_gguf(path: "str | Path | GGUFFile") -> bool:
+def is_gguf(path: str | Path | GGUFFile) -> bool:
     """Whether ``path`` is an open GGUF file or names one (by its suffix; the reader
     checks the magic)."""
     if isinstance(path, GGUFFile):
@@ -157,7 +157,7 @@ def is_gguf(path: "str | Path | GGUFFile") -> bool:
     return Path(path).suffix.lower() == ".gguf" and Path(path).is_file()
 
 
-def open_gguf(path: "str | Path | GGUFFile") -> "GGUFFile":
+def open_gguf(path: str | Path | GGUFFile) -> GGUFFile:
     """``path`` opened, or as given when already open (reading the metadata takes
     seconds, so an engine opens its file once for config, tokenizer and weights)."""
     return path if isinstance(path, GGUFFile) else GGUFFile(path)

@@ -55,7 +55,7 @@ class RequestTimes:
     e2e_s: float
 
     @classmethod
-    def of(cls, request: Request, now: float) -> "RequestTimes":
+    def of(cls, request: Request, now: float) -> RequestTimes:
         sched, first = request.first_scheduled_time, request.first_token_time
         return cls(
             queue_s=None if sched is None else sched - request.arrival_time,

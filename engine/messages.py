@@ -47,7 +47,7 @@ class StreamDelta(NamedTuple):
     prompt_logprobs: list | None = None
 
     @classmethod
-    def failure(cls, request_id: str, kind: ErrorKind, message: str) -> "StreamDelta":
+    def failure(cls, request_id: str, kind: ErrorKind, message: str) -> StreamDelta:
         return cls(request_id, [], "", True, "error", error=message, error_kind=kind)
 
 
@@ -84,7 +84,7 @@ class TransferState(enum.IntEnum):
     DONE = 4
 
     @staticmethod
-    def combine(states) -> "TransferState":
+    def combine(states) -> TransferState:
         """The state of a transfer made of parts: its least advanced part."""
         return min(states, default=TransferState.DONE)
 

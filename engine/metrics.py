@@ -255,7 +255,9 @@ class RouterMetrics:
         if num_tokens > 0:
             self._itl.observe(seconds / num_tokens, num_tokens)
 
-    def on_finished(self, reason: str, e2e_s: float, ttft_s: float | None, prompt_tokens: int, output_tokens: int) -> None:
+    def on_finished(
+        self, reason: str, e2e_s: float, ttft_s: float | None, prompt_tokens: int, output_tokens: int,
+    ) -> None:
         REQUEST_SUCCESS.labels(*self.labels, reason).inc()
         self._itl.flush()  # a finished request's token gaps are visible at once
         self._e2e.observe(e2e_s)

@@ -3,8 +3,8 @@
 
 Supports the Llama / Qwen2 / Mistral family, Qwen3 (per-head q/k norms), Phi-3 and
 Phi-4-mini (fused projections, partial and LongRoPE rotary), Gemma 3 text, and the
-mixtures of experts Mixtral and Qwen3-MoE; sliding windows per layer. Anything else is refused with an error that names the
-architecture.
+mixtures of experts Mixtral and Qwen3-MoE; sliding windows per layer. Anything else is
+refused with an error that names the architecture.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class MoEConfig:
             raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}")
 
     @classmethod
-    def from_dict(cls, family: str, cfg: dict) -> "MoEConfig | None":
+    def from_dict(cls, family: str, cfg: dict) -> MoEConfig | None:
         layers = range(cfg["num_hidden_layers"])
         if family == "mixtral":
             experts = cfg.get("num_local_experts", 8)
@@ -164,7 +164,7 @@ class ModelConfig:
     local_rope_theta: float | None = None  # the rotary base of sliding-window layers, when it is their own
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         """Read ``model_dir/config.json``, or the metadata of a ``.gguf`` file."""
         from engine.gguf_checkpoint import is_gguf, open_gguf
 
@@ -176,7 +176,7 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and not archs:

@@ -34,8 +34,7 @@ from engine.model import DecoderModel
 from engine.request import Request
 from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.step_layout import AttentionBackend
-from engine.step_layout import ChunkLayout, StepLayout
+from engine.step_layout import AttentionBackend, ChunkLayout, StepLayout
 from engine.structured_output import StructuredOutputs
 
 

@@ -20,13 +20,14 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from operator import attrgetter
+from typing import Any
 
 from engine.request import Request
 
 POLICIES = ("fcfs", "priority")
 
 
-def order_key(policy: str) -> Callable[[Request], object]:
+def order_key(policy: str) -> Callable[[Request], Any]:
     """The sort key of ``policy``: smaller keys are scheduled first and preempted last."""
     if policy == "priority":
         return attrgetter("priority", "seq_no")
@@ -101,7 +102,7 @@ class SortedRequests:
 
     __slots__ = ("_key", "_requests")
 
-    def __init__(self, key: Callable[[Request], object]) -> None:
+    def __init__(self, key: Callable[[Request], Any]) -> None:
         self._key = key
         self._requests: list[Request] = []
 

@@ -48,11 +48,11 @@ class StructuredOutput:
                 raise ValueError("guided_choice must be a non-empty list of non-empty strings")
 
     @classmethod
-    def choice(cls, choices: list[str]) -> "StructuredOutput":
+    def choice(cls, choices: list[str]) -> StructuredOutput:
         return cls("choice", json.dumps(list(choices), ensure_ascii=False))
 
     @classmethod
-    def json_schema(cls, schema: dict | str) -> "StructuredOutput":
+    def json_schema(cls, schema: dict | str) -> StructuredOutput:
         return cls("json", schema if isinstance(schema, str) else json.dumps(schema))
 
 

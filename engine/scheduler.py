@@ -149,7 +149,9 @@ class StaticBatching:
         return num_running == 0 and num_swapped == 0
 
 
-ADMISSION_POLICIES = {"continuous": ContinuousBatching(), "static": StaticBatching()}
+ADMISSION_POLICIES: dict[str, ContinuousBatching | StaticBatching] = {
+    "continuous": ContinuousBatching(), "static": StaticBatching(),
+}
 
 
 class Scheduler:
@@ -427,7 +429,7 @@ class Scheduler:
 
         Requests that hit a stop condition are finished and their blocks freed.
         """
-        results = []
+        results: list[tuple[Request, int | None]] = []
         for item in out.scheduled:
             request = item.request
             if request.is_finished or request.status != RequestStatus.RUNNING:

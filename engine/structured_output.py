@@ -26,8 +26,8 @@ never sees a constrained request need not spend.
 from __future__ import annotations
 
 import logging
-import time
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -178,7 +178,9 @@ class StructuredOutputs:
         c.terminated = c.terminated or c.matcher.is_terminated()
         return c.terminated
 
-    def bitmask(self, request_ids: Sequence[str], outputs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]] | None:
+    def bitmask(
+        self, request_ids: Sequence[str], outputs: Sequence[Sequence[int]],
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """The token bitmask of a step's sampled rows and the rows it constrains (None:
         no row is constrained). Each constrained matcher is synced first."""
         rows = [i for i, rid in enumerate(request_ids) if rid in self._requests]

@@ -110,7 +110,7 @@ class ChannelConfig:
                 raise ValueError(f"channel.{name} must be >= 1, got {getattr(self, name)}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ChannelConfig":
+    def from_dict(cls, d: dict) -> ChannelConfig:
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown channel settings: {sorted(unknown)}")
@@ -385,7 +385,7 @@ class _Link:
         self.ticker = self.loop.create_task(self._tick())
 
     @classmethod
-    async def open(cls, address: ChannelAddress, subscriber: str, resume: str, config: ChannelConfig) -> "_Link":
+    async def open(cls, address: ChannelAddress, subscriber: str, resume: str, config: ChannelConfig) -> _Link:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(address.host, address.port), config.heartbeat_timeout_s
         )

@@ -114,7 +114,9 @@ MAX_MESSAGES = 512
 MIN_MESSAGE_BYTES = 64 << 10
 
 
-def transfer_header(meta: TransferMeta, nbytes_k: int, nbytes_v: int, blocks: tuple = (), messages: int = 2) -> torch.Tensor:
+def transfer_header(
+    meta: TransferMeta, nbytes_k: int, nbytes_v: int, blocks: tuple = (), messages: int = 2,
+) -> torch.Tensor:
     """What the sender says it sends; the receiver compares it with its own view first.
 
     ``blocks``: a paged transfer's block lists (sender's, receiver's), which fix its split."""
@@ -658,7 +660,8 @@ class CollectiveBackend(KVTransferBackend):
         """Hold a build lock, which another transfer's build may hold for that one's time,
         waiting no longer than this transfer's own."""
         if not lock.acquire(timeout=max(self._connect_timeout(meta), 0.0)):
-            raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline waiting for a channel build")
+            raise TransferError("timeout",
+                                f"transfer {meta.transfer_id} passed its deadline waiting for a channel build")
         try:
             yield
         finally:

@@ -58,7 +58,7 @@ class TransferConfig:
             )
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TransferConfig":
+    def from_dict(cls, d: dict) -> TransferConfig:
         """Settings as a topology file writes them: ``faults`` may be a mapping too."""
         faults = d.get("faults", {})
         if isinstance(faults, dict):

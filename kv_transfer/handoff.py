@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+
 class HandoffState(enum.IntEnum):
     """Ordered: a later state never goes back to an earlier one."""
 
@@ -160,6 +161,8 @@ class Receiver:
         why) or ``stuck`` (it could not be stopped: the blocks stay out of use). Returns
         what the worker must do, or None while the attempt goes on."""
         r = self.records[attempt_id]
+        if r.reading is None:
+            raise HandoffError("no_read", f"no read of {attempt_id} is in flight")
         first, count = r.reading
         r.reading = None
         if stuck:

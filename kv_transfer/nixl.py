@@ -148,7 +148,7 @@ class _Cache:
 
 
 def block_descs(base: tuple[int, int], num_blocks: int, layers: int, block_bytes: int, device: int,
-                runs: "np.ndarray") -> "np.ndarray":
+                runs: np.ndarray) -> np.ndarray:
     """Nx3 (address, length, device) rows for ``runs`` of blocks in every layer of K then V.
 
     ``runs``: (first block, number of blocks) rows. The cache is ``[layers, num_blocks,

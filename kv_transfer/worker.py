@@ -85,9 +85,10 @@ class WorkerBase:
 
     async def retire(self) -> bool:
         """Leave this role, for a worker of another role to take over the engine: end
-        the streams out of it (``_let_go``: their readers move on as from a gone worker), abort whatever it still holds, and stop the step thread. Returns whether
-        it ended idle (False: blocks stay pinned, by a read in flight say, and its engine
-        cannot be reset)."""
+        the streams out of it (``_let_go``: their readers move on as from a gone worker),
+        abort whatever it still holds, and stop the step thread. Returns whether it ended
+        idle (False: blocks stay pinned, by a read in flight say, and its engine cannot
+        be reset)."""
         await self._let_go()
         await self.runtime.call(self._abort_everything)
         await self.runtime.stop()

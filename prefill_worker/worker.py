@@ -27,8 +27,8 @@ import dataclasses
 import itertools
 import time
 
-from engine.sampling_params import SamplingParams
 from engine.messages import PrefillLoad, PrefillResult, TransferState, request_of
+from engine.sampling_params import SamplingParams
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import HandoffState, Sender
@@ -76,11 +76,11 @@ class PrefillWorker(WorkerBase):
         """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``.
 
         With ``pipeline`` on, the blocks of each finished chunk are offered while the next
-        chunks compute (``receive_kv_part``); the rest go with the first token. ``resume_output``: a migrated stream's tokens so far. They are
-        prefilled with the prompt (the prompt's blocks usually come from the prefix
-        cache), and the token sampled is the one after them, at its place in the seeded
-        random stream. ``priority``: the request's place in the scheduler's order (lower
-        goes first).
+        chunks compute (``receive_kv_part``); the rest go with the first token.
+        ``resume_output``: a migrated stream's tokens so far. They are prefilled with the
+        prompt (the prompt's blocks usually come from the prefix cache), and the token
+        sampled is the one after them, at its place in the seeded random stream.
+        ``priority``: the request's place in the scheduler's order (lower goes first).
         """
         t0 = time.perf_counter()
         num_tokens = len(prompt_token_ids) + len(resume_output)
@@ -271,7 +271,7 @@ class PrefillWorker(WorkerBase):
         if offer is not None:
             offer.watch = None
 
-    async def _send_parts(self, meta: TransferMeta, decode_worker, parts: "_Parts", stop) -> int | None:
+    async def _send_parts(self, meta: TransferMeta, decode_worker, parts: _Parts, stop) -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
         blocks landed, or None once a part failed or the attempt was aborted (the rest
         are only unpinned)."""
@@ -359,7 +359,9 @@ class PrefillWorker(WorkerBase):
             raise _Aborted() if stop.done() else asyncio.TimeoutError()
         return TransferState(answer.result())
 
-    async def _push_until_answered(self, meta: TransferMeta, payload, ack: asyncio.Future, stop: asyncio.Future) -> None:
+    async def _push_until_answered(
+        self, meta: TransferMeta, payload, ack: asyncio.Future, stop: asyncio.Future,
+    ) -> None:
         """Push the bytes; stop early if the receiver answers that it will not take them,
         or the attempt is aborted. Nothing to do where the receiver reads them (no
         transfer thread is taken)."""

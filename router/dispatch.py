@@ -69,8 +69,8 @@ from ray.exceptions import RayActorError
 from engine import token_channel
 from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
 from engine.messages import ErrorKind, StalePlacement, StreamDelta, attempt_id
-from engine.token_channel import ChannelConfig, Notice, NoticeKind
 from engine.sampling_params import SamplingParams
+from engine.token_channel import ChannelConfig, Notice, NoticeKind
 from router.placement import (
     PrefixIndex,
     decode_has_room,

@@ -8,6 +8,7 @@ Pure: ``now`` comes in, so it is tested as a function of its samples.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 PERCENTILE = 0.9  # the SLO is held at p90, as DistServe's attainment and llm-d's scaling
@@ -54,7 +55,7 @@ class LatencyWindow:
         )
 
 
-def _percentile(samples, q: float = PERCENTILE) -> float | None:
+def _percentile(samples: Iterable[tuple[float, float, int]], q: float = PERCENTILE) -> float | None:
     """The weighted ``q`` quantile of (when, value, weight) samples (the smallest value
     with at least ``q`` of the weight at or below it)."""
     if not samples:

@@ -11,8 +11,8 @@ on the first chunk of a stream. A tool request's message is read by its ``ToolPl
 from __future__ import annotations
 
 import json
-from json.encoder import encode_basestring_ascii
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 
 from router.tool_calls import ToolPlan
 

@@ -94,7 +94,8 @@ def pick_decode(
     has room for ``blocks_needed`` blocks right now.
     """
     pending = [pending_blocks[i] if i < len(pending_blocks) else 0 for i in range(len(loads))]
-    room = [i for i in _rotated(len(loads), tie_break) if decode_has_room(loads[i], blocks_needed, max_running, pending[i])]
+    room = [i for i in _rotated(len(loads), tie_break)
+            if decode_has_room(loads[i], blocks_needed, max_running, pending[i])]
     if not room:
         return None
     best = max(room, key=lambda i: loads[i].free_blocks - pending[i])  # the first of equals: ties rotate

@@ -55,13 +55,13 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from engine.messages import ErrorKind, StreamDelta
 from engine.metrics import RouterMetrics
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
-from engine.messages import ErrorKind, StreamDelta
-from router.dispatch import Affinity, Dispatcher, DispatchConfig, aborted_delta
+from router.dispatch import Affinity, DispatchConfig, Dispatcher, aborted_delta
 from router.grammar_check import GrammarChecker
 from router.latency import LatencyWindow
 from router.openai_api import Accumulator, Envelope, echo_logprobs, model_list, prompt_logprobs_json, sse

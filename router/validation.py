@@ -177,7 +177,7 @@ class _Body(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     stream: bool = False
-    stream_options: "StreamOptions | None" = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -642,7 +642,9 @@ def _functions(tools: list[ToolDef]) -> list[dict]:
     return functions
 
 
-def _tool_output(mode: str, name: str | None, functions: list[dict], b: ChatBody) -> tuple[str, StructuredOutput] | None:
+def _tool_output(
+    mode: str, name: str | None, functions: list[dict], b: ChatBody,
+) -> tuple[str, StructuredOutput] | None:
     """(field, constraint) enforcing a required or named choice (None for auto); 400 naming
     ``tool_choice`` when the request constrains its output another way too."""
     if mode == "auto":

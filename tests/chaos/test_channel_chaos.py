@@ -16,10 +16,9 @@ import signal
 import time
 
 import httpx
-import pytest
 import ray
 
-from tests.chaos.streams import Outcome, difference, blocks_after, model_name, one_stream, workers
+from tests.chaos.streams import Outcome, blocks_after, difference, model_name, one_stream, workers
 from tests.helpers import PATIENCE_S, async_wait_for, running_service
 
 DEADLINE_S = 60.0  # per request: past this it counts as hung

@@ -32,7 +32,17 @@ import pytest
 import ray
 
 from tests.chaos.streams import (
-    ALL_BACKENDS, Outcome, backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers,
+    ALL_BACKENDS,
+    Outcome,
+    backends,
+    judge,
+    kill,
+    model_name,
+    reference,
+    run_load,
+    services_fixture,
+    until,
+    workers,
 )
 
 N = 40  # requests per scenario (the first N_TRANSFER of them where every transfer is slowed or broken)

@@ -30,9 +30,7 @@ import time
 import pytest
 import ray
 
-from tests.chaos.streams import (
-    backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers,
-)
+from tests.chaos.streams import backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers
 
 N = 32
 CONCURRENCY = 8

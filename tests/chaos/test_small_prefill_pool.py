@@ -25,9 +25,7 @@ import random
 import pytest
 
 from engine.tokenizer import Tokenizer
-from tests.chaos.streams import (
-    backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers,
-)
+from tests.chaos.streams import backends, judge, kill, model_name, reference, run_load, services_fixture, until, workers
 
 BLOCK_SIZE = 16
 PREFILL_BLOCKS = 12  # 192 tokens: a short prompt fits, prompt and 200 streamed tokens do not

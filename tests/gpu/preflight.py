@@ -104,9 +104,9 @@ def run_checks() -> dict:
     result: dict = {"ok": False}
     try:
         result["versions"] = versions()
-        from tests.gpu.device import DEVICE  # sets TRITON_INTERPRET on CPU, before triton runs
-
         import torch
+
+        from tests.gpu.device import DEVICE  # sets TRITON_INTERPRET on CPU, before triton runs
 
         result["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
         result["cuda"] = torch.version.cuda

@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.preflight import (
-    PreflightError,
-    c_compiler,
-    check_python_extension_builds,
-    python_include,
-    run_checks,
-)
+from tests.gpu.preflight import PreflightError, c_compiler, check_python_extension_builds, python_include, run_checks
 
 
 def test_preflight_passes_here_with_a_compiler_python_h_and_a_launched_kernel():

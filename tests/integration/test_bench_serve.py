@@ -10,7 +10,6 @@ import pytest
 
 from bench.serve import main
 
-
 pytestmark = pytest.mark.usefixtures("no_blocks_left")
 
 

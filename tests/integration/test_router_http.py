@@ -183,7 +183,7 @@ def test_64_concurrent_streams_complete_with_correct_usage(client, model_name, t
     t0 = time.monotonic()
     results = asyncio.run(main())
     elapsed = time.monotonic() - t0
-    for prompt, n, (text, usage, finish) in zip(prompts, lengths, results):
+    for prompt, n, (_text, usage, finish) in zip(prompts, lengths, results):
         assert finish == "length" and usage is not None, (finish, usage)
         assert usage.completion_tokens == n, f"{usage.completion_tokens} != max_tokens {n}"
         assert usage.prompt_tokens == len(tok.encode(prompt))

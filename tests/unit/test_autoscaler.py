@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.autoscaler import SLO, AutoscalingConfig, Autoscaler, Decision, PoolBounds, RoleObservation
+from cluster.autoscaler import SLO, Autoscaler, AutoscalingConfig, Decision, PoolBounds, RoleObservation
 
 CONFIG = AutoscalingConfig(
     prefill=PoolBounds(1, 3), decode=PoolBounds(1, 3), slo=SLO(ttft_ms=1000, itl_ms=50),

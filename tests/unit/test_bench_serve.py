@@ -237,7 +237,10 @@ USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "t
                                   "prompt_tokens_details": {"cached_tokens": 2}}}
 
 
-def http_send(handler, request=BenchRequest([5, 6, 7], 4)) -> RequestResult:
+REQUEST = BenchRequest([5, 6, 7], 4)
+
+
+def http_send(handler, request=REQUEST) -> RequestResult:
     httpx = pytest.importorskip("httpx")
 
     async def go() -> RequestResult:

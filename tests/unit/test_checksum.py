@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.messages import KVLayout
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.checksum import block_checksums, check
 from kv_transfer.config import TransferConfig
-from engine.messages import KVLayout
 
 
 def _cache(dtype=torch.float32, blocks: int = 8, seed: int = 0):

@@ -13,11 +13,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
+from engine.messages import KVLayout
 from kv_transfer import collective
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.collective import BlockPlan, CollectiveBackend
 from kv_transfer.peer import checksum
-from engine.messages import KVLayout
 from tests.helpers import cache_blocks, paged_pair
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")

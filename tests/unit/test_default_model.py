@@ -14,12 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import engine.default_model as dm
-from engine.default_model import (
-    DEFAULT_MODEL_NAME,
-    default_model_dir,
-    ensure_default_model,
-    make_model,
-)
+from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, make_model
 from engine.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -897,8 +897,8 @@ def _render_upgrade(tmp_path, live: dict, values: dict) -> None:
     copy_dir = tmp_path / "tandem"
     shutil.copytree(CHART, copy_dir, dirs_exist_ok=True)
     (copy_dir / "templates" / "zz-live.yaml").write_text(
-        "{{- include \"tandem.checkInPlaceUpgrade\" (dict \"root\" . \"live\" (%s | fromJson)) }}\n"
-        % json.dumps(json.dumps(live)))
+        "{{- include \"tandem.checkInPlaceUpgrade\" (dict \"root\" . \"live\" ("
+        + json.dumps(json.dumps(live)) + " | fromJson)) }}\n")
     copied = helm.Chart.load(copy_dir)
     try:
         copied.render(values, name=RELEASE, namespace=NAMESPACE)
@@ -1490,7 +1490,7 @@ def test_dashboard_uses_only_specified_metric_names():
     exprs = _exprs(_dashboard())
     assert exprs, "the dashboard has no queries"
     used = set()
-    for title, expr in exprs:
+    for _title, expr in exprs:
         for name in METRIC_RE.findall(expr):
             used.add(HISTOGRAM_SUFFIX.sub("", name) if not name.endswith("_total") else name)
     unknown = used - METRICS_SPEC

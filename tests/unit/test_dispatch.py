@@ -457,8 +457,9 @@ def test_a_token_channel_the_router_cannot_reach_leaves_the_stream_on_ray():
 
 
 def test_a_stream_that_outlives_max_migrations_ends_with_an_error():
-    from engine.messages import ErrorKind
     from ray.exceptions import RayActorError
+
+    from engine.messages import ErrorKind
 
     async def main():
         worker = _FakeColocated("decode-0")

@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 # Needs ray, which the image lacks: its tests skip there, saying so, and its imports
 # (kv_transfer.peer, the CPU conformance suite) are the CPU suite's.

@@ -45,7 +45,7 @@ class _FakeRay:
                 return self
 
             def remote(self, *args, **kwargs):
-                return types.SimpleNamespace(start=types.SimpleNamespace(remote=lambda: "started"))
+                return types.SimpleNamespace(start=types.SimpleNamespace(remote=lambda start_timeout_s=None: "started"))
 
         return _Actor()
 

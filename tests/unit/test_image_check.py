@@ -21,7 +21,8 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 def _torch_install(flavour: str) -> str:
     """The shell command of the Dockerfile's RUN line that installs torch."""
-    (line,) = [l for l in (DOCKER / f"Dockerfile.{flavour}").read_text().splitlines() if l.startswith("RUN pip install") and "torch==" in l]
+    lines = (DOCKER / f"Dockerfile.{flavour}").read_text().splitlines()
+    (line,) = [x for x in lines if x.startswith("RUN pip install") and "torch==" in x]
     return line.removeprefix("RUN ")
 
 

@@ -11,9 +11,7 @@ import time
 from prometheus_client import REGISTRY
 
 from engine.messages import Reservation, TransferState
-from tests.unit.test_handoff_workers import (
-    GREEDY, PROMPT, _decode_worker, _FakeDecodeHandle, _prefill_worker,
-)
+from tests.unit.test_handoff_workers import GREEDY, PROMPT, _decode_worker, _FakeDecodeHandle, _prefill_worker
 
 
 def _exported_usage(worker) -> float | None:

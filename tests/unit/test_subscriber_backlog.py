@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from engine import SamplingParams
 from engine.async_engine import Outbox, merge_outputs
 from engine.config import EngineConfig
