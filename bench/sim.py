@@ -242,7 +242,7 @@ def calibrate(path: str, clock: str = "wall") -> str:
     import torch
 
     import bench.steps
-    from bench.steps import prefill_times, step_times, write_profile
+    from bench.steps import mixed_times, prefill_times, step_times, write_profile
     from engine import LLMEngine
 
     torch.set_num_threads(1)
@@ -254,9 +254,10 @@ def calibrate(path: str, clock: str = "wall") -> str:
     try:
         decodes = {c: step_times(engine, batches, c, 20) for c in (128, 512)}
         prefills = prefill_times(engine, [16, 64, 128, 256, 512, 1024])
+        mixed = mixed_times(engine)
     finally:
         bench.steps.time = saved
-    write_profile(path, engine, "tandem-tiny-llama", decodes, 20, prefills)
+    write_profile(path, engine, "tandem-tiny-llama", decodes, 20, prefills, mixed)
     return path
 
 

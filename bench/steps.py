@@ -14,9 +14,10 @@ default one, and reports the ratio (baseline step time / default): ``unpacked`` 
 default reads the paged cache in place (``cpu``).
 
 ``--profile FILE`` also times whole-prompt prefill steps (``--prefill-lengths``, one
-prompt and four at once) and writes every measured step as a profile table for the
-simulator's cost model (``sim.cost``: the format is in its docstring), from which
-``tandem sim --device-kind cpu --profile FILE`` fits this machine's corrections.
+prompt and four at once) and steps that prefill one prompt beside a decoding batch, and
+writes every measured step as a profile table for the simulator's cost model
+(``sim.cost``: the format is in its docstring), from which ``tandem sim --device-kind
+cpu --profile FILE`` fits this machine's corrections.
 """
 
 from __future__ import annotations
@@ -73,17 +74,47 @@ def prefill_times(engine: LLMEngine, lengths: Sequence[int], repeats: int = 3) -
     return rows
 
 
+def mixed_times(engine: LLMEngine, batches: Sequence[int] = (4, 16), lengths: Sequence[int] = (64, 256),
+                context: int = 128, repeats: int = 3) -> list[tuple[int, int, int, float]]:
+    """(batch, decode context, prompt length, median ms) of steps that decode ``batch``
+    requests and compute one fresh prompt whole beside them (what chunked prefill mixes)."""
+    decoding = SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.0)
+    once = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    rows, fresh = [], itertools.count(10_000)
+    for b in batches:
+        ids = [f"m{b}-{i}" for i in range(b)]
+        for i, rid in enumerate(ids):
+            engine.add_request([5 + i] * context, decoding, request_id=rid)
+        done = 0
+        for _ in range(3):  # the prefill, then two decode steps
+            engine.step()
+            done += 1
+        for n in lengths:
+            times = []
+            for _ in range(repeats):
+                k = next(fresh)  # a first token no earlier prompt had: no prefix-cache hit
+                engine.add_request([5 + k % 97, 5 + k // 97 % 97] + [7] * (n - 2), once)
+                t0 = time.perf_counter()
+                engine.step()
+                times.append((time.perf_counter() - t0) * 1000)
+                done += 1
+            rows.append((b, context + done - 1 - repeats // 2, n, sorted(times)[len(times) // 2]))
+        engine.abort(ids)
+    return rows
+
+
 def write_profile(path: str, engine: LLMEngine, name: str, decodes: dict[int, list[dict]], steps: int,
-                  prefills: list[tuple[list[int], float]]) -> None:
+                  prefills: list[tuple[list[int], float]], mixed: Sequence[tuple[int, int, int, float]] = ()) -> None:
     """The measured steps as a ``sim.cost`` profile table: ``decodes`` maps a prompt length to
     its decode rows, each taken at its mean context (the prompt, the warm-up steps, half the
-    timed ones)."""
-    from sim.cost import ModelSpec, decode_shape, prefill_shape, profile_row
+    timed ones); ``mixed`` rows are ``mixed_times``'."""
+    from sim.cost import ModelSpec, decode_shape, merge, prefill_shape, profile_row
     from sim.cost import write_profile as write_table
 
     rows = [profile_row(decode_shape(r["batch"], context + 5 + steps // 2), r["step_ms"])
             for context, decode_rows in decodes.items() for r in decode_rows]
     rows += [profile_row(prefill_shape(batch), ms) for batch, ms in prefills]
+    rows += [profile_row(merge(decode_shape(b, ctx), prefill_shape([n])), ms) for b, ctx, n, ms in mixed]
     dtype_bytes = engine.kv_cache.k.element_size()
     write_table(path, "cpu", ModelSpec.from_model_config(name, engine.model_config), dtype_bytes, rows)
     print(f"wrote {path} ({len(rows)} steps)")
@@ -128,7 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for context in (int(c) for c in args.profile_contexts.split(",") if int(c) != args.context):
             decodes[context] = step_times(engines[0], batches, context, args.steps)
             print(f"decode at {context}: " + ", ".join(f"{r['batch']}: {r['step_ms']} ms" for r in decodes[context]))
-        write_profile(args.profile, engines[0], args.model or "tandem-tiny-llama", decodes, args.steps, prefills)
+        mixed = mixed_times(engines[0])
+        for b, ctx, n, ms in mixed:
+            print(f"decode {b:3d} at {ctx} + prefill {n:4d} tokens: {ms:7.2f} ms")
+        write_profile(args.profile, engines[0], args.model or "tandem-tiny-llama", decodes, args.steps, prefills,
+                      mixed)
     assert all(e.stats().num_blocks_in_use == 0 for e in engines)
     return 0
 

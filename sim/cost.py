@@ -159,6 +159,11 @@ def shape_of(out) -> StepShape:
     return StepShape(batch, tokens, prefill, pairs, kv, sampled, len(out.swap_in) + len(out.swap_out))
 
 
+def merge(*shapes: StepShape) -> StepShape:
+    """One step doing the work of all of ``shapes`` (a decoding batch and a prefill beside it)."""
+    return StepShape(*(sum(getattr(s, f.name) for s in shapes) for f in fields(StepShape)))
+
+
 def decode_shape(batch: int, context: int) -> StepShape:
     """``batch`` requests decoding one token each after ``context`` tokens."""
     return StepShape(batch, batch, 0, batch * (context + 1), batch * (context + 1), batch)

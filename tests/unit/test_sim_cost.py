@@ -164,3 +164,13 @@ def test_a_bench_gpu_table_sets_the_measured_shares_of_peak(tmp_path):
     assert cost.corrections.mfu == pytest.approx(0.5)
     with pytest.raises(ValueError, match="measured on 'NVIDIA H200', not 'H100'"):
         cost_model("H100", LLAMA, profile=path)
+
+
+def test_a_mixed_step_is_the_sum_of_its_decode_and_prefill_work():
+    from sim.cost import merge
+
+    mixed = merge(decode_shape(4, 100), prefill_shape([64]))
+    assert (mixed.batch, mixed.num_tokens, mixed.prefill_tokens, mixed.num_sampled) == (5, 68, 64, 5)
+    assert mixed.attn_pairs == 4 * 101 + 64 * 65 // 2
+    cost = cost_model("H100", LLAMA)
+    assert cost.step_s(mixed) >= max(cost.step_s(decode_shape(4, 100)), cost.step_s(prefill_shape([64])))
