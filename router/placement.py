@@ -86,7 +86,11 @@ def pick_decode(
     max_imbalance_requests: int = 8,
 ) -> int | None:
     """The worker with the most free KV blocks among those under the running cap, or the
-    one holding the longest prefix of the prompt in its prefix cache.
+    one holding the longest prefix of the prompt in its prefix cache. A worker's free
+    blocks count less the blocks its waiting requests will take (``blocks_needed`` each,
+    an estimate): a request placed there and queued holds none yet, and without that
+    every arrival between two load reports went to the same worker (the simulator found
+    64 colocated workers sustaining under half of what eight groups of eight did).
 
     ``cached_blocks``: how many leading prompt blocks each worker has cached. The affine
     worker wins unless it has more than ``max_imbalance_requests`` requests (running,
@@ -98,9 +102,12 @@ def pick_decode(
             if decode_has_room(loads[i], blocks_needed, max_running, pending[i])]
     if not room:
         return None
-    best = max(room, key=lambda i: loads[i].free_blocks - pending[i])  # the first of equals: ties rotate
+    def spare(i: int) -> int:
+        return loads[i].free_blocks - pending[i] - loads[i].waiting * blocks_needed
+
+    best = max(room, key=spare)  # the first of equals: ties rotate
     cached = [cached_blocks[i] if i < len(cached_blocks) else 0 for i in range(len(loads))]
-    affine = max(room, key=lambda i: (cached[i], loads[i].free_blocks - pending[i]))
+    affine = max(room, key=lambda i: (cached[i], spare(i)))
     if cached[affine] > 0 and _active(loads[affine]) - min(_active(loads[i]) for i in room) <= max_imbalance_requests:
         return affine
     return best

@@ -66,6 +66,12 @@ def test_decode_skips_workers_at_the_running_cap_and_without_room():
     assert pick_decode(loads[:2], blocks_needed=5, max_running=8) is None
 
 
+def test_decode_counts_the_blocks_its_waiting_requests_will_take():
+    # Worker 0 reports more free blocks, but 5 requests queued there hold none yet.
+    assert pick_decode([D(100, waiting=5), D(90)], blocks_needed=4, max_running=64) == 1
+    assert pick_decode([D(100, waiting=2), D(90)], blocks_needed=4, max_running=64) == 0
+
+
 def test_decode_subtracts_blocks_promised_but_not_yet_reported():
     assert pick_decode([D(50), D(40)], blocks_needed=5, max_running=8, pending_blocks=[20, 0]) == 1
 
@@ -110,7 +116,7 @@ def test_prefill_without_cache_always_picks_a_least_queued_worker(queued, tie):
     st.integers(1, 10),
 )
 def test_decode_choice_always_has_room_and_the_most_free_blocks(workers, need, cap):
-    loads = [D(free, running=run) for free, run in workers]
+    loads = [D(free, running=run) for free, run in workers]  # nothing waiting
     i = pick_decode(loads, need, cap)
     eligible = [w.free_blocks for w in loads if w.free_blocks >= need and w.running < cap]
     if not eligible:
