@@ -62,7 +62,7 @@ class StepWorker:
         return DecodeLoad("decode[0]", running=len(self.active), waiting=0, waiting_for_kv=0,
                           free_blocks=1 << 20, total_blocks=1 << 20)
 
-    def _submit(self, rid, prompt, params, subscriber, resume, priority) -> None:
+    def _submit(self, rid, prompt, params, subscriber, resume=(), priority=0) -> None:
         self.active[rid] = [subscriber, len(prompt), 0]
 
     def step(self) -> None:

@@ -19,7 +19,8 @@ def _loaded_after(imports: list[str]) -> set[str]:
 
 ROUTER_MODULES = [
     "router.server", "router.dispatch", "router.grpc_api", "router.openai_api", "router.validation",
-    "router.admission", "router.placement", "router.grammar_check", "engine.messages",
+    "router.admission", "router.placement", "router.grammar_check", "router.latency", "router.worker_api",
+    "engine.messages",
 ]
 WORKER_PACKAGES = ("decode_worker", "prefill_worker", "kv_transfer")
 
