@@ -37,6 +37,7 @@ step thread, so the messages that carry the tokens carry the load too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -46,6 +47,8 @@ from typing import Any, TypeVar
 from engine.llm_engine import LLMEngine, RequestOutput
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -389,7 +392,10 @@ class AsyncEngine:
             self._run_calls()
             now = time.monotonic()
             for fn in self._periodic:
-                fn(now)
+                try:
+                    fn(now)
+                except Exception:  # a bug in one check must not stop the engine: it runs again next turn
+                    log.exception("periodic %s failed on the step thread", getattr(fn, "__qualname__", fn))
             busy = self.engine.has_schedulable_work()
             if busy:
                 try:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,9 +251,13 @@ class Offer:
 
 @dataclass
 class Sender:
-    """The sender's records, by attempt id."""
+    """The sender's records, by attempt id. The prefill worker's event loop begins and
+    ends them while its step thread expires and watches them: every method takes the
+    records' lock (iterating them from the step thread while the loop added one killed
+    that thread: "dictionary changed size during iteration")."""
 
     records: dict[str, Offer] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __contains__(self, attempt_id: str) -> bool:
         return attempt_id in self.records
@@ -260,34 +265,47 @@ class Sender:
     def __len__(self) -> int:
         return len(self.records)
 
+    def offers(self) -> list[Offer]:
+        """Every record now (a copy: safe to walk while the other thread changes them)."""
+        with self._lock:
+            return list(self.records.values())
+
+    def get(self, attempt_id: str) -> Offer | None:
+        return self.records.get(attempt_id)
+
     def begin(
         self, attempt_id: str, offered: int = 0, watch: Any = None, deadline: float = math.inf, stop: Any = None
     ) -> Offer:
         """A prefill for this attempt starts; ``offered``: leading blocks the receiver
         has already (its prefix cache)."""
-        if attempt_id in self.records:
-            raise ValueError(f"attempt {attempt_id!r} is already being prefilled or sent here")
-        offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch, deadline=deadline, stop=stop)
+        with self._lock:
+            if attempt_id in self.records:
+                raise ValueError(f"attempt {attempt_id!r} is already being prefilled or sent here")
+            offer = self.records[attempt_id] = Offer(attempt_id, offered=offered, watch=watch, deadline=deadline,
+                                                     stop=stop)
         return offer
 
     def expire(self, now: float) -> list[Offer]:
         """Attempts still computing past their deadline: the receiver has given up on
         them, so their work is dropped (each is returned once)."""
-        due = [o for o in self.records.values() if o.state == HandoffState.RESERVED and now > o.deadline]
-        for offer in due:
-            offer.state = HandoffState.EXPIRED
+        with self._lock:
+            due = [o for o in self.records.values() if o.state == HandoffState.RESERVED and now > o.deadline]
+            for offer in due:
+                offer.state = HandoffState.EXPIRED
         return due
 
     def computed(self, attempt_id: str) -> None:
         """The prefill finished: what is left is the hand-over itself."""
-        offer = self.records.get(attempt_id)
-        if offer is not None and offer.state == HandoffState.RESERVED:
-            offer.state = HandoffState.LANDING
+        with self._lock:
+            offer = self.records.get(attempt_id)
+            if offer is not None and offer.state == HandoffState.RESERVED:
+                offer.state = HandoffState.LANDING
 
     def end(self, attempt_id: str, state: HandoffState) -> Offer | None:
         """The receiver answered (or the transfer failed): the record leaves; the caller
         frees the blocks held for the reader, once."""
-        offer = self.records.pop(attempt_id, None)
-        if offer is not None:
-            offer.state = state
+        with self._lock:
+            offer = self.records.pop(attempt_id, None)
+            if offer is not None:
+                offer.state = state
         return offer

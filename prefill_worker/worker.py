@@ -181,7 +181,8 @@ class PrefillWorker(WorkerBase):
 
     async def abort_request(self, request_id: str) -> None:
         """Abort every attempt of the client's ``request_id`` here, hand-offs included."""
-        ended = self._end_handoffs([aid for aid in self.offers.records if request_of(aid) == request_id])
+        mine = [o.attempt_id for o in self.offers.offers() if request_of(o.attempt_id) == request_id]
+        ended = self._end_handoffs(mine)
         self.runtime.submit(self._abort_attempts_and_release, request_id, ended)
 
     def _end_handoffs(self, attempt_ids: list[str]) -> list[str]:
@@ -198,7 +199,7 @@ class PrefillWorker(WorkerBase):
         return ended
 
     async def _let_go(self) -> None:
-        self._let_go_of = self._end_handoffs(list(self.offers.records))  # their sends stop waiting
+        self._let_go_of = self._end_handoffs([o.attempt_id for o in self.offers.offers()])  # their sends stop waiting
 
     def _abort_everything(self) -> None:
         super()._abort_everything()
@@ -253,7 +254,7 @@ class PrefillWorker(WorkerBase):
         for offer in self.offers.expire(now):
             self.runtime.abort_now(offer.attempt_id)
         synced = False
-        for offer in list(self.offers.records.values()):
+        for offer in self.offers.offers():
             parts = offer.watch
             if parts is None:
                 continue
@@ -267,7 +268,7 @@ class PrefillWorker(WorkerBase):
                 parts.loop.call_soon_threadsafe(parts.queue.put_nowait, item)
 
     def _unwatch(self, rid: str) -> None:
-        offer = self.offers.records.get(rid)
+        offer = self.offers.get(rid)
         if offer is not None:
             offer.watch = None
 

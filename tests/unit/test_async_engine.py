@@ -147,3 +147,30 @@ def test_a_step_report_is_made_once_per_step_and_left_on_every_outbox_the_step_f
     assert reports[0] == 2, "the report is made after the step, on the engine's state then"
     assert seen_a[-1] == seen_b[-1] == len(reports), "each outbox holds the latest report"
     assert engine.stats().num_blocks_in_use == 0
+
+
+def test_a_periodic_function_that_fails_once_does_not_stop_the_step_thread(engine):
+    """A deadline or lease check that raises (a worker's bug) is logged; the step thread
+    goes on stepping, and every stream still ends (it once died silently, leaving its
+    worker alive to Ray with no engine behind it)."""
+    runtime = AsyncEngine(engine)
+    calls = []
+
+    def flaky(now: float) -> None:
+        calls.append(now)
+        if len(calls) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+
+    runtime.add_periodic(flaky)
+
+    async def main():
+        async def read():
+            return [out async for out in runtime.generate([9] * 12, _params(6), "after")]
+
+        return await asyncio.wait_for(read(), PATIENCE_S)
+
+    outs = asyncio.run(main())
+    runtime.shutdown()
+    assert outs[-1].finished and len(outs[-1].token_ids) == 6
+    assert len(calls) > 1, "the periodic function should have run again after it failed"
+    assert engine.stats().num_blocks_in_use == 0

@@ -189,3 +189,32 @@ class ReceiverMachine(RuleBasedStateMachine):
 
 TestReceiverMachine = ReceiverMachine.TestCase
 TestReceiverMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_the_sender_records_may_be_begun_while_the_step_thread_walks_them():
+    """The event loop begins an attempt while the step thread expires the records: the
+    walk must not see the dict change under it (that killed a prefill worker's step
+    thread under a drain-and-add load)."""
+    import threading
+
+    sender = Sender()
+    started = []
+
+    class Walked(type(sender.begin("a"))):
+        @property
+        def state(self):  # read by expire's walk: the other thread begins an attempt now
+            if not started:
+                started.append(threading.Thread(target=sender.begin, args=("b",)))
+                started[0].start()
+                started[0].join(0.2)  # it waits for the walk (with the lock), or changes the dict (without)
+            return HandoffState.RESERVED
+
+        @state.setter
+        def state(self, value):
+            pass
+
+    sender.records["w"] = Walked("w", deadline=0.0)
+    due = sender.expire(now=1.0)  # raised "dictionary changed size during iteration" without the lock
+    assert [o.attempt_id for o in due] == ["w"]
+    started[0].join(5)
+    assert "b" in sender

@@ -19,8 +19,8 @@ and the reference fixture checks that the outputs depend on attention.
 from __future__ import annotations
 
 import copy
-import re
 import random
+import re
 
 import pytest
 import torch
