@@ -123,9 +123,10 @@ class ClusterController:
             cluster.shutdown()
             raise
         self.cluster, self._model_info = cluster, model_info
+        pool_metrics = PoolMetrics(model_info["name"])
+        cluster.on_role_switch = pool_metrics.on_role_switch  # every switch, the loop's or an operator's
         if self.config.autoscaling is not None:
-            self.scaler = PoolScaler(cluster, self.config.autoscaling, PoolMetrics(model_info["name"]),
-                                     latency=self.router_latency)
+            self.scaler = PoolScaler(cluster, self.config.autoscaling, pool_metrics, latency=self.router_latency)
             threading.Thread(target=self.scaler.run, args=(self._stop,), name="tandem-autoscaling", daemon=True).start()
         if self._exporters is not None:
             threading.Thread(target=self._sync_exporters, name="tandem-metrics-nodes", daemon=True).start()

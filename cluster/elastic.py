@@ -168,9 +168,8 @@ class PoolScaler:
             raise ValueError(f"cannot carry out {d}")
         if self.metrics is not None:
             self.metrics.on_decision(d.role, "down" if d.action == "remove" else "up", d.cause)
-            if d.action == "switch":
+            if d.action == "switch":  # (the switch itself is counted by the cluster once done)
                 self.metrics.on_decision(other, "down", "switch")
-                self.metrics.on_role_switch(other, d.role)
 
     def _background(self, roles: tuple[str, ...], doing: str, fn: Callable[[], object],
                     arriving: str | None = None) -> None:

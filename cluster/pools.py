@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -116,6 +117,7 @@ class TandemCluster:
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
         self.dispatcher: Dispatcher | None = None
+        self.on_role_switch: Callable[[str, str], None] | None = None  # (from, to) after each switch
 
     # -- views -----------------------------------------------------------------
 
@@ -345,7 +347,7 @@ class TandemCluster:
             if slot.role == "decode" and sum(s.role == "decode" for s in self._slots) == 1:
                 raise ValueError(f"{worker_id} is the last decode worker")
             slot.ref = dataclasses.replace(slot.ref, draining=True)
-            old = slot.ref
+            old, old_role = slot.ref, slot.role
             index = next(self._indices.setdefault(role, itertools.count()))
         t0 = time.monotonic()
         drained = _drain(old.handle, timeout_s, poll_s)
@@ -367,6 +369,8 @@ class TandemCluster:
             slot.ref = ref if ref is not None else self._spawn(slot)
         if ref is None:
             self._await_replacements([slot])
+        if self.on_role_switch is not None:
+            self.on_role_switch(old_role, role)
         seconds = time.monotonic() - t0
         log.info("worker %s is now %s worker %s after %.1f s (%s, %s)", worker_id, role, new_id, seconds,
                  "drained" if drained else "not idle in time: what it had moved on",

@@ -136,7 +136,7 @@ async def _at_least(progress: dict, n: int) -> bool:
 
 
 def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles_places_elsewhere(
-    ray_cluster, tiny_model,
+    ray_cluster, tiny_model, metrics_dir,
 ):
     """While requests stream (1 prefill + 2 decode workers at the start), a decode worker
     with streams in flight switches to prefill (it finishes them first), then the original
@@ -148,10 +148,11 @@ def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles
     text, none errors, and no worker keeps a block."""
     from engine import SamplingParams
     from router.dispatch import DispatchConfig, Dispatcher
-    from tests.helpers import running_service
+    from tests.helpers import metric_sum, running_service, scrape
 
     workload = _workload(tiny_model)
     settings = dict(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64})
+    switched = metric_sum(scrape(metrics_dir), "tandem:role_switches_total")
     with running_service(tiny_model, **settings) as svc:
         controller = svc.controller
         before = workers(svc)
@@ -180,6 +181,7 @@ def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles
             if s["in_place"]:
                 assert now[s["worker_id"]] == pids[s["from"]], f"{s['from']} restarted to switch: {s}"
         assert prefill[0].worker_id == switches[0]["worker_id"] and prefill[0].epoch == 1
+        assert metric_sum(scrape(metrics_dir), "tandem:role_switches_total") - switched == 2
 
         async def stale_router():
             dispatcher = Dispatcher(lambda: before[0], lambda: before[1],
