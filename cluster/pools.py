@@ -1,10 +1,10 @@
 """Starts and watches the worker pools of one deployment on a Ray cluster.
 
 ``TandemCluster.start()`` places each pool in a placement group (one bundle per
-worker), starts the actors, and builds the ``Dispatcher`` that runs requests over the
-pools, all within ``start_timeout_s``; a start that fails removes what it placed. A
-health thread pings every worker; a dead one is replaced in its bundle, and the
-dispatcher re-runs or fails the requests that were on it. KV transfer channels are
+worker) and starts the actors, all within ``start_timeout_s``; a start that fails
+removes what it placed. The routers run requests over the pools (``prefill_refs``,
+``decode_refs``). A health thread pings every worker; a dead one is replaced in its
+bundle, and the routers re-run or fail the requests that were on it. KV transfer channels are
 per prefill-decode pair and made on first use, so a replacement needs nothing from
 the other workers.
 
@@ -14,7 +14,7 @@ own) and lists it once it is ready; ``drain_worker`` takes one out without losin
 request. A draining worker is listed with ``draining`` set, so routers place nothing
 new on it (and a decode worker refuses reservations itself, for a router whose list is
 older); it finishes what it has up to a deadline, then it is killed and unlisted, and
-whatever it still had follows the dispatcher's re-run and migration rules. A worker's
+whatever it still had follows the routers' re-run and migration rules. A worker's
 lifecycle::
 
     add_worker ─▶ starting ─▶ listed ──drain_worker──▶ draining ──idle, or deadline──▶ removed
@@ -44,8 +44,8 @@ from cluster.config import ClusterConfig, Resources
 from cluster.metrics_server import ENV as METRICS_ENV
 from cluster.pool_worker import PoolWorker
 from decode_worker.worker import ColocatedWorker
+from engine.messages import WorkerRef
 from kv_transfer.config import TransferConfig
-from router.dispatch import DispatchConfig, Dispatcher, WorkerRef
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,8 @@ def _forget_metrics(pid: int | None) -> None:
 
 class TandemCluster:
     """One deployment's worker pools on Ray (the module docstring has a worker's lifecycle):
-    ``start`` places and starts them and builds their ``Dispatcher``, a health thread replaces
-    dead workers, ``shutdown`` removes it all. The cluster controller owns one; tests and
-    benchmarks make their own."""
+    ``start`` places and starts them, a health thread replaces dead workers, ``shutdown``
+    removes it all. The cluster controller owns one; tests and benchmarks make their own."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -116,7 +115,6 @@ class TandemCluster:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
-        self.dispatcher: Dispatcher | None = None
         self.on_role_switch: Callable[[str, str], None] | None = None  # (from, to) after each switch
 
     # -- views -----------------------------------------------------------------
@@ -145,8 +143,6 @@ class TandemCluster:
         except BaseException:
             self._release()
             raise
-        dispatch = DispatchConfig(**cfg.dispatch_settings())
-        self.dispatcher = Dispatcher(self.prefill_refs, self.decode_refs, dispatch)
         if cfg.restart_workers:
             self._health = threading.Thread(target=self._watch, name="tandem-health", daemon=True)
             self._health.start()
@@ -192,8 +188,6 @@ class TandemCluster:
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self.dispatcher is not None:
-            self.dispatcher.close()
         self._release()
 
     def _release(self) -> None:

@@ -174,3 +174,25 @@ class StalePlacement(RuntimeError):
     """A worker refused a placement made by an out-of-date view of it: it has switched
     roles (or is switching, or draining) since the caller's worker list was made, so the
     caller's epoch for it is not the worker's. Nothing was done; place the request again."""
+
+
+@dataclass(frozen=True)
+class WorkerRef:
+    """One worker as the router sees it: its id, its Ray actor handle, the incarnation that tells a
+    replacement apart, and whether it is draining. The cluster makes one per actor it starts and
+    hands them out in its worker lists."""
+
+    worker_id: str
+    handle: object  # a Ray actor handle
+    incarnation: str = ""  # unique per actor and role: a replacement reuses worker_id, not this
+    draining: bool = False  # leaving its pool: nothing new is placed on it
+    epoch: int | None = None  # a worker that can switch roles: which of its roles this ref is
+
+    @property
+    def key(self) -> str:
+        return self.incarnation or self.worker_id
+
+    def fence(self) -> dict:
+        """The keyword a placement call carries so that the worker refuses it if it has
+        switched roles since this ref was made (``StalePlacement``)."""
+        return {} if self.epoch is None else {"epoch": self.epoch}

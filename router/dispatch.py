@@ -68,7 +68,7 @@ from ray.exceptions import RayActorError
 
 from engine import token_channel
 from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
-from engine.messages import ErrorKind, StalePlacement, StreamDelta, attempt_id
+from engine.messages import ErrorKind, StalePlacement, StreamDelta, WorkerRef, attempt_id
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelConfig, Notice, NoticeKind
 from router.placement import (
@@ -84,28 +84,6 @@ from router.placement import (
 PLACEMENTS = ("load", "round_robin")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerRef:
-    """One worker as the router sees it: its id, its Ray actor handle, the incarnation that tells a
-    replacement apart, and whether it is draining. The cluster makes one per actor it starts and
-    hands them out in its worker lists."""
-
-    worker_id: str
-    handle: object  # a Ray actor handle
-    incarnation: str = ""  # unique per actor and role: a replacement reuses worker_id, not this
-    draining: bool = False  # leaving its pool: nothing new is placed on it
-    epoch: int | None = None  # a worker that can switch roles: which of its roles this ref is
-
-    @property
-    def key(self) -> str:
-        return self.incarnation or self.worker_id
-
-    def fence(self) -> dict:
-        """The keyword a placement call carries so that the worker refuses it if it has
-        switched roles since this ref was made (``StalePlacement``)."""
-        return {} if self.epoch is None else {"epoch": self.epoch}
 
 
 class WorkerDied(RuntimeError):

@@ -42,6 +42,12 @@ def test_imports_point_down_from_the_workers_to_kv_transfer_to_the_engine():
     assert not above, f"the engine must import nothing above it, nor Ray: {above}"
 
 
+def test_the_pools_and_the_workers_import_nothing_of_the_router():
+    loaded = _loaded_after(["cluster.pools", "cluster.pool_worker", "cluster.elastic"])
+    router = sorted(m for m in loaded if m.split(".")[0] == "router" and m not in ("router", "router.latency"))
+    assert not router, f"the pools must not need the router's code: {router}"
+
+
 @pytest.mark.parametrize(
     "module",
     ["engine.scheduler", "engine.request_queues", "engine.block_pool", "engine.block_hash", "router.placement",
