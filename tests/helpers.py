@@ -732,3 +732,26 @@ def write_report(tmp_path_factory, filename: str, figures: dict) -> Path:
     path = Path(tmp_path_factory.getbasetemp()) / filename
     path.write_text(json.dumps(figures, indent=1))
     return path
+
+
+def DispatchedPools(config):  # noqa: N802 (a class made on first use: it needs Ray's modules)
+    """``cluster.pools.TandemCluster`` with a dispatcher over its pools (as a router replica
+    runs one, from the deployment's settings) in ``.dispatcher``, closed at shutdown."""
+    from cluster.pools import TandemCluster
+    from router.dispatch import DispatchConfig, Dispatcher
+
+    class _Pools(TandemCluster):
+        dispatcher = None
+
+        def start(self):
+            super().start()
+            settings = DispatchConfig(**self.config.dispatch_settings())
+            self.dispatcher = Dispatcher(self.prefill_refs, self.decode_refs, settings)
+            return self
+
+        def shutdown(self):
+            if self.dispatcher is not None:
+                self.dispatcher.close()
+            super().shutdown()
+
+    return _Pools(config)

@@ -12,29 +12,13 @@ import random
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.pools import TandemCluster
 from engine import LLM, SamplingParams
 from kv_transfer.nixl import unavailable_reason
-from router.dispatch import DispatchConfig, Dispatcher
-from tests.helpers import assert_blocks_freed, build_hf_checkpoint
+from tests.helpers import DispatchedPools, assert_blocks_freed, build_hf_checkpoint
 
 NUM_REQUESTS = 32
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
 
-
-class _Pools(TandemCluster):
-    """The pools with a dispatcher over them, as the deployment's settings make it."""
-
-    def start(self) -> _Pools:
-        super().start()
-        settings = DispatchConfig(**self.config.dispatch_settings())
-        self.dispatcher = Dispatcher(self.prefill_refs, self.decode_refs, settings)
-        return self
-
-    def shutdown(self) -> None:
-        if getattr(self, "dispatcher", None) is not None:
-            self.dispatcher.close()
-        super().shutdown()
 
 
 def _workload(seed=0, n=NUM_REQUESTS, shared_prefix=0):
@@ -86,7 +70,7 @@ def _start(model, prefill=1, decode=1, backend="collective", name="tandem", toke
             "token_channel": token_channel,
         }
     )
-    return _Pools(cfg).start()
+    return DispatchedPools(cfg).start()
 
 
 async def _collect(cluster, prompt, n, progress: list[int] | None = None, index: int = 0):
@@ -164,7 +148,7 @@ def test_pipelined_prefill_hands_over_finished_chunks_early(ray_cluster, tiny_mo
         "transfer": {"backend": backend, "pipeline": pipeline, "checksums": True},
         "engine": {"num_kv_blocks": 256, "max_num_batched_tokens": 32},
     })
-    cluster = _Pools(cfg).start()
+    cluster = DispatchedPools(cfg).start()
     try:
         results = _run_all(cluster, prompts, lengths)
         assert [r[1] for r in results] == [[]] * len(prompts), "no request may fail"
@@ -269,7 +253,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
             "restart_workers": False,
         }
     )
-    cluster = _Pools(cfg).start()
+    cluster = DispatchedPools(cfg).start()
     try:
         victim = cluster.decode_refs()[0]
 
@@ -413,7 +397,7 @@ def test_stream_interval_sends_fewer_messages_with_the_same_tokens(ray_cluster, 
         {"model": tiny_model, "prefill_workers": 0, "decode_workers": 1, "engine": {"num_kv_blocks": 512},
          "restart_workers": False, "stream_interval_s": 0.1}
     )
-    cluster = _Pools(cfg).start()
+    cluster = DispatchedPools(cfg).start()
 
     async def deltas(prompt, n):
         return [d async for d in cluster.dispatcher.generate(prompt, _params(n))]

@@ -30,9 +30,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig
-from cluster.pools import TandemCluster
 from engine import LLM, SamplingParams
-from tests.helpers import PATIENCE_S, assert_blocks_freed, async_wait_for, wait_for
+from tests.helpers import PATIENCE_S, DispatchedPools, assert_blocks_freed, async_wait_for, wait_for
 
 # The pools ask for one of these per worker. The head has room for every worker, so the
 # dead node's can be re-placed there; the worker node, for one of each pool.
@@ -225,7 +224,7 @@ def test_a_lost_node_loses_no_request_and_its_workers_come_back_on_the_survivor(
     the GCS finds out only when its health checks of the node fail, seconds later."""
     nodes, worker_node = two_nodes
     prompts, lengths, want = workload
-    pools = TandemCluster(_config(tiny_model)).start()
+    pools = DispatchedPools(_config(tiny_model)).start()
     try:
         placed = {w.worker_id: _node_of(w) for w in pools.workers()}
         doomed = [w for w in pools.workers() if placed[w.worker_id] == worker_node.node_id]
