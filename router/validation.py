@@ -41,7 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.grammar import precheck as precheck_grammar
 from engine.sampling_params import SamplingParams, StructuredOutput
-from router.tool_calls import EMPTY_PARAMETERS, ToolPlan, parser_for_template, required_schema
+from router.tool_calls import ToolPlan
+from router.tool_parsers import EMPTY_PARAMETERS, parser_for_template, required_schema
 
 
 class ApiError(Exception):

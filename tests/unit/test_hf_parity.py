@@ -212,9 +212,11 @@ def test_greedy_matches_hf_with_prefix_cache_hits(reference):
     assert stats.num_blocks_in_use == 0, f"{stats.num_blocks_in_use} KV blocks leaked"
 
 
-def test_other_families_write_what_a_json_schema_and_a_regex_allow(family_reference):
+def test_other_families_write_what_a_json_schema_a_regex_and_a_tool_choice_allow(family_reference):
     """Structured output on every family's checkpoint: the token masks fit each model's
-    own vocabulary width and sampler (Gemma's soft-capped logits, MoE routing, windows)."""
+    own vocabulary width and sampler (Gemma's soft-capped logits, MoE routing, windows);
+    a ``required`` tool choice's output (the router's schema) reads as calls that fit
+    their functions' parameters."""
     from engine.sampling_params import StructuredOutput
     from tests.helpers import ENGINE_PROMPTS, assert_engine_idle
     from tests.unit.test_structured_output import NESTED, _assert_valid_json, _json_outputs
@@ -227,4 +229,25 @@ def test_other_families_write_what_a_json_schema_and_a_regex_allow(family_refere
     params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput("regex", regex))
     for out in llm.generate(ENGINE_PROMPTS, params):
         assert re.fullmatch(regex, out.text), out.text
+
+    import json
+
+    import jsonschema  # (not in the GPU image, which imports this module)
+
+    from router.tool_calls import ToolPlan
+    from router.tool_parsers import required_schema
+
+    functions = {"get_weather": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                 "required": ["city"]},
+                 "get_time": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                         "maximum": 14}}, "required": ["zone"]}}
+    schema = required_schema([{"name": n, "parameters": p} for n, p in functions.items()], parallel=False)
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=i, structured_output=StructuredOutput.json_schema(schema))
+              for i in range(len(ENGINE_PROMPTS))]
+    plan = ToolPlan("required", parallel=False, tools=frozenset(functions))
+    for out in llm.generate(ENGINE_PROMPTS, params):
+        calls = plan.parse(out.text).calls
+        assert out.finish_reason == "stop" and calls, f"no calls in {out.text!r} ({out.finish_reason})"
+        for call in calls:
+            jsonschema.validate(json.loads(call.arguments), functions[call.name])
     assert_engine_idle(llm)

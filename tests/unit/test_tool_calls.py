@@ -1,5 +1,5 @@
 """Tool-call parsing, streaming and the schemas that enforce required and named choices
-(``router.tool_calls``): pure, on hand-written model outputs, well-formed and not."""
+(``router.tool_parsers``, ``router.tool_calls``): pure, on hand-written model outputs, well-formed and not."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.tool_calls import (
+from router.json_rewriter import JsonRewriter
+from router.tool_calls import ToolPlan, ToolStream
+from router.tool_parsers import (
     EMPTY_PARAMETERS,
     HermesParser,
-    JsonRewriter,
+    JsonArrayParser,
     Llama3JsonParser,
-    ToolPlan,
-    ToolStream,
     parse_required,
     parser_for_template,
     required_schema,
@@ -118,10 +118,59 @@ def test_llama3_json_output_that_does_not_parse_stays_content(text):
     assert_parses(Llama3JsonParser(), text, text, [])
 
 
+# -- Mistral / Mixtral, Phi-4-mini: a JSON array after a marker --------------------
+
+MISTRAL_PARSER = JsonArrayParser("mistral", "[TOOL_CALLS]")
+PHI4_PARSER = JsonArrayParser("phi4_mini_json", "functools[")
+
+
+@pytest.mark.parametrize(
+    "parser,text,content,calls",
+    [
+        (MISTRAL_PARSER, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+         None, [("get_weather", {"city": "Paris"})]),
+        (MISTRAL_PARSER, ' \n[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, "]"]}}]',
+         None, [("a", {}), ("b", {"x": [1, "]"]})]),  # the marker, a special token, skipped
+        (MISTRAL_PARSER, 'Let me look.[TOOL_CALLS] [{"name": "a", "arguments": {}}]', "Let me look.", [("a", {})]),
+        (MISTRAL_PARSER, '[TOOL_CALLS][{"name": "a", "parameters": {"k": 2}}] done', " done", [("a", {"k": 2})]),
+        (PHI4_PARSER, 'functools[{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+         None, [("get_weather", {"city": "Oslo"})]),
+        (PHI4_PARSER, 'I will check. functools[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
+         "I will check. ", [("a", {}), ("b", {})]),
+        (PHI4_PARSER, '[{"name": "a", "arguments": {"n": 1}}]', None, [("a", {"n": 1})]),  # <|tool_call|> skipped
+    ],
+)
+def test_json_array_parsers_find_the_calls_after_their_marker(parser, text, content, calls):
+    assert_parses(parser, text, content, calls)
+
+
+@pytest.mark.parametrize("parser", [MISTRAL_PARSER, PHI4_PARSER])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Paris is sunny.",
+        "[1] is a citation, [2] another",
+        "[]",
+        '[TOOL_CALLS]{"name": "a", "arguments": {}}',  # an object, not an array
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}',  # cut short
+        'functools[{"name": "a", "arguments": {}}, 3]',
+        '[{"name": "a", "arguments": [1]}]',
+        "I import functools.partial here",
+        "functools[",
+    ],
+)
+def test_json_array_output_that_does_not_parse_stays_content(parser, text):
+    assert_parses(parser, text, text, [])
+
+
 def test_the_chat_template_picks_the_parser():
     assert isinstance(parser_for_template("{{ '<|start_header_id|>' }}{% if tools %}{% endif %}"), Llama3JsonParser)
     assert isinstance(parser_for_template("... <|python_tag|> ..."), Llama3JsonParser)
     assert isinstance(parser_for_template("{{ '<tool_call>' }}"), HermesParser)
+    mistral = "{%- if tools %}{{- '[AVAILABLE_TOOLS] [' }}{%- endif %}{{- '[TOOL_CALLS] [' }}"
+    assert parser_for_template(mistral).name == "mistral"
+    phi4 = "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' }}"
+    assert parser_for_template(phi4).name == "phi4_mini_json"
     assert isinstance(parser_for_template(None), HermesParser), "Hermes is the format most templates teach"
 
 
@@ -194,6 +243,8 @@ def test_plans_read_outputs_and_name_the_finish_reason():
 TOOLS = frozenset({"get_weather", "get_time", "a", "b"})
 HERMES = ToolPlan("auto", parser=HermesParser(), tools=TOOLS)
 LLAMA = ToolPlan("auto", parser=Llama3JsonParser(), tools=TOOLS)
+MISTRAL = ToolPlan("auto", parser=MISTRAL_PARSER, tools=TOOLS)
+PHI4 = ToolPlan("auto", parser=PHI4_PARSER, tools=TOOLS)
 REQUIRED = ToolPlan("required", tools=TOOLS)
 
 
@@ -282,6 +333,13 @@ WELL_FORMED = [
     (LLAMA, 'The call would be {"name": "a", "parameters": {}}'),
     (REQUIRED, '[{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_time", "parameters": {}}]'),
     (REQUIRED, '[\n  {"name": "a", "parameters": {"x": "\\u00e9", "y": [1.0, 2e-3]}}\n]'),
+    (MISTRAL, f"[TOOL_CALLS][{CALL}, {NESTED}]"),
+    (MISTRAL, f" [{TRICKY}]"),
+    (MISTRAL, f"Checking.[TOOL_CALLS] [ {CALL} ] and done"),
+    (MISTRAL, "A list: [1, 2] and [TOOL_CALLS] too"),
+    (PHI4, f"functools[{CALL}]"),
+    (PHI4, f"Sure. functools[{NESTED},{TRICKY}]"),
+    (PHI4, "functools.partial, not a call"),
 ]
 
 
@@ -295,6 +353,8 @@ def test_a_streamed_output_in_any_pieces_assembles_to_its_whole_parse(plan, text
     (HERMES, f"Sure. <tool_call>{TRICKY}</tool_call><tool_call>{CALL}</tool_call>"),
     (LLAMA, f"<|python_tag|>{NESTED.replace('arguments', 'parameters')}"),
     (REQUIRED, f'[{CALL.replace("arguments", "parameters")}, {NESTED.replace("arguments", "parameters")}]'),
+    (MISTRAL, f"[TOOL_CALLS][{NESTED}]"),
+    (PHI4, f"Sure. functools[{TRICKY}, {CALL}]"),
 ])
 def test_a_call_streams_piece_by_piece_before_the_output_ends(plan, text):
     before, rest, parsed = run_stream(plan, list(text))
@@ -345,6 +405,9 @@ MALFORMED = [
     (HERMES, '<tool_call>{"name": "a", "name": "b", "arguments": {}}</tool_call>'),
     (LLAMA, '{"name": "a", "parameters": {}} and more'),
     (LLAMA, '{"name": "a", "parameters": {"x": [1, 2,]}}'),
+    (MISTRAL, f"[TOOL_CALLS][{CALL}, oops]"),
+    (MISTRAL, f"[{CALL[:-12]}"),
+    (PHI4, f"functools[{CALL} {CALL}]"),
     (REQUIRED, '[{"name": "get_weather", "parameters": {"city": "R'),
     (REQUIRED, '[{"name": "get_wea'),
 ]
@@ -387,15 +450,15 @@ def test_without_parallel_calls_only_the_first_streams():
 
 FRAGMENTS = ["Sure", " ", "\n", "<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {}}',
              '{"name": "b", "parameters": {"x": [1]}}', '{"name": "a", "arguments": {"s": "}\\"{"}}', "; ",
-             "<|python_tag|>", "{", "}", '"', "text", ",", '{"name": "a", ']
+             "<|python_tag|>", "{", "}", '"', "text", ",", '{"name": "a", ', "[TOOL_CALLS]", "[", "]",
+             "functools[", "[TOOL"]
 
 
 @settings(max_examples=300, deadline=None)
 @given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=8), cuts=st.lists(st.integers(0, 200), max_size=6),
-       llama=st.booleans())
-def test_any_output_streamed_in_any_pieces_says_what_the_whole_output_says(parts, cuts, llama):
+       plan=st.sampled_from([HERMES, LLAMA, MISTRAL, PHI4]))
+def test_any_output_streamed_in_any_pieces_says_what_the_whole_output_says(parts, cuts, plan):
     text = "".join(parts)
-    plan = LLAMA if llama else HERMES
     bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
     before, rest, parsed = run_stream(plan, [text[a:b] for a, b in zip(bounds, bounds[1:])])
     sent, whole = assemble(before + rest), plan.parse(text)

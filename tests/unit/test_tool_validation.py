@@ -11,7 +11,7 @@ import tokenizers
 from engine.messages import StreamDelta
 from engine.tokenizer import Tokenizer
 from router.openai_api import Accumulator, Envelope
-from router.tool_calls import EMPTY_PARAMETERS, HermesParser, Llama3JsonParser, required_schema
+from router.tool_parsers import EMPTY_PARAMETERS, HermesParser, Llama3JsonParser, required_schema
 from router.validation import ApiError, ServedModel, prepare_chat
 from tests.helpers import TOOL_CHAT_TEMPLATE
 
