@@ -1,8 +1,11 @@
 """One worker's engine: requests in, token deltas out, one ``step()`` at a time.
 
-``step()`` is three moves: the scheduler plans, the model runner computes and
-samples, the scheduler applies the results; then the outputs are detokenized and
-stop strings checked. The prefill and decode workers drive this same engine.
+``LLMEngine`` is the step loop over four parts: the scheduler plans a step, the model
+runner computes and samples it, the scheduler applies the results, and the output
+processor (``engine.output_processor``) turns the new tokens into deltas (text, stop
+strings, logprobs). The remote-KV intake (``engine.remote_kv``) is the decode role's way
+in: requests whose prompt KV another worker computes. The prefill and decode workers
+drive this same engine.
 
 A request's way through: ``add_request`` validates and tokenizes it and hands it to
 the scheduler; each ``step`` that samples a token for it yields a ``RequestOutput``
@@ -22,7 +25,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,66 +40,16 @@ from engine.loader import load_model, resolve_dtype
 from engine.model_config import ModelConfig
 from engine.model_registry import resolve_model
 from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor, RequestOutput, RequestTimes
+from engine.remote_kv import Arrival, RemoteKVIntake
 from engine.request import Request, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputs
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
-
-@dataclass(frozen=True)
-class RequestTimes:
-    """Where a finished request's time went, in seconds (None: that phase was elsewhere)."""
-
-    queue_s: float | None
-    prefill_s: float | None
-    decode_s: float | None
-    e2e_s: float
-
-    @classmethod
-    def of(cls, request: Request, now: float) -> RequestTimes:
-        sched, first = request.first_scheduled_time, request.first_token_time
-        return cls(
-            queue_s=None if sched is None else sched - request.arrival_time,
-            prefill_s=None if sched is None or first is None else first - sched,
-            decode_s=None if first is None else now - first,
-            e2e_s=now - request.arrival_time,
-        )
-
-
-@dataclass
-class RequestOutput:
-    """Progress of one request after a step. ``new_*`` fields hold this step's delta.
-
-    ``token_ids`` and ``logprobs`` (the whole output so far) are filled on the final
-    output only: copying them every step made streaming cost grow with output length.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    # ``prompt_logprobs`` asked: one entry per prompt token, None first (vLLM's shape), on
-    # the request's first output with a token only.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    num_output_tokens: int = 0
-    # Prefill role (``hold_kv``): the ids of the blocks that hold the prompt's KV, kept
-    # until ``release_held`` (a transfer reads them in place).
-    kv_blocks: list[int] | None = None
-    times: RequestTimes | None = None  # set on the final output
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+__all__ = ["EngineLoad", "EngineStats", "LLMEngine", "RequestOutput", "RequestTimes"]
 
 
 @dataclass
@@ -139,17 +92,6 @@ class EngineLoad:
     prefix_cache_hits: int
 
 
-@dataclass
-class _Tracked:
-    detok: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None again once delivered
-    text_sent: int = 0
-    tokens_sent: int = 0
-    logprobs_sent: int = 0
-    extra: dict = field(default_factory=dict)
-
-
 class LLMEngine:
     """One worker's model, KV cache and scheduler behind one door (``add_request``, ``abort``,
     ``step``, ``load``, ``stats``). A worker (``WorkerBase``), ``LLM`` or a benchmark builds it; it
@@ -175,7 +117,6 @@ class LLMEngine:
         self.kv_cache = KVCache(
             self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks
         )
-        self.kv_manager, self.scheduler = self._make_scheduler(config, num_blocks, num_cpu_blocks)
         self.attention = create_attention_backend(
             config.attention_backend, device, config.block_size, self.model_config.head_dim, dtype
         )
@@ -186,11 +127,10 @@ class LLMEngine:
             self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured)
-        # Constrained requests whose grammar is still compiling, and decode-role arrivals
-        # (first token, logprobs, cached tokens) held back for the same reason.
+        self.outputs = OutputProcessor(self.tokenizer, self.structured)
+        self._make_parts(config, num_blocks, num_cpu_blocks)
+        # Constrained requests whose grammar is still compiling (outside the scheduler).
         self._compiling: dict[str, Request] = {}
-        self._arrivals: dict[str, tuple] = {}
-        self._tracked: dict[str, _Tracked] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._prompt_tokens = 0
@@ -198,13 +138,15 @@ class LLMEngine:
         self._forward_s = 0.0
         self._forward_cpu_s = 0.0
 
-    def _make_scheduler(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int):
-        """A fresh block manager (every block free, the prefix cache empty) and scheduler."""
-        kv_manager = KVCacheManager(
+    def _make_parts(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int) -> None:
+        """A fresh block manager (every block free, the prefix cache empty), scheduler and
+        remote-KV intake over them."""
+        self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
             BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed), window=self.model_config.kv_window,
         )
-        return kv_manager, Scheduler(config.scheduler_config(self.max_model_len), kv_manager)
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_manager)
+        self.remote_kv = RemoteKVIntake(self.scheduler, self.kv_manager, self.kv_cache, self.structured)
 
     def reset(self, config: EngineConfig) -> None:
         """Start over under ``config`` on the same model and KV cache (a worker switching
@@ -220,10 +162,8 @@ class LLMEngine:
                                f"{self.kv_manager.pool.num_used_blocks} blocks; drain it before a reset")
         self.config = config
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
-        self.kv_manager, self.scheduler = self._make_scheduler(
-            config, self.kv_cache.num_blocks, self.kv_cache.num_cpu_blocks)
-        self._tracked.clear()
-        self._arrivals.clear()
+        self._make_parts(config, self.kv_cache.num_blocks, self.kv_cache.num_cpu_blocks)
+        self.outputs.clear()
         self._rng = random.Random(config.seed)
         self._prompt_tokens = self._generation_tokens = 0
         self._forward_s = self._forward_cpu_s = 0.0
@@ -308,7 +248,7 @@ class LLMEngine:
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time=None)  # arrives now
         request.output_token_ids = list(resume_output)
-        reserved = self.scheduler.add_remote(request)
+        reserved = self.remote_kv.reserve(request)
         if reserved is not None:
             self._track(request, resume_output)  # a constraint starts compiling while the KV is on its way
         return reserved
@@ -317,8 +257,8 @@ class LLMEngine:
         self,
         request_id: str,
         first_token: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         first_logprobs: TokenLogprobs | None = None,
         num_cached_tokens: int = 0,
         prompt_logprobs: list[TokenLogprobs | None] | None = None,
@@ -332,32 +272,21 @@ class LLMEngine:
         ``prompt_logprobs``: the prompt's, as the prefill worker computed them.
         Returns the output for the first token (sampled by the prefill worker).
         """
-        request = self.scheduler.remote.get(request_id)
-        if request is None:
+        if not self.remote_kv.land(request_id, k, v):
             return None
-        if k is not None:
-            ids = self.kv_manager.block_ids(request_id)
-            held = request.num_held_blocks
-            if k.shape[1] == len(ids):
-                k, v = k[:, held:], v[:, held:]
-            elif k.shape[1] != len(ids) - held:
-                raise ValueError(
-                    f"request {request_id!r}: {k.shape[1]} blocks of KV for {len(ids) - held} reserved "
-                    f"(of {len(ids)}, {held} held)"
-                )
-            self.kv_cache.scatter(ids[held:], k, v)
         if prompt_logprobs is not None:
-            self._tracked[request_id].prompt_logprobs = prompt_logprobs
-        if request_id in self.structured and not self.structured.is_ready(request_id):
-            # The grammar must see the first token: join the batch once it is compiled.
-            self._arrivals[request_id] = (first_token, first_logprobs, num_cached_tokens)
-            return None
-        request = self.scheduler.remote_arrived(request_id, first_token)
+            self.outputs.set_prompt_logprobs(request_id, prompt_logprobs)
+        arrival = Arrival(first_token, first_logprobs, num_cached_tokens)
+        request = self.remote_kv.commit(request_id, arrival)
+        return None if request is None else self._first_output(request, arrival)
+
+    def _first_output(self, request: Request, arrival: Arrival) -> RequestOutput:
+        """The output of a request that joined the batch with a token sampled elsewhere."""
         request.first_scheduled_time = time.monotonic()
-        request.num_cached_tokens = num_cached_tokens
         self._generation_tokens += 1
-        logprobs = {request_id: first_logprobs} if first_logprobs is not None else {}
-        return self._emit([request], {request_id: first_token}, logprobs)[0]
+        rid = request.request_id
+        logprobs = {rid: arrival.first_logprobs} if arrival.first_logprobs is not None else {}
+        return self._emit([request], {rid: arrival.first_token}, logprobs)[0]
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request still holds (its KV was read)."""
@@ -390,14 +319,14 @@ class LLMEngine:
         """One more reference to each block of the request: they stay out of the free
         pool, whatever happens to the request, until ``unpin_blocks`` (a transfer may
         still be writing into them)."""
-        return self.kv_manager.pin(request_id)
+        return self.remote_kv.pin(request_id)
 
     def unpin_blocks(self, pinned: list) -> None:
-        self.kv_manager.unpin(pinned)
+        self.remote_kv.unpin(pinned)
 
     def remote_kv_failed(self, request_id: str, recompute: bool) -> RequestOutput | None:
         """The KV will not come: prefill locally, or end the request with an error."""
-        request = self.scheduler.remote_failed(request_id, recompute)
+        request = self.remote_kv.fail(request_id, recompute)
         if request is None or not request.is_finished:
             return None
         return self._finish_output(request)
@@ -436,24 +365,7 @@ class LLMEngine:
         params = request.sampling_params
         rid = request.request_id
         request.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self._tracked[rid] = _Tracked(
-            detok=IncrementalDetokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                stop=params.stop,
-                skip_special_tokens=params.skip_special_tokens,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            ),
-            logprobs=[] if params.logprobs is not None else None,
-            # A migrated stream delivered them where it started.
-            prompt_logprobs=(
-                [None] * request.num_prompt_tokens
-                if params.prompt_logprobs is not None and not resume_output
-                else None
-            ),
-            tokens_sent=len(resume_output),
-        )
-        self._tracked[rid].detok.skip(resume_output)
+        self.outputs.add(request, resume_output)
         self._prompt_tokens += request.num_prompt_tokens
         if params.structured_output is not None:
             self.structured.add(rid, params.structured_output)
@@ -474,8 +386,8 @@ class LLMEngine:
         return [self._finish_output(r) for r in finished]
 
     def _forget(self, rid: str) -> None:
-        self._tracked.pop(rid, None)
-        self._arrivals.pop(rid, None)
+        self.outputs.remove(rid)
+        self.remote_kv.forget(rid)
         self.structured.remove(rid)
 
     def fits(self, num_tokens: int) -> bool:
@@ -488,7 +400,7 @@ class LLMEngine:
         block table. Such an id is refused: a second request under it would share the
         first one's blocks, stream or hand-off."""
         return (
-            request_id in self._tracked
+            request_id in self.outputs
             or request_id in self.scheduler.requests
             or request_id in self.scheduler.held
             or self.kv_manager.has_table(request_id)
@@ -509,7 +421,7 @@ class LLMEngine:
         if self.scheduler.has_schedulable_work():
             return True
         ready = self.structured.is_ready
-        return any(ready(rid) for rid in self._compiling) or any(ready(rid) for rid in self._arrivals)
+        return any(ready(rid) for rid in self._compiling) or self.remote_kv.has_ready()
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand requests whose grammar is now ready to the scheduler; a grammar that
@@ -523,20 +435,15 @@ class LLMEngine:
             else:
                 request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, f"grammar: {error}"
                 outputs.append(self._finish_output(request))
-        for rid in [r for r in self._arrivals if self.structured.is_ready(r)]:
-            first_token, first_logprobs, num_cached = self._arrivals.pop(rid)
-            if self.structured.error(rid) is not None:
-                failed = self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
-                outputs += [self._finish_output(r) for r in failed]
-                continue
-            out = self.remote_kv_arrived(rid, first_token, None, None, first_logprobs, num_cached)
-            if out is not None:
-                outputs.append(out)
+        committed, failed = self.remote_kv.take_ready()
+        outputs += [self._first_output(request, arrival) for request, arrival in committed]
+        ended = self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)  # the grammar did not compile
+        outputs += [self._finish_output(r) for r in ended]
         return outputs
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of the requests that produced tokens."""
-        admitted = self._admit_compiled() if self._compiling or self._arrivals else []
+        admitted = self._admit_compiled() if self._compiling or self.remote_kv.has_held_back else []
         if not self.scheduler.has_schedulable_work() and self._compiling and not admitted:
             self.structured.wait_any(0.05)  # offline loops: nothing else to do meanwhile
         sched = self.scheduler.schedule()
@@ -549,7 +456,7 @@ class LLMEngine:
         self._forward_s += time.perf_counter() - wall
         self._forward_cpu_s += time.thread_time() - cpu
         if result.prompt_logprobs:
-            self._store_prompt_logprobs(result.prompt_logprobs)
+            self.outputs.store_prompt_logprobs(result.prompt_logprobs)
         progressed = self.scheduler.update(sched, result.sampled)
         sampled = [r for r, token in progressed if token is not None]
         self._generation_tokens += len(sampled)
@@ -558,45 +465,20 @@ class LLMEngine:
             self._finish_output(r) for r in sched.finished
         ]
 
-    def _store_prompt_logprobs(self, computed: dict[str, tuple[int, list[TokenLogprobs]]]) -> None:
-        """Put a step's prompt logprobs in place by prompt index (a chunk recomputed after a
-        preemption overwrites its own entries with the same values)."""
-        for rid, (first, lps) in computed.items():
-            tracked = self._tracked.get(rid)
-            if tracked is not None and tracked.prompt_logprobs is not None:
-                tracked.prompt_logprobs[first : first + len(lps)] = lps
-
     def _emit(
         self, requests: list[Request], sampled: dict[str, int], logprobs: dict[str, TokenLogprobs]
     ) -> list[RequestOutput]:
-        """Detokenize each request's new token, apply stop strings, build the outputs."""
-        stopped = []
-        now = time.monotonic()
-        for request in requests:
-            rid = request.request_id
-            if request.first_token_time is None:
-                request.first_token_time = now
-            tracked = self._tracked[rid]
-            if tracked.logprobs is not None and rid in logprobs:
-                tracked.logprobs.append(logprobs[rid])
-            stop = tracked.detok.update([sampled[rid]])
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                stopped.append(rid)
-            elif rid in self.structured and not request.is_finished:
-                if self.structured.sync(rid, request.output_token_ids):
-                    stopped.append(rid)  # the grammar is complete and took a stop token
+        """The outputs of requests that took a token this step; those a stop string or a
+        complete grammar ends are finished first."""
+        stopped = self.outputs.update(requests, sampled, logprobs, time.monotonic())
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = []
-        for request in requests:
-            outputs.append(self._finish_output(request) if request.is_finished else self._output(request))
-        return outputs
+        output = self.outputs.output
+        return [self._finish_output(r) if r.is_finished else output(r) for r in requests]
 
     def _finish_output(self, request: Request) -> RequestOutput:
         """Final output of a finished request: hands over held KV and forgets the request."""
-        out = self._output(request)
-        out.times = RequestTimes.of(request, time.monotonic())
+        out = self.outputs.final(request, time.monotonic())
         rid = request.request_id
         if rid in self.scheduler.held:
             # The blocks of every token but the one just sampled (a migrated stream's
@@ -606,38 +488,6 @@ class LLMEngine:
             self.wait_for_device()  # another process reads them next
         self._forget(rid)
         return out
-
-    def _output(self, request: Request) -> RequestOutput:
-        tracked = self._tracked[request.request_id]
-        finished = request.is_finished
-        new_text = tracked.detok.take_delta(finished=finished)
-        new_ids = request.output_token_ids[tracked.tokens_sent :]
-        tracked.tokens_sent = request.num_output_tokens
-        lps = tracked.logprobs
-        new_lps = None
-        if lps is not None:
-            new_lps = lps[tracked.logprobs_sent :]
-            tracked.logprobs_sent = len(lps)
-        prompt_lps = None
-        if tracked.prompt_logprobs is not None and new_ids:
-            prompt_lps, tracked.prompt_logprobs = tracked.prompt_logprobs, None
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids) if finished else [],
-            text=tracked.detok.output_text(),
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            # A moved stream's cache hits may cover its earlier output too; usage counts the prompt's.
-            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
-            logprobs=list(lps) if lps is not None and finished else None,
-            new_logprobs=new_lps,
-            prompt_logprobs=prompt_lps,
-            num_output_tokens=request.num_output_tokens,
-        )
 
     # -- introspection ---------------------------------------------------------
 
@@ -649,7 +499,7 @@ class LLMEngine:
             num_running=len(s.running),
             num_waiting=s.num_waiting + len(self._compiling),
             num_swapped=len(s.swapped),
-            num_waiting_for_kv=len(s.remote),
+            num_waiting_for_kv=self.remote_kv.num_waiting,
             num_free_blocks=pool.num_free_blocks,
             num_blocks=pool.num_usable_blocks,
             prefix_cache_queries=self.kv_manager.stats.queries,
@@ -662,7 +512,7 @@ class LLMEngine:
 
     def is_waiting_for_kv(self, request_id: str) -> bool:
         """The request holds reserved blocks and waits for its KV from another worker."""
-        return request_id in self.scheduler.remote
+        return self.remote_kv.is_waiting(request_id)
 
     def stats(self) -> EngineStats:
         """The load plus the running totals (every step, for metrics)."""
