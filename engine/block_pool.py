@@ -52,11 +52,14 @@ class BlockPool:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Insertion order is eviction order: the head is evicted first.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        # The blocks handed out so far, by id (the null block, then in the order first
+        # handed out: ids ascend). The free queue starts as every other id in order, and
+        # given-back blocks join its tail, so the ids never handed out are always its
+        # head: they are made on first use (a pool of 27k blocks per device took a
+        # simulated cluster seconds and gigabytes to build up front).
+        self.blocks = [KVBlock(NULL_BLOCK_ID)]
+        # Blocks given back, behind the never-used ones: insertion order is eviction order.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
 
     @property
@@ -65,11 +68,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - len(self.blocks)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - len(self._free)
+        return len(self.blocks) - 1 - len(self._free)
 
     @property
     def usage(self) -> float:
@@ -82,10 +85,15 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[KVBlock] | None:
         """Take ``n`` blocks from the head of the free queue, or None if there are fewer."""
-        if n > len(self._free):
+        blocks = self.blocks
+        fresh = min(n, self.num_blocks - len(blocks))  # never handed out: the head of the queue
+        if n - fresh > len(self._free):
             return None
-        out = []
-        for _ in range(n):
+        out = [KVBlock(i) for i in range(len(blocks), len(blocks) + fresh)]
+        for block in out:
+            block.ref_cnt = 1
+        blocks.extend(out)
+        for _ in range(n - fresh):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 # Evicting a cached block: it no longer stands for its prefix.
@@ -211,6 +219,10 @@ class KVCacheManager:
         """The request's block table (a copy), in token order."""
         table = self._tables.get(request_id)
         return table[:] if table else []
+
+    def num_table_blocks(self, request_id: str) -> int:
+        """Entries in the request's block table."""
+        return len(self._tables.get(request_id, ()))
 
     def _held(self, table: Sequence[int]) -> list[KVBlock]:
         blocks = self.pool.blocks

@@ -420,6 +420,77 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.add(request)
 
+    # -- runs of identical decode steps (a simulator's shortcut) ---------------
+
+    def decode_run(self, token: int) -> list[int]:
+        """The next steps that are all one pure decode step, as the blocks they take: entry
+        j is what steps 1 to j + 1 allocate in all; empty when the next step is not one.
+
+        It is one when every running request decodes a single token within the budget,
+        nothing waits or is swapped out, and no layer slides; the run ends before the
+        first step in which a request would finish sampling ``token`` (its length limit,
+        or a stop token) or blocks would run out. ``skip_decode_steps`` takes the run's
+        steps at once, as ``schedule`` and ``update`` would one by one.
+        """
+        running = self.running.in_order
+        kv = self.kv_manager
+        if (self.waiting or self.swapped or not running or kv.window
+                or len(running) > self.config.max_num_batched_tokens):
+            return []
+        steps = self.config.max_model_len
+        for request in running:
+            params, num_tokens = request.sampling_params, request.num_tokens
+            if (request.num_computed_tokens != num_tokens - 1 or token in params.stop_token_ids
+                    or (not params.ignore_eos and token in request.eos_token_ids)):
+                return []
+            ends_in = min(params.max_tokens - request.num_output_tokens, self.config.max_model_len - num_tokens)
+            steps = min(steps, ends_in - 1)
+        if steps <= 0:
+            return []
+        bs = kv.block_size
+        taken = [0] * (steps + 1)
+        for request in running:
+            # A new block when a step computes the first token past the table's end.
+            for j in range(kv.num_table_blocks(request.request_id) * bs - request.num_computed_tokens, steps, bs):
+                taken[j] += 1
+        free, total, run = kv.pool.num_free_blocks, 0, []
+        for n in taken[:steps]:
+            total += n
+            if total > free:
+                break
+            run.append(total)
+        return run
+
+    def skip_decode_steps(self, num_steps: int, token: int) -> None:
+        """Take ``num_steps`` steps of a ``decode_run`` at once, each request sampling ``token``
+        every step: the blocks allocated and cached in the order the steps would take them
+        (step by step, each step's allocations before its caching, in running order)."""
+        running = list(self.running.in_order)
+        kv = self.kv_manager
+        bs = kv.block_size
+        start = [request.num_computed_tokens for request in running]
+        events: list[tuple[int, int, int]] = []  # (step, 0 allocate / 1 cache, position)
+        for pos, request in enumerate(running):
+            c = start[pos]
+            events.extend((j, 0, pos) for j in range(kv.num_table_blocks(request.request_id) * bs - c + 1,
+                                                      num_steps + 1, bs))
+            if kv.enable_caching:
+                events.extend((j, 1, pos) for j in range(bs - c % bs, num_steps + 1, bs))
+            request.output_token_ids.extend([token] * num_steps)
+        events.sort()
+        for j, phase, pos in events:
+            request = running[pos]
+            if phase == 0:
+                request.num_computed_tokens = start[pos] + j - 1
+                allocated = kv.allocate_slots(request, 1)
+                assert allocated is not None, "decode_run counted the blocks"
+            else:
+                request.num_computed_tokens = start[pos] + j
+                kv.cache_blocks(request)
+        for pos, request in enumerate(running):
+            request.num_computed_tokens = start[pos] + num_steps
+        self.stats.num_steps += num_steps
+
     # -- results ---------------------------------------------------------------
 
     def update(

@@ -62,9 +62,11 @@ def pick_prefill(
         return None
     n = len(loads)
     queued = [loads[i].queued_prefill_tokens + (pending[i] if i < len(pending) else 0) for i in range(n)]
-    cached = [cached_tokens[i] if i < len(cached_tokens) else 0 for i in range(n)]
     order = _rotated(n, tie_break)
-    least = min(order, key=lambda i: queued[i])
+    least = min(order, key=queued.__getitem__)
+    if not any(cached_tokens):
+        return least  # no worker caches any of it: the affine one would be the least queued
+    cached = [cached_tokens[i] if i < len(cached_tokens) else 0 for i in range(n)]
     affine = max(order, key=lambda i: (cached[i], -queued[i]))
     if cached[affine] > 0 and queued[affine] - queued[least] <= max_imbalance_tokens:
         return affine
@@ -98,16 +100,24 @@ def pick_decode(
     has room for ``blocks_needed`` blocks right now.
     """
     pending = [pending_blocks[i] if i < len(pending_blocks) else 0 for i in range(len(loads))]
-    room = [i for i in _rotated(len(loads), tie_break)
-            if decode_has_room(loads[i], blocks_needed, max_running, pending[i])]
+    # One pass over the workers (it runs for every request): those with room, in turn from
+    # ``tie_break``, and the first of them with the most to spare.
+    room: list[int] = []
+    spare = [0] * len(loads)
+    best = -1
+    for i in _rotated(len(loads), tie_break):
+        load = loads[i]
+        if decode_has_room(load, blocks_needed, max_running, pending[i]):
+            room.append(i)
+            spare[i] = load.free_blocks - pending[i] - load.waiting * blocks_needed
+            if best < 0 or spare[i] > spare[best]:
+                best = i
     if not room:
         return None
-    def spare(i: int) -> int:
-        return loads[i].free_blocks - pending[i] - loads[i].waiting * blocks_needed
-
-    best = max(room, key=spare)  # the first of equals: ties rotate
+    if not any(cached_blocks):
+        return best  # no worker caches any of it: the affine one would be the best
     cached = [cached_blocks[i] if i < len(cached_blocks) else 0 for i in range(len(loads))]
-    affine = max(room, key=lambda i: (cached[i], spare(i)))
+    affine = max(room, key=lambda i: (cached[i], spare[i]))
     if cached[affine] > 0 and _active(loads[affine]) - min(_active(loads[i]) for i in room) <= max_imbalance_requests:
         return affine
     return best

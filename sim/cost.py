@@ -215,6 +215,7 @@ class CostModel:
         self._weight_bytes = (model.layer_params + model.vocab_size * model.hidden_size) * db
         self._attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
         self._head_flops = 2 * model.vocab_size * model.hidden_size
+        self._token_flops = 2 * model.layer_params
         c = self.corrections
         self._fixed_s = c.overhead_s + c.per_layer_s * model.num_layers
         self._flops_per_s = device.flops * c.mfu
@@ -222,22 +223,33 @@ class CostModel:
 
     def roofline_s(self, s: StepShape) -> float:
         """The larger of the step's compute time and memory time at the fitted shares of peak."""
-        m = self.model
-        flops = 2 * m.layer_params * s.num_tokens + self._head_flops * s.num_sampled
-        flops += self._attn_flops_per_pair * s.attn_pairs
-        moved = self._weight_bytes + self._kv_bytes_per_token * (s.kv_read_tokens + s.num_tokens)
+        return self._roofline_s(s.num_tokens, s.num_sampled, s.attn_pairs, s.kv_read_tokens)
+
+    def _roofline_s(self, tokens: int, sampled: int, pairs: int, kv_read: int) -> float:
+        flops = self._token_flops * tokens + self._head_flops * sampled + self._attn_flops_per_pair * pairs
+        moved = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)
         return max(flops / self._flops_per_s, moved / self._bytes_per_s)
+
+    def _compute_s(self, batch: int, tokens: int, sampled: int, pairs: int, kv_read: int) -> float:
+        c = self.corrections
+        t = self._fixed_s + c.per_request_s * batch + self._roofline_s(tokens, sampled, pairs, kv_read)
+        return t + (c.per_token_s * tokens + c.per_pair_s * pairs + c.per_kv_token_s * kv_read)
 
     def step_s(self, s: StepShape) -> float:
         """Seconds one step of this shape takes (0 for an empty one)."""
         if not s.batch and not s.swap_blocks:
             return 0.0
-        c = self.corrections
-        t = self._fixed_s + c.per_request_s * s.batch + self.roofline_s(s)
-        t += c.per_token_s * s.num_tokens + c.per_pair_s * s.attn_pairs + c.per_kv_token_s * s.kv_read_tokens
+        t = self._compute_s(s.batch, s.num_tokens, s.num_sampled, s.attn_pairs, s.kv_read_tokens)
         if s.swap_blocks:
             t += s.swap_blocks * self.block_bytes(self.block_size) / self.device.pcie_bw
         return t
+
+    def decode_steps_s(self, batch: int, context: int, num_steps: int) -> list[float]:
+        """``step_s`` of each of ``num_steps`` steps of ``batch`` requests decoding a token each
+        after ``context`` tokens in all: the j-th reads ``context + batch * j`` (``shape_of``)."""
+        compute = self._compute_s
+        return [compute(batch, batch, batch, context + batch * j, context + batch * j)
+                for j in range(1, num_steps + 1)]
 
     def block_bytes(self, block_size: int) -> int:
         return self.model.bytes_per_block(block_size, self.device.dtype_bytes)

@@ -19,6 +19,27 @@ from sim.topology import RouterSettings
 from sim.worker import SimWorker
 
 
+class _Prefixes:
+    """A ``PrefixIndex`` and the first block hash of every prompt it was sent: a worker
+    matches nothing of a prompt whose first hash is not among them, so placement skips the
+    lookups over every worker for the (many) prompts nobody shares."""
+
+    def __init__(self) -> None:
+        self.index = PrefixIndex()
+        self._firsts: set[bytes] = set()
+
+    def matched(self, workers: list[SimWorker], hashes: list[bytes]) -> list[int]:
+        """Each worker's ``matched_blocks``; empty when none can match any."""
+        if not hashes or hashes[0] not in self._firsts:
+            return []
+        return [self.index.matched_blocks(w.worker_id, hashes) for w in workers]
+
+    def record(self, worker: SimWorker, hashes: list[bytes]) -> None:
+        self.index.record(worker.worker_id, hashes)
+        if hashes:
+            self._firsts.add(hashes[0])
+
+
 class SimRouter:
     """Placement state of one router replica: prefix indexes and tie-break counters, over the
     simulator's pools (a dict of role to live ``SimWorker`` lists, shared, not copied)."""
@@ -30,8 +51,8 @@ class SimRouter:
         seed = decode_engine.prefix_hash_seed if decode_engine.prefix_hash_seed is not None else 0
         self._hasher = BlockHasher(decode_engine.prefix_hash_algo, seed)
         self.pools = pools
-        self._prefixes = PrefixIndex()
-        self._decode_prefixes = PrefixIndex()
+        self._prefixes = _Prefixes()
+        self._decode_prefixes = _Prefixes()
         self._decode_ties = itertools.count()
         self._prefill_ties = itertools.count()
         self._uses_prefixes = settings.placement != "round_robin" and settings.prefix_affinity
@@ -44,21 +65,21 @@ class SimRouter:
         leading blocks that worker likely caches; None when none has room."""
         workers = [w for w in self.pools["decode"] if not w.draining]
         blocks = -(-(len(prompt) + 1) // self.block_size)
-        loads = [w.decode_load() for w in workers]
+        loads = [w.decode_load(now) for w in workers]
         hashes = self.prefix_hashes(prompt)
         if self.settings.placement == "round_robin":
             room = [decode_has_room(load, blocks, self.max_running) for load in loads]
             i = round_robin(len(workers), next(self._decode_ties), room)
         else:
-            cached = [self._decode_prefixes.matched_blocks(w.worker_id, hashes) for w in workers] if hashes else ()
+            cached = self._decode_prefixes.matched(workers, hashes)
             i = pick_decode(loads, blocks, self.max_running, (), next(self._decode_ties), cached,
                             self.settings.max_imbalance_requests)
         if i is None:
             return None
         chosen = workers[i]
-        held = self._decode_prefixes.matched_blocks(chosen.worker_id, hashes) if hashes else 0
+        held = self._decode_prefixes.index.matched_blocks(chosen.worker_id, hashes) if hashes else 0
         if hashes:
-            self._decode_prefixes.record(chosen.worker_id, hashes)
+            self._decode_prefixes.record(chosen, hashes)
         return chosen, held
 
     def choose_prefill(self, prompt: list[int]) -> SimWorker:
@@ -69,13 +90,13 @@ class SimRouter:
             i = round_robin(len(workers), next(self._prefill_ties))
         else:
             loads = [w.prefill_load() for w in workers]
-            cached = [self._prefixes.matched_blocks(w.worker_id, hashes) * self.block_size for w in workers]
+            cached = [n * self.block_size for n in self._prefixes.matched(workers, hashes)]
             i = pick_prefill(loads, (), next(self._prefill_ties), cached, self.settings.max_imbalance_tokens)
         chosen = workers[i]
-        self._prefixes.record(chosen.worker_id, hashes)
+        self._prefixes.record(chosen, hashes)
         return chosen
 
-    def prefill_here(self, prompt: list[int], held_blocks: int, decode: SimWorker) -> str | None:
+    def prefill_here(self, prompt: list[int], held_blocks: int, decode: SimWorker, now: float) -> str | None:
         """Why ``decode`` should compute the prompt itself (``placement.prefill_here``), or None."""
         s = self.settings
         prefill = [w for w in self.pools["prefill"] if not w.draining]
@@ -83,5 +104,5 @@ class SimRouter:
             return None
         queues = [w.prefill_load().queued_prefill_tokens for w in prefill]
         uncached = len(prompt) - min(held_blocks * self.block_size, len(prompt))
-        return prefill_here(uncached, queues, decode.decode_load(), s.local_prefill_tokens,
+        return prefill_here(uncached, queues, decode.decode_load(now), s.local_prefill_tokens,
                             s.local_prefill_backlog_tokens)

@@ -44,7 +44,7 @@ class SimScaling:
         """role -> [(worker id, engine counters, load report)] of listed, not draining workers."""
         roles = ("decode",) if self.sim.topology.colocated else ("prefill", "decode")
         return {
-            role: [(w.worker_id, w.stats(), w.prefill_load() if role == "prefill" else w.decode_load())
+            role: [(w.worker_id, w.stats(), w.prefill_load() if role == "prefill" else w.decode_load(self.sim.now))
                    for w in self.sim.pools[role] if not w.draining]
             for role in roles
         }

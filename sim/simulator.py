@@ -24,6 +24,11 @@ way, disaggregated::
 Tokens reach the client at the end of the step that sampled them (a stream interval of
 0), the first one of a disaggregated request when its KV has arrived. A transfer waits
 for both workers' links to be free (each link carries one transfer at a time).
+
+A decode worker takes a run of identical decode steps as one event (``sim.worker``'s
+lifecycle), cut short when a request is placed on it or its KV arrives; the outcome is
+the stepped one's (``decode_runs=False`` steps one plan at a time, as a check). Not with
+autoscaling, whose latency window is fed token by token.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from router.admission import Admission, Rejection, Ticket
 from sim.cost import CostModel, shape_of
 from sim.router import SimRouter
 from sim.topology import SimTopology
-from sim.worker import SAMPLED_TOKEN, SimWorker
+from sim.worker import SAMPLED_TOKEN, DecodeRun, SimWorker
 from sim.workload import SimRequest
 
 
@@ -82,7 +87,7 @@ class Simulator:
     """One run: a topology on a cost model replays a list of requests (``run``)."""
 
     def __init__(self, topology: SimTopology, cost: CostModel, requests: list[SimRequest],
-                 sample_interval_s: float = 1.0) -> None:
+                 sample_interval_s: float = 1.0, decode_runs: bool = True) -> None:
         self.topology = topology
         self.cost = cost
         self.requests = requests
@@ -110,6 +115,7 @@ class Simulator:
             self.scaling = SimScaling(self, topology.autoscaling)
         self._max_devices = self.num_devices()
         self.local_prefills = 0
+        self.decode_runs = decode_runs and self.scaling is None
 
     # -- the event loop ---------------------------------------------------------
 
@@ -173,7 +179,7 @@ class Simulator:
             if pool:
                 row[f"{role}_waiting"] = sum(w.scheduler.num_waiting for w in pool)
                 row[f"{role}_running"] = sum(len(w.scheduler.running) for w in pool)
-                row[f"{role}_kv_usage"] = max(w.kv.pool.usage for w in pool)
+                row[f"{role}_kv_usage"] = max(w.kv_usage(self.now) for w in pool)
                 row[f"{role}_workers"] = len(pool)
         self.samples.append(row)
         self.at(self.now + self.sample_interval_s, self._sample)
@@ -198,7 +204,8 @@ class Simulator:
             decode, held = chosen
             params = SamplingParams(max_tokens=req.output_tokens, ignore_eos=True)
             request = Request(rid, prompt, params, arrival_time=self.now)
-            local = self.router.prefill_here(prompt, held, decode)
+            local = self.router.prefill_here(prompt, held, decode, self.now)
+            self._cut(decode)
             if self.topology.colocated or local:
                 self.local_prefills += local is not None
                 rec.decode = decode
@@ -224,6 +231,7 @@ class Simulator:
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         prefill.scheduler.add_request(Request(str(rec.index), prompt, params, arrival_time=self.now, hold_kv=True))
         prefill.prompt_tokens += rec.req.prompt_tokens
+        prefill.touch()
         self.kick(prefill)
 
     def _fail(self, rec: Record, kind: str) -> None:
@@ -239,9 +247,14 @@ class Simulator:
     # -- steps ------------------------------------------------------------------
 
     def kick(self, w: SimWorker) -> None:
-        """Start a step on ``w`` if it is idle and has work it can step."""
-        if w.in_flight is not None or not w.scheduler.has_schedulable_work():
+        """Start a step on ``w`` if it is idle and has work it can step (or a run of decode steps)."""
+        if w.in_flight is not None or w.run is not None or not w.scheduler.has_schedulable_work():
             return
+        if self.decode_runs and w.role == "decode":
+            taken = w.scheduler.decode_run(SAMPLED_TOKEN)
+            if len(taken) > 1:
+                self._start_run(w, taken)
+                return
         out = w.scheduler.schedule()
         w.touch()
         if out.is_empty and not out.finished:
@@ -278,6 +291,54 @@ class Simulator:
         if w.draining and self.scaling is not None:
             self.scaling.check_drained(w)
 
+    # -- runs of decode steps -------------------------------------------------------
+
+    def _start_run(self, w: SimWorker, taken: list[int]) -> None:
+        """The steps of a ``decode_run``, timed as ``kick`` times each (``CostModel.decode_steps_s``)."""
+        running = list(w.scheduler.running.in_order)
+        durations = self.cost.decode_steps_s(len(running), sum(r.num_computed_tokens for r in running), len(taken))
+        t, ends = self.now, []
+        for dt in durations:
+            t = t + dt
+            ends.append(t)
+        w.run = DecodeRun(ends, durations, taken, w.kv.pool.num_free_blocks, running)
+        w.touch()
+        self.at(t, self._run_done, (w, w.run))
+
+    def _skip(self, w: SimWorker, run: DecodeRun, num_steps: int) -> None:
+        """The run's first ``num_steps`` steps ended: the scheduler skips them, their tokens
+        reach the clients."""
+        w.scheduler.skip_decode_steps(num_steps, SAMPLED_TOKEN)
+        ends = run.ends[:num_steps]
+        records = self.records
+        for request in run.requests:
+            records[int(request.request_id)].token_times.extend(ends)
+        for dt in run.durations[:num_steps]:
+            w.forward_s += dt
+        w.num_steps += num_steps
+        w.run = None
+        w.touch()
+
+    def _run_done(self, worker_run: tuple[SimWorker, DecodeRun]) -> None:
+        w, run = worker_run
+        if w.run is not run:
+            return  # cut short
+        self._skip(w, run, len(run.ends))
+        self.kick(w)
+
+    def _cut(self, w: SimWorker) -> None:
+        """``w`` is about to change mid-run: skip the steps ended, plan the one under way."""
+        run = w.run
+        if run is None:
+            return
+        m = run.steps_ended(self.now)
+        self._skip(w, run, m)
+        out = w.scheduler.schedule()
+        w.in_flight = out
+        w.num_steps += 1
+        w.forward_s += run.durations[m]
+        self.at(run.ends[m], self._step_done, w)
+
     def _token(self, rec: Record) -> None:
         """A token reached the client now (counted in the routers' latency window with autoscaling)."""
         times, now = rec.token_times, self.now
@@ -307,7 +368,9 @@ class Simulator:
     def _kv_arrived(self, rec: Record) -> None:
         rid = str(rec.index)
         rec.prefill.scheduler.release_held(rid)
+        rec.prefill.touch()
         self.kick(rec.prefill)
+        self._cut(rec.decode)
         request = rec.decode.scheduler.remote_arrived(rid, SAMPLED_TOKEN)
         rec.decode.touch()
         if request is None:

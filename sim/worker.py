@@ -16,11 +16,26 @@ A worker's step lifecycle::
     a plan with nothing in it (no blocks for anyone) leaves the worker idle until the
     next arrival or freed blocks kick it
 
+A decode worker whose next steps are all one pure decode step (``Scheduler.decode_run``:
+everything running decodes, nothing waits, nobody ends) takes them as one **run**: their
+times are computed at once, and the scheduler skips them (``skip_decode_steps``) when the
+run ends or something touches the worker mid-run; its load reports meanwhile are what the
+steps so far would leave (blocks taken by every step begun). The outcome is the same as
+stepping one plan at a time (``tests/unit/test_sim_runs.py``)::
+
+    idle ──kick (a decode run)──▶ in a run ──last step's end──▶ steps skipped, kick
+                                     │
+         a request placed here or its KV arriving: the steps ended are skipped, the
+         one under way is planned (``schedule``) and in flight as any other
+
 Draining (autoscaling): a draining worker takes no new requests and leaves its pool
 once it holds none.
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
 
 from engine.block_hash import BlockHasher
 from engine.block_pool import KVCacheManager
@@ -56,6 +71,23 @@ def build_scheduler(config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
     return kv_manager, scheduler
 
 
+@dataclass(slots=True)
+class DecodeRun:
+    """Identical decode steps a worker takes as one: each step's end time and duration, the
+    blocks steps 1 to j + 1 take in all (``taken[j]``, from ``Scheduler.decode_run``), the
+    free blocks before the first, and the requests decoding."""
+
+    ends: list[float]
+    durations: list[float]
+    taken: list[int]
+    free_blocks: int
+    requests: list
+
+    def steps_ended(self, now: float) -> int:
+        """Steps ended before ``now`` (one ending at ``now`` has not yet)."""
+        return bisect_left(self.ends, now)
+
+
 class SimWorker:
     """A prefill or decode worker of the simulated cluster: its scheduler, the plan in flight, the
     counters the autoscaler's observation reads, and its link's next free time."""
@@ -73,28 +105,47 @@ class SimWorker:
         self.prompt_tokens = 0  # prompt tokens taken in (the autoscaler's prefill rate)
         self.forward_s = 0.0  # simulated model time, summed over steps
         self.num_steps = 0
+        self.run: DecodeRun | None = None
         self._load: DecodeLoad | None = None  # the last report, until the worker's state changes
+        self._load_until = 0.0  # in a run: when the cached report goes stale (the next step's end)
+        self._prefill_load: PrefillLoad | None = None
 
     def touch(self) -> None:
         """The worker's state changed: its next load report is made anew."""
-        self._load = None
+        self._load = self._prefill_load = None
 
     def holds_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.held) or self.in_flight is not None
+        return (self.scheduler.has_work() or bool(self.scheduler.held) or self.in_flight is not None
+                or self.run is not None)
 
-    def decode_load(self) -> DecodeLoad:
+    def free_blocks(self, now: float) -> int:
+        """Free KV blocks at ``now``: in a run, less what the steps begun by then took."""
+        run = self.run
+        if run is None:
+            return self.kv.pool.num_free_blocks
+        return run.free_blocks - run.taken[run.steps_ended(now)]
+
+    def kv_usage(self, now: float) -> float:
+        usable = self.kv.pool.num_usable_blocks
+        return (usable - self.free_blocks(now)) / usable
+
+    def decode_load(self, now: float) -> DecodeLoad:
         """The load report a decode worker sends with every step message."""
-        if self._load is None:
-            s, pool = self.scheduler, self.kv.pool
-            self._load = DecodeLoad(self.worker_id, pool.num_free_blocks, pool.num_usable_blocks, len(s.running),
-                                    s.num_waiting, len(s.remote))
+        if self._load is None or (self.run is not None and now > self._load_until):
+            s, run = self.scheduler, self.run
+            if run is not None:
+                self._load_until = run.ends[run.steps_ended(now)]
+            self._load = DecodeLoad(self.worker_id, self.free_blocks(now), self.kv.pool.num_usable_blocks,
+                                    len(s.running), s.num_waiting, len(s.remote))
         return self._load
 
     def prefill_load(self) -> PrefillLoad:
         """The load report a prefill worker answers placement polls with."""
-        s = self.scheduler
-        return PrefillLoad(self.worker_id, s.num_queued_tokens(), len(s.running), s.num_waiting,
-                           self.kv.stats.queries, self.kv.stats.hits, len(s.held))
+        if self._prefill_load is None:
+            s = self.scheduler
+            self._prefill_load = PrefillLoad(self.worker_id, s.num_queued_tokens(), len(s.running), s.num_waiting,
+                                             self.kv.stats.queries, self.kv.stats.hits, len(s.held))
+        return self._prefill_load
 
     def stats(self) -> dict:
         """The engine counters the pools' control loop reads (``EngineStats``' names)."""
