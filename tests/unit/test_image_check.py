@@ -1,14 +1,20 @@
 """scripts/image-check and the Dockerfile settings it relies on, checked without building:
 the base image and torch's index are build arguments whose defaults keep a plain
-`docker build` as it was, and the script's translation of this machine's pip settings
-into the build's /etc/pip.conf and read-only mounts."""
+`docker build` as it was, the script's translation of this machine's pip settings into
+the build's /etc/pip.conf and read-only mounts, and scripts/kuberay_pods.py's pods (the
+`ray start` lines and environment KubeRay's operator would give the rendered chart's
+pods) and its cluster DNS."""
 
 from __future__ import annotations
 
 import configparser
+import importlib.util
 import re
 import shutil
+import socket
+import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +107,79 @@ def test_pip_settings_skip_the_keys_asked(tmp_path):
     assert settings["timeout"] == "60"
     assert "find-links" not in settings
     assert not [m for m in mounts if m.startswith(str(tmp_path))]
+
+
+# ------------------------------------------- scripts/kuberay_pods.py: pods as KubeRay makes them
+
+
+def _kuberay_pods():
+    pytest.importorskip("helm_python", reason="pip install helm-python-sdk (the test extra)")
+    spec = importlib.util.spec_from_file_location("kuberay_pods", REPO / "scripts" / "kuberay_pods.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("kuberay_pods", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return sys.modules["kuberay_pods"]
+
+
+def test_ray_start_flags_are_built_as_kuberays_convert_param_map():
+    kp = _kuberay_pods()
+    # sorted keys, a bare switch for "true", nothing for "false", --k=v otherwise
+    assert kp.convert_param_map({"num-cpus": "2", "block": "true", "include-dashboard": "false", "disable-usage-stats": "false"}) == (
+        " --block  --include-dashboard=false  --num-cpus=2 ")
+    worker = kp.ray_start_command("worker", {"resources": '"{\\"a\\":1}"'}, {"limits": {"cpu": "1500m", "memory": "1Gi"}},
+                                  "c-head-svc.ns.svc.cluster.local", "6379")
+    assert worker == ('ray start --address=c-head-svc.ns.svc.cluster.local:6379  --block  '
+                      '--dashboard-agent-listen-port=52365  --memory=1073741824  --metrics-export-port=8080  '
+                      '--num-cpus=2  --resources="{\\"a\\":1}" ')
+
+
+def test_kuberay_adds_num_gpus_from_the_limit_only_where_resources_parse():
+    """KubeRay's addWellKnownAcceleratorResources: rayStartParams.resources in the shell
+    quoting KubeRay's docs show ('"{\\"a\\":1}"') does not parse once trimmed, and the
+    operator then adds no num-gpus."""
+    kp = _kuberay_pods()
+    limits = {"limits": {"cpu": "1", "memory": "1Gi", "nvidia.com/gpu": "2"}}
+    assert "--num-gpus=2" in kp.ray_start_command("worker", {}, limits, "h", "6379")
+    assert "--num-gpus=2" in kp.ray_start_command("worker", {"resources": "'{\"a\": 1}'"}, limits, "h", "6379")
+    assert "num-gpus" not in kp.ray_start_command("worker", {"resources": '"{\\"a\\":1}"'}, limits, "h", "6379")
+
+
+def test_the_rendered_chart_becomes_a_head_and_a_pod_per_worker_replica():
+    kp = _kuberay_pods()
+    docs = kp.render(kp.check_values("localhost/tandem:cpu", "3Gi", 2**29), "tandem", "tandem")
+    cluster = kp.build_cluster(docs, namespace="tandem", domain="cluster.local", subnet="10.9.8", tag="abcde")
+    head, prefill, decode = cluster.pods
+    assert (head.kind, prefill.group, decode.group) == ("head", "prefill", "decode")
+    assert cluster.fqdn == "tandem-abcde-head-svc.tandem.svc.cluster.local"
+    shell, flag, dashes, script = head.command
+    assert (shell, flag, dashes) == ("/bin/bash", "-c", "--")
+    # the chart's args first (the metrics folder emptied), then KubeRay's ulimit and ray start
+    cleanup, _, start = script.partition(" && ")
+    assert "find" in cleanup and start.startswith("ulimit -n ${RAY_START_ULIMIT_OPEN_FILES:-65536}; ray start --head --block ")
+    assert f"--address={cluster.fqdn}:6379 " in prefill.command[3]
+    env = dict(prefill.env)
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == cluster.token and len(cluster.token) == 48
+    assert env["RAY_NODE_TYPE_NAME"] == "prefill" and env["RAY_CLOUD_INSTANCE_ID"] == prefill.name
+    assert env["KUBERAY_GEN_RAY_START_CMD"] in prefill.command[3]
+    assert prefill.user == "1000:1000" and ("metrics", "/tmp/tandem-metrics") in prefill.volumes
+    assert prefill.shm_bytes == 3 * 2**30
+    assert cluster.serve_config["applications"][0]["import_path"] == "cluster.service:app"
+    assert (cluster.http_port, cluster.ingress) == (8000, "haproxy")
+
+
+def test_the_cluster_dns_answers_the_head_service_and_nothing_else():
+    kp = _kuberay_pods()
+
+    def query(name: str, qtype: int = 1) -> bytes:
+        labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+        return struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack("!HH", qtype, 1)
+
+    dns = kp.ClusterDNS.__new__(kp.ClusterDNS)
+    dns.records = {"h-head-svc.ns.svc.cluster.local": socket.inet_aton("10.9.8.10")}
+    answer = dns.answer(query("H-head-svc.ns.svc.cluster.local"))
+    ident, flags, _, ancount, _, _ = struct.unpack("!HHHHHH", answer[:12])
+    assert (ident, flags & 0xF, ancount) == (0x1234, 0, 1) and answer.endswith(socket.inet_aton("10.9.8.10"))
+    _, flags, _, ancount, _, _ = struct.unpack("!HHHHHH", dns.answer(query("h-head-svc.ns.svc.cluster.local.ns.svc.cluster.local"))[:12])
+    assert (flags & 0xF, ancount) == (3, 0)  # NXDOMAIN: the resolver tries the next search suffix
+    _, flags, _, ancount, _, _ = struct.unpack("!HHHHHH", dns.answer(query("h-head-svc.ns.svc.cluster.local", 28))[:12])
+    assert (flags & 0xF, ancount) == (0, 0)  # AAAA: the name exists, no IPv6 address
