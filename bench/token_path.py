@@ -102,8 +102,9 @@ class _Subscribe:
 
 def make_router(model_dir: str, worker: StepWorker):
     """The Serve deployment's class, built around a core that talks to ``worker``."""
+    from router.core import RouterConfig, RouterCore
     from router.dispatch import WorkerRef
-    from router.server import Router, RouterConfig, RouterCore
+    from router.server import Router
 
     info = {
         "name": "bench", "model_dir": model_dir, "max_model_len": 2048, "vocab_size": 256,

@@ -19,7 +19,7 @@ import grpc
 
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
-from router.validation import ApiError, PreparedRequest, ServedModel, prepare_completion
+from router.validation import ApiError, PreparedRequest, ServedModel, bearer, prepare_completion
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -175,3 +175,31 @@ def add_health_servicer(servicer, server) -> None:
             response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
         ),
     })
+
+
+# -- answering a call -------------------------------------------------------------
+
+
+class GrpcStatusError(Exception):
+    """Raised after the status code is set: Serve sends the code and details."""
+
+
+def fail(grpc_context, code, details: str):
+    """Set the call's status and end the handler (``GrpcStatusError``)."""
+    # Serve drops trailing metadata on errors, so hints (retry after) go in the details.
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    raise GrpcStatusError(details)
+
+
+def well_formed(request, grpc_context):
+    """INVALID_ARGUMENT for bytes that did not parse as the method's message."""
+    if isinstance(request, MalformedRequest):
+        fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, request.details)
+    return request
+
+
+def api_key(grpc_context) -> str | None:
+    """The API key a call presents (``authorization: Bearer <key>`` or ``x-api-key``)."""
+    metadata = dict(grpc_context.invocation_metadata())
+    return bearer(metadata.get("authorization")) or metadata.get("x-api-key")

@@ -70,6 +70,13 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def bearer(header: str | None) -> str | None:
+    """The key in an ``Authorization`` header (``Bearer <key>``, or the bare key)."""
+    if header and header.lower().startswith("bearer "):
+        return header[7:].strip()
+    return header
+
+
 def check_api_key(expected: str | None, presented: str | None) -> None:
     """401 unless ``presented`` equals ``expected`` (constant time); no key set: open."""
     if expected is None:

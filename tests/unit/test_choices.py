@@ -8,8 +8,8 @@ import asyncio
 import json
 
 from engine.messages import StreamDelta
+from router.fanout import Fanout
 from router.openai_api import Accumulator, Envelope
-from router.server import Fanout
 from router.validation import MAX_N, MAX_PROMPTS, choices, prepare_chat, prepare_completions
 from tests.unit.test_tool_validation import MODEL as TOOL_MODEL
 from tests.unit.test_tool_validation import TOOLS, TemplateTokenizer

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from engine.messages import StreamDelta
-from router.server import Fanout
+from router.fanout import Fanout
 
 
 def _run(name: str, n: int, closed: list[str], gate: asyncio.Event | None = None):

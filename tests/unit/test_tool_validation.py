@@ -207,7 +207,7 @@ class _Decoder:
 
 
 def test_a_tool_requests_stream_sends_the_call_as_it_comes_and_every_deltas_logprobs():
-    from router.server import _tool_events
+    from router.stream_events import tool_events
     from router.tool_calls import ToolStream
 
     env, acc = Envelope("chatcmpl-1", MODEL.name, 0), Accumulator(_Decoder())
@@ -215,7 +215,7 @@ def test_a_tool_requests_stream_sends_the_call_as_it_comes_and_every_deltas_logp
     texts = ["Hi <tool", '_call>{"name": "get_', 'time", "arguments": ', '{"zone": 2', "}}</tool_call>"]
     deltas = [StreamDelta("r", [i], text, i == len(texts) - 1, "stop" if i == len(texts) - 1 else None,
                           logprobs=[(i, -0.5, [])]) for i, text in enumerate(texts)]
-    events = [json.loads(e.removeprefix("data: ")) for d in deltas for e in _tool_events(env, acc, stream, d)]
+    events = [json.loads(e.removeprefix("data: ")) for d in deltas for e in tool_events(env, acc, stream, d)]
     choices = [e["choices"][0] for e in events]
     assert [c["delta"] for c in choices[:3]] == [{"content": "Hi"}, {"content": " "}, {}], \
         "the blank before a call waits until the call begins; a delta with no part still carries its logprobs"
