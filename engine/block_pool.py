@@ -309,6 +309,35 @@ class KVCacheManager:
         table.extend(b.block_id for b in new)
         return new
 
+    def reserve_remote(self, request: Request, hit: Sequence[KVBlock]) -> int | None:
+        """Blocks for a prompt whose KV another worker sends (decode role); None, and no
+        change, when the pool has no room.
+
+        With a ``window``, the leading blocks wholly behind it at the prompt's end are read
+        by no later step: the table holds ``NULL_BLOCK_ID`` for them (no block is taken, a
+        cached one is not reused), then the cached ``hit`` blocks past them, then new ones.
+        Returns how many leading table entries need no transfer (cached or behind the window).
+        """
+        rid = request.request_id
+        if rid in self._tables:
+            raise ValueError(f"request {rid!r} holds blocks already")
+        num_blocks = -(-request.num_tokens // self.block_size)
+        behind = max(0, request.num_tokens - self.window) // self.block_size if self.window else 0
+        kept = list(hit[behind:])
+        not_sent = max(behind, len(hit))
+        need = num_blocks - not_sent
+        if need > self.pool.num_free_blocks - sum(1 for b in kept if b.ref_cnt == 0):
+            return None
+        self.pool.touch(kept)
+        new = self.pool.allocate(need)
+        assert new is not None  # there were enough free blocks
+        self._tables[rid] = [NULL_BLOCK_ID] * behind + [b.block_id for b in kept] + [b.block_id for b in new]
+        self._num_hashed[rid] = not_sent
+        if behind:
+            self._released[rid] = behind
+            self.num_released += behind
+        return not_sent
+
     def cache_blocks(self, request: Request) -> None:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not self.enable_caching:

@@ -91,13 +91,19 @@ class TransferState(enum.IntEnum):
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of one side's paged KV; both sides of a transfer must agree on it."""
+    """Shape of one side's paged KV; both sides of a transfer must agree on it.
+
+    ``layer_windows``: per layer, how many latest keys it attends to (0: all of them; empty:
+    no layer slides). When every layer slides, the blocks wholly behind the widest window
+    at a prompt's end are read by no later step: the decode worker keeps no block for them
+    and nothing sends them (``Reservation.held_blocks`` counts them)."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    layer_windows: tuple[int, ...] = ()
 
     def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -151,7 +157,9 @@ class Reservation:
     layout: KVLayout
     endpoint: str  # where the prefill worker opens its channel to this worker ("" if none)
     deadline: float
-    held_blocks: int = 0  # leading blocks the decode worker's prefix cache holds: not sent
+    # Leading blocks not sent: the decode worker's prefix cache holds them, or they are behind
+    # every layer's window at the prompt's end (``KVLayout.layer_windows``: none kept for them).
+    held_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,9 @@ class RemoteKVIntake:
 
     def reserve(self, request: Request) -> tuple[list[int], int] | None:
         """Reserve blocks for the request's prompt (and a migrated stream's output); returns
-        their ids in token order and how many leading ones this engine's prefix cache already
-        holds, or None when the pool has no room now (nothing is kept)."""
+        their ids in token order and how many leading ones need not be sent (held by this
+        engine's prefix cache, or behind every layer's window), or None when the pool has
+        no room now (nothing is kept)."""
         return self.scheduler.add_remote(request)
 
     def is_waiting(self, request_id: str) -> bool:
@@ -82,9 +83,9 @@ class RemoteKVIntake:
 
     def land(self, request_id: str, k: torch.Tensor | None, v: torch.Tensor | None) -> bool:
         """Write a packed copy of the prompt's KV into the reserved blocks (``k``/``v``:
-        [layers, blocks, block, Hkv, D], from the first block the prefix cache did not
-        hold, or all of them; None: the transfer wrote them in place). False when the
-        request does not wait for KV here (unknown, aborted, already arrived)."""
+        [layers, blocks, block, Hkv, D], from the first block sent, or all of them; None:
+        the transfer wrote them in place). False when the request does not wait for KV
+        here (unknown, aborted, already arrived)."""
         request = self.scheduler.remote.get(request_id)
         if request is None:
             return False

@@ -65,7 +65,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first schedule
-    # Decode role: leading blocks of a remote prompt this worker's prefix cache held (not sent).
+    # Decode role: leading blocks of a remote prompt not sent (this worker's prefix cache held
+    # them, or they are behind every layer's window).
     num_held_blocks: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -245,8 +245,9 @@ class Scheduler:
     def add_remote(self, request: Request) -> tuple[list[int], int] | None:
         """Reserve blocks for a prompt whose KV another worker computes; None if no room.
 
-        Returns the block ids (in token order) and how many leading ones came from this
-        worker's prefix cache: their KV is here already, so only the rest need be sent.
+        Returns the block ids (in token order) and how many leading ones need not be
+        sent: this worker's prefix cache holds their KV, or they are behind every layer's
+        window at the prompt's end (``NULL_BLOCK_ID`` there: no block is kept for them).
         The request waits in WAITING_FOR_REMOTE_KV, outside the token budget, until
         ``remote_arrived`` or ``remote_failed``.
         """
@@ -254,16 +255,16 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         hit, num_hit = self.kv_manager.get_computed_blocks(request)
         # The prompt (+ a migrated stream's output); at least its last block is sent.
-        if self.kv_manager.allocate_slots(request, request.num_tokens - num_hit, hit) is None:
-            self.kv_manager.free(request)
+        not_sent = self.kv_manager.reserve_remote(request, hit)
+        if not_sent is None:
             return None
         self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit)
-        request.num_held_blocks = len(hit)
+        request.num_held_blocks = not_sent
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote[request.request_id] = request
-        return self.kv_manager.block_ids(request.request_id), len(hit)
+        return self.kv_manager.block_ids(request.request_id), not_sent
 
     def remote_arrived(self, request_id: str, first_token: int) -> Request | None:
         """The prompt's KV is in the reserved blocks: the request joins the batch."""

@@ -31,6 +31,7 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
         dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
+        layer_windows=tuple(c.layer_windows) if any(c.layer_windows) else (),
     )
 
 

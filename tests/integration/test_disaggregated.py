@@ -13,6 +13,8 @@ import pytest
 
 from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
+from engine.messages import KVLayout
+from engine.model_config import ModelConfig
 from kv_transfer.nixl import unavailable_reason
 from tests.helpers import DispatchedPools, assert_blocks_freed, build_hf_checkpoint
 
@@ -306,6 +308,33 @@ def test_a_mixture_of_experts_disaggregated_matches_single_engine(ray_cluster, t
         assert [r[0] for r in results] == want, "1P+1D must give the single engine's tokens"
         decode = cluster.stats()["decode-0"]
         assert decode["transfer"]["received"] >= len(prompts) and decode["transfer_failures"] == 0
+        assert_blocks_freed(cluster)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_sliding_window_model_disaggregated_matches_single_engine(ray_cluster, tmp_path_factory, default_model):
+    """Mistral with every layer sliding (a 48-token window) in 1P+1D: the blocks behind the
+    window at the prompt's end are neither sent nor kept by the decode worker, and a later
+    prompt whose leading blocks the decode worker's prefix cache serves still gets the single
+    engine's tokens (a cached block must hold its tokens' KV, never a stand-in's)."""
+    model = str(build_hf_checkpoint(tmp_path_factory.mktemp("mistral-window"), "mistral", default_model,
+                                    initializer_range=0.2))
+    rng = random.Random(7)
+    base = [rng.randrange(4000) for _ in range(200)]
+    prompts = [base, base[:100] + [rng.randrange(4000) for _ in range(12)], base + [rng.randrange(4000) for _ in range(30)]]
+    lengths = [12, 12, 12]
+    want = [o.token_ids for o in LLM(model=model).generate(prompts, [_params(n) for n in lengths])]
+    c = ModelConfig.from_pretrained(model)
+    layout = KVLayout(c.num_layers, 16, c.num_kv_heads, c.head_dim, "float32")
+    cluster = _start(model, 1, 1, "collective", name="window")
+    try:
+        got = [_run_all(cluster, [prompts[0]], [lengths[0]])[0][0]]
+        sent = cluster.stats()["decode-0"]["transfer"]["bytes_received"]
+        # 200 tokens in 13 blocks of 16; the 9 wholly before position 200 - 48 are not sent.
+        assert sent == layout.nbytes(13 - 9), f"{sent} bytes received, {layout.nbytes(13)} for the whole prompt"
+        got += [_run_all(cluster, [p], [n])[0][0] for p, n in zip(prompts[1:], lengths[1:])]  # one after another
+        assert got == want, "1P+1D must give the single engine's tokens"
         assert_blocks_freed(cluster)
     finally:
         cluster.shutdown()

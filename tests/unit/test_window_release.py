@@ -1,5 +1,5 @@
 """Blocks behind a sliding window given back (a model whose every layer slides): the
-block manager's books, greedy parity with transformers while requests are preempted
+block manager's books (and a remote prompt's reservation, which leaves them out), greedy parity with transformers while requests are preempted
 (recompute and swap) with blocks already given back, and what it saves on a long prompt."""
 
 from __future__ import annotations
@@ -54,6 +54,46 @@ def test_a_request_swapped_out_and_in_keeps_its_given_back_places():
     assert kv.pool.blocks[NULL_BLOCK_ID].block_hash is None
     kv.free(request)
     assert kv.pool.num_used_blocks == 0 and kv.cpu_pool.num_free_blocks == 8
+
+
+def test_a_remote_prompt_reserves_no_block_behind_the_window():
+    """Decode role: the prompt's KV comes from another worker; blocks wholly behind the
+    window at the prompt's end are neither reserved nor sent (NULL in the table)."""
+    kv = KVCacheManager(16, BS, window=WINDOW)
+    request = Request("r", list(range(21)), SamplingParams())  # keys from 13 on are read next (21 - 8)
+    assert kv.reserve_remote(request, []) == 3, "blocks 0-2 (positions 0..11) are not sent"
+    table = kv.block_ids("r")
+    assert table[:3] == [NULL_BLOCK_ID] * 3 and len(table) == 6 and NULL_BLOCK_ID not in table[3:]
+    assert kv.pool.num_used_blocks == 3
+    request.num_computed_tokens = 21  # landed
+    kv.cache_blocks(request)
+    assert kv.pool.blocks[NULL_BLOCK_ID].block_hash is None, "a place behind the window is never cached"
+    assert kv.release_outside_window(request) == 0, "nothing more to give back yet"
+    kv.free(request)
+    assert kv.pool.num_used_blocks == 0
+
+
+def test_a_remote_prompt_reuses_only_cached_blocks_inside_the_window():
+    kv = KVCacheManager(16, BS, window=WINDOW)
+    kv.free(_running(kv, "first", 21))  # blocks of positions 0..19 cached
+    request = Request("r", list(range(21)) + [99] * 4, SamplingParams())  # 25 tokens: keys from 17 on
+    hit, _ = kv.get_computed_blocks(request)
+    assert len(hit) == 5
+    assert kv.reserve_remote(request, hit) == 5, "4 behind the window, the fifth cached: only the last is sent"
+    table = kv.block_ids("r")
+    assert table[:4] == [NULL_BLOCK_ID] * 4 and table[4] == hit[4].block_id and len(table) == 7
+    assert [b.ref_cnt for b in hit] == [0, 0, 0, 0, 1], "cached blocks behind the window are not taken"
+    kv.free(request)
+    assert kv.pool.num_used_blocks == 0
+
+
+def test_a_remote_prompt_that_does_not_fit_changes_nothing():
+    kv = KVCacheManager(4, BS, window=WINDOW)  # 3 usable blocks
+    request = Request("r", list(range(40)), SamplingParams())  # 10 blocks, 8 behind the window
+    assert kv.reserve_remote(request, []) == 8 and kv.pool.num_used_blocks == 2
+    assert kv.reserve_remote(Request("s", list(range(20)), SamplingParams()), []) is None, "3 needed, 1 free"
+    assert not kv.has_table("s") and kv.pool.num_used_blocks == 2
+    kv.free(request)
 
 
 @pytest.fixture(scope="module")
