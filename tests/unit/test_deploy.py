@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import base64
 import copy
+import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -720,6 +722,7 @@ def test_replicas_outside_min_max_fail_to_render(chart):
         ({"head": {"rayStartParams": {"resources": '"{}"'}}}, "head.rayStartParams.resources: the chart sets"),
         ({"prefill": {"rayStartParams": {"resources": '"{}"'}}}, "prefill.rayStartParams.resources: the chart sets"),
         ({"head": {"rayStartParams": {"num-gpus": 1}}}, "head.rayStartParams.num-gpus: the chart sets"),
+        ({"decode": {"rayStartParams": {"num-gpus": 1}}}, "decode.rayStartParams.num-gpus: the chart sets `num-gpus` already (from decode.gpus)"),
     ],
 )
 def test_a_ray_start_param_the_chart_sets_fails_to_render(chart, override, message):
@@ -1208,13 +1211,37 @@ def test_a_dev_shm_that_rays_object_store_does_not_fit_fails_to_render(chart, me
 
 def test_the_head_offers_ray_no_gpus(rendered):
     """Without num-gpus Ray counts the GPUs the container can see: a head on a GPU node
-    whose runtime shows it some would offer them. Workers get num-gpus from KubeRay, out of
-    their nvidia.com/gpu limit."""
+    whose runtime shows it some would offer them."""
     for case, docs in rendered.items():
         (rs,) = _by_kind(docs, "RayService")
         assert rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0", case
-        for group in _groups(rs).values():
-            assert "num-gpus" not in group["rayStartParams"], case
+
+
+def _kuberay_start_lines():
+    """scripts/kuberay_pods.py (scripts/image-check runs the chart with it): the `ray start`
+    line KubeRay's operator builds for a pod."""
+    spec = importlib.util.spec_from_file_location("kuberay_pods", REPO / "scripts" / "kuberay_pods.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("kuberay_pods", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return sys.modules["kuberay_pods"]
+
+
+def test_each_worker_offers_ray_exactly_its_groups_gpus_when_kuberay_starts_it(rendered, gpu_values):
+    """The `ray start` line KubeRay builds from a worker group: the group's `gpus` as
+    num-gpus. KubeRay would add num-gpus from the nvidia.com/gpu limit itself, but only where
+    rayStartParams.resources parses as JSON once trimmed of quotes, and the chart's (the
+    shell-quoted form KubeRay's docs show) does not: the operator logs an error and leaves
+    Ray to count the GPUs it sees. A CPU group offers none, as the head."""
+    kp = _kuberay_start_lines()
+    for case, docs in rendered.items():
+        (rs,) = _by_kind(docs, "RayService")
+        for role, group in _groups(rs).items():
+            (container,) = group["template"]["spec"]["containers"]
+            line = kp.ray_start_command("worker", group["rayStartParams"], container["resources"],
+                                        "tandem-abcde-head-svc.tandem.svc.cluster.local", "6379")
+            gpus = gpu_values[role]["gpus"] if case == "gpu" else 0
+            assert re.findall(r"--num-gpus=(\S+)", line) == [str(gpus)], f"{case} {role}: {line}"
 
 
 def test_standard_pod_fields_reach_each_groups_pods(chart, rendered, ray_service_schema):
