@@ -139,3 +139,14 @@ def test_a_long_prompt_holds_only_its_window_of_blocks(windowed):
     print(f"\nwindow 48, 440-token prompt: at most {peak} blocks held, against {whole} without the window")
     assert peak <= bound < whole
     assert engine.stats().num_window_released_blocks >= whole - bound
+
+
+def test_the_window_benchmark_counts_each_sides_blocks(tmp_path):
+    """``bench.window`` on a short prompt: 256 tokens, a 64-token window, 64-token chunks."""
+    from bench.window import build_checkpoint, measure
+
+    prompt = [(7 * i) % 4000 + 3 for i in range(256)]
+    whole = measure(build_checkpoint(tmp_path / "whole", 0, 512), prompt, 64, 4, 80)
+    window = measure(build_checkpoint(tmp_path / "window", 64, 512), prompt, 64, 4, 80)
+    assert whole == {"peak": 17, "after_prompt": 16, "reserved": 16, "sent": 16}
+    assert window == {"peak": 5, "after_prompt": 4, "reserved": 4, "sent": 4}, "(256 - 64) / 16 = 12 blocks behind"
