@@ -294,15 +294,20 @@ def test_a_decode_worker_killed_mid_stream_loses_no_stream(ray_cluster, tiny_mod
         cluster.shutdown()
 
 
-def test_a_mixture_of_experts_disaggregated_matches_single_engine(ray_cluster, tmp_path_factory, default_model):
-    """Qwen3-MoE (per-head q/k norms, a head_dim of its own, sparse and dense layers) in
-    1P+1D over paged transfers: the single engine's tokens (which are transformers':
-    test_hf_parity), every transfer received."""
-    model = str(build_hf_checkpoint(tmp_path_factory.mktemp("qwen3-moe"), "qwen3_moe", default_model,
-                                    initializer_range=0.2))
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe", "qwen2_window"])
+def test_every_family_disaggregated_matches_single_engine(ray_cluster, tmp_path_factory, default_model, family):
+    """Each family's checkpoint in 1P+1D over paged transfers: the single engine's tokens
+    (which are transformers': test_hf_parity), every transfer received. Qwen3 (per-head
+    q/k norms, a head_dim of its own), Phi-3 (fused projections), Gemma 3 (sliding and
+    global layers), Mixtral and Qwen3-MoE (experts), a Qwen2 with one sliding layer;
+    Mistral, whose every layer slides, has a test of its own below."""
+    from tests.unit.test_hf_parity import FAMILY_INIT, INIT
+
+    model = str(build_hf_checkpoint(tmp_path_factory.mktemp(family), family, default_model,
+                                    **FAMILY_INIT.get(family, INIT)))
     prompts, lengths = _workload(seed=5, n=8)
     want = [o.token_ids for o in LLM(model=model).generate(prompts, [_params(n) for n in lengths])]
-    cluster = _start(model, 1, 1, "collective", name="moe")
+    cluster = _start(model, 1, 1, "collective", name=family)
     try:
         results = _run_all(cluster, prompts, lengths)
         assert [r[0] for r in results] == want, "1P+1D must give the single engine's tokens"
