@@ -34,7 +34,7 @@ once it holds none.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHasher
@@ -107,7 +107,7 @@ class SimWorker:
         self.num_steps = 0
         self.run: DecodeRun | None = None
         self._load: DecodeLoad | None = None  # the last report, until the worker's state changes
-        self._load_until = 0.0  # in a run: when the cached report goes stale (the next step's end)
+        self._load_until = 0.0  # in a run: the cached report holds until then (no step takes blocks)
         self._prefill_load: PrefillLoad | None = None
 
     def touch(self) -> None:
@@ -134,7 +134,9 @@ class SimWorker:
         if self._load is None or (self.run is not None and now > self._load_until):
             s, run = self.scheduler, self.run
             if run is not None:
-                self._load_until = run.ends[run.steps_ended(now)]
+                # Good until the last step of those that take no more blocks than this one.
+                taken = run.taken
+                self._load_until = run.ends[bisect_right(taken, taken[run.steps_ended(now)]) - 1]
             self._load = DecodeLoad(self.worker_id, self.free_blocks(now), self.kv.pool.num_usable_blocks,
                                     len(s.running), s.num_waiting, len(s.remote))
         return self._load
