@@ -96,7 +96,7 @@ class KVLayout:
     ``layer_windows``: per layer, how many latest keys it attends to (0: all of them; empty:
     no layer slides). When every layer slides, the blocks wholly behind the widest window
     at a prompt's end are read by no later step: the decode worker keeps no block for them
-    and nothing sends them (``Reservation.held_blocks`` counts them)."""
+    and nothing sends them (``Reservation.unsent_blocks`` counts them)."""
 
     num_layers: int
     block_size: int
@@ -159,7 +159,7 @@ class Reservation:
     deadline: float
     # Leading blocks not sent: the decode worker's prefix cache holds them, or they are behind
     # every layer's window at the prompt's end (``KVLayout.layer_windows``: none kept for them).
-    held_blocks: int = 0
+    unsent_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -91,15 +91,15 @@ class RemoteKVIntake:
             return False
         if k is not None and v is not None:
             ids = self.kv_manager.block_ids(request_id)
-            held = request.num_held_blocks
+            unsent = request.num_unsent_blocks
             if k.shape[1] == len(ids):
-                k, v = k[:, held:], v[:, held:]
-            elif k.shape[1] != len(ids) - held:
+                k, v = k[:, unsent:], v[:, unsent:]
+            elif k.shape[1] != len(ids) - unsent:
                 raise ValueError(
-                    f"request {request_id!r}: {k.shape[1]} blocks of KV for {len(ids) - held} reserved "
-                    f"(of {len(ids)}, {held} held)"
+                    f"request {request_id!r}: {k.shape[1]} blocks of KV for {len(ids) - unsent} reserved "
+                    f"(of {len(ids)}, {unsent} not sent)"
                 )
-            self.kv_cache.scatter(ids[held:], k, v)
+            self.kv_cache.scatter(ids[unsent:], k, v)
         return True
 
     def commit(self, request_id: str, arrival: Arrival) -> Request | None:

@@ -67,7 +67,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache, first schedule
     # Decode role: leading blocks of a remote prompt not sent (this worker's prefix cache held
     # them, or they are behind every layer's window).
-    num_held_blocks: int = 0
+    num_unsent_blocks: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -259,7 +259,7 @@ class Scheduler:
         if not_sent is None:
             return None
         self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit)
-        request.num_held_blocks = not_sent
+        request.num_unsent_blocks = not_sent
         request.seq_no = next(self._seq)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request

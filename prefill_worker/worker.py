@@ -85,7 +85,7 @@ class PrefillWorker(WorkerBase):
         t0 = time.perf_counter()
         num_tokens = len(prompt_token_ids) + len(resume_output)
         meta = self._transfer_meta(request_id, reservation, num_tokens)
-        held = reservation.held_blocks  # already on the decode side: never sent
+        held = reservation.unsent_blocks  # cached on the decode side, or behind the window: never sent
         loop = asyncio.get_running_loop()
         parts = _Parts(loop, held) if self.transfer.pipeline else None
         stop = loop.create_future()  # set by ``abort``: the send stops waiting
