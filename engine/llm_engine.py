@@ -243,8 +243,9 @@ class LLMEngine:
         ``resume_output``: a migrated stream's tokens so far (see ``add_request``); the
         prefill worker computes their KV with the prompt's, and the stream goes on after
         them. Returns the reserved block ids (in token order) and how many leading ones
-        this engine's prefix cache already holds (the sender sends only the others), or
-        None when the pool has no room now (nothing is kept; try again later or elsewhere).
+        need not be sent (this engine's prefix cache holds them, or they are behind every
+        layer's window: ``NULL_BLOCK_ID`` in the table), or None when the pool has no room
+        now (nothing is kept; try again later or elsewhere).
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time=None)  # arrives now
         request.output_token_ids = list(resume_output)
