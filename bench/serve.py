@@ -43,7 +43,6 @@ import math
 import os
 import platform
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -471,12 +470,6 @@ def rate_label(rate: float) -> str:
 
 
 # -- launching a service ---------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def service_config(args: argparse.Namespace):

@@ -1,6 +1,6 @@
 """The cluster controller: one named Ray actor that owns a deployment's worker pools.
 
-It starts the ``TandemCluster`` (pools, transfer group, health thread) and answers
+It starts the ``TandemCluster`` (pools, health thread, control loop) and answers
 the router's questions: which workers are live now (``workers``), what model they
 serve (``model_info``), and, for tests and operators, their stats and blocks in use.
 The router replicas poll ``workers()``, so a worker the health thread replaced is

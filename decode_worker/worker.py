@@ -419,7 +419,7 @@ class ColocatedWorker(DecodeWorker):
     role = "colocated"
 
 
-TRANSFER_FAILED_MESSAGE = "the KV transfer failed and kv_failure_policy is 'fail'"
+TRANSFER_FAILED_MESSAGE = "the KV transfer failed and transfer.failure_policy is 'fail'"
 
 
 def _wire(rid: str, items: list) -> tuple:

@@ -74,19 +74,12 @@ def request_of(attempt: str) -> str:
 
 
 class TransferState(enum.IntEnum):
-    """How far a KV transfer got; ordered, so the least advanced of its parts gives the state of
-    the whole (``combine``). It crosses processes as an int (``PrefillResult.state``)."""
+    """How a KV hand-off ended: the decode worker has the prompt's KV (DONE), or it does not and
+    recomputes or fails the request by ``transfer.failure_policy`` (FAILED). It crosses processes
+    as an int (``PrefillResult.state``)."""
 
     FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING = 2
-    TRANSFERRING = 3
-    DONE = 4
-
-    @staticmethod
-    def combine(states) -> TransferState:
-        """The state of a transfer made of parts: its least advanced part."""
-        return min(states, default=TransferState.DONE)
+    DONE = 1
 
 
 @dataclass(frozen=True)

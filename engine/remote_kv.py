@@ -47,7 +47,7 @@ class Arrival:
 
 class RemoteKVIntake:
     """Requests whose prompt KV arrives from another worker (the lifecycle is in the module
-    docstring). ``LLMEngine`` makes one over its scheduler, block manager, KV cache and grammar
+    docstring). ``LLMEngine`` makes one over its scheduler, KV cache manager, KV cache and grammar
     matchers, and makes it anew when it resets."""
 
     def __init__(

@@ -11,8 +11,8 @@ One step's budget (``max_num_batched_tokens``) is spent in this order:
 3. waiting requests, after a prefix-cache lookup.
 
 The scheduler is a few small parts: a waiting queue and sorted running and swapped
-sets (``engine.request_queues``, in the order ``policy`` gives), the block manager
-(``engine.block_pool``, which also counts prefix-cache hits), and an admission
+sets (``engine.request_queues``, in the order ``policy`` gives), the KV cache manager
+(``engine.block_pool.KVCacheManager``, which also counts prefix-cache hits), and an admission
 policy that says when waiting requests may join the batch:
 
 - ``ContinuousBatching``: whenever a step has budget left and the pool has blocks;

@@ -18,7 +18,7 @@ Roles and the way of a transfer::
     backend.release(meta, payload)
 
 Every transfer has a deadline: a pull or push that outlives it fails the transfer,
-and the decode side's ``kv_failure_policy`` decides what happens to the request.
+and the decode side's ``transfer.failure_policy`` decides what happens to the request.
 States are ordered so that the slowest of several parts gives the state of the whole.
 """
 

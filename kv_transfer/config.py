@@ -46,7 +46,7 @@ class TransferConfig:
             raise ValueError(f"kv transfer backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.failure_policy not in FAILURE_POLICIES:
             raise ValueError(
-                f"kv_failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}"
+                f"transfer.failure_policy must be one of {FAILURE_POLICIES}, got {self.failure_policy!r}"
             )
         for name in ("timeout_s", "lease_s", "op_timeout_s"):
             if getattr(self, name) <= 0:

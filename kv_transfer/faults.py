@@ -2,7 +2,7 @@
 
 ``FaultyBackend`` wraps any backend: on the receiving side it drops a share of
 transfers (``drop_rate``) or delays them (``delay_s``), so that the decode side's
-deadline and ``kv_failure_policy`` paths run for real.
+deadline and ``transfer.failure_policy`` paths run for real.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ those requests end with an error (503), since placing them again would not make 
 reader faster.
 
 Failures: a prefill worker that dies or fails the transfer makes the decode worker
-apply its ``kv_failure_policy`` at once. A decode worker that dies before any token
+apply its ``transfer.failure_policy`` at once. A decode worker that dies before any token
 reached the client is retried on another worker (up to ``max_retries``). One that dies
 after tokens were delivered has its stream moved (up to ``max_migrations``): a
 prefill worker computes the KV of the prompt plus the tokens already sent (the
