@@ -43,6 +43,7 @@ from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor, RequestOutput, RequestTimes
 from engine.remote_kv import Arrival, RemoteKVIntake
 from engine.request import Request, RequestStatus
+from engine.runner_input import RunnerInputBuilder
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -127,6 +128,9 @@ class LLMEngine:
             self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured)
+        # What the runner holds of each request: every step sends it deltas (it drops a
+        # request the step after it ends, so this outlives a reset).
+        self.runner_inputs = RunnerInputBuilder()
         self.outputs = OutputProcessor(self.tokenizer, self.structured)
         self._make_parts(config, num_blocks, num_cpu_blocks)
         # Constrained requests whose grammar is still compiling (outside the scheduler).
@@ -389,6 +393,7 @@ class LLMEngine:
     def _forget(self, rid: str) -> None:
         self.outputs.remove(rid)
         self.remote_kv.forget(rid)
+        self.runner_inputs.forget(rid)
         self.structured.remove(rid)
 
     def fits(self, num_tokens: int) -> bool:
@@ -453,7 +458,7 @@ class LLMEngine:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
         wall, cpu = time.perf_counter(), time.thread_time()
-        result = self.runner.execute(sched)
+        result = self.runner.execute(self.runner_inputs.build(sched))
         self._forward_s += time.perf_counter() - wall
         self._forward_cpu_s += time.thread_time() - cpu
         if result.prompt_logprobs:

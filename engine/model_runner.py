@@ -1,9 +1,12 @@
 """Runs one scheduler step on the model: with its attention backend, the only place where
 tensors are built.
 
-Input: a plain-data ``SchedulerOutput``. Output: a plain-data ``RunnerOutput`` with
-the sampled ids (and logprobs) of the requests whose step reached the end of their
-known tokens. The runner keeps no request state between steps.
+Input: a plain-data ``RunnerInput`` (``engine.runner_input``): requests new to the runner
+whole, the others as deltas. Output: a plain-data ``RunnerOutput`` with the sampled ids
+(and logprobs) of the requests whose step reached the end of their known tokens. The
+runner keeps its own copy of each request it runs (``RunnerRequests``: tokens, sampling
+params, block table), which every input's deltas bring up to date; it never sees the
+scheduler's objects.
 
 The step is one flattened batch: swaps are copied first, then decode tokens (one per
 request) and prefill chunks go through a single forward, and only the rows that
@@ -31,9 +34,8 @@ import torch
 from engine.attention import StepAttention
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
-from engine.request import Request
+from engine.runner_input import RunnerInput, RunnerRequest, RunnerRequests, StepItem
 from engine.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
-from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_layout import AttentionBackend, ChunkLayout, StepLayout
 from engine.structured_output import StructuredOutputs
 
@@ -55,7 +57,7 @@ class PromptRows:
     """A chunk's rows that predict prompt tokens: rows ``row0..row0+count`` predict the
     prompt tokens from index ``first`` on."""
 
-    request: Request
+    request: RunnerRequest
     row0: int
     first: int
     count: int
@@ -88,9 +90,9 @@ PROMPT_LOGPROBS_ROWS = 512
 
 
 class ModelRunner:
-    """Executes each ``SchedulerOutput`` on the model over the engine's ``KVCache``: builds the
-    step's tensors, runs one forward and samples. ``LLMEngine`` builds one with the model, cache
-    and attention backend; it keeps no request state between steps."""
+    """Executes each ``RunnerInput`` on the model over the engine's ``KVCache``: brings its copies
+    of the requests up to date, builds the step's tensors, runs one forward and samples.
+    ``LLMEngine`` builds one with the model, cache and attention backend."""
 
     def __init__(
         self,
@@ -107,17 +109,17 @@ class ModelRunner:
         self.structured = structured  # the engine's grammar matchers
         self.make_event = _device_event(self.device)
         self.step_done = FINISHED  # the last step's forward, on the device
+        self.requests = RunnerRequests()
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        self.kv_cache.swap_out(sched.swap_out)
-        self.kv_cache.swap_in(sched.swap_in)
-        if not sched.scheduled:
+    def execute(self, step: RunnerInput) -> RunnerOutput:
+        items = self.requests.apply(step)
+        self.kv_cache.swap_out(step.swap_out)
+        self.kv_cache.swap_in(step.swap_in)
+        if not items:
             return RunnerOutput()
         # Decodes first, shortest context first (groups of similar length pad little).
-        items = sorted(
-            sched.scheduled, key=lambda s: (len(s.token_ids) > 1, s.start_pos if len(s.token_ids) == 1 else 0)
-        )
+        items.sort(key=lambda s: (s[2] > 1, s[1] if s[2] == 1 else 0))
         input_ids, positions, layout, sample_rows, prompt_rows = self._prepare(items)
         attn = StepAttention(self.attention, self.attention.build_metadata(layout))
         # The sampled rows' index is copied before the forward is queued: a pageable copy
@@ -135,52 +137,40 @@ class ModelRunner:
         mask = None
         if self.structured is not None:
             mask = self.structured.bitmask([r.request_id for r in reqs], [r.output_token_ids for r in reqs])
-        ids, logprobs = sample(
-            logits,
-            [
-                SampleRow(
-                    r.sampling_params,
-                    r.sampling_seed,
-                    r.prompt_token_ids,
-                    r.output_token_ids,
-                )
-                for r in reqs
-            ],
-            mask,
-        )
+        ids, logprobs = sample(logits, [r.sample_row or _sample_row(r) for r in reqs], mask)
         for r, tok, lp in zip(reqs, ids, logprobs):
             out.sampled[r.request_id] = tok
             if lp is not None:
                 out.logprobs[r.request_id] = lp
         return out
 
-    def _prepare(self, items: list[ScheduledRequest]):
+    def _prepare(self, items: list[StepItem]):
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
         sample_rows = []
         prompt_rows: list[PromptRows] = []
-        for item in items:
-            n = len(item.token_ids)
+        for request, start, n in items:
             row0 = len(token_ids)
-            start = item.start_pos
-            table = item.block_ids
-            token_ids.extend(item.token_ids)
+            table = request.block_ids
+            prompt, output = request.prompt_token_ids, request.output_token_ids
             if n == 1:
+                token_ids.append(prompt[start] if start < len(prompt) else output[start - len(prompt)])
                 positions.append(start)
                 layout.slots.append(table[start // bs] * bs + start % bs)
                 layout.decode_block_ids.append(table)
                 layout.decode_context_lens.append(start + 1)
             else:
+                token_ids.extend(request.token_slice(start, start + n))
                 pos = range(start, start + n)
                 positions.extend(pos)
                 layout.slots.extend(table[p // bs] * bs + p % bs for p in pos)
                 layout.chunks.append(ChunkLayout(row0, n, start, table))
-            if item.sample:
-                sample_rows.append((row0 + n - 1, item.request))
-            if item.request.sampling_params.prompt_logprobs is not None:
-                rows = _prompt_rows(item.request, row0, start, n)
+            if start + n == len(prompt) + len(output):  # the step reaches the end of its tokens
+                sample_rows.append((row0 + n - 1, request))
+            if request.sampling_params.prompt_logprobs is not None:
+                rows = _prompt_rows(request, row0, start, n)
                 if rows is not None:
                     prompt_rows.append(rows)
         return self._to_device(token_ids), self._to_device(positions), layout, sample_rows, prompt_rows
@@ -217,7 +207,15 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
 
-def _prompt_rows(request: Request, row0: int, start: int, n: int) -> PromptRows | None:
+def _sample_row(request: RunnerRequest) -> SampleRow:
+    """The sampler's view of a request, made once: it reads the request's own token lists."""
+    request.sample_row = SampleRow(
+        request.sampling_params, request.sampling_seed, request.prompt_token_ids, request.output_token_ids
+    )
+    return request.sample_row
+
+
+def _prompt_rows(request: RunnerRequest, row0: int, start: int, n: int) -> PromptRows | None:
     """The rows of a chunk (positions ``start..start+n`` at rows from ``row0``) that predict
     a prompt token, while the request has sampled nothing yet (after that its prompt's
     logprobs were delivered; a recompute preemption before it computes the same again)."""
