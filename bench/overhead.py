@@ -339,26 +339,13 @@ def service_config(args: argparse.Namespace):
 def launched(config, num_cpus: int) -> Iterator[object]:
     """Ray (``num_cpus``, no dashboard) and the service in this process, with metrics on
     as ``tandem up`` has them (every process writes them to one folder)."""
-    from cluster.metrics_server import ENV, process_metrics_dir, remove_metrics_dir
-
-    metrics_dir = process_metrics_dir("overhead")
-    import ray
-
-    from cluster.service import TandemService
+    from cluster.local import local_service
 
     # log_to_driver off: a line per request from the replica would cost this process CPU
     # (and bury the table); the session's log folder keeps them.
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
-             runtime_env={"env_vars": {ENV: metrics_dir, "OMP_NUM_THREADS": "1"}})
-    try:
-        service = TandemService(config).start()
-        try:
-            yield service
-        finally:
-            service.shutdown()
-    finally:
-        ray.shutdown()
-        remove_metrics_dir(metrics_dir)
+    with local_service(config, num_cpus, metrics_kind="overhead", log_to_driver=False,
+                       env={"OMP_NUM_THREADS": "1"}) as service:
+        yield service
 
 
 def kind_of_role(role: str) -> str:

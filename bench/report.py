@@ -41,10 +41,12 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from cluster.local import local_ray
 
 COMPARISONS = ("batching", "topology", "prefix")
 SERVE = ("python", "-m", "bench.serve")
@@ -274,18 +276,6 @@ def _load() -> float:
     return round(os.getloadavg()[0], 1)
 
 
-@contextlib.contextmanager
-def local_ray() -> Iterator[None]:
-    """One local Ray for every in-process run; worker logs stay in Ray's log folder."""
-    import ray
-
-    ray.init(logging_level="WARNING", include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def run_one(run: Run, raw_dir: Path, isolate: bool) -> dict:
     """Run one configuration; returns its record (the result stays in ``raw_dir``)."""
     path = raw_dir / f"{run.label}.json"
@@ -321,7 +311,8 @@ def run_comparisons(
     raw_dir = out_dir / "raw"
     raw_dir.mkdir(parents=True, exist_ok=True)
     records: dict[str, list[dict]] = {}
-    with contextlib.nullcontext() if isolate else local_ray():
+    # One local Ray for every in-process run; worker logs stay in Ray's log folder.
+    with contextlib.nullcontext() if isolate else local_ray(metrics_kind="report", log_to_driver=False):
         for comparison in comparisons:
             records[comparison.key] = [run_one(run, raw_dir, isolate) for run in comparison.runs]
     return records

@@ -481,30 +481,12 @@ def service_config(args: argparse.Namespace):
 
 @contextlib.contextmanager
 def launched_service(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """Start Tandem in-process, as ``tandem up`` would from the same flags; yields
-    (HTTP base URL, gRPC target) and shuts everything down after.
+    """Start Tandem in-process, as ``tandem up`` would from the same flags
+    (``cluster.local``); yields (HTTP base URL, gRPC target) and shuts everything down after."""
+    from cluster.local import local_service
 
-    Joins the Ray of ``RAY_ADDRESS`` (or one this process already started) instead of
-    starting its own.
-    """
-    import ray
-
-    from cluster.service import TandemService
-
-    config = service_config(args)
-    own_ray = not ray.is_initialized()
-    if own_ray:
-        local = {} if os.environ.get("RAY_ADDRESS") else {"num_cpus": args.num_cpus, "include_dashboard": False}
-        ray.init(logging_level="WARNING", **local)
-    try:
-        service = TandemService(config).start()
-        try:
-            yield service.http_url, service.grpc_target
-        finally:
-            service.shutdown()
-    finally:
-        if own_ray:
-            ray.shutdown()
+    with local_service(service_config(args), args.num_cpus, metrics_kind="bench-serve") as service:
+        yield service.http_url, service.grpc_target
 
 
 # -- output ------------------------------------------------------------------------

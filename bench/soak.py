@@ -712,30 +712,18 @@ async def measure_capacity(client: HttpClient, vocab: Sequence[int], n: int, inp
 
 @contextlib.contextmanager
 def launched(args: argparse.Namespace) -> Iterator[tuple[object, str]]:
-    """Ray and the whole service in this process, metrics as ``tandem up`` sets them up;
-    yields (service, metrics folder)."""
-    from cluster.metrics_server import ENV, process_metrics_dir, remove_metrics_dir
-
-    # Before anything imports prometheus-client: every process of this Ray writes there.
-    metrics_dir = process_metrics_dir("soak")
-
-    import ray
-
+    """Ray and the whole service in this process, metrics as ``tandem up`` sets them up
+    (``cluster.local``); yields (service, metrics folder)."""
+    from cluster.local import local_ray
     from cluster.service import ServiceConfig, TandemService
 
     config = ServiceConfig.from_flags(args, free=True)
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=args.worker_logs, runtime_env={"env_vars": {ENV: metrics_dir}})
-    try:
+    with local_ray(args.num_cpus, metrics_kind="soak", log_to_driver=args.worker_logs) as metrics_dir:
         service = TandemService(config).start()
         try:
             yield service, metrics_dir
         finally:
             service.shutdown()
-    finally:
-        ray.shutdown()
-
-        remove_metrics_dir(metrics_dir)
 
 
 def ray_logs() -> str:

@@ -84,45 +84,30 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from cluster.metrics_server import ENV, process_metrics_dir, remove_metrics_dir, start_metrics_server
-    from engine.model_registry import resolve_model
-
-    # Before anything imports prometheus-client: every process on this node writes there.
-    metrics_dir = process_metrics_dir()
-
-    import ray
-
+    from cluster.local import local_ray
+    from cluster.metrics_server import start_metrics_server
     from cluster.service import ServiceConfig, TandemService
+    from engine.model_registry import resolve_model
 
     config = ServiceConfig.from_flags(args, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None)
     config = dataclasses.replace(config, cluster=_serving_default(config.cluster))
     # Here, before any worker starts: a first pull shows its progress on this terminal,
     # and a failing one ends the command with its message instead of failing workers.
     resolve_model(config.cluster.model)
-    runtime_env = {"env_vars": {ENV: metrics_dir}}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level="WARNING", runtime_env=runtime_env)
-    else:
-        ray.init(
-            num_cpus=args.num_cpus, include_dashboard=False, logging_level="WARNING", runtime_env=runtime_env
-        )
-    # After ray.init: Ray's core installs its own SIGTERM handler, which aborts the process.
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    service = None
-    try:
+    with local_ray(args.num_cpus):
+        # After ray.init: Ray's core installs its own SIGTERM handler, which aborts the process.
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         service = TandemService(config).start()
-        metrics_server = start_metrics_server(args.metrics_port, args.host)
-        print(_banner(service, args), flush=True)
-        stop.wait()
-        print("shutting down", flush=True)
-        metrics_server.shutdown()
-    finally:
-        if service is not None:
+        try:
+            metrics_server = start_metrics_server(args.metrics_port, args.host)
+            print(_banner(service, args), flush=True)
+            stop.wait()
+            print("shutting down", flush=True)
+            metrics_server.shutdown()
+        finally:
             service.shutdown()
-        ray.shutdown()
-        remove_metrics_dir(metrics_dir)
     return 0
 
 
