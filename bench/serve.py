@@ -54,7 +54,7 @@ from typing import Protocol
 
 from bench import workloads
 from bench.workloads import BenchRequest
-from cluster.flags import add_service_flags
+from cluster.flags import LOCAL_GRPC, LOCAL_URL, add_service_flags
 
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -568,8 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     target = ap.add_argument_group("target")
     target.add_argument("--backend", choices=["http", "grpc"], default="http")
-    target.add_argument("--base-url", default=None, help="HTTP server (default: http://127.0.0.1:8000)")
-    target.add_argument("--grpc-target", default=None, help="gRPC server (default: 127.0.0.1:9000)")
+    target.add_argument("--base-url", default=None, help=f"HTTP server (default: {LOCAL_URL})")
+    target.add_argument("--grpc-target", default=None, help=f"gRPC server (default: {LOCAL_GRPC})")
     target.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), help="default: $TANDEM_API_KEY")
     target.add_argument("--served-model-name", default=None,
                         help="the HTTP 'model' field, for servers that require it (Tandem does not)")
@@ -658,8 +658,8 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
     admission = AdmissionConfig()
     args.goodput = Slo(**{f"{key}_ms": ms for key, ms in args.goodput})
-    args.base_url = args.base_url or "http://127.0.0.1:8000"
-    args.grpc_target = args.grpc_target or "127.0.0.1:9000"
+    args.base_url = args.base_url or LOCAL_URL
+    args.grpc_target = args.grpc_target or LOCAL_GRPC
     if args.max_outstanding_requests is None:
         args.max_outstanding_requests = admission.max_requests
     if args.max_outstanding_prompt_tokens is None:

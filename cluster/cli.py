@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.flags import add_service_flags
+from cluster.flags import GRPC_PORT, HTTP_PORT, LOCAL_URL, METRICS_PORT, add_service_flags
 from cluster.ingress import describe
 from engine.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
 
@@ -263,9 +263,9 @@ def _add_up(sub) -> None:
     up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
     add_service_flags(up, model_help=MODEL_HELP)
     up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
-    up.add_argument("--http-port", type=int, default=8000)
-    up.add_argument("--grpc-port", type=int, default=9000)
-    up.add_argument("--metrics-port", type=int, default=8081, help="Prometheus scrape endpoint of this node")
+    up.add_argument("--http-port", type=int, default=HTTP_PORT)
+    up.add_argument("--grpc-port", type=int, default=GRPC_PORT)
+    up.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="Prometheus scrape endpoint of this node")
     up.add_argument("--api-key", default=None, help="require this key (default: $TANDEM_API_KEY, else none)")
     up.set_defaults(func=_cmd_up)
 
@@ -273,7 +273,7 @@ def _add_up(sub) -> None:
 def _add_request(sub) -> None:
     req = sub.add_parser("request", help="send one completion to a running server and print it")
     req.add_argument("prompt")
-    req.add_argument("--url", default="http://127.0.0.1:8000")
+    req.add_argument("--url", default=LOCAL_URL)
     req.add_argument("--max-tokens", type=int, default=32)
     req.add_argument("--temperature", type=float, default=0.0)
     req.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
@@ -284,7 +284,7 @@ def _add_request(sub) -> None:
 
 def _add_status(sub) -> None:
     st = sub.add_parser("status", help="print a running server's pools, autoscaling targets and decisions")
-    st.add_argument("--url", default="http://127.0.0.1:8000")
+    st.add_argument("--url", default=LOCAL_URL)
     st.add_argument("--api-key", default=None, help="default: $TANDEM_API_KEY")
     st.add_argument("--json", action="store_true", help="print the server's answer as it is")
     st.add_argument("--timeout", type=float, default=30.0)

@@ -22,7 +22,8 @@ Example YAML::
       slo: {ttft_ms: 1000, itl_ms: 50}
       interval_s: 5
       scale_down_delay_s: 30
-      allow_role_switch: true   # a warm worker may move between roles (same resources and KV cache)
+      allow_role_switch: false  # true: a warm worker may move between roles (needs both roles alike:
+                                # resources and engine settings, so not with decode_engine above)
 """
 
 from __future__ import annotations

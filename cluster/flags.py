@@ -17,10 +17,15 @@ from pathlib import Path
 
 from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress
 from kv_transfer import BACKENDS
+from router.admission import AdmissionConfig
 
 # Keys of a topology file that configure the service around the pools, not the pools.
 SERVICE_KEYS = ("ingress",)
 PLACEMENTS = ("load", "round_robin")
+# Where a service listens by default (``tandem up``; the chart's ``service`` and ``metrics`` ports).
+HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 9000, 8081
+LOCAL_URL = f"http://127.0.0.1:{HTTP_PORT}"
+LOCAL_GRPC = f"127.0.0.1:{GRPC_PORT}"
 
 
 def engine_item(text: str) -> tuple[str, object]:
@@ -69,9 +74,10 @@ def add_service_flags(
     cpus = defaults.get("num_cpus") or "all"
     parser.add_argument("--num-cpus", type=int, default=None, help=f"CPUs for the local Ray (default: {cpus})")
     if admission:
-        parser.add_argument("--max-outstanding-requests", type=int, default=None, help="admission bound (256)")
+        parser.add_argument("--max-outstanding-requests", type=int, default=None,
+                            help=f"admission bound (default {AdmissionConfig.max_requests})")
         parser.add_argument("--max-outstanding-prompt-tokens", type=int, default=None,
-                            help="admission bound (262144)")  # fmt: skip
+                            help=f"admission bound (default {AdmissionConfig.max_prompt_tokens})")
         parser.add_argument("--placement", default=None, choices=PLACEMENTS,
                             help="worker choice: load-aware with prefix affinity (default), or round-robin")
         parser.add_argument("--local-prefill-tokens", type=int, default=None,

@@ -55,8 +55,8 @@ class ServiceConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 9000
+    http_port: int = flags.HTTP_PORT
+    grpc_port: int = flags.GRPC_PORT
     app_name: str = "tandem"
     ingress: str = DEFAULT_INGRESS  # "haproxy" or "proxy": Serve's Python proxy (cluster/ingress.py)
     # A Ray custom resource only the head node advertises: the controller and the router
@@ -70,20 +70,7 @@ class ServiceConfig:
     def from_flags(cls, args: argparse.Namespace, *, free: bool = False, api_key: str | None = None) -> ServiceConfig:
         """The service that ``cluster/flags.py``'s flags describe. ``free``: on ports
         free now (benchmarks), instead of ``--host``, ``--http-port`` and ``--grpc-port``."""
-        admission = {
-            "max_requests": getattr(args, "max_outstanding_requests", None),
-            "max_prompt_tokens": getattr(args, "max_outstanding_prompt_tokens", None),
-        }
-        dispatch = {
-            "placement": getattr(args, "placement", None),
-            "local_prefill_tokens": getattr(args, "local_prefill_tokens", None),
-            "local_prefill_backlog_tokens": getattr(args, "local_prefill_backlog_tokens", None),
-        }
-        router = RouterConfig(
-            admission=AdmissionConfig(**{k: v for k, v in admission.items() if v is not None}),
-            dispatch=DispatchConfig(**{k: v for k, v in dispatch.items() if v is not None}),
-            api_key=api_key,
-        )
+        router = router_config(vars(args), api_key=api_key)
         host = cls.host if free else args.host
         ports = free_ports(host, 2) if free else (args.http_port, args.grpc_port)
         return cls(
@@ -94,6 +81,28 @@ class ServiceConfig:
             grpc_port=ports[1],
             ingress=flags.ingress(args),
         )
+
+
+# The router's settings by the names the flags and the chart's ``serve`` values give them
+# (``--max-outstanding-requests``, ``maxOutstandingRequests``): where each lives in ``RouterConfig``.
+ROUTER_SETTINGS = {
+    "max_outstanding_requests": ("admission", "max_requests"),
+    "max_outstanding_prompt_tokens": ("admission", "max_prompt_tokens"),
+    "placement": ("dispatch", "placement"),
+    "local_prefill_tokens": ("dispatch", "local_prefill_tokens"),
+    "local_prefill_backlog_tokens": ("dispatch", "local_prefill_backlog_tokens"),
+}
+
+
+def router_config(settings: dict, api_key: str | None = None) -> RouterConfig:
+    """A ``RouterConfig`` from ``settings`` named as in ``ROUTER_SETTINGS`` (other keys are
+    ignored); a setting absent or None keeps its default."""
+    parts: dict[str, dict] = {"admission": {}, "dispatch": {}}
+    for name, (part, field_name) in ROUTER_SETTINGS.items():
+        if settings.get(name) is not None:
+            parts[part][field_name] = settings[name]
+    return RouterConfig(admission=AdmissionConfig(**parts["admission"]), dispatch=DispatchConfig(**parts["dispatch"]),
+                        api_key=api_key)
 
 
 # Ports chosen now and bound later come from below the kernel's ephemeral range
@@ -296,19 +305,12 @@ def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
         resources = dict(topology.get(key) or {})
         resources["custom"] = {**resources.get("custom", {}), **custom}
         topology[key] = resources
-    r = args.get("router") or {}
-    defaults = AdmissionConfig()
-    router = RouterConfig(
-        admission=AdmissionConfig(
-            max_requests=r.get("max_outstanding_requests", defaults.max_requests),
-            max_prompt_tokens=r.get("max_outstanding_prompt_tokens", defaults.max_prompt_tokens),
-        ),
-        dispatch=DispatchConfig(
-            placement=r.get("placement", "load"), local_prefill_tokens=r.get("local_prefill_tokens", 0),
-            local_prefill_backlog_tokens=r.get("local_prefill_backlog_tokens", 0),
-        ),
-        api_key=os.environ.get(r["api_key_env"]) if r.get("api_key_env") else None,
-    )
+    r = dict(args.get("router") or {})
+    key_env = r.pop("api_key_env", None)
+    unknown = set(r) - set(ROUTER_SETTINGS)
+    if unknown:
+        raise ValueError(f"unknown router settings: {sorted(unknown)} (known: {sorted(ROUTER_SETTINGS)}, api_key_env)")
+    router = router_config(r, api_key=os.environ.get(key_env) if key_env else None)
     return ClusterConfig.from_dict(topology), router
 
 
