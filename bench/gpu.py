@@ -129,18 +129,20 @@ def paged_layout(decode_lens: list[int], chunks: list[tuple[int, int]], block_si
     """A step on shuffled blocks: decode requests of ``decode_lens`` tokens (laid out
     shortest first, as the model runner lays them out), then prefill chunks of
     ``(start, num_tokens)``; returns the layout and the number of blocks it needs."""
-    from engine.step_layout import ChunkLayout, StepLayout
+    from engine.step_layout import ChunkLayout, StepLayout, decode_table
 
     bs = block_size
     need = sum(-(-n // bs) for n in decode_lens) + sum(-(-(s + n) // bs) for s, n in chunks)
     free = list(range(1, need + 1))
     random.Random(seed).shuffle(free)
-    layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
+    layout = StepLayout(slots=[], decode_context_lens=[], chunks=[])
+    tables = []
     for ctx in sorted(decode_lens):
         table = [free.pop() for _ in range(-(-ctx // bs))]
-        layout.decode_block_ids.append(table)
+        tables.append(table)
         layout.decode_context_lens.append(ctx)
         layout.slots.append(table[(ctx - 1) // bs] * bs + (ctx - 1) % bs)
+    layout.decode_block_table = decode_table(tables, layout.decode_context_lens, bs)
     row = len(decode_lens)
     for start, n in chunks:
         table = [free.pop() for _ in range(-(-(start + n) // bs))]

@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.config import ATTENTION_BACKENDS
-from engine.step_layout import AttentionBackend, ChunkLayout, StepLayout, padded_rows
+from engine.step_layout import AttentionBackend, ChunkLayout, StepLayout
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class TorchAttention(AttentionBackend):
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=self.device),
-            decodes=self._decode_groups(layout.decode_block_ids, layout.decode_context_lens),
+            decodes=self._decode_groups(layout.decode_block_table, layout.decode_context_lens),
             prefills=[self._chunk(c) for c in layout.chunks],
             workspace=self._workspace,
         )
@@ -208,21 +209,22 @@ class TorchAttention(AttentionBackend):
                 )
             out[c.q_start : c.q_end] = oc.squeeze(0).transpose(0, 1)
 
-    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+    def _decode_groups(self, table: np.ndarray, lens: list[int]) -> list[DecodeGroup]:
         """Split decode rows (sorted by length) where padding would pass ~1.5x the data."""
         bs = self.block_size
         groups, start = [], 0
         for i in range(1, len(lens) + 1):
             if i < len(lens) and lens[i] <= 1.5 * lens[start] + 4 * bs:
                 continue
-            rows = padded_rows(tables[start:i], lens[start:i], bs)
+            width = -(-max(lens[start:i]) // bs)
+            rows = np.ascontiguousarray(table[start:i, :width])
             lengths = torch.tensor(lens[start:i], device=self.device)
-            keys = torch.arange(len(rows[0]) * bs, device=self.device)
+            keys = torch.arange(width * bs, device=self.device)
             groups.append(
                 DecodeGroup(
                     q_start=start,
                     q_end=i,
-                    block_tables=torch.tensor(rows, dtype=torch.long, device=self.device),
+                    block_tables=torch.from_numpy(rows).to(self.device),
                     mask=(keys.unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :],
                     lengths=lengths,
                 )

@@ -33,7 +33,7 @@ import torch
 
 from engine.attention import AttentionMetadata, TorchAttention
 from engine.model_registry import tandem_home
-from engine.step_layout import StepLayout, padded_rows
+from engine.step_layout import StepLayout
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +173,7 @@ class CpuAttention(TorchAttention):
             prefills=[self._chunk(c) for c in layout.chunks],
             workspace=self._workspace,
             paged_decode=PagedDecode(
-                block_tables=torch.tensor(
-                    padded_rows(layout.decode_block_ids, lens, self.block_size), dtype=torch.long),
+                block_tables=torch.from_numpy(layout.decode_block_table),
                 context_lens=torch.tensor(lens, dtype=torch.long),
             ) if lens else None,
         )  # fmt: skip

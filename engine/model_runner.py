@@ -148,7 +148,8 @@ class ModelRunner:
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
-        layout = StepLayout(slots=[], decode_block_ids=[], decode_context_lens=[], chunks=[])
+        layout = StepLayout(slots=[], decode_context_lens=[], chunks=[])
+        decode_rows: list[int] = []
         sample_rows = []
         prompt_rows: list[PromptRows] = []
         for request, start, n in items:
@@ -159,7 +160,7 @@ class ModelRunner:
                 token_ids.append(prompt[start] if start < len(prompt) else output[start - len(prompt)])
                 positions.append(start)
                 layout.slots.append(table[start // bs] * bs + start % bs)
-                layout.decode_block_ids.append(table)
+                decode_rows.append(request.row)
                 layout.decode_context_lens.append(start + 1)
             else:
                 token_ids.extend(request.token_slice(start, start + n))
@@ -173,6 +174,9 @@ class ModelRunner:
                 rows = _prompt_rows(request, row0, start, n)
                 if rows is not None:
                     prompt_rows.append(rows)
+        if decode_rows:  # sorted by context: the last is the longest
+            width = -(-layout.decode_context_lens[-1] // bs)
+            layout.decode_block_table = self.requests.tables.gather(decode_rows, width)
         return self._to_device(token_ids), self._to_device(positions), layout, sample_rows, prompt_rows
 
     def _prompt_logprobs(

@@ -1,7 +1,7 @@
 """The model runner's input as plain data: each step's plan, sent as deltas.
 
-Pure Python (no torch): integers, lists and sampling params only, no live object of the
-scheduler's, so the runner could live in another process. As in vLLM V1's
+Pure (no torch; numpy for the runner's block tables): integers, lists and sampling params
+only, no live object of the scheduler's, so the runner could live in another process. As in vLLM V1's
 ``SchedulerOutput``, a request goes to the runner whole once (``NewRequestData``: its
 tokens so far, sampling params and seed, block table) the first step it is scheduled, and
 again only after a preemption; every later step that schedules it sends what changed
@@ -12,7 +12,9 @@ computes). ``finished_ids`` tell the runner to drop its copy.
 Two sides keep this: ``RunnerInputBuilder`` (beside the scheduler, in ``LLMEngine``)
 remembers what the runner has been sent and turns each of the scheduler's plans into a
 ``RunnerInput``; ``RunnerRequests`` (in the ``ModelRunner``) is the runner's own copy of
-each request, which the deltas keep equal to the scheduler's.
+each request, which the deltas keep equal to the scheduler's, with every block table also
+a row of one array (``BlockTables``), so a step's decode block table is one gather of rows
+rather than a conversion of every table.
 
 A request's lifecycle between the two::
 
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from engine.block_pool import NULL_BLOCK_ID
 from engine.sampling_params import SamplingParams
@@ -164,6 +168,7 @@ class RunnerRequest:
     sampling_seed: int
     block_ids: list[int]
     num_released: int = 0
+    row: int = 0  # its block table's row in the runner's ``BlockTables``
     # The sampler's view of it, made by the runner the first time it samples; it reads the
     # lists above, which the deltas extend in place.
     sample_row: SampleRow | None = None
@@ -179,30 +184,87 @@ class RunnerRequest:
         return prompt[start:end] if end <= len(prompt) else (prompt + self.output_token_ids)[start:end]
 
 
+class BlockTables:
+    """The runner's block tables as rows of one int64 array, as vLLM's ``BlockTable``: a request's
+    row is written when the runner learns of it and as its deltas add or give back blocks, and
+    zeroed when it leaves; past a table's end a row holds 0 (``NULL_BLOCK_ID``), the padding
+    the attention backends mask. The array grows (doubling) in rows and columns as needed."""
+
+    def __init__(self, rows: int = 16, columns: int = 64) -> None:
+        self.array = np.zeros((rows, columns), dtype=np.int64)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        """A row for a new table; returns its index."""
+        if not self._free:
+            rows = len(self.array)
+            self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        row = self._free.pop()
+        self.extend(row, 0, block_ids)
+        return row
+
+    def extend(self, row: int, start: int, block_ids: list[int]) -> None:
+        """Write ``block_ids`` into ``row`` from column ``start``."""
+        end = start + len(block_ids)
+        if end > self.array.shape[1]:
+            width = self.array.shape[1]
+            while width < end:
+                width *= 2
+            grown = np.zeros((len(self.array), width), dtype=np.int64)
+            grown[:, : self.array.shape[1]] = self.array
+            self.array = grown
+        self.array[row, start:end] = block_ids
+
+    def release(self, row: int, start: int, end: int) -> None:
+        """Columns ``start..end`` of ``row`` were given back (``NULL_BLOCK_ID``)."""
+        self.array[row, start:end] = NULL_BLOCK_ID
+
+    def drop(self, row: int, length: int) -> None:
+        """The row's table (``length`` entries) is gone: zero it and free the row."""
+        self.array[row, :length] = NULL_BLOCK_ID
+        self._free.append(row)
+
+    def gather(self, rows: list[int], width: int) -> np.ndarray:
+        """The listed rows' first ``width`` columns, as a new [len(rows), width] array."""
+        if width > self.array.shape[1]:  # columns no table reached: all padding
+            out = np.zeros((len(rows), width), dtype=np.int64)
+            out[:, : self.array.shape[1]] = self.array[rows]
+            return out
+        return self.array[rows, :width]
+
+
 # One request's share of a step on the runner's side: (its copy, first position, tokens computed).
 StepItem = tuple[RunnerRequest, int, int]
 
 
 class RunnerRequests:
-    """The model runner's copies of the requests it runs, kept by each ``RunnerInput``'s deltas
-    (the lifecycle is in the module docstring)."""
+    """The model runner's copies of the requests it runs and their block tables, kept by each
+    ``RunnerInput``'s deltas (the lifecycle is in the module docstring)."""
 
     def __init__(self) -> None:
         self.requests: dict[str, RunnerRequest] = {}
+        self.tables = BlockTables()
 
     def __len__(self) -> int:
         return len(self.requests)
 
+    def _drop(self, request_id: str) -> None:
+        r = self.requests.pop(request_id, None)
+        if r is not None:
+            self.tables.drop(r.row, len(r.block_ids))
+
     def apply(self, step: RunnerInput) -> list[StepItem]:
         """Take in one step's deltas; returns what the step computes, new requests first."""
-        requests = self.requests
+        requests, tables = self.requests, self.tables
         for rid in step.finished_ids:
-            requests.pop(rid, None)
+            self._drop(rid)
         items: list[StepItem] = []
         for new in step.new_requests:
+            self._drop(new.request_id)  # (never held: a preempted request was dropped first)
             r = requests[new.request_id] = RunnerRequest(
                 new.request_id, new.prompt_token_ids, new.output_token_ids, new.sampling_params,
-                new.sampling_seed, new.block_ids, _num_released(new.block_ids, 0),
+                new.sampling_seed, new.block_ids, _num_released(new.block_ids, 0), tables.add(new.block_ids),
             )
             items.append((r, new.num_computed_tokens, new.num_scheduled_tokens))
         c = step.cached_requests
@@ -214,9 +276,11 @@ class RunnerRequests:
             if tokens:
                 r.output_token_ids += tokens
             if blocks:
+                tables.extend(r.row, len(r.block_ids), blocks)
                 r.block_ids += blocks
             if released > r.num_released:
                 r.block_ids[r.num_released : released] = [NULL_BLOCK_ID] * (released - r.num_released)
+                tables.release(r.row, r.num_released, released)
                 r.num_released = released
             items.append((r, start, n))
         return items

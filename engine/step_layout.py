@@ -6,8 +6,10 @@ this module and none imports another's."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -25,13 +27,17 @@ class StepLayout:
     """One step's flattened batch as plain integers, whatever the backend.
 
     Decode rows come first, one per request, sorted by context length; the prefill
-    chunks follow. ``decode_context_lens`` count the new token.
+    chunks follow. ``decode_context_lens`` count the new token. ``decode_block_table`` is
+    the decode rows' block tables as one rectangle ([decodes, blocks of the longest
+    context] int64): each row cut to that width or padded with block 0, which a kernel
+    masks by context length. The model runner gathers it from the rows it keeps
+    (``engine.runner_input.BlockTables``); a layout made by hand takes ``decode_table``'s.
     """
 
     slots: list[int]
-    decode_block_ids: list[list[int]]
     decode_context_lens: list[int]
     chunks: list[ChunkLayout]
+    decode_block_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
 
 
 def padded_rows(tables: list[list[int]], context_lens: list[int], block_size: int) -> list[list[int]]:
@@ -39,6 +45,12 @@ def padded_rows(tables: list[list[int]], context_lens: list[int], block_size: in
     longest context and padded with block 0 (which a kernel masks by context length)."""
     width = max((-(-n // block_size) for n in context_lens), default=0)
     return [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+
+
+def decode_table(tables: list[list[int]], context_lens: list[int], block_size: int) -> np.ndarray:
+    """``padded_rows`` as the int64 array a ``StepLayout``'s ``decode_block_table`` is."""
+    rows = padded_rows(tables, context_lens, block_size)
+    return np.array(rows, dtype=np.int64).reshape(len(rows), len(rows[0]) if rows else 0)
 
 
 class AttentionBackend(ABC):

@@ -514,9 +514,7 @@ class TritonAttention(AttentionBackend):
         return TritonMetadata(
             slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=dev),
             num_decodes=len(layout.decode_context_lens),
-            decode_block_tables=_padded_tables(
-                layout.decode_block_ids, layout.decode_context_lens, bs, dev
-            ),
+            decode_block_tables=torch.from_numpy(layout.decode_block_table).to(dev, torch.int32),
             decode_context_lens=torch.tensor(
                 layout.decode_context_lens, dtype=torch.int32, device=dev
             ),

@@ -12,7 +12,7 @@ import pytest
 
 from engine.block_pool import NULL_BLOCK_ID, KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.runner_input import RunnerInputBuilder, RunnerRequests
+from engine.runner_input import BlockTables, RunnerInputBuilder, RunnerRequests
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
@@ -37,6 +37,9 @@ def _check_step(sched: Scheduler, plan, items, runner: RunnerRequests) -> None:
         )
         assert mine.token_slice(start, start + n) == item.token_ids
         assert mine.block_ids == item.block_ids, f"{req.request_id}: the runner's block table differs"
+        row = runner.tables.array[mine.row]
+        assert row[: len(item.block_ids)].tolist() == item.block_ids and not row[len(item.block_ids):].any(), (
+            f"{req.request_id}: its row of the block-table array differs from its table")
         num_tokens = len(mine.prompt_token_ids) + len(mine.output_token_ids)
         assert (start + n == num_tokens) == item.sample, f"{req.request_id}: whether it samples"
         assert mine.sampling_params is req.sampling_params and mine.sampling_seed == req.sampling_seed
@@ -92,6 +95,7 @@ def test_the_runners_copy_follows_the_scheduler_through_any_workload(mode, seed)
     assert not sched.has_work(), "the workload should have finished"
     runner.apply(builder.build(sched.schedule()))
     assert len(runner) == 0, f"the runner still holds {sorted(runner.requests)} after every request ended"
+    assert not runner.tables.array.any(), "a table's row outlived its request"
     assert seen["preempted"] and seen["remote"], f"the workload missed a case: {seen}"
     if window:
         assert seen["released"], f"a window should have given blocks back: {seen}"
@@ -122,3 +126,19 @@ def test_a_decoding_request_is_sent_whole_once_then_only_its_new_token():
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     builder.forget("a")
     assert builder.build(sched.schedule()).finished_ids == ["a"], "the runner is told to drop it"
+
+
+def test_the_block_table_array_grows_in_rows_and_columns_and_gathers_padded_rows():
+    tables = BlockTables(rows=2, columns=4)
+    ids = [[i + 1] * (i + 1) for i in range(5)]  # table i: i + 1 blocks, each block i + 1
+    rows = [tables.add(t) for t in ids]
+    assert len(set(rows)) == 5, "each table gets a row of its own"
+    tables.extend(rows[0], 1, list(range(50, 59)))  # past the 4 columns it started with
+    got = tables.gather([rows[4], rows[0]], 12)
+    assert got.tolist() == [[5] * 5 + [0] * 7, [1, *range(50, 59), 0, 0]], "rows cut or padded with block 0"
+    assert tables.gather([rows[1]], 40).tolist() == [[2, 2] + [0] * 38], "columns no table reached are padding"
+    tables.release(rows[4], 0, 2)
+    assert tables.gather([rows[4]], 5).tolist() == [[NULL_BLOCK_ID] * 2 + [5] * 3]
+    for row, t in zip(rows, ids):
+        tables.drop(row, len(t) + (9 if row == rows[0] else 0))
+    assert not tables.array.any() and tables.add([7]) in rows, "dropped rows are zeroed and reused"

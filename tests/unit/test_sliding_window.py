@@ -50,7 +50,7 @@ def _written_out(layout, cache, q, k, v, window: int) -> torch.Tensor:
     k_cache, v_cache = (c.clone() for c in cache)
     write_kv(k_cache, v_cache, k, v, torch.tensor(layout.slots, device=q.device))
     requests = [(i, 1, ctx - 1, table) for i, (ctx, table) in
-                enumerate(zip(layout.decode_context_lens, layout.decode_block_ids))]
+                enumerate(zip(layout.decode_context_lens, layout.decode_block_table.tolist()))]
     requests += [(c.row0, c.num_tokens, c.start, c.block_ids) for c in layout.chunks]
     out = torch.empty_like(q)
     for row0, n, first_pos, table in requests:
