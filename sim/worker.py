@@ -21,7 +21,9 @@ everything running decodes, nothing waits, nobody ends) takes them as one **run*
 times are computed at once, and the scheduler skips them (``skip_decode_steps``) when the
 run ends or something touches the worker mid-run; its load reports meanwhile are what the
 steps so far would leave (blocks taken by every step begun). The outcome is the same as
-stepping one plan at a time (``tests/unit/test_sim_runs.py``)::
+stepping one plan at a time (``tests/unit/test_sim_runs.py``), but for an event at the
+very instant a step ends, which a run sees before that step's end (stepping, it depends
+on which of the two was queued first)::
 
     idle ──kick (a decode run)──▶ in a run ──last step's end──▶ steps skipped, kick
                                      │

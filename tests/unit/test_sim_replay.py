@@ -122,3 +122,23 @@ def test_chunked_prefill_keeps_long_prompts_from_stalling_token_gaps():
     chunked = summary(run(_one_h100(max_num_batched_tokens=512), COST, requests))
     assert chunked["itl_ms"]["p99"] < whole["itl_ms"]["p99"], (
         f"ITL p99 {chunked['itl_ms']['p99']:.1f} ms chunked vs {whole['itl_ms']['p99']:.1f} ms unchunked")
+
+
+def test_a_live_run_replayed_on_its_own_topology_compares_each_metric(tmp_path):
+    """``bench.sim live-validate``'s replay: a ``bench.serve`` result whose measured summary is
+    the simulation's own comes back with no error on any metric."""
+    from bench.sim import replay_live
+    from sim.cost import cost_model
+
+    cost = cost_model("cpu", model_spec("tandem-tiny-llama"))
+    requests = [SimRequest(0.25 * i, 96 + i, 12) for i in range(8)]
+    topo = SimTopology(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 256})
+    simulated = summary(run(topo, cost, requests))
+    records = [{"sent_s": r.arrival_s, "prompt_tokens": r.prompt_tokens, "requested_output_tokens": r.output_tokens}
+               for r in requests]
+    path = tmp_path / "live-1P+2D.json"
+    path.write_text(json.dumps({"runs": [{"request_rate": "4", "summary": simulated, "requests": records}]}))
+    [row] = replay_live("1P+2D", path, cost, 256)
+    assert row["rate"] == "4" and row["topology"] == "1P+2D"
+    errors = {name: m["error"] for name, m in row["metrics"].items()}
+    assert errors == dict.fromkeys(errors, 0.0), f"the same trace on the same topology must agree exactly: {errors}"
