@@ -65,7 +65,7 @@ class SimRouter:
         leading blocks that worker likely caches; None when none has room."""
         workers = [w for w in self.pools["decode"] if not w.draining]
         blocks = -(-(len(prompt) + 1) // self.block_size)
-        loads = [w.decode_load(now) for w in workers]
+        loads = [w.load if now <= w.load_until else w.decode_load(now) for w in workers]
         hashes = self.prefix_hashes(prompt)
         if self.settings.placement == "round_robin":
             room = [decode_has_room(load, blocks, self.max_running) for load in loads]

@@ -36,6 +36,7 @@ once it holds none.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -108,13 +109,14 @@ class SimWorker:
         self.forward_s = 0.0  # simulated model time, summed over steps
         self.num_steps = 0
         self.run: DecodeRun | None = None
-        self._load: DecodeLoad | None = None  # the last report, until the worker's state changes
-        self._load_until = 0.0  # in a run: the cached report holds until then (no step takes blocks)
+        self.load: DecodeLoad | None = None  # the last report, good until ``load_until``
+        self.load_until = -math.inf  # (until the worker changes; in a run, until a step takes blocks)
         self._prefill_load: PrefillLoad | None = None
 
     def touch(self) -> None:
         """The worker's state changed: its next load report is made anew."""
-        self._load = self._prefill_load = None
+        self.load = self._prefill_load = None
+        self.load_until = -math.inf
 
     def holds_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self.scheduler.held) or self.in_flight is not None
@@ -132,16 +134,17 @@ class SimWorker:
         return (usable - self.free_blocks(now)) / usable
 
     def decode_load(self, now: float) -> DecodeLoad:
-        """The load report a decode worker sends with every step message."""
-        if self._load is None or (self.run is not None and now > self._load_until):
+        """The load report a decode worker sends with every step message (``load``, kept
+        while it holds: placement reads it for every worker, for every request)."""
+        if self.load is None or now > self.load_until:
             s, run = self.scheduler, self.run
-            if run is not None:
-                # Good until the last step of those that take no more blocks than this one.
+            self.load_until = math.inf
+            if run is not None:  # good until the last step of those that take no more blocks than this one
                 taken = run.taken
-                self._load_until = run.ends[bisect_right(taken, taken[run.steps_ended(now)]) - 1]
-            self._load = DecodeLoad(self.worker_id, self.free_blocks(now), self.kv.pool.num_usable_blocks,
-                                    len(s.running), s.num_waiting, len(s.remote))
-        return self._load
+                self.load_until = run.ends[bisect_right(taken, taken[run.steps_ended(now)]) - 1]
+            self.load = DecodeLoad(self.worker_id, self.free_blocks(now), self.kv.pool.num_usable_blocks,
+                                   len(s.running), s.num_waiting, len(s.remote))
+        return self.load
 
     def prefill_load(self) -> PrefillLoad:
         """The load report a prefill worker answers placement polls with."""
