@@ -18,10 +18,11 @@ import ray
 from engine.metrics import RouterMetrics
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
 from router.dispatch import Affinity, DispatchConfig, Dispatcher
+from router.errors import ApiError
 from router.fanout import Fanout
 from router.grammar_check import GrammarChecker
 from router.latency import LatencyWindow
-from router.validation import ApiError, Choice, PreparedRequest, ServedModel, check_api_key
+from router.validation import Choice, PreparedRequest, ServedModel, check_api_key
 
 log = logging.getLogger(__name__)
 

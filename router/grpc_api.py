@@ -19,7 +19,8 @@ import grpc
 
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
-from router.validation import ApiError, PreparedRequest, ServedModel, bearer, prepare_completion
+from router.errors import ApiError
+from router.validation import PreparedRequest, ServedModel, bearer, prepare_completion
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,

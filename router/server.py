@@ -52,23 +52,16 @@ from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.admission import Ticket
+from router.bodies import parse_json
 from router.core import RouterConfig, RouterCore
 from router.dispatch import aborted_delta
+from router.errors import ApiError
 from router.fanout import Fanout, fan_out, many_deltas
 from router.openai_api import Accumulator, Envelope, model_list, sse
 from router.stream_events import choice_event, echoed, opening_event, server_error, sse_event, tool_events
 from router.tokenization import detokenize, tokenize
 from router.tool_calls import ToolStream
-from router.validation import (
-    ApiError,
-    Choice,
-    PreparedRequest,
-    bearer,
-    choices,
-    parse_json,
-    prepare_chat,
-    prepare_completions,
-)
+from router.validation import Choice, PreparedRequest, bearer, choices, prepare_chat, prepare_completions
 
 log = logging.getLogger(__name__)
 

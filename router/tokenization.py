@@ -15,17 +15,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.validation import (
-    ApiError,
-    ChatMessage,
-    ServedModel,
-    ToolDef,
-    check_text,
-    check_token_ids,
-    parse_as,
-    render_chat,
-    template_tools,
-)
+from router.bodies import ChatMessage, ToolDef, check_text, parse_as
+from router.errors import ApiError
+from router.tool_requests import template_tools
+from router.validation import ServedModel, check_token_ids, render_chat
 
 
 class _TokenizerBody(BaseModel):

@@ -1,6 +1,8 @@
 """Request validation: turns an OpenAI-style body into token ids and ``SamplingParams``.
 
-Everything a user can get wrong is caught here and raised as ``ApiError`` with the
+Everything a user can get wrong is caught here (and in the modules it uses, one concern
+each: ``router.bodies`` the bodies' types, ``router.output_constraints`` the structured
+output kinds, ``router.tool_requests`` the tools) and raised as ``ApiError`` with the
 HTTP status (400, 404, 413), the offending field in ``param`` and a message that
 names the field and the limit. The transports map it: HTTP sends the OpenAI error
 JSON, gRPC a status code (see ``router.grpc_api``). Pure: no Ray, no network; the
@@ -16,7 +18,7 @@ a bad spec is a 400 naming the field (``PreparedRequest.structured_field``).
 Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, and the assistant's
 ``tool_calls`` and tool messages in ``messages``) go to the chat template in HF's
 convention; a required or named ``tool_choice`` becomes an output constraint (the
-schemas are ``router.tool_calls``'), and ``PreparedRequest.tools`` says how to read the
+schemas are ``router.tool_parsers``'), and ``PreparedRequest.tools`` says how to read the
 output.
 
 vLLM's token controls become SamplingParams fields: ``logit_bias`` (OpenAI's map of
@@ -32,42 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import jinja2
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.grammar import precheck as precheck_grammar
 from engine.sampling_params import SamplingParams, StructuredOutput
+from router.bodies import ChatBody, ChatMessage, CompletionBody, SamplingBody, check_text, parse_as
+from router.errors import ApiError
+from router.output_constraints import structured_output
 from router.tool_calls import ToolPlan
-from router.tool_parsers import EMPTY_PARAMETERS, parser_for_template, required_schema
-
-
-class ApiError(Exception):
-    """An error the client caused (or a server error worded for the client)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        retry_after_s: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type
-        self.code = code
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> dict:
-        """The OpenAI error shape."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from router.tool_requests import chat_tools
 
 
 def bearer(header: str | None) -> str | None:
@@ -156,208 +133,10 @@ def choices(batch: list[PreparedRequest]) -> list[Choice]:
     return out
 
 
-# -- request bodies ------------------------------------------------------------
-
-
-class _Body(BaseModel):
-    # Strict: "0.5" is not a number. Unknown fields are ignored, as OpenAI clients send extras.
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    n: int = 1
-    best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    response_format: dict | None = None
-    guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top tokens
-    priority: int = 0  # vLLM's: lower is served first, under the ``priority`` scheduling policy
-
-
-class StreamOptions(BaseModel):
-    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with token counts."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = False
-
-
-class CompletionBody(_Body):
-    """A ``/v1/completions`` body (gRPC's Generate is turned into one); ``prepare_completions``
-    checks what the types cannot."""
-
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-
-
-TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-
-
-class TextPart(BaseModel):
-    """A text part of a message whose ``content`` is a list of parts."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class CalledFunction(BaseModel):
-    """The function an earlier tool call named, with its arguments as JSON text."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    name: str = Field(pattern=TOOL_NAME)
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class MessageToolCall(BaseModel):
-    """A tool call an earlier assistant message made, sent back in ``messages``."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(BaseModel):
-    """One message of a chat request; ``for_template`` checks it and gives it the
-    chat template's shape."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool message: the call it answers
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-    def for_template(self, i: int) -> dict:
-        """The message as chat templates take it (HF's convention, as vLLM hands it
-        over): a call's ``arguments`` as an object; 400 naming the field."""
-        out = {"role": self.role, "content": check_text(self.text(), f"messages.{i}.content")}
-        if self.tool_calls:
-            if self.role != "assistant":
-                raise ApiError(400, f"messages.{i}.tool_calls: only assistant messages carry tool calls",
-                               param=f"messages.{i}.tool_calls")
-            out["tool_calls"] = [_template_call(call, f"messages.{i}.tool_calls.{j}")
-                                 for j, call in enumerate(self.tool_calls)]
-        if self.role == "tool":
-            if self.tool_call_id is None or self.content is None:
-                missing = "tool_call_id" if self.tool_call_id is None else "content"
-                raise ApiError(400, f"messages.{i}.{missing}: a tool message needs tool_call_id and content",
-                               param=f"messages.{i}.{missing}")
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-def _template_call(call: MessageToolCall, path: str) -> dict:
-    try:
-        arguments = json.loads(call.function.arguments)
-    except (ValueError, RecursionError):
-        arguments = None
-    if not isinstance(arguments, dict):
-        raise ApiError(400, f"{path}.function.arguments must be a JSON object, as text",
-                       param=f"{path}.function.arguments")
-    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
-
-
-class FunctionDef(BaseModel):
-    """A function a chat request offers the model: its name, description and
-    parameters as a JSON schema."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    name: str = Field(pattern=TOOL_NAME)
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema; none: no parameters
-    strict: bool | None = None
-
-
-class ToolDef(BaseModel):
-    """One entry of a chat request's ``tools``: a function the model may call."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class ChatBody(_Body):
-    """A ``/v1/chat/completions`` body; ``prepare_chat`` checks what the types cannot."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[ToolDef] | None = None
-    tool_choice: Any = None  # checked by ``_tool_choice``, for messages clearer than a union's
-    parallel_tool_calls: bool = True
-
-
-_Body.model_rebuild()
-CompletionBody.model_rebuild()
-ChatBody.model_rebuild()
-
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
-
-
-def _field_path(loc: tuple) -> str:
-    """``('prompt', 'list[int]', 1)`` -> ``prompt.1``: the union member names are noise."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
-    return ".".join(parts)
-
-
-def parse_json(raw: bytes, max_bytes: int) -> dict:
-    """The request body as a JSON object; 413 over the size limit, 400 when malformed."""
-    if len(raw) > max_bytes:
-        raise ApiError(413, f"request body is {len(raw)} bytes, over the limit of {max_bytes} bytes")
-    try:
-        body = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def parse_as(model_cls: type[BaseModel], body: dict) -> Any:
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        path = _field_path(err["loc"])
-        raise ApiError(400, f"{path}: {err['msg']}", param=path) from None
-
-
 # -- sampling ------------------------------------------------------------------
 
 
-def _check_priority(b: _Body, model: ServedModel) -> None:
+def _check_priority(b: SamplingBody, model: ServedModel) -> None:
     """``priority`` within +-MAX_PRIORITY, and 0 unless the workers schedule by it."""
     if abs(b.priority) > MAX_PRIORITY:
         raise ApiError(400, f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {b.priority}",
@@ -367,74 +146,13 @@ def _check_priority(b: _Body, model: ServedModel) -> None:
                        f"{model.scheduling_policy!r}, not by priority: leave it out or send 0", param="priority")
 
 
-def _check_n(b: _Body) -> None:
+def _check_n(b: SamplingBody) -> None:
     """``n`` in [1, MAX_N]; ``best_of`` only as a no-op (None, or equal to n)."""
     if not 1 <= b.n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {b.n}", param="n")
     if b.best_of not in (None, b.n):
         raise ApiError(400, f"best_of is not supported: it must equal n ({b.n}) or be left out, got {b.best_of}",
                        param="best_of")
-
-
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-def _response_format(rf: dict) -> tuple[str, StructuredOutput] | None:
-    """(field, constraint) for a ``response_format``; None for ``{"type": "text"}``."""
-    kind = rf.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "response_format", StructuredOutput("json_object")
-    if kind != "json_schema":
-        raise ApiError(
-            400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-            param="response_format.type",
-        )
-    spec = rf.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ApiError(400, "response_format.json_schema must be an object with a schema",
-                       param="response_format.json_schema")
-    schema = spec.get("schema")
-    if not isinstance(schema, dict):
-        raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
-                       param="response_format.json_schema.schema")
-    return "response_format.json_schema.schema", StructuredOutput.json_schema(schema)
-
-
-def _guided(name: str, value) -> StructuredOutput:
-    try:
-        if name == "guided_json":
-            return StructuredOutput.json_schema(value)
-        if name == "guided_choice":
-            return StructuredOutput.choice(value)
-        return StructuredOutput("regex" if name == "guided_regex" else "grammar", value)
-    except ValueError as e:
-        text = str(e)
-        raise ApiError(400, text if text.startswith(name) else f"{name}: {text}", param=name) from None
-
-
-def structured_output(b: _Body) -> tuple[str, StructuredOutput] | None:
-    """(field, constraint): the request's output constraint, at most one kind; 400 naming
-    the field. The spec is not parsed here (see ``router.grammar_check``)."""
-    given = []
-    if b.response_format is not None:
-        rf = _response_format(b.response_format)
-        if rf is not None:
-            given.append(rf)
-    given += [(name, _guided(name, getattr(b, name))) for name in _GUIDED if getattr(b, name) is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        names = [name.split(".")[0] for name, _ in given]
-        raise ApiError(400, f"at most one structured output kind per request; got {', '.join(names)}",
-                       param=names[1])
-    field, so = given[0]
-    try:
-        precheck_grammar(so, field)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=field) from None
-    return field, so
 
 
 def _logit_bias(raw: dict[str, float], model: ServedModel) -> dict[int, float]:
@@ -468,7 +186,7 @@ def _bad_words(words: list[str], tokenizer) -> list[list[int]]:
     return sequences
 
 
-def _token_controls(b: _Body, model: ServedModel, tokenizer) -> dict:
+def _token_controls(b: SamplingBody, model: ServedModel, tokenizer) -> dict:
     """The body's ``logit_bias``, ``allowed_token_ids`` and ``bad_words`` as SamplingParams fields."""
     controls: dict = {"allowed_token_ids": b.allowed_token_ids}
     if b.logit_bias:
@@ -479,7 +197,7 @@ def _token_controls(b: _Body, model: ServedModel, tokenizer) -> dict:
 
 
 def _sampling_params(
-    b: _Body, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None, **fields
+    b: SamplingBody, max_tokens: int | None, prompt_len: int, model: ServedModel, logprobs: int | None, **fields
 ):
     room = model.max_model_len - prompt_len
     if max_tokens is None:
@@ -520,17 +238,6 @@ def _sampling_params(
         raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
 
-def check_text(text: str, param: str) -> str:
-    """400 for text that is not Unicode: JSON's \\ud800 escapes can give lone surrogates."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(
-            400, f"{param} is not valid Unicode: a lone surrogate at character {e.start}", param=param
-        ) from None
-    return text
-
-
 def check_token_ids(ids, model: ServedModel, param: str) -> None:
     """400 naming ``param`` for an id outside the model's vocabulary."""
     for t in ids:
@@ -563,13 +270,13 @@ def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
         )
 
 
-def _stream_flags(b: _Body) -> tuple[bool, bool]:
+def _stream_flags(b: SamplingBody) -> tuple[bool, bool]:
     if b.stream_options is not None and not b.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return b.stream, bool(b.stream_options and b.stream_options.include_usage)
 
 
-def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
+def _parse_body(model_cls: type[SamplingBody], body: dict, model: ServedModel) -> Any:
     """Parse a body and check what every endpoint checks: the model's name, ``n``,
     ``best_of`` and ``priority``."""
     b = parse_as(model_cls, body)
@@ -580,7 +287,7 @@ def _parse_body(model_cls: type[_Body], body: dict, model: ServedModel) -> Any:
 
 
 def _prepared(
-    b: _Body, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None, tokenizer,
+    b: SamplingBody, ids: list[int], max_tokens: int | None, model: ServedModel, logprobs: int | None, tokenizer,
     output: tuple[str, StructuredOutput] | None = None,
 ) -> PreparedRequest:
     """The prompt's ids with the body's sampling params (output constraint, or ``output``
@@ -606,97 +313,6 @@ def render_chat(
         return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
-
-
-# -- tools ---------------------------------------------------------------------
-
-
-_CHOICE_SHAPE = "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}"
-
-
-def _tool_choice(b: ChatBody) -> tuple[str, str | None]:
-    """(mode, function name): the request's ``tool_choice``, defaulted as OpenAI's ("auto"
-    with tools, "none" without); 400 naming ``tool_choice``."""
-    choice, names = b.tool_choice, [t.function.name for t in b.tools or ()]
-    if choice is None or choice in ("none", "auto"):
-        return ("auto" if names and choice != "none" else "none"), None
-    if choice == "required":
-        name = None
-    elif isinstance(choice, dict) and choice.get("type") == "function" and \
-            isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
-        name = choice["function"]["name"]
-    else:
-        raise ApiError(400, f"tool_choice must be {_CHOICE_SHAPE}, got {json.dumps(choice)[:100]}",
-                       param="tool_choice")
-    if not names:
-        raise ApiError(400, "tool_choice requires tools: the request has none to call", param="tool_choice")
-    if name is not None and name not in names:
-        raise ApiError(400, f"tool_choice names the function {name!r}, which is not among the tools "
-                       f"({', '.join(names)})", param="tool_choice.function.name")
-    return ("named" if name else "required"), name
-
-
-def _functions(tools: list[ToolDef]) -> list[dict]:
-    """The tools' functions as dicts, ``parameters`` defaulted; 400 for a name used twice."""
-    functions, seen = [], set()
-    for i, tool in enumerate(tools):
-        fn = tool.function.model_dump(exclude_none=True)
-        if fn["name"] in seen:
-            raise ApiError(400, f"tools.{i}.function.name: {fn['name']!r} names two tools; names must be unique",
-                           param=f"tools.{i}.function.name")
-        seen.add(fn["name"])
-        fn.setdefault("parameters", EMPTY_PARAMETERS)
-        functions.append(fn)
-    return functions
-
-
-def _tool_output(
-    mode: str, name: str | None, functions: list[dict], b: ChatBody,
-) -> tuple[str, StructuredOutput] | None:
-    """(field, constraint) enforcing a required or named choice (None for auto); 400 naming
-    ``tool_choice`` when the request constrains its output another way too."""
-    if mode == "auto":
-        return None
-    if structured_output(b) is not None:
-        raise ApiError(400, f"tool_choice {mode!r} shapes the output itself: it cannot go with "
-                       "response_format or guided_*", param="tool_choice")
-    if mode == "named":
-        i = next(i for i, fn in enumerate(functions) if fn["name"] == name)
-        return f"tools.{i}.function.parameters", StructuredOutput.json_schema(functions[i]["parameters"])
-    try:
-        return "tools", StructuredOutput.json_schema(required_schema(functions, b.parallel_tool_calls))
-    except ValueError as e:
-        raise ApiError(400, f"tools: {e}", param="tools") from None
-
-
-@dataclass(frozen=True)
-class ChatTools:
-    """A chat request's tools as validation settled them."""
-
-    template_tools: list[dict] | None = None  # for the chat template; None: left out
-    plan: ToolPlan | None = None  # how to read the output; None: plain content
-    output: tuple[str, StructuredOutput] | None = None  # (field, constraint) of required / named
-
-
-def chat_tools(b: ChatBody, tokenizer) -> ChatTools:
-    """What the request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` ask for.
-    ``tool_choice`` "none" leaves the tools out of the prompt, as if there were none."""
-    mode, name = _tool_choice(b)
-    if mode == "none":
-        return ChatTools()
-    functions = _functions(b.tools)
-    parser = parser_for_template(tokenizer.chat_template) if mode == "auto" else None
-    plan = ToolPlan(mode, name, parser, b.parallel_tool_calls, frozenset(fn["name"] for fn in functions))
-    return ChatTools(_template_tools(functions), plan, _tool_output(mode, name, functions, b))
-
-
-def _template_tools(functions: list[dict]) -> list[dict]:
-    return [{"type": "function", "function": fn} for fn in functions]
-
-
-def template_tools(tools: list[ToolDef] | None) -> list[dict] | None:
-    """The tools as the chat template takes them (HF's convention); None without tools."""
-    return _template_tools(_functions(tools)) if tools else None
 
 
 def prepare_completions(body: dict, model: ServedModel, tokenizer) -> list[PreparedRequest]:

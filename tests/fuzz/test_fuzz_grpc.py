@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
-from router.validation import ApiError
+from router.errors import ApiError
 from tests.fuzz.conftest import MAX_BODY
 from tests.helpers import tally, write_report
 

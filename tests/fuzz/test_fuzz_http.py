@@ -34,8 +34,10 @@ try:  # the HTTP client the installed openai package is built on
 except ImportError:
     import httpx
 
+from router.bodies import parse_json
+from router.errors import ApiError
 from router.tokenization import detokenize, tokenize
-from router.validation import ApiError, parse_json, prepare_chat, prepare_completions
+from router.validation import prepare_chat, prepare_completions
 from tests.fuzz.conftest import MAX_BODY
 from tests.helpers import tally, write_report
 

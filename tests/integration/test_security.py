@@ -135,7 +135,8 @@ def test_the_key_comparison_is_constant_time(monkeypatch):
     import hmac
 
     import router.validation as validation
-    from router.validation import ApiError, check_api_key
+    from router.errors import ApiError
+    from router.validation import check_api_key
 
     calls, real = [], hmac.compare_digest
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from router.errors import ApiError
 from router.tokenization import detokenize, tokenize
-from router.validation import ApiError, ServedModel, prepare_chat, prepare_completion
+from router.validation import ServedModel, prepare_chat, prepare_completion
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import tokenizers
 
 from engine.messages import StreamDelta
 from engine.tokenizer import Tokenizer
+from router.errors import ApiError
 from router.openai_api import Accumulator, Envelope
 from router.tool_parsers import EMPTY_PARAMETERS, HermesParser, Llama3JsonParser, required_schema
-from router.validation import ApiError, ServedModel, prepare_chat
+from router.validation import ServedModel, prepare_chat
 from tests.helpers import TOOL_CHAT_TEMPLATE
 
 MODEL = ServedModel("tandem-tiny-llama", max_model_len=4096, vocab_size=1000, block_size=16, max_kv_blocks=1000)

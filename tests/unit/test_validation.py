@@ -7,15 +7,15 @@ import dataclasses
 import pytest
 
 from router.admission import Admission, AdmissionConfig, Rejection, Ticket
+from router.bodies import parse_json
+from router.errors import ApiError
 from router.validation import (
     MAX_N,
     MAX_PRIORITY,
     MAX_PROMPTS,
-    ApiError,
     ServedModel,
     check_api_key,
     choices,
-    parse_json,
     prepare_chat,
     prepare_completion,
     prepare_completions,
