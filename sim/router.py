@@ -56,9 +56,13 @@ class SimRouter:
         self._decode_ties = itertools.count()
         self._prefill_ties = itertools.count()
         self._uses_prefixes = settings.placement != "round_robin" and settings.prefix_affinity
+        self._hashed: tuple[Sequence[int] | None, list[bytes]] = (None, [])
 
     def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
-        return self._hasher.hash_blocks(prompt, self.block_size) if self._uses_prefixes else []
+        """The prompt's block hashes (the last prompt's kept: both placements of a request ask)."""
+        if prompt is not self._hashed[0]:
+            self._hashed = (prompt, self._hasher.hash_blocks(prompt, self.block_size) if self._uses_prefixes else [])
+        return self._hashed[1]
 
     def choose_decode(self, prompt: list[int], now: float) -> tuple[SimWorker, int] | None:
         """A decode worker with room for the prompt and its first token, and how many of its
