@@ -175,3 +175,17 @@ def test_the_charts_router_settings_are_the_flags_names():
     assert router == ServiceConfig().router, "an unset router setting keeps the schema's default"
     with pytest.raises(ValueError, match="unknown router settings"):
         configs_from_args({"router": {"max_outstanding_request": 3}})
+
+
+def test_configs_derived_from_others_default_to_what_they_are_derived_from():
+    """SchedulerConfig is built from EngineConfig, and the cluster sets DispatchConfig's
+    engine-facing fields: where they have defaults of their own (for tests and the
+    simulator), those must be what the derivation gives."""
+    from engine.config import EngineConfig
+    from engine.scheduler import SchedulerConfig
+    from router.dispatch import DispatchConfig
+
+    assert EngineConfig().scheduler_config(SchedulerConfig().max_model_len) == SchedulerConfig()
+    dispatch, derived = DispatchConfig(), ClusterConfig().dispatch_settings()
+    derived.pop("prefix_hash_seed")  # random per process unless set: nothing to agree on
+    assert {k: getattr(dispatch, k) for k in derived} == derived
