@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import serve, workloads
-from bench.workloads import BenchRequest
+from bench import serve
+from load import workloads
+from load.workloads import BenchRequest
 
 WINDOW_S = 5.0  # the flip experiment's attainment windows
 ENGINE = ["--engine", "enable_prefix_caching=false", "--num-kv-blocks", "1024"]  # every prompt computed

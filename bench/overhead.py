@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench import workloads
-from bench.workloads import BenchRequest
 from cluster.flags import add_service_flags
+from load import workloads
+from load.workloads import BenchRequest
 
 KINDS = ("decode", "router", "ingress", "client", "prefill", "driver", "control", "ray", "other")
 WARMUP_REQUESTS = 8

@@ -1,7 +1,7 @@
 """Serving benchmark: an asynchronous load client for a running Tandem (or any
 OpenAI-compatible completions server), in the manner of vLLM's benchmark_serving.
 
-Requests from a workload (``bench/workloads.py``) are sent on an arrival schedule
+Requests from a workload (``load/workloads.py``) are sent on an arrival schedule
 (Poisson or gamma at ``--request-rate``, or all at once), optionally capped at
 ``--max-concurrency`` in flight, over streaming HTTP (``/v1/completions`` with SSE) or
 gRPC (``tandem.v1.Generation/Generate``). Every request is greedy with ``ignore_eos``
@@ -45,16 +45,16 @@ import platform
 import random
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
-from bench import workloads
-from bench.workloads import BenchRequest
 from cluster.flags import LOCAL_GRPC, LOCAL_URL, add_service_flags
+from load import workloads
+from load.results import RequestResult, Slo, format_summary, summarize
+from load.workloads import BenchRequest
 
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
 SLO_KEYS = ("ttft", "tpot", "e2e")
@@ -68,140 +68,6 @@ WARMUP_PROMPT_TOKENS = 16
 READY_TIMEOUT_S = 60.0
 # Failures that mean "not up yet" while waiting for a server to answer its first request.
 NOT_READY = {"connection", "unavailable", "http_503"}
-
-
-# -- results and metrics -------------------------------------------------------
-
-
-@dataclass
-class RequestResult:
-    """One request as the client saw it; times in seconds."""
-
-    index: int
-    group: str
-    prompt_tokens: int
-    requested_output_tokens: int
-    sent_s: float = 0.0  # from the start of the run
-    ok: bool = False
-    error: str | None = None  # the failure's kind: "http_429", "resource_exhausted", "timeout", ...
-    message: str = ""
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    cached_tokens: int = 0
-
-    @property
-    def tpot_s(self) -> float | None:
-        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-    def record_stream(self, start: float, chunk_times: Sequence[float], end: float) -> None:
-        """Latencies from the send time, the arrival time of every token-carrying chunk,
-        and the end of the stream (all on one clock)."""
-        self.e2e_s = end - start
-        if chunk_times:
-            self.ttft_s = chunk_times[0] - start
-            self.itl_s = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-
-    def fail(self, kind: str, message: str = "") -> None:
-        self.ok, self.error, self.message = False, kind, message[:500]
-
-    def to_json(self) -> dict:
-        return {**asdict(self), "tpot_s": self.tpot_s}
-
-
-@dataclass(frozen=True)
-class Slo:
-    """Service-level objectives in milliseconds; None: not constrained."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2e_ms: float | None = None
-
-    def __bool__(self) -> bool:
-        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
-
-    def met_by(self, r: RequestResult) -> bool:
-        return r.ok and all(
-            limit is None or value is None or value * 1000 <= limit
-            for limit, value in ((self.ttft_ms, r.ttft_s), (self.tpot_ms, r.tpot_s), (self.e2e_ms, r.e2e_s))
-        )
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between order statistics (numpy's
-    default, which vLLM's numbers use)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
-    if not values_s:
-        return {"mean": None, "median": None, "p90": None, "p99": None}
-    ms = [v * 1000 for v in values_s]
-    return {
-        "mean": sum(ms) / len(ms),
-        "median": percentile(ms, 50),
-        "p90": percentile(ms, 90),
-        "p99": percentile(ms, 99),
-    }
-
-
-def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dict:
-    """The run's numbers; throughputs count completed requests only, over the whole run
-    (first send to last completion)."""
-    done = [r for r in results if r.ok]
-    prompt = sum(r.prompt_tokens for r in done)
-    output = sum(r.output_tokens for r in done)
-    return {
-        "duration_s": duration_s,
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "errors": dict(Counter(r.error for r in results if not r.ok)),
-        "total_input_tokens": prompt,
-        "total_output_tokens": output,
-        "cached_prompt_tokens": sum(r.cached_tokens for r in done),
-        "request_throughput": len(done) / duration_s,
-        "output_throughput": output / duration_s,
-        "total_token_throughput": (prompt + output) / duration_s,
-        "goodput": sum(slo.met_by(r) for r in done) / duration_s if slo else None,
-        "ttft_ms": distribution_ms([r.ttft_s for r in done if r.ttft_s is not None]),
-        "tpot_ms": distribution_ms([r.tpot_s for r in done if r.tpot_s is not None]),
-        "itl_ms": distribution_ms([gap for r in done for gap in r.itl_s]),
-        "e2e_ms": distribution_ms([r.e2e_s for r in done if r.e2e_s is not None]),
-    }
-
-
-def format_summary(summary: dict, rate: str) -> str:
-    def num(v: float | None, fmt: str = ".2f") -> str:
-        return "-" if v is None else format(v, fmt)
-
-    lines = [
-        f"==== request rate {rate} ====",
-        f"completed / failed:          {summary['completed']} / {summary['failed']}"
-        + (f"  {summary['errors']}" if summary["errors"] else ""),
-        f"duration (s):                {num(summary['duration_s'])}",
-        f"requests/s:                  {num(summary['request_throughput'])}",
-        f"output tokens/s:             {num(summary['output_throughput'])}",
-        f"total tokens/s:              {num(summary['total_token_throughput'])}",
-        f"prompt tokens (cached):      {summary['total_input_tokens']} ({summary['cached_prompt_tokens']})",
-    ]
-    if summary["goodput"] is not None:
-        lines.append(f"goodput (requests/s):        {num(summary['goodput'])}")
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
-        d = summary[key]
-        lines.append(
-            f"{key.split('_')[0].upper():<5} ms mean / median / p90 / p99: "
-            f"{num(d['mean'])} / {num(d['median'])} / {num(d['p90'])} / {num(d['p99'])}"
-        )
-    return "\n".join(lines)
 
 
 # -- clients -------------------------------------------------------------------

@@ -47,13 +47,14 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import workloads
-from bench.serve import HttpClient, RequestResult, RunPlan, open_client, percentile, run_load, warm_up
+from bench.serve import HttpClient, RunPlan, open_client, run_load, warm_up
 from bench.soak_report import build_report, markdown, write_plot
 from bench.soak_samples import Sampler, Tally
 from bench.soak_verdict import MB, CancelPoint, TrendRule, choose_cancel
-from bench.workloads import BenchRequest
 from cluster.flags import add_service_flags
+from load import workloads
+from load.results import RequestResult, percentile
+from load.workloads import BenchRequest
 
 # -- the load ------------------------------------------------------------------------
 

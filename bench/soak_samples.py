@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.serve import RequestResult, percentile
 from bench.soak_verdict import RAY_INTERNALS
+from load.results import RequestResult, percentile
 
 LATENCY_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "e2e_p99_ms")
 

@@ -1,8 +1,8 @@
 """A simulated run in the serving benchmark's terms: its per-request records and summary.
 
-Each replayed request becomes a ``bench.serve.RequestResult`` (TTFT, ITL gaps and E2E
+Each replayed request becomes a ``load.results.RequestResult`` (TTFT, ITL gaps and E2E
 from its arrival, on the simulated clock) and the run is summarized by
-``bench.serve.summarize``, so simulated and measured runs print and compare alike.
+``load.results.summarize``, so simulated and measured runs print and compare alike.
 To that the simulator adds preemptions, steps, queue lengths over time and autoscaling
 decisions.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.serve import RequestResult, Slo, format_summary, summarize
+from load.results import RequestResult, Slo, format_summary, summarize
 from sim.simulator import Record, SimResult
 
 
@@ -67,7 +67,7 @@ def request_result(rec: Record) -> RequestResult:
 
 
 def summary(result: SimResult, slo: SloTarget | None = None) -> dict:
-    """``bench.serve.summarize``'s numbers for the run, plus the simulator's own: preemptions,
+    """``load.results.summarize``'s numbers for the run, plus the simulator's own: preemptions,
     steps, queue peaks, SLO attainment, CPU time, autoscaling decisions."""
     results = [request_result(r) for r in result.records]
     sent = [r.req.arrival_s for r in result.records]

@@ -12,10 +12,10 @@ Pure: a seeded ``random.Random``, no clock. Three sources:
     lognormal prompt and output lengths with the means the vLLM paper reports for
     ShareGPT (161 prompt, 338 output tokens), cut by vLLM's ShareGPT filters (4 to 1024
     prompt tokens, at most 2048 in all);
-  * ``synthetic``: uniform within ``in``/``out`` x (1 +- ``range``) (``bench.workloads.synthetic``);
+  * ``synthetic``: uniform within ``in``/``out`` x (1 +- ``range``) (``load.workloads.synthetic``);
   * ``long-mix``: synthetic with a share ``long`` of ``long_len``-token prompts.
 
-  Arrivals are ``bench.workloads.arrival_times`` (gamma gaps, ``burstiness`` 1 = Poisson;
+  Arrivals are ``load.workloads.arrival_times`` (gamma gaps, ``burstiness`` 1 = Poisson;
   ``rate=inf`` sends everything at 0).
 
 Prompt token ids are distinct per request (no prefix is shared by accident) unless the
@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.workloads import SHAREGPT_MAX_PROMPT_TOKENS, SHAREGPT_MAX_TOTAL_TOKENS, arrival_times, length_range
+from load.workloads import SHAREGPT_MAX_PROMPT_TOKENS, SHAREGPT_MAX_TOTAL_TOKENS, arrival_times, length_range
 
 SHAREGPT_MEAN_PROMPT = 161
 SHAREGPT_MEAN_OUTPUT = 338

@@ -112,7 +112,7 @@ def _check_tandem_status(svc) -> None:
     import io
     import re
 
-    from cluster.cli import main
+    from tandem.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -313,8 +313,8 @@ def _listeners(port: int) -> set[str]:
 
 
 def test_http_binds_loopback_by_default(service):
-    from cluster.cli import build_parser
     from cluster.service import ServiceConfig
+    from tandem.cli import build_parser
 
     assert ServiceConfig().host == "127.0.0.1"
     assert build_parser().parse_args(["up"]).host == "127.0.0.1"

@@ -4,7 +4,7 @@ attainment per window and the time to get back within the SLO."""
 from __future__ import annotations
 
 from bench.elastic import Phase, attainment, goodput, recovery_s, schedule
-from bench.serve import RequestResult, Slo
+from load.results import RequestResult, Slo
 
 SLO = Slo(ttft_ms=100, tpot_ms=10)
 

@@ -12,22 +12,10 @@ import statistics
 import grpc
 import pytest
 
-from bench import workloads
-from bench.serve import (
-    GrpcClient,
-    HttpClient,
-    RequestResult,
-    RunPlan,
-    Slo,
-    distribution_ms,
-    parse_args,
-    percentile,
-    run_load,
-    service_config,
-    summarize,
-    warm_up,
-)
-from bench.workloads import BenchRequest
+from bench.serve import GrpcClient, HttpClient, RunPlan, parse_args, run_load, service_config, warm_up
+from load import workloads
+from load.results import RequestResult, Slo, distribution_ms, percentile, summarize
+from load.workloads import BenchRequest
 
 VOCAB = list(range(100, 1100))
 

@@ -9,12 +9,12 @@ import struct
 import pytest
 
 from cluster import flags
-from cluster.cli import build_parser
 from engine.block_hash import HASH_ALGOS, BlockHasher
 from engine.block_pool import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from router.dispatch import DispatchConfig, Dispatcher
+from tandem.cli import build_parser
 
 BS = 4
 

@@ -95,3 +95,32 @@ def test_no_function_outside_triton_kernels_is_over_60_lines():
                 if lines > MAX_FUNCTION_LINES and not kernel:
                     long.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _package_imports() -> dict[tuple[str, str], str]:
+    """(importer, imported) between the project's top-level packages, each with one place
+    it happens: every import in the source, module level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    packages = (*PROJECT_PACKAGES, "sim", "tandem", "load", "protos")
+    edges: dict[tuple[str, str], str] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in packages and top != package:
+                        edges.setdefault((package, top), f"{path.relative_to(root)}:{node.lineno}")
+    return edges
+
+
+def test_no_two_packages_import_each_other_and_nothing_imports_the_command():
+    edges = _package_imports()
+    cycles = sorted(f"{a} <-> {b} ({edges[a, b]}, {edges[b, a]})" for a, b in edges if (b, a) in edges and a < b)
+    assert not cycles, f"packages that import each other: {cycles}"
+    above = sorted(f"{a} ({where})" for (a, b), where in edges.items() if b == "tandem")
+    assert not above, f"the tandem command is the top: nothing imports it, but {above}"

@@ -26,7 +26,7 @@ def test_mypy_strict_passes_on_the_pure_core():
     assert out.returncode == 0, f"mypy:\n{out.stdout}{out.stderr}"
 
 
-PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "cluster", "sim", "bench")
+PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "cluster", "sim", "bench", "load", "tandem")
 
 
 def _public_classes(tree: ast.Module):

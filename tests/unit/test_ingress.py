@@ -7,7 +7,6 @@ import os
 import pytest
 
 from cluster import flags
-from cluster.cli import build_parser
 from cluster.ingress import (
     ENABLE_HAPROXY,
     FALLBACK_GRPC_PORT,
@@ -21,6 +20,7 @@ from cluster.ingress import (
     serve_env,
 )
 from cluster.service import ServiceConfig, controller_env
+from tandem.cli import build_parser
 
 
 def test_haproxy_is_the_default_and_other_names_are_refused_naming_the_field():

@@ -14,9 +14,9 @@ import yaml
 
 from cluster import flags
 from cluster.autoscaler import AutoscalingConfig
-from cluster.cli import build_parser
 from cluster.config import ClusterConfig
 from cluster.service import ROUTER_SETTINGS, ServiceConfig, configs_from_args
+from tandem.cli import build_parser
 
 CHART_VALUES = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem" / "values.yaml"
 

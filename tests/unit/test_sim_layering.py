@@ -39,7 +39,7 @@ def test_every_public_class_in_sim_has_a_docstring_and_no_function_is_over_60_li
 
 
 def test_tandem_sim_replays_a_workload_and_writes_its_summary(tmp_path, capsys):
-    from cluster.cli import main
+    from tandem.cli import main
 
     out = tmp_path / "s.json"
     rc = main(["sim", "--workload", "synthetic:n=30,in=200,out=20,rate=5", "--prefill-workers", "1",
@@ -53,7 +53,7 @@ def test_tandem_sim_replays_a_workload_and_writes_its_summary(tmp_path, capsys):
 
 
 def test_tandem_sim_reads_a_topology_file(tmp_path, capsys):
-    from cluster.cli import main
+    from tandem.cli import main
 
     config = tmp_path / "topology.yaml"
     config.write_text("prefill_workers: 0\ndecode_workers: 2\nengine: {max_num_seqs: 8}\n")
@@ -62,14 +62,14 @@ def test_tandem_sim_reads_a_topology_file(tmp_path, capsys):
 
 
 def test_tandem_sim_names_a_bad_workload():
-    from cluster.cli import main
+    from tandem.cli import main
 
     assert main(["sim", "--workload", "poisson:n=3"]) == 2
 
 
 def test_tandem_plan_prints_and_writes_a_topology_that_tandem_loads(tmp_path, capsys):
-    from cluster.cli import main
     from cluster.config import ClusterConfig
+    from tandem.cli import main
 
     rc = main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--chunks", "2048",
                "--batch-caps", "64", "--iters", "1", "--trial-s", "2", "--out-dir", str(tmp_path)])

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from bench.serve import RequestResult
 from bench.soak import LoadPlan, arrivals
 from bench.soak_report import markdown
 from bench.soak_samples import Tally, process_label
 from bench.soak_verdict import MB, CancelPoint, TrendRule, choose_cancel, fit_trend, judge, judge_blocks, judge_rss
+from load.results import RequestResult
 
 LOAD_S = 600.0
 TIMES = [5.0 * i for i in range(121)]  # a sample every 5 s over the load

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.cli import format_status
+from tandem.cli import format_status
 
 PREFILL = {"worker_id": "prefill-0", "draining": False, "load": {
     "worker_id": "prefill-0", "queued_prefill_tokens": 300, "running_chunks": 2, "waiting": 1,
@@ -51,7 +51,7 @@ def test_request_and_status_talk_to_the_server_with_the_key(monkeypatch, capsys)
     import json
     import threading
 
-    from cluster.cli import main
+    from tandem.cli import main
 
     seen = []
 

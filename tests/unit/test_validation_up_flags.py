@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster import flags
-from cluster.cli import build_parser
+from tandem.cli import build_parser
 
 
 def config_of(*argv):
@@ -55,7 +55,7 @@ def test_a_start_deadline_that_is_not_positive_is_an_error_naming_it(tmp_path, s
 
 
 def test_up_serves_smollm2_unless_a_flag_or_the_topology_file_names_a_model(tmp_path):
-    from cluster.cli import _serving_default
+    from tandem.cli import _serving_default
 
     path = tmp_path / "topology.yaml"
     path.write_text("decode_workers: 2\n")
