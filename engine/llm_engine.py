@@ -95,8 +95,10 @@ class EngineLoad:
 
 class LLMEngine:
     """One worker's model, KV cache and scheduler behind one door (``add_request``, ``abort``,
-    ``step``, ``load``, ``stats``). A worker (``WorkerBase``), ``LLM`` or a benchmark builds it; it
-    is not thread-safe: in a worker only ``AsyncEngine``'s step thread calls it."""
+    ``step``, ``load``, ``stats``): the step loop over the scheduler, the model runner (fed
+    ``RunnerInputBuilder``'s deltas), the output processor and, in the decode role, the remote-KV
+    intake. A worker (``WorkerBase``), ``LLM`` or a benchmark builds it; it is not thread-safe: in
+    a worker only ``AsyncEngine``'s step thread calls it."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)

@@ -1,13 +1,13 @@
 """The model runner's input as plain data: each step's plan, sent as deltas.
 
-Pure (no torch; numpy for the runner's block tables): integers, lists and sampling params
-only, no live object of the scheduler's, so the runner could live in another process. As in vLLM V1's
-``SchedulerOutput``, a request goes to the runner whole once (``NewRequestData``: its
-tokens so far, sampling params and seed, block table) the first step it is scheduled, and
-again only after a preemption; every later step that schedules it sends what changed
-(``CachedRequests``: the tokens appended since, the blocks appended, how many leading
-blocks a sliding window has given back, where the step starts and how many tokens it
-computes). ``finished_ids`` tell the runner to drop its copy.
+Pure (no torch; numpy for the runner's block tables): integers, lists and sampling
+params only, no live object of the scheduler's, so the runner could live in another
+process. As in vLLM V1's ``SchedulerOutput``, a request goes to the runner whole once
+(``NewRequestData``: its tokens so far, sampling params and seed, block table) the first
+step it is scheduled, and again only after a preemption; every later step that schedules
+it sends what changed (``CachedRequests``: the tokens appended since, the blocks
+appended, how many leading blocks a sliding window has given back, where the step starts
+and how many tokens it computes). ``finished_ids`` tell the runner to drop its copy.
 
 Two sides keep this: ``RunnerInputBuilder`` (beside the scheduler, in ``LLMEngine``)
 remembers what the runner has been sent and turns each of the scheduler's plans into a
@@ -48,7 +48,7 @@ class NewRequestData:
     """A request the runner does not hold: everything it needs, sent once."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # never changes, so never copied
     output_token_ids: list[int]  # so far: a resumed, migrated or remotely prefilled request has some
     sampling_params: SamplingParams
     sampling_seed: int
