@@ -142,3 +142,24 @@ def test_the_block_table_array_grows_in_rows_and_columns_and_gathers_padded_rows
     for row, t in zip(rows, ids):
         tables.drop(row, len(t) + (9 if row == rows[0] else 0))
     assert not tables.array.any() and tables.add([7]) in rows, "dropped rows are zeroed and reused"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_engine_leaves_its_runner_holding_nothing_once_its_requests_end(tiny_model, mode):
+    """Through preemption (a pool too small for every request at once) and an abort: the step
+    after the last request ends, the runner's copies and block-table rows are all gone."""
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=tiny_model, num_kv_blocks=14, block_size=4, max_num_batched_tokens=32,
+                       preemption_mode=mode)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    rids = [engine.add_request(list(range(3 + i, 13 + i)), params) for i in range(5)]
+    engine.step()
+    engine.abort(rids[-1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().num_preemptions > 0, "the pool should have been too small for every request"
+    assert len(engine.runner.requests) > 0, "the last requests' ends travel with the next step"
+    engine.step()
+    assert len(engine.runner.requests) == 0 and not engine.runner.requests.tables.array.any()
+    assert engine.stats().num_blocks_in_use == 0
