@@ -129,27 +129,13 @@ def paged_layout(decode_lens: list[int], chunks: list[tuple[int, int]], block_si
     """A step on shuffled blocks: decode requests of ``decode_lens`` tokens (laid out
     shortest first, as the model runner lays them out), then prefill chunks of
     ``(start, num_tokens)``; returns the layout and the number of blocks it needs."""
-    from engine.step_layout import ChunkLayout, StepLayout, decode_table
+    from engine.step_layout import StepLayout
 
     bs = block_size
     need = sum(-(-n // bs) for n in decode_lens) + sum(-(-(s + n) // bs) for s, n in chunks)
     free = list(range(1, need + 1))
     random.Random(seed).shuffle(free)
-    layout = StepLayout(slots=[], decode_context_lens=[], chunks=[])
-    tables = []
-    for ctx in sorted(decode_lens):
-        table = [free.pop() for _ in range(-(-ctx // bs))]
-        tables.append(table)
-        layout.decode_context_lens.append(ctx)
-        layout.slots.append(table[(ctx - 1) // bs] * bs + (ctx - 1) % bs)
-    layout.decode_block_table = decode_table(tables, layout.decode_context_lens, bs)
-    row = len(decode_lens)
-    for start, n in chunks:
-        table = [free.pop() for _ in range(-(-(start + n) // bs))]
-        layout.chunks.append(ChunkLayout(row, n, start, table))
-        layout.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        row += n
-    return layout, need + 1
+    return StepLayout.on_blocks(sorted(decode_lens), chunks, bs, free), need + 1
 
 
 def paged_tensors(layout, num_blocks: int, shape: dict, dtype: torch.dtype, device, seed: int = 0):

@@ -39,6 +39,28 @@ class StepLayout:
     chunks: list[ChunkLayout]
     decode_block_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
 
+    @classmethod
+    def on_blocks(cls, decode_lens: list[int], chunks: list[tuple[int, int]], block_size: int,
+                  free: list[int]) -> StepLayout:
+        """A step laid out by hand (tests, kernel benchmarks): decode rows of ``decode_lens``
+        tokens in the order given, then prefill chunks of ``(start, num_tokens)``, each
+        request on blocks taken from the end of ``free``."""
+        layout = cls(slots=[], decode_context_lens=[], chunks=[])
+        tables = []
+        for ctx in decode_lens:
+            table = [free.pop() for _ in range(-(-ctx // block_size))]
+            tables.append(table)
+            layout.decode_context_lens.append(ctx)
+            layout.slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
+        layout.decode_block_table = decode_table(tables, layout.decode_context_lens, block_size)
+        row = len(decode_lens)
+        for start, n in chunks:
+            table = [free.pop() for _ in range(-(-(start + n) // block_size))]
+            layout.chunks.append(ChunkLayout(row, n, start, table))
+            layout.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+            row += n
+        return layout
+
 
 def padded_rows(tables: list[list[int]], context_lens: list[int], block_size: int) -> list[list[int]]:
     """The rows of a rectangular block-table tensor: each table cut to the blocks of the

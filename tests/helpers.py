@@ -117,29 +117,11 @@ def assert_blocks_freed(service, within_s: float = PATIENCE_S) -> float:
 def random_step_layout(block_size: int, decode_lens: list[int], chunks: list[tuple[int, int]], rng, num_blocks: int):
     """One step's ``StepLayout`` at random: decode rows of the given context lengths, then
     (start, num_tokens) prefill chunks, each request on shuffled blocks (block 0 unused)."""
-    from engine.step_layout import ChunkLayout, StepLayout, decode_table
+    from engine.step_layout import StepLayout
 
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    layout = StepLayout(slots=[], decode_context_lens=[], chunks=[])
-    tables = []
-
-    def blocks(ctx: int) -> list[int]:
-        return [free.pop() for _ in range(-(-ctx // block_size))]
-
-    for ctx in decode_lens:
-        table = blocks(ctx)
-        tables.append(table)
-        layout.decode_context_lens.append(ctx)
-        layout.slots.append(table[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size)
-    layout.decode_block_table = decode_table(tables, layout.decode_context_lens, block_size)
-    row = len(decode_lens)
-    for start, n in chunks:
-        table = blocks(start + n)
-        layout.chunks.append(ChunkLayout(row, n, start, table))
-        layout.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        row += n
-    return layout
+    return StepLayout.on_blocks(decode_lens, chunks, block_size, free)
 
 
 @contextlib.contextmanager
