@@ -20,7 +20,7 @@ from kv_transfer import BACKENDS
 from router.admission import AdmissionConfig
 
 # Keys of a topology file that configure the service around the pools, not the pools.
-SERVICE_KEYS = ("ingress",)
+SERVICE_KEYS = ("ingress", "router")
 PLACEMENTS = ("load", "round_robin")
 # Where a service listens by default (``tandem up``; the chart's ``service`` and ``metrics`` ports).
 HTTP_PORT, GRPC_PORT, METRICS_PORT = 8000, 9000, 8081
@@ -124,6 +124,19 @@ def cluster_config(args: argparse.Namespace):
             overrides[key] = {**data[key], **overrides[key]}
     data.update({k: v for k, v in overrides.items() if v is not None})
     return ClusterConfig.from_dict(data)
+
+
+def router_settings(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The router's settings ``names`` (as ``cluster.service.ROUTER_SETTINGS`` names them): the
+    topology file's ``router`` section, the flags over it; unset ones are left out."""
+    settings = {}
+    if getattr(args, "config", None):
+        section = topology_file(args.config).get("router") or {}
+        if not isinstance(section, dict) or set(section) - set(names):
+            raise ValueError(f"{args.config}: router must be a mapping of {', '.join(names)}; got {section!r}")
+        settings.update(section)
+    settings.update({name: getattr(args, name) for name in names if getattr(args, name, None) is not None})
+    return settings
 
 
 def ingress(args: argparse.Namespace) -> str:

@@ -70,7 +70,7 @@ class ServiceConfig:
     def from_flags(cls, args: argparse.Namespace, *, free: bool = False, api_key: str | None = None) -> ServiceConfig:
         """The service that ``cluster/flags.py``'s flags describe. ``free``: on ports
         free now (benchmarks), instead of ``--host``, ``--http-port`` and ``--grpc-port``."""
-        router = router_config(vars(args), api_key=api_key)
+        router = router_config(flags.router_settings(args, tuple(ROUTER_SETTINGS)), api_key=api_key)
         host = cls.host if free else args.host
         ports = free_ports(host, 2) if free else (args.http_port, args.grpc_port)
         return cls(

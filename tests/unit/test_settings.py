@@ -189,3 +189,26 @@ def test_configs_derived_from_others_default_to_what_they_are_derived_from():
     dispatch, derived = DispatchConfig(), ClusterConfig().dispatch_settings()
     derived.pop("prefix_hash_seed")  # random per process unless set: nothing to agree on
     assert {k: getattr(dispatch, k) for k in derived} == derived
+
+
+def test_a_topology_files_router_section_sets_the_router_and_flags_override_it(tmp_path):
+    topology = tmp_path / "topology.yaml"
+    topology.write_text("decode_workers: 2\nrouter: {max_outstanding_requests: 9, placement: round_robin}\n")
+    service = _service("--config", str(topology))
+    assert service.cluster.decode_workers == 2
+    assert (service.router.admission.max_requests, service.router.dispatch.placement) == (9, "round_robin")
+    service = _service("--config", str(topology), "--max-outstanding-requests", "5")
+    assert (service.router.admission.max_requests, service.router.dispatch.placement) == (5, "round_robin")
+    topology.write_text("router: {max_outstanding_request: 9}\n")
+    with pytest.raises(ValueError, match="router must be a mapping of"):
+        _service("--config", str(topology))
+
+
+def test_the_readmes_topology_example_is_valid_and_takes_every_router_setting(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = readme.split("## Topology", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    assert set(yaml.safe_load(example)["router"]) == set(ROUTER_SETTINGS)
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(example)
+    service = _service("--config", str(topology))
+    assert service.cluster.decode_workers == 2 and service.ingress == "haproxy"
