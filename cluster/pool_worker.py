@@ -86,7 +86,7 @@ class PoolWorker:
         self._settled.clear()
         try:
             old = self.worker
-            was_idle = await old.runtime.call(old.idle)
+            was_idle = await old.async_engine.call(old.idle)
             if not await old.retire():
                 raise RuntimeError(f"worker {old.worker_id} still holds blocks after retiring; it cannot reset")
             self.worker = self._make(role, worker_id, old.transfer, previous=old)

@@ -80,13 +80,13 @@ class DecodeWorker(WorkerBase):
         self._streams = {"channel": 0, "ray": 0}  # subscriber streams opened so far, by path
         self._endpoint = self.backend.endpoint  # senders connect here; opened once, up front
         self.stream_interval_s = stream_interval_s
-        self.runtime.add_periodic(self._expire_reservations)
-        self.runtime.add_periodic(self._cut_slow_subscribers)
+        self.async_engine.add_periodic(self._expire_reservations)
+        self.async_engine.add_periodic(self._cut_slow_subscribers)
         # One hand-off record per reservation; read threads and the step thread both ask it.
         self.handoff = Receiver()
         self._handoff_lock = threading.Lock()
         self.num_transfer_failures = 0
-        self.runtime.step_report = self._load  # rides on every step message (``subscribe``)
+        self.async_engine.step_report = self._load  # rides on every step message (``subscribe``)
 
     # -- health and load -------------------------------------------------------
 
@@ -126,7 +126,7 @@ class DecodeWorker(WorkerBase):
         ``resume_output``: a migrated stream's tokens so far, whose KV comes with the prompt's.
         ``priority``: the request's place in the scheduler's order (lower goes first).
         """
-        return await self.runtime.call(
+        return await self.async_engine.call(
             self._reserve, request_id, prompt_token_ids, params, subscriber, resume_output, priority
         )
 
@@ -144,7 +144,7 @@ class DecodeWorker(WorkerBase):
         if reserved is None:
             return None
         blocks, held = reserved
-        self.runtime.route(request_id, subscriber)
+        self.async_engine.route(request_id, subscriber)
         # Transfers write into the reserved blocks from a reader thread: one more reference
         # each keeps them out of the pool, whatever happens to the request, until the
         # hand-off record gives them back.
@@ -166,7 +166,7 @@ class DecodeWorker(WorkerBase):
         """
         if not await self._read(meta, payload, None, last=True):
             return int(TransferState.FAILED)
-        await self.runtime.call(
+        await self.async_engine.call(
             self._kv_arrived, meta.request_id, first_token, first_logprobs, num_cached_tokens, prompt_logprobs
         )
         return int(TransferState.DONE)
@@ -196,7 +196,7 @@ class DecodeWorker(WorkerBase):
                 time_left = receipt.deadline - time.monotonic()
         except (TransferError, HandoffError) as e:
             await self.backend.refuse_async(meta, payload)  # a push already on its way must end
-            await self.runtime.call(self._transfer_failed, rid, self._failure_reason(e))
+            await self.async_engine.call(self._transfer_failed, rid, self._failure_reason(e))
             return False
         # The backend waits by this side's clock: the deadline the record keeps.
         meta = dataclasses.replace(meta, deadline=time.time() + time_left)
@@ -221,7 +221,7 @@ class DecodeWorker(WorkerBase):
         with self._handoff_lock:
             ended = self.handoff.end_read(rid, error, stuck=stuck)
         if ended is not None:
-            await self.runtime.call(self._ended, ended)
+            await self.async_engine.call(self._ended, ended)
             return False
         return not error
 
@@ -236,7 +236,7 @@ class DecodeWorker(WorkerBase):
         that can tell hands a future with its error)."""
         settled = getattr(error, "settled", None)
         if settled is not None:
-            settled.add_done_callback(lambda _: self.runtime.submit(self._settle, rid))
+            settled.add_done_callback(lambda _: self.async_engine.submit(self._settle, rid))
 
     def _settle(self, rid: str) -> None:
         with self._handoff_lock:
@@ -246,7 +246,7 @@ class DecodeWorker(WorkerBase):
 
     async def sender_gone(self, sender: str) -> None:
         """A prefill worker is gone: nothing it was read from can land any more."""
-        await self.runtime.call(self._sender_gone, sender)
+        await self.async_engine.call(self._sender_gone, sender)
 
     def _sender_gone(self, sender: str) -> None:
         with self._handoff_lock:
@@ -272,7 +272,7 @@ class DecodeWorker(WorkerBase):
             rid, first_token, None, None, first_logprobs, num_cached_tokens, prompt_logprobs
         )
         if out is not None:
-            self.runtime.deliver(out)
+            self.async_engine.deliver(out)
 
     def _ended(self, ended: Ended) -> None:
         """On the step thread: a hand-off record ended; give its blocks back, and apply
@@ -284,12 +284,12 @@ class DecodeWorker(WorkerBase):
         self.num_transfer_failures += 1
         out = self.engine.remote_kv_failed(ended.attempt_id, self.transfer.failure_policy == "recompute")
         if out is not None:
-            self.runtime.deliver(out)
+            self.async_engine.deliver(out)
 
     async def transfer_failed(self, request_id: str) -> None:
         """The KV will not come (the sender or the router says so). A read in flight
         decides for itself."""
-        await self.runtime.call(self._transfer_failed, request_id, "sender")
+        await self.async_engine.call(self._transfer_failed, request_id, "sender")
 
     def _transfer_failed(self, request_id: str, reason: str) -> None:
         with self._handoff_lock:
@@ -314,7 +314,7 @@ class DecodeWorker(WorkerBase):
             self._ended(e)
 
     async def _let_go(self) -> None:
-        for _, outbox in await self.runtime.call(self.runtime.outboxes):
+        for _, outbox in await self.async_engine.call(self.async_engine.outboxes):
             outbox.claim()  # its reader's stream ends: the router moves on as from a gone worker
         if self._channel is not None:
             self._channel.close()
@@ -357,7 +357,7 @@ class DecodeWorker(WorkerBase):
                 await send(message)
 
     async def _step_messages(self, subscriber: str):
-        outbox = await self.runtime.call(self.runtime.open_outbox, subscriber)
+        outbox = await self.async_engine.call(self.async_engine.open_outbox, subscriber)
         reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
         limit = self.channel_config.max_pending_outputs
         try:
@@ -374,17 +374,17 @@ class DecodeWorker(WorkerBase):
                                              f"{limit} outputs (max_pending_outputs) waited for it for "
                                              f"{self.channel_config.slow_subscriber_s}s, or more than {2 * limit}")
         finally:
-            self.runtime.submit(self._drop_subscriber, subscriber, reader)
+            self.async_engine.submit(self._drop_subscriber, subscriber, reader)
 
     def _drop_subscriber(self, subscriber: str, reader: int) -> None:
-        for rid in self.runtime.close_outbox(subscriber, reader):
+        for rid in self.async_engine.close_outbox(subscriber, reader):
             self.abort_now(rid)
 
     def _cut_slow_subscribers(self, now: float) -> None:
         """Periodic, on the step thread: a subscriber whose outbox has stayed past the
         bound is cut off, its requests aborted, whether or not its reader is stuck."""
         cfg = self.channel_config
-        for subscriber, outbox in self.runtime.outboxes():
+        for subscriber, outbox in self.async_engine.outboxes():
             if outbox.backlog(now, cfg.max_pending_outputs, cfg.slow_subscriber_s):
                 log.warning("decode worker %s: cutting off subscriber %s, too far behind",
                             self.worker_id, subscriber)
@@ -400,7 +400,7 @@ class DecodeWorker(WorkerBase):
         """Run the whole request here (colocated mode, or a stream migrated from a dead
         worker, ``resume_output`` being the tokens it had sent); deltas go to ``subscriber``.
         ``priority``: the request's place in the scheduler's order (lower goes first)."""
-        await self.runtime.call(
+        await self.async_engine.call(
             self._submit, request_id, prompt_token_ids, params, subscriber, resume_output, priority
         )
 
@@ -410,7 +410,7 @@ class DecodeWorker(WorkerBase):
         self.engine.add_request(
             prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )
-        self.runtime.route(request_id, subscriber)
+        self.async_engine.route(request_id, subscriber)
 
 
 class ColocatedWorker(DecodeWorker):

@@ -65,13 +65,13 @@ class WorkerBase:
             self.engine, self.backend = previous.engine, previous.backend
             self.engine.reset(engine_config)
         self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
-        self.runtime = AsyncEngine(self.engine, metrics=self.metrics)
+        self.async_engine = AsyncEngine(self.engine, metrics=self.metrics)
         self.layout = kv_layout(self.engine)
         self.draining = False  # leaving its pool (``drain``)
 
     async def ready(self) -> dict:
         """Start the step thread; answers health checks with who this is."""
-        self.runtime.start()
+        self.async_engine.start()
         return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
 
     async def drain(self) -> None:
@@ -91,8 +91,8 @@ class WorkerBase:
         idle (False: blocks stay pinned, by a read in flight say, and its engine cannot
         be reset)."""
         await self._let_go()
-        await self.runtime.call(self._abort_everything)
-        await self.runtime.stop()
+        await self.async_engine.call(self._abort_everything)
+        await self.async_engine.stop()
         return self.idle()
 
     async def _let_go(self) -> None:
@@ -113,24 +113,24 @@ class WorkerBase:
 
     async def load(self):
         """This worker's load for placement (each role's ``_load``, run on the step thread)."""
-        return await self.runtime.call(self._load)
+        return await self.async_engine.call(self._load)
 
     async def stats(self) -> dict:
         def engine_stats() -> dict:  # one call on the step thread
             return {**self.engine.stats().__dict__, "held": sorted(self.engine.scheduler.held)}  # held: for a reader
 
-        stats = await self.runtime.call(engine_stats)
+        stats = await self.async_engine.call(engine_stats)
         stats["transfer"] = self.backend.stats.as_dict()
         return stats
 
     async def abort(self, request_id: str) -> None:
         """Abort one attempt (the id the router placed it under)."""
-        self.runtime.submit(self.abort_now, request_id)
+        self.async_engine.submit(self.abort_now, request_id)
 
     async def abort_request(self, request_id: str) -> None:
         """Abort every attempt of the client's ``request_id`` held here (an Abort that
         reached a router replica not running the request)."""
-        self.runtime.submit(self._abort_attempts_of, request_id)
+        self.async_engine.submit(self._abort_attempts_of, request_id)
 
     def _abort_attempts_of(self, request_id: str) -> None:
         for aid in self.engine.request_ids():
@@ -139,4 +139,4 @@ class WorkerBase:
 
     def abort_now(self, request_id: str) -> None:
         """On the step thread: abort one attempt now (each role adds what it holds)."""
-        self.runtime.abort_now(request_id)
+        self.async_engine.abort_now(request_id)

@@ -49,7 +49,7 @@ class PrefillWorker(WorkerBase):
         self._sending = 0
         self.offers = Sender()  # one hand-off record per attempt being prefilled or sent
         self._let_go_of: list[str] = []  # attempts whose hand-offs ended as it retired
-        self.runtime.add_periodic(self._tend_offers)
+        self.async_engine.add_periodic(self._tend_offers)
 
     def _load(self) -> PrefillLoad:
         load = self.engine.load()
@@ -108,7 +108,7 @@ class PrefillWorker(WorkerBase):
             ended = HandoffState.COMPLETE if state == TransferState.DONE else HandoffState.FAILED
             if self.offers.end(request_id, ended) is not None:
                 # The blocks stayed held until the receiver answered.
-                self.runtime.submit(self.engine.release_held, request_id)
+                self.async_engine.submit(self.engine.release_held, request_id)
         return PrefillResult(
             request_id=request_id,
             first_token=final.token_ids[-1],
@@ -177,13 +177,13 @@ class PrefillWorker(WorkerBase):
         the hand-off ends now, its blocks freed without waiting out the lease (no live
         reader is left to read them)."""
         ended = self._end_handoffs([request_id])
-        self.runtime.submit(self._abort_and_release, request_id, ended)
+        self.async_engine.submit(self._abort_and_release, request_id, ended)
 
     async def abort_request(self, request_id: str) -> None:
         """Abort every attempt of the client's ``request_id`` here, hand-offs included."""
         mine = [o.attempt_id for o in self.offers.offers() if request_of(o.attempt_id) == request_id]
         ended = self._end_handoffs(mine)
-        self.runtime.submit(self._abort_attempts_and_release, request_id, ended)
+        self.async_engine.submit(self._abort_attempts_and_release, request_id, ended)
 
     def _end_handoffs(self, attempt_ids: list[str]) -> list[str]:
         """On the event loop: end these attempts' hand-off records and wake their sends;
@@ -232,7 +232,7 @@ class PrefillWorker(WorkerBase):
             sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts, stop))
         final = None
         try:
-            async for out in self.runtime.generate(
+            async for out in self.async_engine.generate(
                 prompt, first_params, rid, priority=priority, hold_kv=True,
                 resume_output=resume_output,
             ):
@@ -244,7 +244,7 @@ class PrefillWorker(WorkerBase):
         finally:
             t_done = time.perf_counter()
             if parts is not None:
-                await self.runtime.call(self._unwatch, rid)  # nothing is offered after this
+                await self.async_engine.call(self._unwatch, rid)  # nothing is offered after this
                 parts.queue.put_nowait(None)
         return final, (await sender if parts is not None else held), t_done
 
@@ -252,7 +252,7 @@ class PrefillWorker(WorkerBase):
         """On the step thread: drop prefills past their deadline, and hand each pipelined
         prefill's newly computed blocks, pinned until their read is answered, to its sender."""
         for offer in self.offers.expire(now):
-            self.runtime.abort_now(offer.attempt_id)
+            self.async_engine.abort_now(offer.attempt_id)
         synced = False
         for offer in self.offers.offers():
             parts = offer.watch
@@ -288,7 +288,7 @@ class PrefillWorker(WorkerBase):
                     ok = await self._send_part(part, decode_worker, block_ids, first, stop)
                     landed = first + len(block_ids) if ok else None
             finally:
-                self.runtime.submit(self.engine.unpin_blocks, pins)
+                self.async_engine.submit(self.engine.unpin_blocks, pins)
         return landed
 
     async def _send_part(

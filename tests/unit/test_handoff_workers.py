@@ -75,7 +75,7 @@ def _meta(worker, reservation, first: int, num_blocks: int) -> TransferMeta:
 
 
 async def _blocks_in_use(worker) -> int:
-    return await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
+    return await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
 
 
 def test_a_final_transfer_short_of_its_reservation_is_refused_and_the_prompt_recomputed(tiny_model):
@@ -88,9 +88,9 @@ def test_a_final_transfer_short_of_its_reservation_is_refused_and_the_prompt_rec
         reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
         assert len(reservation.block_ids) == 3
         state = await worker.receive_kv(_meta(worker, reservation, 0, 2), None, first_token=7)
-        running = await worker.runtime.call(lambda: "a" in worker.engine.scheduler.requests)
+        running = await worker.async_engine.call(lambda: "a" in worker.engine.scheduler.requests)
         in_use = await _blocks_in_use(worker)
-        worker.runtime.shutdown()
+        worker.async_engine.shutdown()
         return state, running, in_use
 
     state, running, in_use = asyncio.run(main())
@@ -113,14 +113,14 @@ def test_a_read_that_could_not_be_stopped_keeps_its_blocks_until_it_settles(tiny
         reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
         state = await worker.receive_kv(_meta(worker, reservation, 0, 3), None, first_token=7)
         await worker.abort("a")  # the request ends (it was recomputing)
-        await worker.runtime.call(lambda: None)
+        await worker.async_engine.call(lambda: None)
         held_while_stuck = await _blocks_in_use(worker)
         quarantined = worker.handoff.num_quarantined
         settled.set_result(None)
-        await worker.runtime.call(lambda: None)  # the settle callback queues on the step thread
-        await worker.runtime.call(lambda: None)
+        await worker.async_engine.call(lambda: None)  # the settle callback queues on the step thread
+        await worker.async_engine.call(lambda: None)
         in_use = await _blocks_in_use(worker)
-        worker.runtime.shutdown()
+        worker.async_engine.shutdown()
         return state, held_while_stuck, quarantined, in_use
 
     state, held_while_stuck, quarantined, in_use = asyncio.run(main())
@@ -222,9 +222,9 @@ def test_a_prefill_worker_refuses_a_moved_stream_that_outgrows_its_pool_before_c
     async def main():
         reservation = Reservation("a", [1, 2, 3, 4], worker.layout, "", time.time() + 3600)
         result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation, resume)
-        steps = await worker.runtime.call(lambda: worker.engine.stats().num_steps)
-        in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
-        worker.runtime.shutdown()
+        steps = await worker.async_engine.call(lambda: worker.engine.stats().num_steps)
+        in_use = await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
+        worker.async_engine.shutdown()
         return result, steps, in_use
 
     result, steps, in_use = asyncio.run(main())
@@ -274,9 +274,9 @@ def test_a_block_that_does_not_sum_to_what_was_sent_fails_its_transfer(tiny_mode
             meta = dataclasses.replace(_meta(worker, reservation, 0, 3), checksums=sums)
             states.append(await worker.receive_kv(meta, None, first_token=7))
         await worker.abort("good")
-        await worker.runtime.call(lambda: None)
+        await worker.async_engine.call(lambda: None)
         in_use = await _blocks_in_use(worker)
-        worker.runtime.shutdown()
+        worker.async_engine.shutdown()
         return states, in_use
 
     states, in_use = asyncio.run(main())
@@ -321,8 +321,8 @@ def test_pipelined_parts_are_offered_only_after_the_step_that_wrote_them_ran_on_
     async def main():
         reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 60)
         result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation)
-        in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
-        worker.runtime.shutdown()
+        in_use = await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
+        worker.async_engine.shutdown()
         return result, in_use
 
     result, in_use = asyncio.run(main())
@@ -393,7 +393,7 @@ def test_an_abort_frees_the_blocks_a_prefill_worker_holds_for_a_reader_that_neve
             return result, await _blocks_in_use(worker)
         finally:
             prefill.cancel()
-            worker.runtime.shutdown()
+            worker.async_engine.shutdown()
 
     result, in_use = asyncio.run(main())
     assert result.state == TransferState.FAILED and result.error == "aborted", result
@@ -420,7 +420,7 @@ def test_an_abort_while_computing_ends_the_attempt_without_a_hand_off(tiny_model
         await worker.abort("a")
         result = await asyncio.wait_for(prefill, PATIENCE_S)
         in_use = await _blocks_in_use(worker)
-        worker.runtime.shutdown()
+        worker.async_engine.shutdown()
         return result, in_use
 
     result, in_use = asyncio.run(main())
@@ -440,8 +440,8 @@ def test_a_prefill_whose_reservation_expired_is_dropped_before_it_is_computed(ti
     async def main():
         reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() - 1)
         result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation)
-        steps = await worker.runtime.call(lambda: worker.engine.stats().num_steps)
-        worker.runtime.shutdown()
+        steps = await worker.async_engine.call(lambda: worker.engine.stats().num_steps)
+        worker.async_engine.shutdown()
         return result, steps
 
     result, steps = asyncio.run(main())

@@ -21,7 +21,7 @@ def _exported_usage(worker) -> float | None:
 
 
 async def _pool_usage(worker) -> tuple[int, float]:
-    stats = await worker.runtime.call(worker.engine.stats)
+    stats = await worker.async_engine.call(worker.engine.stats)
     return stats.num_blocks_in_use, stats.kv_cache_usage
 
 
@@ -40,8 +40,8 @@ def test_a_prefill_workers_gauge_is_zero_once_its_last_hand_off_released_its_blo
             result = await worker.prefill(f"a{i}", prompt, GREEDY, decode, reservation)
             in_use, usage = await _pool_usage(worker)  # queued after the release: it has run
             seen.append((result.state, in_use, usage, _exported_usage(worker)))
-        cached = await worker.runtime.call(lambda: len(worker.engine.kv_manager.pool._cached))
-        worker.runtime.shutdown()
+        cached = await worker.async_engine.call(lambda: len(worker.engine.kv_manager.pool._cached))
+        worker.async_engine.shutdown()
         return seen, cached
 
     seen, cached = asyncio.run(main())
@@ -62,8 +62,8 @@ def test_a_decode_workers_gauge_follows_a_reservation_and_its_abort_with_no_step
         reserved = await _pool_usage(worker), _exported_usage(worker)
         await worker.abort("a")
         aborted = await _pool_usage(worker), _exported_usage(worker)
-        steps = await worker.runtime.call(lambda: worker.engine.stats().num_steps)
-        worker.runtime.shutdown()
+        steps = await worker.async_engine.call(lambda: worker.engine.stats().num_steps)
+        worker.async_engine.shutdown()
         return reservation, reserved, aborted, steps
 
     reservation, reserved, aborted, steps = asyncio.run(main())

@@ -93,6 +93,6 @@ def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_olde
             await worker.submit("e", PROMPT, SHORT, "router-e", epoch=2)
         assert isinstance(await worker.load(epoch=2), DecodeLoad)
         assert (await worker.stats())["num_blocks_in_use"] == 0
-        await worker.worker.runtime.stop()
+        await worker.worker.async_engine.stop()
 
     asyncio.run(scenario())

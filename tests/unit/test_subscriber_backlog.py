@@ -93,10 +93,10 @@ def test_a_stalled_subscriber_is_cut_off_and_its_requests_aborted(tiny_model):
             await worker.submit(rid, PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "sub")
         got = [await first]  # and then the reader stalls
         await async_wait_for(lambda: worker.num_cut_off == 1, PATIENCE_S, "the stalled subscriber to be cut off")
-        left = await worker.runtime.call(lambda: sorted(worker.engine.scheduler.requests))
-        in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
+        left = await worker.async_engine.call(lambda: sorted(worker.engine.scheduler.requests))
+        in_use = await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
         got += [m async for m in messages]  # the reader comes back: what is left for it
-        worker.runtime.shutdown()
+        worker.async_engine.shutdown()
         return got, left, in_use
 
     got, left, in_use = asyncio.run(main())
@@ -111,12 +111,12 @@ def test_a_subscriber_whose_backlog_passed_the_bound_is_told_with_its_next_messa
 
     async def main():
         await worker.submit("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), "sub")
-        await async_wait_for(lambda: worker.runtime.call(lambda: "a" not in worker.engine.scheduler.requests),
+        await async_wait_for(lambda: worker.async_engine.call(lambda: "a" not in worker.engine.scheduler.requests),
                              PATIENCE_S, "the request to finish with nobody reading")
         messages = worker._step_messages("sub")
         got = [await anext(messages), await anext(messages)]
         await messages.aclose()
-        worker.runtime.shutdown()
+        worker.async_engine.shutdown()
         return got
 
     notice, (_, items) = asyncio.run(main())

@@ -30,7 +30,7 @@ def test_submit_and_reserve_hand_the_priority_to_the_scheduler_which_runs_the_lo
     long = SamplingParams(max_tokens=worker.engine.max_model_len - len(PROMPT) - 1, ignore_eos=True)
 
     async def running() -> int:
-        return await worker.runtime.call(lambda: worker.engine.load().num_running)
+        return await worker.async_engine.call(lambda: worker.engine.load().num_running)
 
     async def main():
         await worker.submit("first", PROMPT, long, "sub", (), 9)
@@ -38,11 +38,11 @@ def test_submit_and_reserve_hand_the_priority_to_the_scheduler_which_runs_the_lo
         for rid, priority in (("a", 0), ("b", 5), ("c", -1)):
             await worker.submit(rid, PROMPT, short, "sub", (), priority)
         await worker.reserve("remote", PROMPT, short, "sub", (), -3)
-        seen = await worker.runtime.call(_scheduled, worker)
+        seen = await worker.async_engine.call(_scheduled, worker)
         for rid in ("first", "a", "b", "c", "remote"):
             await worker.abort(rid)
-        in_use = await worker.runtime.call(lambda: worker.engine.stats().num_blocks_in_use)
-        worker.runtime.shutdown()
+        in_use = await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
+        worker.async_engine.shutdown()
         return seen, in_use
 
     (priorities, nxt), in_use = asyncio.run(main())
