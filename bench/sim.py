@@ -35,7 +35,7 @@ from pathlib import Path
 from router.admission import AdmissionConfig
 from sim.cost import cost_model, model_spec
 from sim.report import parse_slo, summary
-from sim.simulator import run
+from sim.simulator import Simulator, run
 from sim.topology import RouterSettings, SimTopology
 from sim.workload import generate, parse_spec
 
@@ -314,24 +314,47 @@ def _load_average() -> float:
     return os.getloadavg()[0]
 
 
-def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> Path:
-    """``bench.serve --launch`` on a local cluster of topology ``name``: one run per rate;
-    returns its result JSON."""
+def _step_counters(service) -> dict[str, tuple[int, float, float]]:
+    """Per role, the workers' engine steps and model-runner time (wall, step thread's CPU) so far."""
+    out: dict[str, tuple[int, float, float]] = {}
+    for worker, st in service.stats().items():
+        role = "prefill" if worker.startswith("prefill") else "decode"
+        n, wall, cpu = out.get(role, (0, 0.0, 0.0))
+        out[role] = (n + st["num_steps"], wall + st["forward_s"], cpu + st["forward_cpu_s"])
+    return out
+
+
+def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> list[tuple[Path, dict]]:
+    """``bench.serve`` against a local cluster of topology ``name`` started for it (as
+    ``--launch`` starts one), one run per rate (seeds as a sweep's); for each, its result JSON
+    and the workers' mean step in the model runner, per role (wall and CPU ms)."""
     from bench.serve import main as serve
+    from bench.serve import parse_args, service_config
+    from cluster.local import local_service
 
     prefill, decode = LIVE_TOPOLOGIES[name]
-    path = out_dir / f"live-{name}.json"
-    argv = ["--launch", "--prefill-workers", str(prefill), "--decode-workers", str(decode),
-            "--num-kv-blocks", str(args.num_kv_blocks), "--num-cpus", str(args.num_cpus),
-            "--workload", "synthetic", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--range-ratio", str(args.range_ratio), "--num-requests", str(args.requests),
-            "--request-rate", args.rates, "--seed", str(args.seed), "--result-json", str(path),
-            "--no-progress", "--label", name]
-    if args.model:
-        argv += ["--model", args.model]
-    if serve(argv) != 0:
-        raise RuntimeError(f"bench.serve failed on {name}")
-    return path
+    flags = ["--prefill-workers", str(prefill), "--decode-workers", str(decode),
+             "--num-kv-blocks", str(args.num_kv_blocks), "--num-cpus", str(args.num_cpus)]
+    flags += ["--model", args.model] if args.model else []
+    out = []
+    with local_service(service_config(parse_args(["--launch", *flags])), args.num_cpus) as service:
+        for i, rate in enumerate(args.rates.split(",")):
+            path = out_dir / f"live-{name}-{rate}.json"
+            before = _step_counters(service)
+            argv = ["--base-url", service.http_url, "--workload", "synthetic", "--input-len", str(args.input_len),
+                    "--output-len", str(args.output_len), "--range-ratio", str(args.range_ratio),
+                    "--num-requests", str(args.requests), "--request-rate", rate, "--seed", str(args.seed + i),
+                    "--result-json", str(path), "--no-progress", "--label", name]
+            if serve(argv + (["--model", args.model] if args.model else [])) != 0:
+                raise RuntimeError(f"bench.serve failed on {name} at {rate} req/s")
+            steps = {}
+            for role, (n, wall, cpu) in _step_counters(service).items():
+                n0, wall0, cpu0 = before.get(role, (0, 0.0, 0.0))
+                if n > n0:
+                    steps[role] = {"steps": n - n0, "wall_ms": 1e3 * (wall - wall0) / (n - n0),
+                                   "cpu_ms": 1e3 * (cpu - cpu0) / (n - n0)}
+            out.append((path, steps))
+    return out
 
 
 def replay_live(name: str, path: Path, cost, num_kv_blocks: int) -> list[dict]:
@@ -343,9 +366,12 @@ def replay_live(name: str, path: Path, cost, num_kv_blocks: int) -> list[dict]:
     topo = SimTopology(prefill_workers=prefill, decode_workers=decode, engine={"num_kv_blocks": num_kv_blocks})
     rows = []
     for i, recorded in enumerate(json.loads(path.read_text())["runs"]):
-        simulated = summary(run(topo, cost, load_trace(path, i)))
-        rows.append({"topology": name, "rate": recorded["request_rate"],
-                     "failed": recorded["summary"]["failed"], "metrics": compare(recorded["summary"], simulated)})
+        sim = Simulator(topo, cost, load_trace(path, i))
+        simulated = summary(sim.run())
+        steps = {role: 1e3 * sum(w.forward_s for w in pool) / max(1, sum(w.num_steps for w in pool))
+                 for role, pool in sim.pools.items() if pool}
+        rows.append({"topology": name, "rate": recorded["request_rate"], "failed": recorded["summary"]["failed"],
+                     "metrics": compare(recorded["summary"], simulated), "simulated_step_ms": steps})
     return rows
 
 
@@ -358,13 +384,18 @@ def live_validate(args: argparse.Namespace) -> dict:
     rows = []
     for name in args.topologies.split(","):
         before = _load_average()
-        path = live_run(name, args, out_dir) if not args.replay_only else out_dir / f"live-{name}.json"
+        runs = (live_run(name, args, out_dir) if not args.replay_only
+                else [(out_dir / f"live-{name}-{rate}.json", {}) for rate in args.rates.split(",")])
         after = _load_average()
-        for row in replay_live(name, path, cost, args.num_kv_blocks):
-            row["load_average"] = [before, after]
-            rows.append(row)
-            print(f"{name} at {row['rate']} req/s (load average {before:.1f} -> {after:.1f}): "
-                  + _row_text(row["metrics"]), flush=True)
+        for path, steps in runs:
+            for row in replay_live(name, path, cost, args.num_kv_blocks):
+                row["load_average"] = [before, after]
+                row["live_steps"] = steps
+                rows.append(row)
+                live = ", ".join(f"{role} step {v['wall_ms']:.1f} ms ({v['cpu_ms']:.1f} CPU) vs "
+                                 f"{row['simulated_step_ms'].get(role, 0.0):.1f}" for role, v in steps.items())
+                print(f"{name} at {row['rate']} req/s (load average {before:.1f} -> {after:.1f}): "
+                      + _row_text(row["metrics"]) + (f"; live {live}" if live else ""), flush=True)
     for row in rows:
         row["within_bounds"] = all(v["error"] is not None and abs(v["error"]) <= BOUNDS[k]
                                    for k, v in row["metrics"].items())
