@@ -239,25 +239,3 @@ def plan_record(result) -> dict:
         {"config": ev.candidate.label(r), "estimate": ev.estimate * r, "sustained_rate_by_units": ev.rate * r,
          "sustained_rate_whole": ev.whole_rate, "trials": ev.trials, "summary": ev.summary, "whole": ev.whole}
         for ev in result.ranked]}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-    add_sim(sub)
-    add_plan(sub)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``tandem sim ...`` / ``tandem plan ...`` (also ``python -m sim.cli sim ...``)."""
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -298,19 +298,11 @@ def _add_bench(sub) -> None:
     bench.set_defaults(func=_cmd_bench)
 
 
-def _cmd_sim(args: argparse.Namespace) -> int:
-    from sim.cli import main as sim_main
-
-    return sim_main([args.command, *args.rest])
-
-
 def _add_sim(sub) -> None:
-    # Every argument goes to sim.cli's own parser (docs/SIMULATOR.md), --help included.
-    for name, what in (("sim", "replay a trace or workload on a simulated deployment"),
-                       ("plan", "search pool splits, chunk budgets and batch caps for the most load under SLOs")):
-        p = sub.add_parser(name, help=what, add_help=False, prefix_chars="\0")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_cmd_sim)
+    from sim.cli import add_plan, add_sim  # (light: the simulator loads when a command runs)
+
+    add_sim(sub)
+    add_plan(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
