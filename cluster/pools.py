@@ -18,7 +18,12 @@ whatever it still had follows the routers' re-run and migration rules. A worker'
 lifecycle::
 
     add_worker ─▶ starting ─▶ listed ──drain_worker──▶ draining ──idle, or deadline──▶ removed
-                                 └──dies──▶ replaced in its bundle (health thread)
+                                 └──dies──▶ replaced in its bundle (health thread): starting ─▶ listed
+
+A replacement is listed once it is ready, never before: when its node is gone and no
+other has room for its bundle, it stays starting (unlisted, waiting for room, which Ray
+gives it when a node with room joins) while the pools serve on the workers left, and the
+health thread goes on watching them; ``status`` shows it as starting.
 
 Works on a local Ray (``ray.init(num_cpus=...)`` by the caller) or an existing
 cluster (``RAY_ADDRESS``).
@@ -67,7 +72,12 @@ class _Slot:
     pg: object = None  # the placement group holding its bundle
     bundle: int = 0  # the bundle's index in ``pg``
     ref: WorkerRef | None = None
-    pid: int | None = None
+    pid: int | None = None  # set once the actor filling it answered ``ready``: listed from then on
+    starting: object = None  # a replacement's ``ready`` call, while it has not answered
+
+    @property
+    def listed(self) -> bool:
+        return self.ref is not None and self.pid is not None
 
 
 def _idle(stats: dict) -> bool:
@@ -120,13 +130,18 @@ class TandemCluster:
     # -- views -----------------------------------------------------------------
 
     def prefill_refs(self) -> list[WorkerRef]:
-        return [s.ref for s in self._slots if s.role == "prefill" and s.ref is not None]
+        return [s.ref for s in self._slots if s.role == "prefill" and s.listed]
 
     def decode_refs(self) -> list[WorkerRef]:
-        return [s.ref for s in self._slots if s.role != "prefill" and s.ref is not None]
+        return [s.ref for s in self._slots if s.role != "prefill" and s.listed]
 
     def workers(self) -> list[WorkerRef]:
-        return [s.ref for s in self._slots if s.ref is not None]
+        return [s.ref for s in self._slots if s.listed]
+
+    def starting(self) -> list[str]:
+        """The ids of the replacements not ready yet (unlisted: waiting for room, or loading)."""
+        with self._lock:
+            return [s.ref.worker_id for s in self._slots if s.ref is not None and not s.listed]
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -302,10 +317,10 @@ class TandemCluster:
         then it is killed and unlisted. Returns whether it went idle first
         (``drained``) and how long it took. A pool keeps at least one decode worker."""
         with self._lock:
-            slot = next((s for s in self._slots if s.ref is not None and s.ref.worker_id == worker_id), None)
+            slot = next((s for s in self._slots if s.listed and s.ref.worker_id == worker_id), None)
             if slot is None:
                 raise KeyError(f"no listed worker {worker_id!r}")
-            if slot.role != "prefill" and sum(s.role == slot.role for s in self._slots) == 1:
+            if slot.role != "prefill" and sum(s.role == slot.role and s.listed for s in self._slots) == 1:
                 raise ValueError(f"{worker_id} is the last {slot.role} worker")
             slot.ref = dataclasses.replace(slot.ref, draining=True)
             handle = slot.ref.handle
@@ -333,12 +348,12 @@ class TandemCluster:
         if (why := self.config.role_switch_problem()) is not None:
             raise ValueError(f"workers cannot switch roles here: {why}")
         with self._lock:
-            slot = next((s for s in self._slots if s.ref is not None and s.ref.worker_id == worker_id), None)
+            slot = next((s for s in self._slots if s.listed and s.ref.worker_id == worker_id), None)
             if slot is None:
                 raise KeyError(f"no listed worker {worker_id!r}")
             if slot.role == role or slot.ref.draining:
                 raise ValueError(f"{worker_id} is {'draining' if slot.ref.draining else f'a {role} worker'} already")
-            if slot.role == "decode" and sum(s.role == "decode" for s in self._slots) == 1:
+            if slot.role == "decode" and sum(s.role == "decode" and s.listed for s in self._slots) == 1:
                 raise ValueError(f"{worker_id} is the last decode worker")
             slot.ref = dataclasses.replace(slot.ref, draining=True)
             old, old_role = slot.ref, slot.role
@@ -360,9 +375,12 @@ class TandemCluster:
             slot.role, slot.index = role, index
             if self._stop.is_set():
                 return {"worker_id": new_id, "drained": drained, "in_place": in_place, "seconds": 0.0}
-            slot.ref = ref if ref is not None else self._spawn(slot)
+            if ref is not None:
+                slot.ref = ref
+            else:
+                self._replace(slot)
         if ref is None:
-            self._await_replacements([slot])
+            self._await_replacements(READY_TIMEOUT_S)
         if self.on_role_switch is not None:
             self.on_role_switch(old_role, role)
         seconds = time.monotonic() - t0
@@ -372,12 +390,16 @@ class TandemCluster:
         return {"worker_id": new_id, "drained": drained, "in_place": in_place, "seconds": seconds}
 
     def status(self) -> dict[str, list[dict]]:
-        """Every listed worker by role ("prefill", "decode" or "colocated"), draining ones
-        too, with its load as a dict (None: no answer within ``PING_TIMEOUT_S``)."""
+        """Every worker by role ("prefill", "decode" or "colocated"), draining ones too, with
+        its load as a dict (None: no answer within ``PING_TIMEOUT_S``); replacements not
+        ready yet come first, marked ``starting``."""
         with self._lock:
-            slots = [(s.role, s.ref) for s in self._slots if s.ref is not None]
+            slots = [(s.role, s.ref) for s in self._slots if s.listed]
+            starting = [(s.role, s.ref.worker_id) for s in self._slots if s.ref is not None and not s.listed]
         calls = [(role, ref, ref.handle.load.remote()) for role, ref in slots]
         out: dict[str, list[dict]] = {}
+        for role, worker_id in starting:
+            out.setdefault(role, []).append({"worker_id": worker_id, "draining": False, "starting": True, "load": None})
         for role, ref, load in calls:
             try:
                 answer = dataclasses.asdict(ray.get(load, timeout=PING_TIMEOUT_S))
@@ -390,11 +412,15 @@ class TandemCluster:
         """Per role ("prefill", "decode"; colocated workers count as decode), each listed
         worker that is not draining: (its id, its engine stats, its load). A worker that
         does not answer within ``PING_TIMEOUT_S`` (busy, or dying: the health thread sees
-        to it) is there with None for both: it still counts against the pool's size."""
+        to it), or a replacement still starting, is there with None for both: it still
+        counts against the pool's size."""
         with self._lock:
-            refs = [s.ref for s in self._slots if s.ref is not None and not s.ref.draining]
+            refs = [s.ref for s in self._slots if s.listed and not s.ref.draining]
+            starting = [s.ref.worker_id for s in self._slots if s.ref is not None and not s.listed]
         calls = [(w, w.handle.stats.remote(), w.handle.load.remote()) for w in refs]
         state: dict[str, list] = {"decode": []} if self.config.colocated else {"prefill": [], "decode": []}
+        for worker_id in starting:
+            state["prefill" if worker_id.startswith("prefill") else "decode"].append((worker_id, None, None))
         for w, stats, load in calls:
             try:
                 answer = ray.get([stats, load], timeout=PING_TIMEOUT_S)
@@ -416,11 +442,14 @@ class TandemCluster:
     # -- health ----------------------------------------------------------------
 
     def check_health(self) -> list[str]:
-        """Ping every worker at once; replace those dead or silent past ``PING_TIMEOUT_S``
-        in their bundles. Returns the ids of the replacements that became ready. Nothing is
-        replaced once the pools are shutting down (their placement groups are going)."""
+        """Ping every listed worker at once; replace those dead or silent past
+        ``PING_TIMEOUT_S`` in their bundles, and list the replacements that are ready. A
+        replacement that is not (no node has room for its bundle yet, or it is loading)
+        stays starting, unlisted, for a later round; one that died is replaced again.
+        Returns the ids listed this round. Nothing is replaced once the pools are shutting
+        down (their placement groups are going)."""
         with self._lock:
-            live = [s for s in self._slots if s.ref is not None and not s.ref.draining]  # draining: drain_worker's
+            live = [s for s in self._slots if s.listed and not s.ref.draining]  # draining: drain_worker's
         pings = [slot.ref.handle.ready.remote() for slot in live]
         answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S) if pings else ([], [])
         dead = []
@@ -434,35 +463,46 @@ class TandemCluster:
         with self._lock:
             if self._stop.is_set():
                 return []
-            dead = [s for s in dead if s in self._slots and not s.ref.draining]
-            for slot in dead:
+            for slot in [s for s in dead if s in self._slots and not s.ref.draining]:
                 log.warning("worker %s is dead; starting a replacement", slot.ref.worker_id)
                 try:
                     ray.kill(slot.ref.handle, no_restart=True)
                 except Exception:  # already gone
                     pass
                 _forget_metrics(slot.pid)
-                slot.ref = self._spawn(slot)
-        return self._await_replacements(dead)
+                self._replace(slot)
+        return self._await_replacements(PING_TIMEOUT_S)
 
-    def _await_replacements(self, slots: list[_Slot]) -> list[str]:
-        """Wait (up to ``READY_TIMEOUT_S``) for the new workers in ``slots``; the ids of
-        those ready. One that dies first is left to the next round, which replaces it
-        again, rather than failing the round and leaving the others' pids unrecorded: a
+    def _replace(self, slot: _Slot) -> None:
+        """A new actor in ``slot``'s bundle, unlisted until its ``ready`` answers (under the lock)."""
+        slot.ref, slot.pid = self._spawn(slot), None
+        slot.starting = slot.ref.handle.ready.remote()
+
+    def _await_replacements(self, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` for the replacements still starting; list those that
+        answer ``ready`` and return their ids. One not ready by then stays starting (its
+        bundle may be waiting for a node with room); one that died is replaced again (a
         replacement started just after its bundle's node was lost, before the GCS noticed,
-        is cancelled once it does, and the bundle moves to a live node meanwhile."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        pings = [(slot, slot.ref.worker_id, slot.ref.handle.ready.remote()) for slot in slots]
+        is cancelled once it does, and the bundle moves to a live node meanwhile)."""
+        with self._lock:
+            starting = [s for s in self._slots if s.starting is not None]
+        calls = [s.starting for s in starting]
+        done, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s) if calls else ([], [])
         ready = []
-        for slot, worker_id, ping in pings:
-            try:
-                slot.pid = ray.get(ping, timeout=max(0.0, deadline - time.monotonic()))["pid"]
-            except RayActorError as e:
-                if not self._stop.is_set():  # (a shutdown kills them)
-                    log.warning("the replacement for worker %s died before it was ready (%s); the next "
-                                "health round starts another", worker_id, type(e).__name__)
-                continue
-            ready.append(worker_id)
+        with self._lock:
+            for slot, call in zip(starting, calls):
+                if call not in done or slot.starting is not call or self._stop.is_set():
+                    continue  # still waiting (or changed meanwhile, or shutting down)
+                try:
+                    slot.pid = ray.get(call)["pid"]
+                except RayActorError as e:
+                    log.warning("the replacement for worker %s died before it was ready (%s); starting "
+                                "another", slot.ref.worker_id, type(e).__name__)
+                    self._replace(slot)
+                    continue
+                slot.starting = None
+                ready.append(slot.ref.worker_id)
+                log.info("replacement %s worker %s is ready and listed", slot.role, slot.ref.worker_id)
         return ready
 
     def _watch(self) -> None:

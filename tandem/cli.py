@@ -175,13 +175,14 @@ def format_status(status: dict) -> str:
     scaling = status.get("autoscaling") or {}
     targets = scaling.get("targets", {})
     for role, workers in sorted(status["pools"].items(), key=lambda kv: kv[0] != "prefill"):
-        live = sum(not w["draining"] for w in workers)
+        live = sum(not w["draining"] and not w.get("starting") for w in workers)
         t = targets.get(role)
         bounds = f"  (target {t['target']}, min {t['min']}, max {t['max']})" if t else ""
         lines.append(f"{role}: {live} worker{'s' * (live != 1)}{bounds}")
         for w in workers:
             name = w["worker_id"] + (" (draining)" if w["draining"] else "")
-            lines.append(f"  {name:24} {_load_line(w['load'])}")
+            load = "starting (waiting for room, or loading)" if w.get("starting") else _load_line(w["load"])
+            lines.append(f"  {name:24} {load}")
     if "slo" in scaling:
         seen, slo = scaling.get("router_latency"), scaling["slo"]
         clients = "no requests lately" if seen is None else (

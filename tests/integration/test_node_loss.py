@@ -263,3 +263,51 @@ def _check_replaced_on(pools, doomed: list, head: str, lost_at: float) -> None:
     print(f"replaced on the head node {time.monotonic() - lost_at:.1f} s after the loss; "
           f"streams moved: {pools.dispatcher.num_migrations}; transfers that failed on the surviving decode "
           f"worker: {stats['transfer_failures']} {stats['transfer']['failures']}")
+
+
+def _listed(pools) -> tuple[int, int]:
+    return len(pools.prefill_refs()), len(pools.decode_refs())
+
+
+def test_with_no_room_left_the_pools_serve_on_the_survivors_until_room_comes(two_nodes, workload, tiny_model):
+    """The head's spare room is taken (a placement group holds its last prefill and decode
+    units) when the worker node goes, so the dead workers' replacements cannot be placed.
+    Every request still completes with the single engine's tokens on the workers left;
+    the replacements stay starting and unlisted (nothing is placed on them, the health
+    thread goes on) while the pools serve; once room comes back they start, are listed
+    and take part."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    nodes, worker_node = two_nodes
+    prompts, lengths, want = workload
+    pools = DispatchedPools(_config(tiny_model)).start()
+    squatter = None
+    try:
+        doomed = [w for w in pools.workers() if _node_of(w) == worker_node.node_id]
+        squatter = placement_group([{"tandem_prefill": 1}, {"tandem_decode": 1}], strategy="STRICT_PACK")
+        assert squatter.wait(PATIENCE_S), "the head's spare units should be free to take"
+
+        results, _ = asyncio.run(_losing_a_node(pools, nodes, worker_node, True, doomed, prompts[:N], lengths[:N]))
+        _assert_exact(results, want[:N])
+        wait_for(lambda: len(pools.starting()) == 2, PATIENCE_S, lambda: f"two replacements starting: {pools.starting()}")
+        assert _listed(pools) == (1, 1), f"only the survivors are listed: {[w.worker_id for w in pools.workers()]}"
+        status = pools.status()
+        assert sum(w.get("starting", False) for ws in status.values() for w in ws) == 2, status
+        assert_blocks_freed(pools)
+        half = N + N // 2
+        _assert_exact(_run_all(pools, prompts[N:half], lengths[N:half]), want[N:half])  # still serving
+
+        remove_placement_group(squatter)
+        squatter = None
+        wait_for(lambda: _listed(pools) == (2, 2) and not pools.starting(), PATIENCE_S,
+                 lambda: f"the replacements listed once room came back: starting {pools.starting()}")
+        before = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
+        _assert_exact(_run_all(pools, prompts[half:], lengths[half:]), want[half:])
+        after = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
+        idle = [w.worker_id for w in doomed if after[w.worker_id] == before[w.worker_id]]
+        assert not idle, f"the replacements {idle} took no part in the requests once listed"
+        assert_blocks_freed(pools)
+    finally:
+        if squatter is not None:
+            remove_placement_group(squatter)
+        pools.shutdown()
