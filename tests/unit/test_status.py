@@ -44,6 +44,14 @@ def test_autoscaled_pools_show_targets_draining_workers_and_the_latest_decisions
                                       "     12.5 s ago  remove decode: idle for 30 s"]
 
 
+def test_a_replacement_still_starting_is_shown_and_not_counted():
+    starting = {"worker_id": "decode-1", "draining": False, "starting": True, "load": None}
+    text = format_status({"model": "m", "pools": {"prefill": [PREFILL], "decode": [starting, DECODE]},
+                          "autoscaling": None})
+    assert "decode: 1 worker" in text
+    assert "  decode-1                 starting (waiting for room, or loading)" in text
+
+
 def test_request_and_status_talk_to_the_server_with_the_key(monkeypatch, capsys):
     """``tandem request`` and ``tandem status`` against a stand-in server: the key from
     ``$TANDEM_API_KEY`` goes along, a 401 is printed with its body, a missing server named."""
