@@ -240,14 +240,20 @@ def test_a_lost_node_loses_no_request_and_its_workers_come_back_on_the_survivor(
         _check_replaced_on(pools, doomed, nodes.head_node.node_id, lost_at)
         assert_blocks_freed(pools)
 
-        before = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
-        _assert_exact(_run_all(pools, prompts[N:], lengths[N:]), want[N:])
-        after = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
-        idle = [w.worker_id for w in doomed if after[w.worker_id] == before[w.worker_id]]
-        assert not idle, f"the replacements {idle} took no part in the requests after the loss"
-        assert_blocks_freed(pools)
+        _assert_replacements_serve(pools, doomed, prompts[N:], lengths[N:], want[N:])
     finally:
         pools.shutdown()
+
+
+def _assert_replacements_serve(pools, doomed: list, prompts, lengths, want) -> None:
+    """More requests complete exactly, the replacements of ``doomed`` taking part, and no
+    block is kept."""
+    before = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
+    _assert_exact(_run_all(pools, prompts, lengths), want)
+    after = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
+    idle = [w.worker_id for w in doomed if after[w.worker_id] == before[w.worker_id]]
+    assert not idle, f"the replacements {idle} took no part in the requests"
+    assert_blocks_freed(pools)
 
 
 def _check_replaced_on(pools, doomed: list, head: str, lost_at: float) -> None:
@@ -301,12 +307,7 @@ def test_with_no_room_left_the_pools_serve_on_the_survivors_until_room_comes(two
         squatter = None
         wait_for(lambda: _listed(pools) == (2, 2) and not pools.starting(), PATIENCE_S,
                  lambda: f"the replacements listed once room came back: starting {pools.starting()}")
-        before = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
-        _assert_exact(_run_all(pools, prompts[half:], lengths[half:]), want[half:])
-        after = {wid: s["prompt_tokens"] + s["generation_tokens"] for wid, s in pools.stats().items()}
-        idle = [w.worker_id for w in doomed if after[w.worker_id] == before[w.worker_id]]
-        assert not idle, f"the replacements {idle} took no part in the requests once listed"
-        assert_blocks_freed(pools)
+        _assert_replacements_serve(pools, doomed, prompts[half:], lengths[half:], want[half:])
     finally:
         if squatter is not None:
             remove_placement_group(squatter)
