@@ -212,3 +212,24 @@ def test_the_readmes_topology_example_is_valid_and_takes_every_router_setting(tm
     topology.write_text(example)
     service = _service("--config", str(topology))
     assert service.cluster.decode_workers == 2 and service.ingress == "haproxy"
+
+
+def test_the_charts_values_schema_offers_what_the_schema_takes():
+    import json
+
+    from cluster.ingress import INGRESSES
+    from kv_transfer import BACKENDS
+    from kv_transfer.config import FAILURE_POLICIES, TransferConfig
+
+    schema = json.loads((CHART_VALUES.parent / "values.schema.json").read_text())
+    serve = schema["properties"]["serve"]["properties"]
+    topology = serve["topology"]["properties"]
+    assert set(topology) <= {f.name for f in dataclasses.fields(ClusterConfig)}, "topology keys the app refuses"
+    transfer = topology["transfer"]["properties"]
+    assert set(transfer) <= {f.name for f in dataclasses.fields(TransferConfig)}
+    assert (transfer["backend"]["enum"], transfer["failure_policy"]["enum"]) == (list(BACKENDS), list(FAILURE_POLICIES))
+    assert (serve["placement"]["enum"], serve["ingress"]["enum"]) == (list(flags.PLACEMENTS), list(INGRESSES))
+    with pytest.raises(ValueError):  # the schema's minimums are the config's
+        ClusterConfig(decode_workers=topology["decode_workers"]["minimum"] - 1)
+    with pytest.raises(ValueError):
+        ClusterConfig(prefill_workers=topology["prefill_workers"]["minimum"] - 1)
