@@ -380,7 +380,7 @@ class TandemCluster:
             else:
                 self._replace(slot)
         if ref is None:
-            self._await_replacements(READY_TIMEOUT_S)
+            self._await_replacements(READY_TIMEOUT_S, [slot])
         if self.on_role_switch is not None:
             self.on_role_switch(old_role, role)
         seconds = time.monotonic() - t0
@@ -478,14 +478,14 @@ class TandemCluster:
         slot.ref, slot.pid = self._spawn(slot), None
         slot.starting = slot.ref.handle.ready.remote()
 
-    def _await_replacements(self, timeout_s: float) -> list[str]:
-        """Wait up to ``timeout_s`` for the replacements still starting; list those that
-        answer ``ready`` and return their ids. One not ready by then stays starting (its
+    def _await_replacements(self, timeout_s: float, slots: list[_Slot] | None = None) -> list[str]:
+        """Wait up to ``timeout_s`` for the replacements still starting (of ``slots``, when
+        given); list those that answer ``ready`` and return their ids. One not ready by then stays starting (its
         bundle may be waiting for a node with room); one that died is replaced again (a
         replacement started just after its bundle's node was lost, before the GCS noticed,
         is cancelled once it does, and the bundle moves to a live node meanwhile)."""
         with self._lock:
-            starting = [s for s in self._slots if s.starting is not None]
+            starting = [s for s in slots or self._slots if s.starting is not None]
         calls = [s.starting for s in starting]
         done, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s) if calls else ([], [])
         ready = []

@@ -30,10 +30,10 @@ class _Handle:
 
 @pytest.fixture
 def cluster(monkeypatch):
-    """A cluster of two decode workers; ``decode-1`` never answers a ping."""
+    """A cluster of two listed decode workers; ``decode-1`` never answers a ping."""
     c = pools.TandemCluster(ClusterConfig(prefill_workers=0, decode_workers=2))
     c._pgs = {"colocated": "pg"}
-    c._slots = [pools._Slot("colocated", i, "pg", i, WorkerRef(f"decode-{i}", _Handle(f"decode-{i}")), pid=None)
+    c._slots = [pools._Slot("colocated", i, "pg", i, WorkerRef(f"decode-{i}", _Handle(f"decode-{i}")), pid=10 + i)
                 for i in range(2)]
     spawned: list[str] = []
     monkeypatch.setattr(c, "_spawn", lambda slot: spawned.append(slot.ref) or WorkerRef("new", _Handle("new")))
@@ -76,12 +76,13 @@ def test_a_shutdown_while_the_health_thread_pings_starts_no_replacement(cluster,
     assert cluster._slots == [] and cluster._pgs == {}
 
 
-def test_a_replacement_that_dies_before_it_is_ready_is_left_to_the_next_round(cluster, monkeypatch):
+def test_a_replacement_that_dies_before_it_is_ready_is_started_again_and_listed_later(cluster, monkeypatch):
     """A node is lost with both workers on it: each replacement goes into its worker's
     bundle, and one of them lands on the dead node before the GCS has noticed, to be
     cancelled once it does (``ActorDiedError``; Ray moves the bundle). The round must
-    not fail on it (it raised, leaving the other replacement's pid unrecorded): it
-    returns the one that came up, and the next round replaces the dead one again."""
+    not fail on it (it raised, leaving the other replacement's pid unrecorded): it lists
+    the one that came up and starts the dead one's again (unlisted until it answers),
+    which a later round lists."""
     started = iter(["doomed", "fine", "again"])
     monkeypatch.setattr(cluster, "_spawn", lambda slot: WorkerRef(f"decode-{slot.index}", _Handle(next(started))))
 
@@ -95,6 +96,30 @@ def test_a_replacement_that_dies_before_it_is_ready_is_left_to_the_next_round(cl
     monkeypatch.setattr(pools.ray, "get", get)
     monkeypatch.setattr(pools.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
     assert cluster.check_health() == ["decode-1"]
-    assert [(s.ref.handle.worker, s.pid) for s in cluster._slots] == [("doomed", None), ("fine", 7)]
+    assert [(s.ref.handle.worker, s.pid) for s in cluster._slots] == [("again", None), ("fine", 7)]
+    assert [w.worker_id for w in cluster.workers()] == ["decode-1"], "a replacement is listed once it answers"
+    assert cluster.starting() == ["decode-0"]
     assert cluster.check_health() == ["decode-0"]
     assert [(s.ref.handle.worker, s.pid) for s in cluster._slots] == [("again", 7), ("fine", 7)]
+
+
+def test_a_replacement_with_no_room_stays_starting_unlisted_while_the_rounds_go_on(cluster, monkeypatch):
+    """A replacement whose bundle no node has room for does not answer ``ready``: each
+    round waits for it at most the ping timeout and goes on, leaves it unlisted (nothing
+    is placed on it) and starts no other; once it answers, a round lists it."""
+    answering = {"decode-0"}
+    timeouts = []
+
+    def wait(refs, num_returns, timeout):
+        timeouts.append(timeout)
+        return [r for r in refs if r.worker in answering], []
+
+    monkeypatch.setattr(pools.ray, "wait", wait)
+    for _ in range(3):
+        assert cluster.check_health() == []
+        assert [w.worker_id for w in cluster.workers()] == ["decode-0"] and cluster.starting() == ["new"]
+    assert len(cluster.spawned) == 1, "one replacement, not one a round"
+    assert max(timeouts) == pools.PING_TIMEOUT_S, "a round never waits longer than a ping"
+    answering.add("new")
+    assert cluster.check_health() == ["new"]
+    assert [w.worker_id for w in cluster.workers()] == ["decode-0", "new"] and cluster.starting() == []
