@@ -215,3 +215,67 @@ class KVTransferBackend(ABC):
     def check_deadline(self, meta: TransferMeta) -> None:
         if meta.deadline and time.time() > meta.deadline:
             raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
+
+
+class WrappedBackend(KVTransferBackend):
+    """A backend around another (``inner``), whose name and counters it shares: every call
+    passes through unless a subclass changes it (``kv_transfer.faults.FaultyBackend`` adds
+    faults to the receiving side, ``kv_transfer.packed.PackedAsPaged`` puts a packed backend
+    behind the paged interface)."""
+
+    def __init__(self, inner: KVTransferBackend) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = inner.name
+        self.stats = inner.stats
+
+    @property
+    def endpoint(self) -> str:
+        return self.inner.endpoint
+
+    @property  # type: ignore[override]
+    def paged(self) -> bool:
+        return self.inner.paged
+
+    @property  # type: ignore[override]
+    def sends(self) -> bool:
+        return self.inner.sends
+
+    def prepare(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return self.inner.prepare(meta, k, v)
+
+    def push(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: Any) -> None:
+        self.inner.push(meta, k, v, payload)
+
+    async def push_async(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, payload: Any) -> None:
+        await self.inner.push_async(meta, k, v, payload)  # the inner backend's deadline rules
+
+    def pull(self, meta: TransferMeta, payload: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.pull(meta, payload)
+
+    def attach_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.inner.attach_cache(k, v)
+
+    def prepare_blocks(self, meta: TransferMeta, block_ids: list[int]) -> Any:
+        return self.inner.prepare_blocks(meta, block_ids)
+
+    def pull_blocks(self, meta: TransferMeta, payload: Any, block_ids: list[int]) -> None:
+        self.inner.pull_blocks(meta, payload, block_ids)
+
+    async def pull_blocks_async(self, meta: TransferMeta, payload: Any, block_ids: list[int]) -> None:
+        await self.inner.pull_blocks_async(meta, payload, block_ids)  # the inner backend's deadline rules
+
+    def release(self, meta: TransferMeta, payload: Any) -> None:
+        self.inner.release(meta, payload)
+
+    def abandon(self, meta: TransferMeta, payload: Any) -> None:
+        self.inner.abandon(meta, payload)
+
+    def refuse(self, meta: TransferMeta, payload: Any) -> None:
+        self.inner.refuse(meta, payload)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.inner.recycle(k, v)

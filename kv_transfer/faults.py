@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
+from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, WrappedBackend
 
 
 @dataclass(frozen=True)
@@ -35,30 +35,14 @@ class FaultConfig:
         return self.drop_rate > 0 or self.delay_s > 0
 
 
-class FaultyBackend(KVTransferBackend):
+class FaultyBackend(WrappedBackend):
     """A backend (``inner``) with a ``FaultConfig``'s faults on its receiving side; all else passes
     through. ``TransferConfig.configure`` wraps a backend in one while faults are on."""
 
     def __init__(self, inner: KVTransferBackend, faults: FaultConfig) -> None:
-        super().__init__()
-        self.inner = inner
-        self.name = inner.name
-        self.stats = inner.stats
+        super().__init__(inner)
         self.faults = faults
         self._rng = random.Random(faults.seed)
-
-    @property
-    def endpoint(self) -> str:
-        return self.inner.endpoint
-
-    def prepare(self, meta, k, v):
-        return self.inner.prepare(meta, k, v)
-
-    def push(self, meta, k, v, payload) -> None:
-        self.inner.push(meta, k, v, payload)
-
-    async def push_async(self, meta, k, v, payload) -> None:
-        await self.inner.push_async(meta, k, v, payload)  # the inner backend's deadline rules
 
     def pull(self, meta: TransferMeta, payload):
         if self.faults.delay_s:
@@ -71,20 +55,6 @@ class FaultyBackend(KVTransferBackend):
         return self.inner.pull(meta, payload)
 
     # -- paged backends: the same faults around a read into reserved blocks ----------
-
-    @property
-    def paged(self) -> bool:
-        return self.inner.paged
-
-    @property
-    def sends(self) -> bool:
-        return self.inner.sends
-
-    def attach_cache(self, k, v) -> None:
-        self.inner.attach_cache(k, v)
-
-    def prepare_blocks(self, meta, block_ids):
-        return self.inner.prepare_blocks(meta, block_ids)
 
     def pull_blocks(self, meta, payload, block_ids) -> None:
         if self.faults.delay_s:
@@ -101,18 +71,3 @@ class FaultyBackend(KVTransferBackend):
         await self.inner.pull_blocks_async(meta, payload, block_ids)  # the inner backend's deadline rules
         if drop:
             raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
-
-    def release(self, meta, payload) -> None:
-        self.inner.release(meta, payload)
-
-    def abandon(self, meta, payload) -> None:
-        self.inner.abandon(meta, payload)
-
-    def refuse(self, meta, payload) -> None:
-        self.inner.refuse(meta, payload)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def recycle(self, k, v) -> None:
-        self.inner.recycle(k, v)

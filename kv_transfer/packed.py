@@ -15,10 +15,10 @@ import threading
 
 import torch
 
-from kv_transfer.base import KVTransferBackend, TransferMeta, check_attachable
+from kv_transfer.base import KVTransferBackend, TransferMeta, WrappedBackend, check_attachable
 
 
-class PackedAsPaged(KVTransferBackend):
+class PackedAsPaged(WrappedBackend):
     """A packed backend (``inner``) behind the paged interface, as the module docstring
     describes; ``as_paged`` wraps one when a worker starts. Each offered packed copy
     is kept until ``release``."""
@@ -26,21 +26,10 @@ class PackedAsPaged(KVTransferBackend):
     paged = True
 
     def __init__(self, inner: KVTransferBackend) -> None:
-        super().__init__()
-        self.inner = inner
-        self.name = inner.name
-        self.stats = inner.stats
+        super().__init__(inner)
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
         self._sent: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # transfer id -> its packed copy
-
-    @property
-    def endpoint(self) -> str:
-        return self.inner.endpoint
-
-    @property
-    def sends(self) -> bool:
-        return self.inner.sends
 
     def attach_cache(self, k: torch.Tensor, v: torch.Tensor) -> None:
         check_attachable(self._cache, k, v)
@@ -57,9 +46,6 @@ class PackedAsPaged(KVTransferBackend):
             self._sent[meta.transfer_id] = (k, v)
         return payload
 
-    def prepare(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor):
-        return self.inner.prepare(meta, k, v)
-
     def _packed(self, meta: TransferMeta) -> tuple[torch.Tensor, torch.Tensor]:
         with self._lock:
             return self._sent[meta.transfer_id]
@@ -69,9 +55,6 @@ class PackedAsPaged(KVTransferBackend):
 
     async def push_async(self, meta: TransferMeta, k, v, payload) -> None:
         await self.inner.push_async(meta, *self._packed(meta), payload)
-
-    def pull(self, meta: TransferMeta, payload):
-        return self.inner.pull(meta, payload)
 
     def pull_blocks(self, meta: TransferMeta, payload, block_ids: list[int]) -> None:
         self._scatter(block_ids, *self.inner.pull(meta, payload))
@@ -92,18 +75,6 @@ class PackedAsPaged(KVTransferBackend):
         with self._lock:
             self._sent.pop(meta.transfer_id, None)
         self.inner.release(meta, payload)
-
-    def abandon(self, meta: TransferMeta, payload) -> None:
-        self.inner.abandon(meta, payload)
-
-    def refuse(self, meta: TransferMeta, payload) -> None:
-        self.inner.refuse(meta, payload)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def recycle(self, k, v) -> None:
-        self.inner.recycle(k, v)
 
 
 def as_paged(backend: KVTransferBackend) -> KVTransferBackend:
