@@ -107,11 +107,9 @@ def pick_decode(
     best = -1
     for i in _rotated(len(loads), tie_break):
         load = loads[i]
-        free = load.free_blocks - pending[i]
-        # decode_has_room, written out: this runs for every worker for every request.
-        if free >= blocks_needed and load.running + load.waiting + load.waiting_for_kv < max_running:
+        if decode_has_room(load, blocks_needed, max_running, pending[i]):
             room.append(i)
-            spare[i] = free - load.waiting * blocks_needed
+            spare[i] = load.free_blocks - pending[i] - load.waiting * blocks_needed
             if best < 0 or spare[i] > spare[best]:
                 best = i
     if not room:
