@@ -22,12 +22,18 @@ table are rewritten after each, so a run cut short keeps what it measured):
   (``remote_kv_arrived``) and decodes; hand-off bandwidth, and whether the tokens equal
   one engine's run of the same requests. No Ray (the GPU image has none): the engines'
   own hand-off, the part every transfer backend ends in.
+* ``steps``: the same model's engine steps timed one by one (``bench.steps``: decode at
+  batches 1-128 and contexts 512 and 2048, whole-prompt prefills, decodes beside a
+  prefill), as the simulator's step profile (``tandem-step-profile/1``, the format
+  ``python -m bench.steps --profile`` writes on a CPU): the profile table carries it as
+  ``step_profile``, and ``sim.cost`` fits the engine's per-step costs on this device
+  from it.
 
 The profile table (``--profile``) is what a simulator reads: one row per measured
 operation and shape; its format is in docs/BENCHMARKS.md ("GPU profile table").
 
     python -m bench.gpu [--out bench-gpu.json] [--profile gpu-profile.json]
-                        [--skip-engine] [--skip-transfer]
+                        [--skip-engine] [--skip-transfer] [--skip-steps]
 """
 
 from __future__ import annotations
@@ -423,7 +429,31 @@ def profile_table(result: dict) -> dict:
         rows.append(result["transfer"]["row"])
     if "checksums" in result:
         rows.append(result["checksums"]["row"])
-    return {"format": PROFILE_FORMAT, "device": result["device"], "versions": result["versions"], "rows": rows}
+    table = {"format": PROFILE_FORMAT, "device": result["device"], "versions": result["versions"], "rows": rows}
+    if "steps" in result:
+        table["step_profile"] = result["steps"]
+    return table
+
+
+STEPS = dict(batches=(1, 8, 32, 64, 128), contexts=(512, 2048), steps=20, prefill_lengths=(128, 512, 2048),
+             mixed_batches=(4, 16), mixed_lengths=(64, 256))
+
+
+def bench_steps(model_dir: Path, device: str = "cuda", shape: dict = STEPS) -> dict:
+    """The engine's steps on ``model_dir``, timed one by one at ``shape``: a step profile."""
+    from bench.common import device_kind
+    from bench.steps import measure_profile, profile_table
+    from engine import LLMEngine
+
+    longest = max(*shape["contexts"], 128)  # mixed_times decodes at 128
+    seats = max(*shape["batches"], *shape["mixed_batches"]) + 4  # + the prompts a prefill step computes
+    num_kv_blocks = seats * (longest // 16 + 8) + 64
+    engine = LLMEngine(model=str(model_dir), device=device, dtype="bfloat16", attention_backend="triton",
+                       num_kv_blocks=num_kv_blocks, max_num_seqs=seats)  # fmt: skip
+    rows = measure_profile(engine, **shape)
+    if engine.stats().num_blocks_in_use:
+        raise RuntimeError(f"{engine.stats().num_blocks_in_use} KV blocks still in use after the step profile")
+    return profile_table(engine, device_kind(device), Path(model_dir).name, rows)
 
 
 DECODE_BAR = 0.7  # the decode kernel's share of the copy bandwidth a good run reaches
@@ -462,16 +492,18 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     if copy_tbps:
         measure("decode", lambda: bench_decode(copy_tbps, result["table_peak_tbps"]))
     measure("prefill", bench_prefill)
-    if args.skip_engine and args.skip_transfer:
+    if args.skip_engine and args.skip_transfer and args.skip_steps:
         return result
     workload = dict(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
     with tempfile.TemporaryDirectory(prefix="tandem-llama-05b-") as tmp:
-        model_dir = build_llama_05b(Path(tmp), torch.bfloat16)
+        model_dir = build_llama_05b(Path(tmp) / "llama-0.35b", torch.bfloat16)
         if not args.skip_engine:
             measure("engine", lambda: engine_section(model_dir, workload))
         if not args.skip_transfer:
             measure("transfer", lambda: bench_transfer(model_dir, **TRANSFER))
             measure("checksums", bench_checksums)
+        if not args.skip_steps:
+            measure("steps", lambda: bench_steps(model_dir))
     return result
 
 
@@ -524,6 +556,7 @@ def summary(result: dict) -> dict:
         "handoff_gbps": get("transfer", "handoff_gbps"),
         "handoff_requests_equal_to_one_engine": get("transfer", "requests_equal_to_one_engine"),
         "checksums_gbps_scattered": get("checksums", "gbps", "scattered"),
+        "step_profile_rows": len(get("steps", "rows") or []),
         "failed": sorted(result["errors"]),
     }
 
@@ -538,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="also write the profile table here")
     ap.add_argument("--skip-engine", action="store_true", help="no engine tokens/s")
     ap.add_argument("--skip-transfer", action="store_true", help="no 1P+1D hand-off")
+    ap.add_argument("--skip-steps", action="store_true", help="no engine step profile")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024, help="> 512: decode splits contexts")
     ap.add_argument("--output-len", type=int, default=128)

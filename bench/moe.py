@@ -12,7 +12,12 @@ spell of the machine hits all of them: the MoE model as the engine runs it (expe
 grouped, ``engine/moe.py``), the same model with every sparse layer running
 ``SparseMoE.per_token_reference`` (one token and one expert at a time), and the dense
 model. Reported per batch: step times, ``per_token_over_grouped`` and
-``grouped_over_dense``. The grouped and per-token engines must agree token for token.
+``grouped_over_dense``. The grouped and per-token engines must agree token for token in
+float32; in bfloat16 (``--device cuda``: the fused Triton experts) the two sum in another
+order, which may break a near-tie the other way, so the share that agrees is reported.
+
+    python -m bench.moe --device cuda --attention-backend triton --hidden 1024 \
+        --expert-size 768 --layers 8 --batches 1,8,32,128 --context 256
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_engine_arguments, engine_overrides
 from bench.steps import step_times
 from engine import LLMEngine, SamplingParams
 from engine.moe import SparseMoE
@@ -68,8 +74,9 @@ def per_token_experts(engine: LLMEngine) -> int:
     return len(layers)
 
 
-def same_tokens(a: LLMEngine, b: LLMEngine, vocab: int) -> bool:
-    prompts = [[(7 * i + j) % vocab for j in range(20 + 9 * i)] for i in range(4)]
+def same_tokens(a: LLMEngine, b: LLMEngine, vocab: int, num_prompts: int = 4) -> int:
+    """How many of ``num_prompts`` greedy runs ``a`` and ``b`` generate alike."""
+    prompts = [[(7 * i + j) % vocab for j in range(20 + 9 * i)] for i in range(num_prompts)]
     outs = []
     for engine in (a, b):
         for i, p in enumerate(prompts):
@@ -80,7 +87,7 @@ def same_tokens(a: LLMEngine, b: LLMEngine, vocab: int) -> bool:
                 if out.finished:
                     done[out.request_id] = out.token_ids
         outs.append([done[f"c{i}"] for i in range(len(prompts))])
-    return outs[0] == outs[1]
+    return sum(x == y for x, y in zip(*outs))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (workers use 1)")
+    add_engine_arguments(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
@@ -102,12 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         moe_dir, dense_dir = build_checkpoints(
             Path(tmp), args.hidden, args.experts, args.top_k, args.expert_size, args.layers
         )
-        grouped, per_token, dense = (LLMEngine(model=str(d), num_kv_blocks=num_kv_blocks)
+        grouped, per_token, dense = (LLMEngine(model=str(d), num_kv_blocks=num_kv_blocks, **engine_overrides(args))
                                      for d in (moe_dir, moe_dir, dense_dir))
     if per_token_experts(per_token) == 0:
         raise SystemExit("the MoE checkpoint has no sparse layers")
-    if not same_tokens(grouped, per_token, grouped.model.config.vocab_size):
-        raise SystemExit("grouped and per-token experts disagree")
+    agree = same_tokens(grouped, per_token, grouped.model.config.vocab_size)
+    if agree < 4 and grouped.kv_cache.k.dtype == torch.float32:
+        raise SystemExit(f"grouped and per-token experts disagree on {4 - agree} of 4 greedy runs")
+    print(f"grouped and per-token experts agree on {agree} of 4 greedy runs")
     rows = []
     for b in batches:  # the engines take turns
         g, p, d = (step_times(e, [b], args.context, args.steps)[0]["step_ms"] for e in (grouped, per_token, dense))

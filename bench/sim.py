@@ -246,7 +246,8 @@ def calibrate(path: str, clock: str = "wall") -> str:
     import torch
 
     import bench.steps
-    from bench.steps import mixed_times, prefill_times, step_times, write_profile
+    from bench.common import write_result
+    from bench.steps import measure_profile, profile_table
     from engine import LLMEngine
 
     torch.set_num_threads(1)
@@ -256,12 +257,10 @@ def calibrate(path: str, clock: str = "wall") -> str:
     if clock == "cpu":  # bench.steps reads time.perf_counter: hand it the thread's CPU clock
         bench.steps.time = types.SimpleNamespace(perf_counter=time.thread_time)
     try:
-        decodes = {c: step_times(engine, batches, c, 20) for c in (128, 512)}
-        prefills = prefill_times(engine, [16, 64, 128, 256, 512, 1024])
-        mixed = mixed_times(engine)
+        rows = measure_profile(engine, batches, (128, 512), 20, [16, 64, 128, 256, 512, 1024])
     finally:
         bench.steps.time = saved
-    write_profile(path, engine, "tandem-tiny-llama", decodes, 20, prefills, mixed)
+    write_result(path, profile_table(engine, "cpu", "tandem-tiny-llama", rows))
     return path
 
 

@@ -13,6 +13,9 @@ default one, and reports the ratio (baseline step time / default): ``unpacked`` 
 ``torch-attention`` gathers K/V and calls SDPA (``attention_backend="torch"``) where the
 default reads the paged cache in place (``cpu``).
 
+``--device cuda --dtype bfloat16 --attention-backend triton`` measure a GPU engine the
+same way (``scripts/gpu-check`` writes such a table for a ~0.35B model).
+
 ``--profile FILE`` also times whole-prompt prefill steps (``--prefill-lengths``, one
 prompt and four at once) and steps that prefill one prompt beside a decoding batch, and
 writes every measured step as a profile table for the simulator's cost model
@@ -30,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bench.common import add_engine_arguments, device_kind, engine_overrides, write_result
 from engine import LLMEngine, SamplingParams
 
 # The second engine's settings for each --baseline.
@@ -43,8 +47,12 @@ def step_times(engine: LLMEngine, batches: Sequence[int], context: int, steps: i
         for i, rid in enumerate(ids):
             params = SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.0)
             engine.add_request([5 + i] * context, params, request_id=rid)
-        for _ in range(5):  # the prefill, then a few warm-up decode steps
-            engine.step()
+        # The prefill (over several steps when the batch's prompts exceed one step's token
+        # budget), then a few warm-up decode steps: 5 tokens each, so no timed step prefills.
+        produced = dict.fromkeys(ids, 0)
+        while min(produced.values()) < 5:
+            for out in engine.step():
+                produced[out.request_id] += len(out.new_token_ids)
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -103,21 +111,47 @@ def mixed_times(engine: LLMEngine, batches: Sequence[int] = (4, 16), lengths: Se
     return rows
 
 
-def write_profile(path: str, engine: LLMEngine, name: str, decodes: dict[int, list[dict]], steps: int,
-                  prefills: list[tuple[list[int], float]], mixed: Sequence[tuple[int, int, int, float]] = ()) -> None:
-    """The measured steps as a ``sim.cost`` profile table: ``decodes`` maps a prompt length to
-    its decode rows, each taken at its mean context (the prompt, the warm-up steps, half the
-    timed ones); ``mixed`` rows are ``mixed_times``'."""
-    from sim.cost import ModelSpec, decode_shape, merge, prefill_shape, profile_row
-    from sim.cost import write_profile as write_table
+def profile_rows(decodes: dict[int, list[dict]], steps: int, prefills: list[tuple[list[int], float]],
+                 mixed: Sequence[tuple[int, int, int, float]] = ()) -> list[dict]:
+    """The measured steps as a ``sim.cost`` profile table's rows: ``decodes`` maps a prompt
+    length to its decode rows (``step_times``), each taken at its mean context (the prompt,
+    the warm-up steps, half the timed ones); ``prefills`` are ``prefill_times``' rows and
+    ``mixed`` ``mixed_times``'."""
+    from sim.cost import decode_shape, merge, prefill_shape, profile_row
 
     rows = [profile_row(decode_shape(r["batch"], context + 5 + steps // 2), r["step_ms"])
             for context, decode_rows in decodes.items() for r in decode_rows]
     rows += [profile_row(prefill_shape(batch), ms) for batch, ms in prefills]
     rows += [profile_row(merge(decode_shape(b, ctx), prefill_shape([n])), ms) for b, ctx, n, ms in mixed]
-    dtype_bytes = engine.kv_cache.k.element_size()
-    write_table(path, "cpu", ModelSpec.from_model_config(name, engine.model_config), dtype_bytes, rows)
-    print(f"wrote {path} ({len(rows)} steps)")
+    return rows
+
+
+def measure_profile(engine: LLMEngine, batches: Sequence[int], contexts: Sequence[int], steps: int,
+                    prefill_lengths: Sequence[int], done: dict[int, list[dict]] | None = None,
+                    mixed_batches: Sequence[int] = (4, 16), mixed_lengths: Sequence[int] = (64, 256)) -> list[dict]:
+    """Time decode steps at each of ``contexts``, whole-prompt prefill steps and mixed ones
+    (``mixed_times``) on ``engine``, printing each, and return them as profile rows; ``done``
+    holds decode rows already measured, by context."""
+    decodes = dict(done or {})
+    for context in contexts:
+        if context not in decodes:
+            decodes[context] = step_times(engine, batches, context, steps)
+            print(f"decode at {context}: " + ", ".join(f"{r['batch']}: {r['step_ms']} ms" for r in decodes[context]))
+    prefills = prefill_times(engine, prefill_lengths)
+    for batch, ms in prefills:
+        print(f"prefill {len(batch)} x {batch[0]:5d} tokens: {ms:7.2f} ms")
+    mixed = mixed_times(engine, mixed_batches, mixed_lengths)
+    for b, ctx, n, ms in mixed:
+        print(f"decode {b:3d} at {ctx} + prefill {n:4d} tokens: {ms:7.2f} ms")
+    return profile_rows(decodes, steps, prefills, mixed)
+
+
+def profile_table(engine: LLMEngine, device: str, name: str, rows: list[dict]) -> dict:
+    """A ``sim.cost`` profile table (``tandem-step-profile/1``) of ``engine``'s measured steps."""
+    from sim.cost import ModelSpec, step_profile
+
+    model = ModelSpec.from_model_config(name, engine.model_config)
+    return step_profile(device, model, engine.kv_cache.k.element_size(), rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,14 +166,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="also time prefill steps and write a profile table here")
     ap.add_argument("--prefill-lengths", default="16,64,128,256,512,1024")
     ap.add_argument("--profile-contexts", default="512", help="more prompt lengths to time decode steps at")
+    ap.add_argument("--model-name", default=None, help="the model's name in the profile (default: --model)")
+    add_engine_arguments(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     longest = max([args.context] + ([int(c) for c in args.profile_contexts.split(",")] if args.profile else []))
     num_kv_blocks = max(batches) * (longest // 16 + 8) + 64
-    engines = [LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks)]
+    settings = {"model": args.model, "num_kv_blocks": num_kv_blocks, **engine_overrides(args)}
+    engines = [LLMEngine(**settings)]
     if args.baseline:
-        engines.append(LLMEngine(model=args.model, num_kv_blocks=num_kv_blocks, **BASELINES[args.baseline]))
+        engines.append(LLMEngine(**{**settings, **BASELINES[args.baseline]}))
     name = args.baseline
     rows = []
     for b in batches:  # the engines alternate, so a slow spell of the machine hits both
@@ -152,18 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"batch {b:4d}: decode step {row['step_ms']:7.2f} ms, {row['tokens_per_s']:8.1f} tokens/s{extra}")
     print(json.dumps(rows))
     if args.profile:
-        prefills = prefill_times(engines[0], [int(n) for n in args.prefill_lengths.split(",")])
-        for batch, ms in prefills:
-            print(f"prefill {len(batch)} x {batch[0]:5d} tokens: {ms:7.2f} ms")
-        decodes = {args.context: rows}
-        for context in (int(c) for c in args.profile_contexts.split(",") if int(c) != args.context):
-            decodes[context] = step_times(engines[0], batches, context, args.steps)
-            print(f"decode at {context}: " + ", ".join(f"{r['batch']}: {r['step_ms']} ms" for r in decodes[context]))
-        mixed = mixed_times(engines[0])
-        for b, ctx, n, ms in mixed:
-            print(f"decode {b:3d} at {ctx} + prefill {n:4d} tokens: {ms:7.2f} ms")
-        write_profile(args.profile, engines[0], args.model or "tandem-tiny-llama", decodes, args.steps, prefills,
-                      mixed)
+        contexts = [int(c) for c in args.profile_contexts.split(",")]
+        rows = measure_profile(engines[0], batches, contexts, args.steps,
+                               [int(n) for n in args.prefill_lengths.split(",")], done={args.context: rows})
+        model_name = args.model_name or args.model or "tandem-tiny-llama"
+        write_result(args.profile, profile_table(engines[0], device_kind(args.device), model_name, rows))
     assert all(e.stats().num_blocks_in_use == 0 for e in engines)
     return 0
 

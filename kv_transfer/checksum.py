@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from kv_transfer.base import TransferError, TransferMeta, contiguous_runs
@@ -41,22 +42,44 @@ def block_checksums(k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> t
         return ()
     num_layers = k.shape[0]
     words = k[0, 0].numel() * k.element_size() // 4
-    segment = -(-words // SEGMENTS)
-    # Stretch sums of every block, one reduction per run of consecutive ids and per K or
-    # V (scattered blocks cost a call each), weighted once at the end.
     runs, _ = contiguous_runs(block_ids, range(len(block_ids)))
-    parts: tuple[list, list] = ([], [])
-    for first, count in runs.tolist():
-        for side, cache in zip(parts, (k, v)):
-            # int32 words of each (layer, block), padded to whole stretches; a view, no copy,
-            # when the block's size is a multiple of SEGMENTS words (as every layout here is).
-            x = cache[:, first : first + count].reshape(num_layers, count, -1).view(torch.int32)
-            if words % SEGMENTS:
-                x = torch.nn.functional.pad(x, (0, segment * SEGMENTS - words))
-            side.append(x.view(num_layers, count, SEGMENTS, segment).sum(dim=3, dtype=torch.int32))
-    stretch = torch.stack([torch.cat(side, dim=1) for side in parts])  # [K/V, layers, blocks, SEGMENTS]
+    # On a GPU a call per run of scattered blocks costs a launch each (18.9 GB/s over
+    # 256 blocks on an H200, against 717 in one run); gathering them first costs a copy
+    # at HBM speed. On a CPU the copy costs more than the calls.
+    stretch_sums = _gathered_sums if len(runs) > 1 and k.device.type != "cpu" else _sums_by_runs
+    # [K/V, layers, blocks, SEGMENTS]
+    stretch = torch.stack([stretch_sums(cache, block_ids, runs, words) for cache in (k, v)])
     sums = (stretch.to(torch.int64) * _weights(num_layers, k.device)).sum(dim=(0, 1, 3))
     return tuple(int(s) & _MASK for s in sums.tolist())
+
+
+def _segment_sums(x: torch.Tensor, words: int) -> torch.Tensor:
+    """``[layers, n, ...]`` blocks (contiguous from dim 1 on) -> their int32 stretch sums
+    ``[layers, n, SEGMENTS]``; the words of each block padded to whole stretches (a view,
+    no copy, when a block's size is a multiple of SEGMENTS words, as every layout here is)."""
+    layers, n = x.shape[:2]
+    x = x.reshape(layers, n, -1).view(torch.int32)
+    segment = -(-words // SEGMENTS)
+    if words % SEGMENTS:
+        x = torch.nn.functional.pad(x, (0, segment * SEGMENTS - words))
+    return x.view(layers, n, SEGMENTS, segment).sum(dim=3, dtype=torch.int32)
+
+
+def _sums_by_runs(cache: torch.Tensor, block_ids: list[int], runs: np.ndarray, words: int) -> torch.Tensor:
+    """Stretch sums read in place, one reduction per run of consecutive ids."""
+    return torch.cat([_segment_sums(cache[:, first : first + count], words) for first, count in runs.tolist()], dim=1)
+
+
+GATHER_BYTES = 64 << 20  # at most this much of a cache copied at once by ``_gathered_sums``
+
+
+def _gathered_sums(cache: torch.Tensor, block_ids: list[int], runs: np.ndarray, words: int) -> torch.Tensor:
+    """Stretch sums of scattered blocks gathered into one buffer, ``GATHER_BYTES`` at a time."""
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+    per_block = max(1, cache[:, 0].numel() * cache.element_size())
+    step = max(1, GATHER_BYTES // per_block)
+    return torch.cat([_segment_sums(cache.index_select(1, ids[i : i + step]), words)
+                      for i in range(0, len(ids), step)], dim=1)  # fmt: skip
 
 
 def check(meta: TransferMeta, got: tuple[int, ...]) -> None:

@@ -272,11 +272,15 @@ class CostModel:
 FEATURES = ("num_tokens", "attn_pairs", "kv_read_tokens", "batch")
 
 
+def step_profile(device: str, model: ModelSpec, dtype_bytes: int, rows: list[dict]) -> dict:
+    """A profile table: each row a ``StepShape``'s fields plus the measured ``step_ms``."""
+    return {"format": PROFILE_FORMAT, "device": device, "dtype_bytes": dtype_bytes, "model": asdict(model),
+            "rows": rows}
+
+
 def write_profile(path: str | Path, device: str, model: ModelSpec, dtype_bytes: int, rows: list[dict]) -> None:
-    """Write a profile table: each row a ``StepShape``'s fields plus the measured ``step_ms``."""
-    doc = {"format": PROFILE_FORMAT, "device": device, "dtype_bytes": dtype_bytes, "model": asdict(model),
-           "rows": rows}
-    Path(path).write_text(json.dumps(doc, indent=1))
+    """Write a ``step_profile`` table."""
+    Path(path).write_text(json.dumps(step_profile(device, model, dtype_bytes, rows), indent=1))
 
 
 def profile_row(shape: StepShape, step_ms: float) -> dict:
@@ -285,9 +289,14 @@ def profile_row(shape: StepShape, step_ms: float) -> dict:
 
 
 def gpu_corrections(doc: dict, device: DeviceSpec, source: str) -> Corrections:
-    """``GPU_DEFAULTS`` with the shares of peak a ``bench.gpu`` table measured: ``mbu`` from its
-    paged decode attention (or its copy) over the HBM bandwidth, ``mfu`` from its prefill
-    attention over the bf16 FLOP/s (each capped at 1; a share it did not measure stays assumed)."""
+    """The corrections a ``bench.gpu`` table gives: ``mbu`` from its paged decode attention
+    (or its copy) over the HBM bandwidth, ``mfu`` from its prefill attention over the bf16
+    FLOP/s (each capped at 1; a share it did not measure stays assumed, ``GPU_DEFAULTS``);
+    and where it carries the engine's step profile (``step_profile``), the engine's costs
+    beyond the roofline fitted from it (``fit`` at those shares). One model's steps cannot
+    tell a per-step cost from a per-layer one; an engine that launches its kernels one by
+    one from Python spends it per layer, so the fitted constant goes to ``per_layer_s`` and
+    scales with another model's depth."""
     best: dict[str, float] = {}
     for row in doc.get("rows", []):
         if row.get("op") in ("decode_attention", "copy", "prefill_attention") and row.get("throughput", 0) > 0:
@@ -296,7 +305,12 @@ def gpu_corrections(doc: dict, device: DeviceSpec, source: str) -> Corrections:
     mbu = min(1.0, bw * 1e12 / device.hbm_bw) if bw else GPU_DEFAULTS.mbu
     flops = best.get("prefill_attention")
     mfu = min(1.0, flops * 1e12 / device.flops) if flops else GPU_DEFAULTS.mfu
-    return replace(GPU_DEFAULTS, mfu=mfu, mbu=mbu, source=source)
+    steps = doc.get("step_profile")
+    if not steps:
+        return replace(GPU_DEFAULTS, mfu=mfu, mbu=mbu, source=source)
+    model = ModelSpec(**steps["model"])
+    fitted = fit(device, model, steps["rows"], source, mfu=mfu, mbu=mbu)
+    return replace(fitted, overhead_s=0.0, per_layer_s=fitted.overhead_s / model.num_layers)
 
 
 def read_profile(path: str | Path) -> dict:
@@ -317,19 +331,21 @@ def _shape(row: dict) -> StepShape:
     return StepShape(**{f.name: row.get(f.name, 0) for f in fields(StepShape)})
 
 
-def fit(device: DeviceSpec, model: ModelSpec, rows: list[dict], source: str = "profile") -> Corrections:
+def fit(device: DeviceSpec, model: ModelSpec, rows: list[dict], source: str = "profile", mfu: float = 1.0,
+        mbu: float = 1.0) -> Corrections:
     """Corrections fitted to measured steps: non-negative least squares of what the roofline
-    leaves (measured - roofline) over a constant, batch, tokens, attention pairs and KV tokens,
-    each row weighted by 1 / its time (relative errors count, so short decode steps weigh as
-    much as long prefills). ``per_layer_s`` stays 0: one model per table."""
-    base = CostModel(device, model, Corrections(mfu=1.0, mbu=1.0))
+    at shares ``mfu`` and ``mbu`` of peak leaves (measured - roofline) over a constant, batch,
+    tokens, attention pairs and KV tokens, each row weighted by 1 / its time (relative errors
+    count, so short decode steps weigh as much as long prefills). ``per_layer_s`` stays 0:
+    one model per table."""
+    base = CostModel(device, model, Corrections(mfu=mfu, mbu=mbu))
     cols, target = [], []
     for r in rows:
         w = 1e3 / r["step_ms"]
         cols.append([w, w * r["batch"], w * r["num_tokens"], w * r["attn_pairs"], w * r["kv_read_tokens"]])
         target.append(w * (r["step_ms"] / 1e3 - base.roofline_s(_shape(r))))
     coef = nnls(cols, target)
-    return Corrections(overhead_s=coef[0], per_request_s=coef[1], mfu=1.0, mbu=1.0, per_token_s=coef[2],
+    return Corrections(overhead_s=coef[0], per_request_s=coef[1], mfu=mfu, mbu=mbu, per_token_s=coef[2],
                        per_pair_s=coef[3], per_kv_token_s=coef[4], source=source)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu import bench_decode, bench_prefill, bench_transfer, copy_bandwidth
+from bench.gpu import bench_decode, bench_prefill, bench_steps, bench_transfer, copy_bandwidth
 from tests.gpu.device import DEVICE
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
@@ -35,3 +35,17 @@ def test_one_device_transfer_reports_handoff_bandwidth_and_equal_requests(tiny_m
     assert found["kv_bytes"] > 0 and found["handoff_gbps"] > 0
     assert 0 <= found["requests_equal_to_one_engine"] <= 2
     assert found["row"]["op"] == "kv_handoff" and found["row"]["params"]["layers"] == 2
+
+
+def test_engine_steps_make_a_step_profile_the_simulator_fits(tiny_model):
+    from sim.cost import DEVICES, ModelSpec, fit
+
+    shape = dict(batches=(1, 2), contexts=(24,), steps=2, prefill_lengths=(16,), mixed_batches=(2,),
+                 mixed_lengths=(16,))  # fmt: skip
+    table = bench_steps(tiny_model, DEVICE, shape)
+    assert table["format"] == "tandem-step-profile/1" and table["device"] in DEVICES
+    # decode at batches 1 and 2, one prompt of 16 and four at once, a decode of 2 beside one
+    assert [(r["batch"], r["prefill_tokens"]) for r in table["rows"]] == [(1, 0), (2, 0), (1, 16), (4, 64), (3, 16)]
+    assert all(r["step_ms"] > 0 for r in table["rows"])
+    corrections = fit(DEVICES[table["device"]], ModelSpec(**table["model"]), table["rows"])
+    assert corrections.overhead_s + corrections.per_request_s + corrections.per_token_s > 0

@@ -104,7 +104,10 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     real_checksums = gpu.bench_checksums
     monkeypatch.setattr(gpu, "bench_checksums", lambda: real_checksums(size_mib=1, device="cpu"))
     out, profile = tmp_path / "bench.json", tmp_path / "profile.json"
-    args = argparse.Namespace(skip_engine=False, skip_transfer=False, num_requests=2, prompt_len=8, output_len=2)
+    steps = {"format": "tandem-step-profile/1", "device": "H200", "rows": [{"batch": 1, "step_ms": 2.0}]}
+    monkeypatch.setattr(gpu, "bench_steps", lambda model_dir: steps)
+    args = argparse.Namespace(skip_engine=False, skip_transfer=False, skip_steps=False, num_requests=2, prompt_len=8,
+                              output_len=2)  # fmt: skip
     result = gpu.run(args, saver(out, profile))
     assert sorted(result["errors"]) == ["engine", "prefill"], result["errors"]
     assert "ZeroDivisionError" in result["errors"]["prefill"]
@@ -114,5 +117,6 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
         "copy", "decode_attention", "kv_handoff", "kv_block_checksums_scattered"
     ]
     assert saved["checksums"]["gbps"]["scattered"] > 0 and saved["checksums"]["bytes"] == 1 << 20
+    assert json.loads(profile.read_text())["step_profile"] == steps, "the step profile rides in the table"
     headline = gpu.summary(result)
     assert headline["decode_at_least_70%_of_copy"] is True and headline["failed"] == ["engine", "prefill"]

@@ -25,6 +25,24 @@ def test_a_block_sums_the_same_wherever_it_lies_and_in_any_order(dtype):
     assert block_checksums(k, v, [2, 1, 5]) == tuple(reversed(block_checksums(k, v, [5, 1, 2])))
 
 
+def test_scattered_blocks_gathered_in_pieces_sum_as_when_read_in_place(monkeypatch):
+    """A GPU gathers scattered blocks before summing them (a launch per run costs more than
+    the copy there): the same sums as reading each run in place, however small the pieces."""
+    from kv_transfer import checksum
+    from kv_transfer.base import contiguous_runs
+
+    k, _ = _cache(torch.bfloat16, blocks=12)
+    ids = [7, 2, 3, 11, 0, 5, 6]
+    runs, _ = contiguous_runs(ids, range(len(ids)))
+    words = k[0, 0].numel() * k.element_size() // 4
+    in_place = checksum._sums_by_runs(k, ids, runs, words)
+    assert in_place.shape == (3, len(ids), checksum.SEGMENTS)
+    block_bytes = k[:, 0].numel() * k.element_size()
+    for piece in (1, 2, 100):  # blocks per gathered piece
+        monkeypatch.setattr(checksum, "GATHER_BYTES", piece * block_bytes)
+        assert torch.equal(checksum._gathered_sums(k, ids, runs, words), in_place)
+
+
 @pytest.mark.parametrize("change", ["word", "layers swapped", "stretches swapped", "k and v swapped", "other block"])
 def test_what_a_transfer_can_get_wrong_changes_the_block_sum(change):
     k, v = _cache()

@@ -166,6 +166,28 @@ def test_a_bench_gpu_table_sets_the_measured_shares_of_peak(tmp_path):
         cost_model("H100", LLAMA, profile=path)
 
 
+def test_the_h200_table_fits_the_engines_own_steps_and_their_cost_grows_with_depth():
+    """The table ``scripts/gpu-check`` measured on an H200 carries the engine's step profile
+    (a ~0.35B Llama): the fit must describe those steps, and its per-step constant must be
+    charged per layer, so that a deeper model pays more of it."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from sim.cost import ModelSpec
+
+    path = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "H200-bench-gpu.json"
+    doc = read_profile(path)
+    model = ModelSpec(**doc["step_profile"]["model"])
+    measured, assumed = cost_model("H200", model, profile=path), cost_model("H200", model)
+    rows = doc["step_profile"]["rows"]
+    assert relative_error(measured, rows) < 0.25 < relative_error(assumed, rows)
+    c = measured.corrections
+    assert c.overhead_s == 0 and c.per_layer_s > 0 and c.mbu < 1 and c.mfu < 1
+    deeper = cost_model("H200", replace(model, num_layers=2 * model.num_layers), profile=path)
+    fixed = [cost.step_s(decode_shape(1, 16)) - cost.roofline_s(decode_shape(1, 16)) for cost in (measured, deeper)]
+    assert fixed[1] == pytest.approx(2 * fixed[0], rel=0.05)
+
+
 def test_a_mixed_step_is_the_sum_of_its_decode_and_prefill_work():
     from sim.cost import merge
 
