@@ -49,12 +49,21 @@ static inline void axpy(float *restrict y, float a, const float *restrict x, int
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* The first row of the block holding token t0, and of the block after it (the one to
- * prefetch; this one again at the end). */
-static inline const float *block_rows(const float *cache, const int64_t *table, int64_t t0, int64_t ctx,
-                                      int bs, int64_t block, const float **next) {
-    *next = cache + table[(t0 + bs < ctx ? t0 + bs : t0) / bs] * block;
-    return cache + table[t0 / bs] * block;
+/* The rows of the block holding token t0 that attention over keys [start, ctx) reads:
+ * returns the first of them (row *i0 of the block), sets *n to the block's rows before
+ * ctx, and *next to the same row of the block after it (the one to prefetch; this one
+ * again at the end). */
+static inline const float *block_span(const float *cache, const int64_t *table, int64_t t0, int64_t start,
+                                      int64_t ctx, int bs, int64_t block, int64_t row, const float **next,
+                                      int64_t *i0, int64_t *n) {
+    *i0 = t0 < start ? start - t0 : 0;
+    *n = ctx - t0 < bs ? ctx - t0 : bs;
+    *next = cache + table[(t0 + bs < ctx ? t0 + bs : t0) / bs] * block + *i0 * row;
+    return cache + table[t0 / bs] * block + *i0 * row;
+}
+
+static inline void prefetch_row(const float *p, int64_t row) {
+    for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(p + c);
 }
 
 /* One request, every head, over its keys [start, ctx). scores: Hq * (ctx - start)
@@ -66,12 +75,11 @@ static inline __attribute__((always_inline)) void attend(
     const int G = Hq / Hkv;
     const int64_t row = (int64_t)Hkv * D, block = (int64_t)bs * row, len = ctx - start;
     const float *next;
+    int64_t i0, n;
     for (int64_t t0 = start - start % bs; t0 < ctx; t0 += bs) {
-        const float *k = block_rows(k_cache, table, t0, ctx, bs, block, &next);
-        const int64_t n = ctx - t0 < bs ? ctx - t0 : bs, i0 = t0 < start ? start - t0 : 0;
-        k += i0 * row, next += i0 * row;
+        const float *k = block_span(k_cache, table, t0, start, ctx, bs, block, row, &next, &i0, &n);
         for (int64_t i = i0; i < n; i++, k += row, next += row) {
-            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + c);
+            prefetch_row(next, row);
             for (int hq = 0; hq < Hq; hq++)
                 scores[hq * len + t0 + i - start] = dot(q + hq * D, k + hq / G * D, D) * scale;
         }
@@ -85,11 +93,9 @@ static inline __attribute__((always_inline)) void attend(
         for (int d = 0; d < D; d++) out[hq * D + d] = 0.f;
     }
     for (int64_t t0 = start - start % bs; t0 < ctx; t0 += bs) {
-        const float *v = block_rows(v_cache, table, t0, ctx, bs, block, &next);
-        const int64_t n = ctx - t0 < bs ? ctx - t0 : bs, i0 = t0 < start ? start - t0 : 0;
-        v += i0 * row, next += i0 * row;
+        const float *v = block_span(v_cache, table, t0, start, ctx, bs, block, row, &next, &i0, &n);
         for (int64_t i = i0; i < n; i++, v += row, next += row) {
-            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next + c);
+            prefetch_row(next, row);
             for (int hq = 0; hq < Hq; hq++) axpy(out + hq * D, scores[hq * len + t0 + i - start], v + hq / G * D, D);
         }
     }

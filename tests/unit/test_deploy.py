@@ -583,35 +583,40 @@ def test_the_gpu_example_declares_a_shared_model_volume(gpu_values):
     assert not [v for v in gpu_values.get("extraVolumes", []) if "persistentVolumeClaim" in v]
 
 
-# The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
-SERVICE_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "ServiceMonitor"},
-        "metadata": {"type": "object", "required": ["name"]},
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector"],
-            "properties": {
-                "selector": {"type": "object", "properties": {
-                    "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
-                "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
-                    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
-                "endpoints": {"type": "array", "items": {
-                    "type": "object", "additionalProperties": False,
-                    "properties": {
-                        "port": {"type": "string"},
-                        "path": {"type": "string"},
-                        "interval": {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
-                        "scrapeTimeout": {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"},
-                    }}},
-            },
+# A duration as prometheus-operator's CRDs accept one ("30s", "1m30s").
+DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+
+
+def _operator_object(kind: str, spec: dict) -> dict:
+    """The schema of a prometheus-operator object of ``kind`` whose spec is ``spec``."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {"type": "object", "required": ["name"]},
+            "spec": spec,
         },
+    }
+
+
+# The ServiceMonitor fields the chart sets, as prometheus-operator's CRD defines them.
+SERVICE_MONITOR_SCHEMA = _operator_object("ServiceMonitor", {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["selector"],
+    "properties": {
+        "selector": {"type": "object", "properties": {
+            "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
+        "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
+            "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+        "endpoints": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": DURATION,
+                           "scrapeTimeout": DURATION}}},
     },
-}
+})
 
 
 def test_service_monitor_is_off_by_default_and_scrapes_the_metrics_service(rendered):
@@ -626,22 +631,15 @@ def test_service_monitor_is_off_by_default_and_scrapes_the_metrics_service(rende
 
 
 # The PodMonitor fields the chart sets, as prometheus-operator's CRD defines them.
-POD_MONITOR_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
+_SERVICE_MONITOR_SPEC = SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]
+POD_MONITOR_SCHEMA = _operator_object("PodMonitor", {
+    "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
     "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "spec": {
-            "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]["selector"],
-                "namespaceSelector": SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]["namespaceSelector"],
-                "podMetricsEndpoints": SERVICE_MONITOR_SCHEMA["properties"]["spec"]["properties"]["endpoints"],
-            },
-        },
+        "selector": _SERVICE_MONITOR_SPEC["selector"],
+        "namespaceSelector": _SERVICE_MONITOR_SPEC["namespaceSelector"],
+        "podMetricsEndpoints": _SERVICE_MONITOR_SPEC["endpoints"],
     },
-}
+})
 MONITORING_ON = {"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
                              "grafanaDashboard": {"enabled": True}, "prometheusRule": {"enabled": True}}}
 

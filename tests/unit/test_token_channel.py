@@ -41,11 +41,16 @@ async def _until(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _listening() -> tuple[Worker, ChannelServer, token_channel.ChannelAddress]:
+    """A ``Worker``'s channel server, started."""
+    worker = Worker()
+    server = ChannelServer(worker.serve)
+    return worker, server, await server.start()
+
+
 def test_a_subscriber_reads_its_messages_in_order_and_a_hang_up_ends_its_serving():
     async def main():
-        worker = Worker()
-        server = ChannelServer(worker.serve)
-        address = await server.start()
+        worker, server, address = await _listening()
         assert address.host == "127.0.0.1" and address.port > 0
         worker.queues["router-0"] = queue = asyncio.Queue()
         big = ("x" * 200_000, list(range(10_000)))  # more than a socket buffer holds
@@ -64,9 +69,7 @@ def test_a_subscriber_reads_its_messages_in_order_and_a_hang_up_ends_its_serving
 
 def test_the_router_sees_the_end_of_the_stream_when_the_worker_stops_serving_it():
     async def main():
-        worker = Worker()
-        server = ChannelServer(worker.serve)
-        address = await server.start()
+        worker, server, address = await _listening()
         messages = await token_channel.connect(address, "router-1")
         await _until(lambda: "router-1" in worker.queues)
         worker.queues["router-1"].put_nowait((None, [("r", [1], "", True)]))
@@ -81,9 +84,7 @@ def test_the_router_sees_the_end_of_the_stream_when_the_worker_stops_serving_it(
 
 def test_a_wrong_secret_or_a_missing_subscriber_is_turned_away_unserved():
     async def main():
-        worker = Worker()
-        server = ChannelServer(worker.serve)
-        address = await server.start()
+        worker, server, address = await _listening()
         forged = dataclasses.replace(address, secret="0" * len(address.secret))
         for target, subscriber in [(forged, "intruder"), (address, "")]:
             messages = await token_channel.connect(target, subscriber)
