@@ -14,7 +14,8 @@ table are rewritten after each, so a run cut short keeps what it measured):
   heads, in TFLOP/s (QK^T and PV: 4 x head_dim flops per query-key pair and head).
 * ``engine``: output tokens/s of ``LLM.generate`` on a random-weight Llama of about
   0.35B parameters (hidden 1024, 24 layers, 16 heads over 8 KV heads, intermediate
-  2816, vocab 32000) in bf16, on the triton and on the torch backend. The warm-up
+  2816, vocab 32000) in bf16, on the triton backend (decode steps replayed as CUDA
+  graphs), on it without graphs, and on the torch backend. The warm-up
   (Triton's first compiles) runs on other prompts, and prefix caching is off, so the
   timed run computes every prompt token.
 * ``transfer``: 1P+1D on the one device: a prefill engine computes each prompt and hands
@@ -287,12 +288,13 @@ def bench_prompts(
 
 
 def bench_engine(
-    model_dir: Path, backend: str, num_requests: int, prompt_len: int, output_len: int
+    model_dir: Path, backend: str, num_requests: int, prompt_len: int, output_len: int, **settings
 ) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), **engine_settings(backend, num_requests))
-    warmup, prompts = bench_prompts(num_requests, prompt_len, LLAMA_05B["vocab_size"])
+    llm = LLM(model=str(model_dir), **{**engine_settings(backend, num_requests), **settings})
+    # As many warm-up requests as timed ones: the timed batch's CUDA graph is captured then.
+    warmup, prompts = bench_prompts(num_requests, prompt_len, LLAMA_05B["vocab_size"], warmup_requests=num_requests)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     # Warm-up: Triton compiles a kernel per specialization (split or not, strides divisible
     # by 16 or not), which a few steps over growing contexts all meet.
@@ -424,7 +426,7 @@ def profile_table(result: dict) -> dict:
         model = {**engine["model"], **engine["workload"]}
         rows += [profile_row(f"engine_generate_{b}", "bfloat16", model,
                              engine[b]["seconds"] * 1e3, engine[b]["output_tokens_per_s"], "tokens/s")
-                 for b in ("triton", "torch")]  # fmt: skip
+                 for b in ("triton", "triton_eager", "torch") if b in engine]  # fmt: skip
     if "transfer" in result:
         rows.append(result["transfer"]["row"])
     if "checksums" in result:
@@ -508,13 +510,20 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
 
 
 def engine_section(model_dir: Path, workload: dict) -> dict:
-    """Engine tokens/s on the triton and the torch backend, and their ratio."""
-    runs = {b: bench_engine(model_dir, b, **workload) for b in ("triton", "torch")}
+    """Engine tokens/s on the triton backend (decode steps as CUDA graphs), on it without
+    graphs (``triton_eager``) and on the torch backend, and the ratios."""
+    runs = {
+        "triton": bench_engine(model_dir, "triton", **workload),
+        "triton_eager": bench_engine(model_dir, "triton", **workload, cuda_graphs=False),
+        "torch": bench_engine(model_dir, "torch", **workload),
+    }
+    rate = {name: run["output_tokens_per_s"] for name, run in runs.items()}
     return {
         "model": {**LLAMA_05B, "dtype": "bfloat16"},
         "workload": workload,
         **runs,
-        "speedup_vs_torch": runs["triton"]["output_tokens_per_s"] / runs["torch"]["output_tokens_per_s"],
+        "speedup_vs_torch": rate["triton"] / rate["torch"],
+        "graphs_speedup": rate["triton"] / rate["triton_eager"],
     }
 
 
@@ -553,6 +562,7 @@ def summary(result: dict) -> dict:
         "prefill_tflops": get("prefill", "achieved_tflops"),
         "engine_tokens_per_s": get("engine", "triton", "output_tokens_per_s"),
         "engine_speedup_vs_torch": get("engine", "speedup_vs_torch"),
+        "engine_graphs_speedup": get("engine", "graphs_speedup"),
         "handoff_gbps": get("transfer", "handoff_gbps"),
         "handoff_requests_equal_to_one_engine": get("transfer", "requests_equal_to_one_engine"),
         "checksums_gbps_scattered": get("checksums", "gbps", "scattered"),

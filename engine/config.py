@@ -31,6 +31,9 @@ class EngineConfig:
     float32 on a CPU when the kernel builds; torch otherwise).
     ``pack_weights``: a float32 model on the CPU runs its layer projections on
     oneDNN-packed weights (``engine.model.PackedLinear``); off, on plain ``nn.Linear``.
+    ``cuda_graphs``: on a CUDA device with the triton backend, steps that only decode
+    replay a CUDA graph of the forward per batch bucket (``engine.cuda_graphs``); off,
+    every step launches its kernels one by one.
     ``prefix_hash_algo`` (``blake2b`` | ``sha256``) and ``prefix_hash_seed`` (None: a
     random seed per process) name prefix-cache blocks; see ``engine.block_hash``. The
     router's placement index takes the decode engine's.
@@ -53,6 +56,7 @@ class EngineConfig:
     batching: str = "continuous"  # or "static": a baseline that batches like HF generate
     attention_backend: str = "auto"
     pack_weights: bool = True
+    cuda_graphs: bool = True
     seed: int = 0
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
     prefix_hash_seed: str | int | None = None

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import StepAttention
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.runner_input import RunnerInput, RunnerRequest, RunnerRequests, StepItem
@@ -100,6 +101,7 @@ class ModelRunner:
         kv_cache: KVCache,
         attention: AttentionBackend,
         structured: StructuredOutputs | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -110,6 +112,7 @@ class ModelRunner:
         self.make_event = _device_event(self.device)
         self.step_done = FINISHED  # the last step's forward, on the device
         self.requests = RunnerRequests()
+        self.graphs = graphs  # decode steps replayed as CUDA graphs (engine.cuda_graphs), if any
 
     @torch.inference_mode()
     def execute(self, step: RunnerInput) -> RunnerOutput:
@@ -120,12 +123,17 @@ class ModelRunner:
             return RunnerOutput()
         # Decodes first, shortest context first (groups of similar length pad little).
         items.sort(key=lambda s: (s[2] > 1, s[1] if s[2] == 1 else 0))
-        input_ids, positions, layout, sample_rows, prompt_rows = self._prepare(items)
-        attn = StepAttention(self.attention, self.attention.build_metadata(layout))
+        token_ids, positions, layout, sample_rows, prompt_rows = self._prepare(items)
         # The sampled rows' index is copied before the forward is queued: a pageable copy
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
-        hidden = self.model(input_ids, positions, self.kv_cache.k, self.kv_cache.v, attn)
+        if self.graphs is not None and self.graphs.fits(layout):
+            hidden = self.graphs.run(token_ids, positions, layout)
+        else:
+            attn = StepAttention(self.attention, self.attention.build_metadata(layout))
+            hidden = self.model(
+                self._to_device(token_ids), self._to_device(positions), self.kv_cache.k, self.kv_cache.v, attn
+            )
         self.step_done = self.make_event()
         out = RunnerOutput()
         if prompt_rows:
@@ -177,7 +185,7 @@ class ModelRunner:
         if decode_rows:  # sorted by context: the last is the longest
             width = -(-layout.decode_context_lens[-1] // bs)
             layout.decode_block_table = self.requests.tables.gather(decode_rows, width)
-        return self._to_device(token_ids), self._to_device(positions), layout, sample_rows, prompt_rows
+        return token_ids, positions, layout, sample_rows, prompt_rows
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt_rows: list[PromptRows]
