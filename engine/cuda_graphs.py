@@ -168,7 +168,8 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             meta = self._metadata(bucket)  # its split-K buffers come from the graph's pool
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: a worker's transfer threads may copy KV into the cache meanwhile.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 hidden = self._forward(bucket, meta)
             captured = _Captured(graph, hidden, meta)
         self._captured[bucket] = captured
