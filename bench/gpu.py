@@ -23,6 +23,11 @@ table are rewritten after each, so a run cut short keeps what it measured):
   (``remote_kv_arrived``) and decodes; hand-off bandwidth, and whether the tokens equal
   one engine's run of the same requests. No Ray (the GPU image has none): the engines'
   own hand-off, the part every transfer backend ends in.
+* ``batching``: continuous against static batching on the same model, requests of mixed
+  prompt and output lengths (``BATCHING``), generated offline by one engine in each
+  mode: output tokens/s and their ratio. Where a step's time barely grows with its
+  batch, as on a GPU, a static batch's seats left empty by its finished requests are
+  what continuous batching wins back.
 * ``steps``: the same model's engine steps timed one by one (``bench.steps``: decode at
   batches 1-128 and contexts 512 and 2048, whole-prompt prefills, decodes beside a
   prefill), as the simulator's step profile (``tandem-step-profile/1``, the format
@@ -437,6 +442,47 @@ def profile_table(result: dict) -> dict:
     return table
 
 
+BATCHING = dict(num_requests=128, max_num_seqs=32, prompt_lens=(64, 256), output_lens=(16, 256))
+
+
+def bench_batching(
+    model_dir: Path, device: str = "cuda", num_requests: int = 128, max_num_seqs: int = 32,
+    prompt_lens: tuple[int, int] = (64, 256), output_lens: tuple[int, int] = (16, 256), warmup_tokens: int = 16,
+    **settings,
+) -> dict:  # fmt: skip
+    """Output tokens/s of continuous and of static batching on the same requests, prompt
+    and output lengths drawn uniformly from ``prompt_lens`` and ``output_lens``."""
+    from engine import LLM, SamplingParams
+    from engine.model_config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*prompt_lens))] for _ in range(num_requests)]
+    params = [SamplingParams(max_tokens=rng.randint(*output_lens), temperature=0.0, ignore_eos=True)
+              for _ in range(num_requests)]  # fmt: skip
+    warmup = [[rng.randrange(vocab) for _ in range(prompt_lens[0])] for _ in range(max_num_seqs)]
+    runs = {}
+    for mode in ("continuous", "static"):
+        llm = LLM(model=str(model_dir), **{**engine_settings("triton", max_num_seqs, 4 << 30, device),
+                                          "batching": mode, **settings})  # fmt: skip
+        llm.generate(warmup, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        runs[mode] = {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+        del llm
+        _empty_cache(device)
+    return {
+        "workload": {"num_requests": num_requests, "max_num_seqs": max_num_seqs, "prompt_lens": list(prompt_lens),
+                     "output_lens": list(output_lens)},  # fmt: skip
+        **runs,
+        "continuous_over_static": runs["continuous"]["output_tokens_per_s"] / runs["static"]["output_tokens_per_s"],
+    }
+
+
 STEPS = dict(batches=(1, 8, 32, 64, 128), contexts=(512, 2048), steps=20, prefill_lengths=(128, 512, 2048),
              mixed_batches=(4, 16), mixed_lengths=(64, 256))
 
@@ -504,6 +550,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
         if not args.skip_transfer:
             measure("transfer", lambda: bench_transfer(model_dir, **TRANSFER))
             measure("checksums", bench_checksums)
+        if not args.skip_engine:
+            measure("batching", lambda: bench_batching(model_dir, **BATCHING))
         if not args.skip_steps:
             measure("steps", lambda: bench_steps(model_dir))
     return result
@@ -563,6 +611,7 @@ def summary(result: dict) -> dict:
         "engine_tokens_per_s": get("engine", "triton", "output_tokens_per_s"),
         "engine_speedup_vs_torch": get("engine", "speedup_vs_torch"),
         "engine_graphs_speedup": get("engine", "graphs_speedup"),
+        "continuous_over_static": get("batching", "continuous_over_static"),
         "handoff_gbps": get("transfer", "handoff_gbps"),
         "handoff_requests_equal_to_one_engine": get("transfer", "requests_equal_to_one_engine"),
         "checksums_gbps_scattered": get("checksums", "gbps", "scattered"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu import bench_decode, bench_prefill, bench_steps, bench_transfer, copy_bandwidth
+from bench.gpu import bench_batching, bench_decode, bench_prefill, bench_steps, bench_transfer, copy_bandwidth
 from tests.gpu.device import DEVICE
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
@@ -49,3 +49,12 @@ def test_engine_steps_make_a_step_profile_the_simulator_fits(tiny_model):
     assert all(r["step_ms"] > 0 for r in table["rows"])
     corrections = fit(DEVICES[table["device"]], ModelSpec(**table["model"]), table["rows"])
     assert corrections.overhead_s + corrections.per_request_s + corrections.per_token_s > 0
+
+
+def test_continuous_and_static_batching_generate_the_same_requests_and_report_a_ratio(tiny_model):
+    small = dict(kv_cache_memory=16 << 20, swap_space=16 << 20)
+    found = bench_batching(tiny_model, DEVICE, num_requests=4, max_num_seqs=2, prompt_lens=(8, 16),
+                           output_lens=(1, 6), warmup_tokens=2, **small)  # fmt: skip
+    continuous, static = found["continuous"], found["static"]
+    assert continuous["output_tokens"] == static["output_tokens"] >= 4, "each mode generates every request's tokens"
+    assert found["continuous_over_static"] > 0 and continuous["seconds"] > 0 and static["seconds"] > 0

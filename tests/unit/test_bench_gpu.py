@@ -106,6 +106,7 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     out, profile = tmp_path / "bench.json", tmp_path / "profile.json"
     steps = {"format": "tandem-step-profile/1", "device": "H200", "rows": [{"batch": 1, "step_ms": 2.0}]}
     monkeypatch.setattr(gpu, "bench_steps", lambda model_dir: steps)
+    monkeypatch.setattr(gpu, "bench_batching", lambda model_dir, **kw: {"continuous_over_static": 1.8})
     args = argparse.Namespace(skip_engine=False, skip_transfer=False, skip_steps=False, num_requests=2, prompt_len=8,
                               output_len=2)  # fmt: skip
     result = gpu.run(args, saver(out, profile))
@@ -118,5 +119,6 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     ]
     assert saved["checksums"]["gbps"]["scattered"] > 0 and saved["checksums"]["bytes"] == 1 << 20
     assert json.loads(profile.read_text())["step_profile"] == steps, "the step profile rides in the table"
+    assert saved["batching"]["continuous_over_static"] == 1.8, "batching ran after the engine failed"
     headline = gpu.summary(result)
     assert headline["decode_at_least_70%_of_copy"] is True and headline["failed"] == ["engine", "prefill"]
