@@ -23,6 +23,9 @@ as after an eager forward. A graph is captured the first time its bucket is need
 warm-up forward first, so that Triton compiles outside the capture), on its own memory
 pool: a decode step's activations are a few MiB.
 
+A capture that fails (out of memory, say, beside a KV cache sized to fill the device)
+is logged once, and from then on every step runs eagerly.
+
 ``capture=False`` runs the same padded, static-buffer forward without a graph (the
 tests check the padding and the buffers on a CPU with Triton's interpreter that way; a
 GPU test checks the graphs themselves).
@@ -30,6 +33,7 @@ GPU test checks the graphs themselves).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +44,8 @@ from engine.block_pool import NULL_BLOCK_ID
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.step_layout import AttentionBackend, StepLayout
+
+logger = logging.getLogger(__name__)
 
 GRAPH_CONTEXT = 8192  # the longest context a graph's block tables and split-K grid cover
 
@@ -94,6 +100,7 @@ class DecodeGraphs:
         self.block_tables = torch.full((rows, width), NULL_BLOCK_ID, dtype=torch.int32, device=dev)
         self._captured: dict[int, _Captured] = {}
         self._filled = 0  # rows holding a step's values (the rest hold the pad values)
+        self.failed: str | None = None  # why a capture failed, after which nothing replays
 
     @property
     def captured(self) -> list[int]:
@@ -102,16 +109,25 @@ class DecodeGraphs:
 
     def fits(self, layout: StepLayout) -> bool:
         """Whether a step of ``layout`` can replay a graph: decodes only, within the buckets
-        and the graphs' context."""
+        and the graphs' context, and no capture has failed."""
         lens = layout.decode_context_lens
-        return bool(lens) and not layout.chunks and len(lens) <= self.buckets[-1] and max(lens) <= self.context
+        return (bool(lens) and not layout.chunks and len(lens) <= self.buckets[-1] and max(lens) <= self.context
+                and self.failed is None)  # fmt: skip
 
-    def run(self, token_ids: Sequence[int], positions: Sequence[int], layout: StepLayout) -> torch.Tensor:
-        """The hidden states ([decodes, hidden]) of a step that ``fits``."""
+    def run(self, token_ids: Sequence[int], positions: Sequence[int], layout: StepLayout) -> torch.Tensor | None:
+        """The hidden states ([decodes, hidden]) of a step that ``fits``; None when its
+        bucket's graph could not be captured (then every later step runs eagerly too)."""
         n = len(token_ids)
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(token_ids, positions, layout)
-        captured = self._captured.get(bucket) or self._capture(bucket)
+        captured = self._captured.get(bucket)
+        if captured is None:
+            try:
+                captured = self._capture(bucket)
+            except (torch.OutOfMemoryError, RuntimeError) as e:  # e.g. the KV cache left too little memory
+                self.failed = f"capturing the decode graph of {bucket} rows failed: {e}"
+                logger.warning("%s; decode steps run eagerly from now on", self.failed)
+                return None
         if captured.graph is not None:
             captured.graph.replay()
             return captured.hidden[:n]

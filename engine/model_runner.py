@@ -127,9 +127,10 @@ class ModelRunner:
         # The sampled rows' index is copied before the forward is queued: a pageable copy
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
+        hidden = None
         if self.graphs is not None and self.graphs.fits(layout):
-            hidden = self.graphs.run(token_ids, positions, layout)
-        else:
+            hidden = self.graphs.run(token_ids, positions, layout)  # None if its capture failed
+        if hidden is None:
             attn = StepAttention(self.attention, self.attention.build_metadata(layout))
             hidden = self.model(
                 self._to_device(token_ids), self._to_device(positions), self.kv_cache.k, self.kv_cache.v, attn

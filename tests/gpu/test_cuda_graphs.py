@@ -59,6 +59,30 @@ def test_graph_replayed_decodes_generate_the_eager_tokens(tiny_model):
     assert engine.stats().num_blocks_in_use == 0 and eager.stats().num_blocks_in_use == 0
 
 
+def test_a_capture_that_fails_leaves_every_later_step_eager(tiny_model, caplog):
+    import torch
+
+    prompts = [[(5 * i + j) % 500 + 3 for j in range(11 + 4 * i)] for i in range(3)]
+    lengths = [3, 4, 5]
+    want = _generate(_engine(tiny_model, graphs=False), prompts, lengths)
+    engine = _engine(tiny_model, graphs=False)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.model, engine.kv_cache, engine.attention, 6,
+                                                 engine.max_model_len, capture=False)  # fmt: skip
+    calls = []
+
+    def out_of_memory(bucket):
+        calls.append(bucket)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    graphs._capture = out_of_memory
+    with caplog.at_level("WARNING", logger="engine.cuda_graphs"):
+        assert _generate(engine, prompts, lengths) == want
+    assert calls == [4], "one failed capture, then no more tries"
+    assert "out of memory" in graphs.failed and graphs.captured == []
+    assert "decode steps run eagerly from now on" in caplog.text
+    assert engine.stats().num_blocks_in_use == 0
+
+
 def test_steps_with_prefill_chunks_or_long_contexts_run_eagerly(tiny_model):
     engine = _engine(tiny_model, graphs=False)
     graphs = DecodeGraphs(engine.model, engine.kv_cache, engine.attention, 4, 64, capture=False)
