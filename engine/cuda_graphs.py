@@ -91,8 +91,8 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         rows, dev = self.buckets[-1], kv_cache.k.device
         width = -(-self.context // kv_cache.block_size)
-        # What every graph reads: a step's inputs are copied in before its replay. The pad
-        # rows' values (slot 0 of the null block, a context of one key) never change.
+        # What every graph reads: a step's inputs are copied in before its replay; rows past
+        # its decodes hold the pad values (slot 0 of the null block, a context of one key).
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
         self.slots = torch.full((rows,), NULL_BLOCK_ID * kv_cache.block_size, dtype=torch.long, device=dev)
