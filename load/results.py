@@ -71,25 +71,29 @@ class Slo:
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile with linear interpolation between order statistics (numpy's
     default, which vLLM's numbers use)."""
+    return percentiles(values, (q,))[0]
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
+    """``percentile`` at each of ``qs``, sorting ``values`` once."""
     if not values:
         raise ValueError("percentile of no values")
     ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    out = []
+    for q in qs:
+        pos = (len(ordered) - 1) * q / 100
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return out
 
 
 def distribution_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     if not values_s:
         return {"mean": None, "median": None, "p90": None, "p99": None}
     ms = [v * 1000 for v in values_s]
-    return {
-        "mean": sum(ms) / len(ms),
-        "median": percentile(ms, 50),
-        "p90": percentile(ms, 90),
-        "p99": percentile(ms, 99),
-    }
+    median, p90, p99 = percentiles(ms, (50, 90, 99))
+    return {"mean": sum(ms) / len(ms), "median": median, "p90": p90, "p99": p99}
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dict:
