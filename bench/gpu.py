@@ -304,10 +304,15 @@ def bench_engine(
     # Warm-up: Triton compiles a kernel per specialization (split or not, strides divisible
     # by 16 or not), which a few steps over growing contexts all meet.
     llm.generate(warmup, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    torch.cuda.synchronize()
+    return timed_generate(llm, prompts, params)
+
+
+def timed_generate(llm, prompts, params, device: str = "cuda") -> dict:
+    """One ``generate`` timed between device synchronizations: seconds and output tokens/s."""
+    _sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
+    _sync(device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
@@ -466,13 +471,7 @@ def bench_batching(
         llm = LLM(model=str(model_dir), **{**engine_settings("triton", max_num_seqs, 4 << 30, device),
                                           "batching": mode, **settings})  # fmt: skip
         llm.generate(warmup, SamplingParams(max_tokens=warmup_tokens, temperature=0.0, ignore_eos=True))
-        _sync(device)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        _sync(device)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.token_ids) for o in outs)
-        runs[mode] = {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds}
+        runs[mode] = timed_generate(llm, prompts, params, device)
         del llm
         _empty_cache(device)
     return {
@@ -490,14 +489,13 @@ STEPS = dict(batches=(1, 8, 32, 64, 128), contexts=(512, 2048), steps=20, prefil
 def bench_steps(model_dir: Path, device: str = "cuda", shape: dict = STEPS) -> dict:
     """The engine's steps on ``model_dir``, timed one by one at ``shape``: a step profile."""
     from bench.common import device_kind
-    from bench.steps import measure_profile, profile_table
+    from bench.steps import decode_kv_blocks, measure_profile, profile_table
     from engine import LLMEngine
 
     longest = max(*shape["contexts"], 128)  # mixed_times decodes at 128
     seats = max(*shape["batches"], *shape["mixed_batches"]) + 4  # + the prompts a prefill step computes
-    num_kv_blocks = seats * (longest // 16 + 8) + 64
     engine = LLMEngine(model=str(model_dir), device=device, dtype="bfloat16", attention_backend="triton",
-                       num_kv_blocks=num_kv_blocks, max_num_seqs=seats)  # fmt: skip
+                       num_kv_blocks=decode_kv_blocks(seats, longest), max_num_seqs=seats)  # fmt: skip
     rows = measure_profile(engine, **shape)
     if engine.stats().num_blocks_in_use:
         raise RuntimeError(f"{engine.stats().num_blocks_in_use} KV blocks still in use after the step profile")

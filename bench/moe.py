@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.common import add_engine_arguments, engine_overrides
-from bench.steps import step_times
+from bench.steps import decode_kv_blocks, step_times
 from engine import LLMEngine, SamplingParams
 from engine.moe import SparseMoE
 
@@ -74,7 +74,10 @@ def per_token_experts(engine: LLMEngine) -> int:
     return len(layers)
 
 
-def same_tokens(a: LLMEngine, b: LLMEngine, vocab: int, num_prompts: int = 4) -> int:
+AGREEMENT_PROMPTS = 4  # greedy runs the grouped and per-token engines are compared on
+
+
+def same_tokens(a: LLMEngine, b: LLMEngine, vocab: int, num_prompts: int = AGREEMENT_PROMPTS) -> int:
     """How many of ``num_prompts`` greedy runs ``a`` and ``b`` generate alike."""
     prompts = [[(7 * i + j) % vocab for j in range(20 + 9 * i)] for i in range(num_prompts)]
     outs = []
@@ -105,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    num_kv_blocks = max(batches) * (args.context // 16 + 8) + 64
+    num_kv_blocks = decode_kv_blocks(max(batches), args.context)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-moe-") as tmp:
         moe_dir, dense_dir = build_checkpoints(
             Path(tmp), args.hidden, args.experts, args.top_k, args.expert_size, args.layers
@@ -115,9 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if per_token_experts(per_token) == 0:
         raise SystemExit("the MoE checkpoint has no sparse layers")
     agree = same_tokens(grouped, per_token, grouped.model.config.vocab_size)
-    if agree < 4 and grouped.kv_cache.k.dtype == torch.float32:
-        raise SystemExit(f"grouped and per-token experts disagree on {4 - agree} of 4 greedy runs")
-    print(f"grouped and per-token experts agree on {agree} of 4 greedy runs")
+    n = AGREEMENT_PROMPTS
+    if agree < n and grouped.kv_cache.k.dtype == torch.float32:
+        raise SystemExit(f"grouped and per-token experts disagree on {n - agree} of {n} greedy runs")
+    print(f"grouped and per-token experts agree on {agree} of {n} greedy runs")
     rows = []
     for b in batches:  # the engines take turns
         g, p, d = (step_times(e, [b], args.context, args.steps)[0]["step_ms"] for e in (grouped, per_token, dense))

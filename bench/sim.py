@@ -247,12 +247,12 @@ def calibrate(path: str, clock: str = "wall") -> str:
 
     import bench.steps
     from bench.common import write_result
-    from bench.steps import measure_profile, profile_table
+    from bench.steps import decode_kv_blocks, measure_profile, profile_table
     from engine import LLMEngine
 
     torch.set_num_threads(1)
-    engine = LLMEngine(num_kv_blocks=32 * (512 // 16 + 8) + 64)
     batches = [1, 2, 4, 8, 16, 32]
+    engine = LLMEngine(num_kv_blocks=decode_kv_blocks(max(batches), 512))
     saved = bench.steps.time
     if clock == "cpu":  # bench.steps reads time.perf_counter: hand it the thread's CPU clock
         bench.steps.time = types.SimpleNamespace(perf_counter=time.thread_time)

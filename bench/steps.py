@@ -40,6 +40,12 @@ from engine import LLMEngine, SamplingParams
 BASELINES = {"unpacked": {"pack_weights": False}, "torch-attention": {"attention_backend": "torch"}}
 
 
+def decode_kv_blocks(seats: int, context: int) -> int:
+    """KV blocks (of 16 tokens) for ``seats`` requests of ``context`` prompt tokens, the
+    tokens they decode while timed, and a margin: what a step-timing engine is given."""
+    return seats * (context // 16 + 8) + 64
+
+
 def step_times(engine: LLMEngine, batches: Sequence[int], context: int, steps: int) -> list[dict]:
     rows = []
     for b in batches:
@@ -172,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     longest = max([args.context] + ([int(c) for c in args.profile_contexts.split(",")] if args.profile else []))
-    num_kv_blocks = max(batches) * (longest // 16 + 8) + 64
+    num_kv_blocks = decode_kv_blocks(max(batches), longest)
     settings = {"model": args.model, "num_kv_blocks": num_kv_blocks, **engine_overrides(args)}
     engines = [LLMEngine(**settings)]
     if args.baseline:

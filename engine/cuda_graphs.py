@@ -93,11 +93,12 @@ class DecodeGraphs:
         width = -(-self.context // kv_cache.block_size)
         # What every graph reads: a step's inputs are copied in before its replay; rows past
         # its decodes hold the pad values (slot 0 of the null block, a context of one key).
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.slots = torch.full((rows,), NULL_BLOCK_ID * kv_cache.block_size, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(rows, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((rows, width), NULL_BLOCK_ID, dtype=torch.int32, device=dev)
+        self.input_ids = torch.empty(rows, dtype=torch.long, device=dev)
+        self.positions = torch.empty(rows, dtype=torch.long, device=dev)
+        self.slots = torch.empty(rows, dtype=torch.long, device=dev)
+        self.context_lens = torch.empty(rows, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((rows, width), dtype=torch.int32, device=dev)
+        self._pad(0, rows)
         self._captured: dict[int, _Captured] = {}
         self._filled = 0  # rows holding a step's values (the rest hold the pad values)
         self.failed: str | None = None  # why a capture failed, after which nothing replays
@@ -141,12 +142,17 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(torch.tensor(layout.decode_context_lens, dtype=torch.int32))
         self.block_tables[:n, : table.shape[1]].copy_(table)
         if self._filled > n:  # rows a larger step left: pad rows again
-            self.input_ids[n : self._filled] = 0
-            self.positions[n : self._filled] = 0
-            self.slots[n : self._filled] = NULL_BLOCK_ID * self.kv_cache.block_size
-            self.context_lens[n : self._filled] = 1
-            self.block_tables[n : self._filled, 0] = NULL_BLOCK_ID
+            self._pad(n, self._filled)
         self._filled = n
+
+    def _pad(self, start: int, stop: int) -> None:
+        """Rows ``start:stop`` as pad rows: token 0 at position 0, written to the null block's
+        first slot, attending over that one key (the only table entry a pad row reads)."""
+        self.input_ids[start:stop] = 0
+        self.positions[start:stop] = 0
+        self.slots[start:stop] = NULL_BLOCK_ID * self.kv_cache.block_size
+        self.context_lens[start:stop] = 1
+        self.block_tables[start:stop, 0] = NULL_BLOCK_ID
 
     def _metadata(self, bucket: int):
         """The attention metadata of a ``bucket``-row decode step over the static buffers."""

@@ -46,9 +46,11 @@ def block_checksums(k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> t
     # On a GPU a call per run of scattered blocks costs a launch each (18.9 GB/s over
     # 256 blocks on an H200, against 717 in one run); gathering them first costs a copy
     # at HBM speed. On a CPU the copy costs more than the calls.
-    stretch_sums = _gathered_sums if len(runs) > 1 and k.device.type != "cpu" else _sums_by_runs
-    # [K/V, layers, blocks, SEGMENTS]
-    stretch = torch.stack([stretch_sums(cache, block_ids, runs, words) for cache in (k, v)])
+    if len(runs) > 1 and k.device.type != "cpu":
+        sides = [_gathered_sums(cache, block_ids, words) for cache in (k, v)]
+    else:
+        sides = [_sums_by_runs(cache, runs, words) for cache in (k, v)]
+    stretch = torch.stack(sides)  # [K/V, layers, blocks, SEGMENTS]
     sums = (stretch.to(torch.int64) * _weights(num_layers, k.device)).sum(dim=(0, 1, 3))
     return tuple(int(s) & _MASK for s in sums.tolist())
 
@@ -65,7 +67,7 @@ def _segment_sums(x: torch.Tensor, words: int) -> torch.Tensor:
     return x.view(layers, n, SEGMENTS, segment).sum(dim=3, dtype=torch.int32)
 
 
-def _sums_by_runs(cache: torch.Tensor, block_ids: list[int], runs: np.ndarray, words: int) -> torch.Tensor:
+def _sums_by_runs(cache: torch.Tensor, runs: np.ndarray, words: int) -> torch.Tensor:
     """Stretch sums read in place, one reduction per run of consecutive ids."""
     return torch.cat([_segment_sums(cache[:, first : first + count], words) for first, count in runs.tolist()], dim=1)
 
@@ -73,7 +75,7 @@ def _sums_by_runs(cache: torch.Tensor, block_ids: list[int], runs: np.ndarray, w
 GATHER_BYTES = 64 << 20  # at most this much of a cache copied at once by ``_gathered_sums``
 
 
-def _gathered_sums(cache: torch.Tensor, block_ids: list[int], runs: np.ndarray, words: int) -> torch.Tensor:
+def _gathered_sums(cache: torch.Tensor, block_ids: list[int], words: int) -> torch.Tensor:
     """Stretch sums of scattered blocks gathered into one buffer, ``GATHER_BYTES`` at a time."""
     ids = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
     per_block = max(1, cache[:, 0].numel() * cache.element_size())

@@ -22,7 +22,7 @@ prefill-attention FLOP/s; ``gpu_corrections``).
 A KV transfer takes ``link latency + bytes / link bandwidth``; the simulator queues
 transfers that share a worker's link (``sim.simulator``), which is the contention.
 
-The profile table (``write_profile`` / ``read_profile``; ``python -m bench.steps
+The profile table (``step_profile`` / ``read_profile``; ``python -m bench.steps
 --profile FILE`` writes one on this CPU) is one JSON object::
 
     {"format": "tandem-step-profile/1", "device": "cpu", "dtype_bytes": 4,
@@ -276,11 +276,6 @@ def step_profile(device: str, model: ModelSpec, dtype_bytes: int, rows: list[dic
     """A profile table: each row a ``StepShape``'s fields plus the measured ``step_ms``."""
     return {"format": PROFILE_FORMAT, "device": device, "dtype_bytes": dtype_bytes, "model": asdict(model),
             "rows": rows}
-
-
-def write_profile(path: str | Path, device: str, model: ModelSpec, dtype_bytes: int, rows: list[dict]) -> None:
-    """Write a ``step_profile`` table."""
-    Path(path).write_text(json.dumps(step_profile(device, model, dtype_bytes, rows), indent=1))
 
 
 def profile_row(shape: StepShape, step_ms: float) -> dict:

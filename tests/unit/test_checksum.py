@@ -35,12 +35,12 @@ def test_scattered_blocks_gathered_in_pieces_sum_as_when_read_in_place(monkeypat
     ids = [7, 2, 3, 11, 0, 5, 6]
     runs, _ = contiguous_runs(ids, range(len(ids)))
     words = k[0, 0].numel() * k.element_size() // 4
-    in_place = checksum._sums_by_runs(k, ids, runs, words)
+    in_place = checksum._sums_by_runs(k, runs, words)
     assert in_place.shape == (3, len(ids), checksum.SEGMENTS)
     block_bytes = k[:, 0].numel() * k.element_size()
     for piece in (1, 2, 100):  # blocks per gathered piece
         monkeypatch.setattr(checksum, "GATHER_BYTES", piece * block_bytes)
-        assert torch.equal(checksum._gathered_sums(k, ids, runs, words), in_place)
+        assert torch.equal(checksum._gathered_sums(k, ids, words), in_place)
 
 
 @pytest.mark.parametrize("change", ["word", "layers swapped", "stretches swapped", "k and v swapped", "other block"])

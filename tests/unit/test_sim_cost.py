@@ -20,7 +20,7 @@ from sim.cost import (
     read_profile,
     relative_error,
     shape_of,
-    write_profile,
+    step_profile,
 )
 
 LLAMA = model_spec("llama-3.1-8b")
@@ -112,7 +112,7 @@ def test_fitting_a_profile_table_recovers_the_corrections_that_made_it(tmp_path)
                         per_pair_s=2e-9, per_kv_token_s=1e-6)
     made = CostModel(DEVICES["cpu"], tiny, truth)
     path = tmp_path / "profile.json"
-    write_profile(path, "cpu", tiny, 4, _synthetic_rows(made))
+    path.write_text(json.dumps(step_profile("cpu", tiny, 4, _synthetic_rows(made))))
     fitted = cost_model("cpu", tiny, profile=path)
     assert fitted.corrections.source == str(path)
     assert fitted.corrections.overhead_s == pytest.approx(truth.overhead_s, rel=0.05)
@@ -122,7 +122,7 @@ def test_fitting_a_profile_table_recovers_the_corrections_that_made_it(tmp_path)
 
 def test_a_profile_of_another_device_or_format_is_refused(tmp_path):
     path = tmp_path / "p.json"
-    write_profile(path, "cpu", LLAMA, 4, [profile_row(decode_shape(1, 8), 5.0)])
+    path.write_text(json.dumps(step_profile("cpu", LLAMA, 4, [profile_row(decode_shape(1, 8), 5.0)])))
     with pytest.raises(ValueError, match="measured on 'cpu'"):
         cost_model("H100", LLAMA, profile=path)
     path.write_text('{"format": "something-else", "rows": []}')
