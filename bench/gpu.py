@@ -14,8 +14,8 @@ table are rewritten after each, so a run cut short keeps what it measured):
   heads, in TFLOP/s (QK^T and PV: 4 x head_dim flops per query-key pair and head).
 * ``engine``: output tokens/s of ``LLM.generate`` on a random-weight Llama of about
   0.35B parameters (hidden 1024, 24 layers, 16 heads over 8 KV heads, intermediate
-  2816, vocab 32000) in bf16, on the triton backend (decode steps replayed as CUDA
-  graphs), on it without graphs, and on the torch backend. The warm-up
+  2816, vocab 32000) in bf16, on the triton backend (steps replayed as CUDA graphs:
+  whole for decodes, piecewise with prefill chunks), on it without graphs, and on the torch backend. The warm-up
   (Triton's first compiles) runs on other prompts, and prefix caching is off, so the
   timed run computes every prompt token.
 * ``transfer``: 1P+1D on the one device: a prefill engine computes each prompt and hands
@@ -556,7 +556,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
 
 
 def engine_section(model_dir: Path, workload: dict) -> dict:
-    """Engine tokens/s on the triton backend (decode steps as CUDA graphs), on it without
+    """Engine tokens/s on the triton backend (steps as CUDA graphs), on it without
     graphs (``triton_eager``) and on the torch backend, and the ratios."""
     runs = {
         "triton": bench_engine(model_dir, "triton", **workload),

@@ -31,9 +31,10 @@ class EngineConfig:
     float32 on a CPU when the kernel builds; torch otherwise).
     ``pack_weights``: a float32 model on the CPU runs its layer projections on
     oneDNN-packed weights (``engine.model.PackedLinear``); off, on plain ``nn.Linear``.
-    ``cuda_graphs``: on a CUDA device with the triton backend, steps that only decode
-    replay a CUDA graph of the forward per batch bucket (``engine.cuda_graphs``); off,
-    every step launches its kernels one by one.
+    ``cuda_graphs``: on a CUDA device with the triton backend, steps replay CUDA graphs
+    of the forward captured at start-up (``engine.cuda_graphs``: whole per batch bucket
+    for decode steps, piecewise around the attention per token bucket for steps with
+    prefill chunks); off, every step launches its kernels one by one.
     ``prefix_hash_algo`` (``blake2b`` | ``sha256``) and ``prefix_hash_seed`` (None: a
     random seed per process) name prefix-cache blocks; see ``engine.block_hash``. The
     router's placement index takes the decode engine's.

@@ -1,5 +1,6 @@
-"""CUDA graphs of the decode forward: a step that only decodes replays a graph captured
-once per batch-size bucket, instead of launching every layer's kernels from Python.
+"""CUDA graphs of the forward: a step that only decodes replays a graph captured once per
+batch-size bucket, and a step with prefill chunks a graph per stretch between two
+attentions, instead of launching every layer's kernels from Python.
 
 Measured on an H200 (docs/BENCHMARKS.md, "GPU"): an eager step of a 24-layer 0.35B model
 takes 14-23 ms whatever its work, about 0.6 ms of kernel launches a layer (some 35 of
@@ -7,7 +8,7 @@ them: norms, rotary, projections, attention), where its kernels need well under 
 millisecond. A graph replays the same launches from the device. vLLM and SGLang capture
 decode steps the same way.
 
-What a graph holds fixed, and how a step is made to fit it:
+What a decode graph holds fixed, and how a step is made to fit it:
 
 - the batch: a step's decodes run as the next bucket up (1, 2, 4, 8, ... up to
   ``max_num_seqs``); each pad row writes its K/V into the null block's first slot,
@@ -17,14 +18,23 @@ What a graph holds fixed, and how a step is made to fit it:
 - the split-K grid: every partition of ``context`` (the decode kernel skips a row's
   partitions past its own context, and the reduce reads only the row's).
 
-Steps with prefill chunks run eagerly, and so does a model with mixture-of-experts
-layers: its routing sizes the expert GEMMs on the host. Sampling runs after the replay,
-as after an eager forward. A graph is captured the first time its bucket is needed (a
-warm-up forward first, so that Triton compiles outside the capture), on its own memory
-pool: a decode step's activations are a few MiB.
+A model with mixture-of-experts layers runs eagerly: its routing sizes the expert GEMMs
+on the host. Sampling runs after the replay,
+as after an eager forward. The engine captures every bucket at start-up (a warm-up
+forward first, so that Triton compiles outside the capture), each decode graph on its
+own memory pool: a decode step's activations are a few MiB.
 
 A capture that fails (out of memory, say, beside a KV cache sized to fill the device)
 is logged once, and from then on every step runs eagerly.
+
+Steps with prefill chunks replay **piecewise** graphs (``PiecewiseGraphs``), as vLLM's
+do: per token-count bucket, the forward is captured as one graph from the embedding to
+the first layer's q/k/v, one from each layer's attention output to the next layer's
+q/k/v, and one from the last attention output to the final norm; between two graphs the
+step's attention (KV write, decode and prefill kernels) runs eagerly on its real rows
+with its own metadata, whatever the mix of decodes and chunks. Some 35 launches a layer
+become a replay and three. Pad rows (up to the bucket) compute alongside and are never
+written to the cache nor attended.
 
 ``capture=False`` runs the same padded, static-buffer forward without a graph (the
 tests check the padding and the buffers on a CPU with Triton's interpreter that way; a
@@ -48,6 +58,7 @@ from engine.step_layout import AttentionBackend, StepLayout
 logger = logging.getLogger(__name__)
 
 GRAPH_CONTEXT = 8192  # the longest context a graph's block tables and split-K grid cover
+PIECEWISE_TOKENS = 8192  # the most tokens a step replaying piecewise graphs may have
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -60,6 +71,45 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets
 
 
+class _BucketGraphs:
+    """What both kinds of graphs keep: a capture per bucket, made on first need or by
+    ``capture_all``, and why a capture failed (after which the steps run eagerly)."""
+
+    buckets: list[int]
+    what: str  # "the decode graph of {bucket} rows", say
+    steps: str  # the steps that run eagerly once a capture has failed
+
+    def __init__(self) -> None:
+        self._captured: dict[int, object] = {}
+        self.failed: str | None = None
+
+    @property
+    def captured(self) -> list[int]:
+        """The buckets captured so far."""
+        return sorted(self._captured)
+
+    def capture_all(self) -> bool:
+        """Capture every bucket now (the engine does, at start-up, so that no step waits on
+        a capture); False if one failed."""
+        return all(self._get(bucket) is not None for bucket in self.buckets)
+
+    def _get(self, bucket: int):
+        """The bucket's capture, made now if need be; None once a capture has failed."""
+        if self.failed is not None:
+            return None
+        captured = self._captured.get(bucket)
+        if captured is None:
+            try:
+                captured = self._captured[bucket] = self._capture(bucket)
+            except (torch.OutOfMemoryError, RuntimeError) as e:  # e.g. the KV cache left too little memory
+                self.failed = f"capturing {self.what.format(bucket=bucket)} failed: {e}"
+                logger.warning("%s; %s run eagerly from now on", self.failed, self.steps)
+        return captured
+
+    def _capture(self, bucket: int):
+        raise NotImplementedError
+
+
 @dataclass
 class _Captured:
     """One bucket's graph (None without capture), its output rows and the metadata it reads."""
@@ -69,10 +119,13 @@ class _Captured:
     meta: object
 
 
-class DecodeGraphs:
+class DecodeGraphs(_BucketGraphs):
     """The decode forward of ``model`` on static input buffers, replayed as one CUDA graph
     per batch bucket (module docstring). ``ModelRunner`` asks ``fits`` for each pure-decode
     step, then ``run``s it."""
+
+    what = "the decode graph of {bucket} rows"
+    steps = "decode steps"
 
     def __init__(
         self,
@@ -83,6 +136,7 @@ class DecodeGraphs:
         max_context: int,
         capture: bool = True,
     ) -> None:
+        super().__init__()
         self.model = model
         self.kv_cache = kv_cache
         self.attention = attention
@@ -99,14 +153,7 @@ class DecodeGraphs:
         self.context_lens = torch.empty(rows, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((rows, width), dtype=torch.int32, device=dev)
         self._pad(0, rows)
-        self._captured: dict[int, _Captured] = {}
         self._filled = 0  # rows holding a step's values (the rest hold the pad values)
-        self.failed: str | None = None  # why a capture failed, after which nothing replays
-
-    @property
-    def captured(self) -> list[int]:
-        """The buckets captured so far."""
-        return sorted(self._captured)
 
     def fits(self, layout: StepLayout) -> bool:
         """Whether a step of ``layout`` can replay a graph: decodes only, within the buckets
@@ -121,14 +168,9 @@ class DecodeGraphs:
         n = len(token_ids)
         bucket = next(b for b in self.buckets if b >= n)
         self._fill(token_ids, positions, layout)
-        captured = self._captured.get(bucket)
+        captured = self._get(bucket)
         if captured is None:
-            try:
-                captured = self._capture(bucket)
-            except (torch.OutOfMemoryError, RuntimeError) as e:  # e.g. the KV cache left too little memory
-                self.failed = f"capturing the decode graph of {bucket} rows failed: {e}"
-                logger.warning("%s; decode steps run eagerly from now on", self.failed)
-                return None
+            return None
         if captured.graph is not None:
             captured.graph.replay()
             return captured.hidden[:n]
@@ -194,19 +236,168 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 hidden = self._forward(bucket, meta)
             captured = _Captured(graph, hidden, meta)
-        self._captured[bucket] = captured
         return captured
 
 
-def decode_graphs_for(
+def token_buckets(max_tokens: int) -> list[int]:
+    """The step sizes piecewise graphs are captured for: powers of two from 16 to 512,
+    then multiples of 512 (a prefill's padding stays under a quarter past 512 tokens),
+    up to ``max_tokens``, which is always the last."""
+    buckets = [16]
+    while buckets[-1] < min(512, max_tokens):
+        buckets.append(buckets[-1] * 2)
+    while buckets[-1] < max_tokens:
+        buckets.append(buckets[-1] + 512)
+    return [b for b in buckets if b < max_tokens] + [max_tokens]
+
+
+@dataclass
+class _Piece:
+    """One graph of a piecewise forward and the attention that follows it: the layer's
+    static q/k/v rows and cache, its scale and window (the last piece attends nothing)."""
+
+    graph: torch.cuda.CUDAGraph | None
+    layer: int = -1
+    scale: float = 0.0
+    window: int = 0
+
+
+class _Split:
+    """The ``attn`` a piecewise forward is given: at each layer's attention it copies the
+    layer's q/k/v into the static buffers and hands back the static output. Capturing, it
+    ends the graph there and begins the next; without capture it attends on the spot,
+    over the step's real rows (``PiecewiseGraphs.attend``)."""
+
+    def __init__(self, owner: PiecewiseGraphs, rows: int, capture: bool, meta=None, num_tokens: int = 0) -> None:
+        self.owner, self.rows, self.capture = owner, rows, capture
+        self.meta, self.num_tokens = meta, num_tokens  # the step attended on the spot (no capture)
+        self.pieces: list[_Piece] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        if self.capture:
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=self.owner.pool, capture_error_mode="thread_local")
+
+    def end(self, layer: int = -1, scale: float = 0.0, window: int = 0) -> None:
+        if self.graph is not None:
+            self.graph.capture_end()
+        self.pieces.append(_Piece(self.graph, layer, scale, window))
+
+    def __call__(self, q, k, v, k_cache, v_cache, scale: float, window: int = 0) -> torch.Tensor:
+        owner, rows = self.owner, self.rows
+        owner.q[:rows].copy_(q)
+        owner.k[:rows].copy_(k)
+        owner.v[:rows].copy_(v)
+        layer = len(self.pieces)
+        if self.meta is not None:
+            owner.attend(layer, self.num_tokens, self.meta, scale, window)
+        self.end(layer, scale, window)
+        self.begin()
+        return owner.out[:rows]
+
+
+class PiecewiseGraphs(_BucketGraphs):
+    """The forward of steps with prefill chunks on static buffers, replayed per token
+    bucket as one CUDA graph per stretch between two attentions, the attention run
+    eagerly between them (module docstring). ``ModelRunner`` asks ``fits`` for each step
+    that ``DecodeGraphs`` does not take, then ``run``s it."""
+
+    what = "the piecewise graphs of {bucket} tokens"
+    steps = "steps with prefill chunks"
+
+    def __init__(
+        self, model: DecoderModel, kv_cache: KVCache, attention: AttentionBackend, max_tokens: int,
+        capture: bool = True,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.capture = capture
+        self.buckets = token_buckets(max_tokens)
+        config, rows, dev = model.config, self.buckets[-1], kv_cache.k.device
+        dtype = kv_cache.k.dtype
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        # One layer's attention inputs and output at a time: every layer's pass through them.
+        self.q = torch.zeros(rows, config.num_heads, config.head_dim, dtype=dtype, device=dev)
+        self.k = torch.zeros(rows, config.num_kv_heads, config.head_dim, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.out = torch.zeros_like(self.q)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one pool for every bucket
+        self._filled = 0
+
+    def fits(self, layout: StepLayout) -> bool:
+        """Whether a step of ``layout`` can replay: at most the largest bucket's tokens, and
+        no capture has failed."""
+        return 0 < len(layout.slots) <= self.buckets[-1] and self.failed is None
+
+    def run(self, token_ids: Sequence[int], positions: Sequence[int], layout: StepLayout) -> torch.Tensor | None:
+        """The hidden states ([tokens, hidden]) of a step that ``fits``; None when its
+        bucket's graphs could not be captured (then every later step runs eagerly)."""
+        n = len(token_ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        self.input_ids[:n].copy_(torch.tensor(token_ids, dtype=torch.long))
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        if self._filled > n:  # rows a larger step left: pad rows again (token 0 at position 0)
+            self.input_ids[n : self._filled] = 0
+            self.positions[n : self._filled] = 0
+        self._filled = n
+        meta = self.attention.build_metadata(layout)
+        if not self.capture:
+            return self._forward(_Split(self, bucket, False, meta, n), bucket)[:n]
+        captured = self._get(bucket)
+        if captured is None:
+            return None
+        pieces, hidden = captured
+        for piece in pieces:
+            piece.graph.replay()
+            if piece.layer >= 0:
+                self.attend(piece.layer, n, meta, piece.scale, piece.window)
+        return hidden[:n]
+
+    def attend(self, layer: int, n: int, meta, scale: float, window: int) -> None:
+        """Layer ``layer``'s attention over the step's ``n`` real rows of the static buffers."""
+        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
+        q, k, v = self.q[:n], self.k[:n], self.v[:n]
+        self.attention.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self.attention.attend(q, k, v, k_cache, v_cache, meta, scale, self.out[:n], window)
+
+    def _forward(self, split: _Split, bucket: int) -> torch.Tensor:
+        kv = self.kv_cache
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], kv.k, kv.v, split)
+
+    def _capture(self, bucket: int) -> tuple[list[_Piece], torch.Tensor]:
+        # Warm-up on a side stream first (cuBLAS picks its kernels outside the capture); its
+        # attention outputs are whatever the buffer holds: nothing of it is kept.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(_Split(self, bucket, False), bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        split = _Split(self, bucket, True)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            split.begin()
+            hidden = self._forward(split, bucket)
+            split.end()
+        torch.cuda.synchronize()
+        return split.pieces, hidden
+
+
+def step_graphs_for(
     model: DecoderModel, kv_cache: KVCache, attention: AttentionBackend, max_batch: int, max_context: int,
-    enabled: bool,
-) -> DecodeGraphs | None:  # fmt: skip
-    """The engine's ``DecodeGraphs`` when they apply: ``enabled``, a CUDA device, the triton
-    backend and no mixture-of-experts layers (module docstring); else None."""
+    max_tokens: int, enabled: bool,
+) -> list[DecodeGraphs | PiecewiseGraphs]:  # fmt: skip
+    """The engine's graphs, in the order a step tries them (``DecodeGraphs`` for decodes,
+    ``PiecewiseGraphs`` for the rest, up to ``max_tokens`` a step) when they apply:
+    ``enabled``, a CUDA device, the triton backend and no mixture-of-experts layers
+    (module docstring); else none."""
     if not enabled or kv_cache.k.device.type != "cuda" or getattr(attention, "name", "") != "triton":
-        return None
+        return []
     if model.config.moe is not None:
-        return None
-    return DecodeGraphs(model, kv_cache, attention, max_batch, max_context)
+        return []
+    return [DecodeGraphs(model, kv_cache, attention, max_batch, max_context),
+            PiecewiseGraphs(model, kv_cache, attention, min(max_tokens, PIECEWISE_TOKENS))]  # fmt: skip
 

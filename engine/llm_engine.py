@@ -33,7 +33,7 @@ from engine.attention import create_attention_backend
 from engine.block_hash import BlockHasher
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import decode_graphs_for
+from engine.cuda_graphs import step_graphs_for
 from engine.gguf_checkpoint import is_gguf, open_gguf
 from engine.grammar import check as check_structured_output
 from engine.kv_cache import KVCache, bytes_per_block
@@ -130,10 +130,13 @@ class LLMEngine:
             self.model_config.vocab_size,
             self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
-        graphs = decode_graphs_for(
-            self.model, self.kv_cache, self.attention, config.max_num_seqs, self.max_model_len, config.cuda_graphs
-        )
+        graphs = step_graphs_for(
+            self.model, self.kv_cache, self.attention, config.max_num_seqs, self.max_model_len,
+            config.max_num_batched_tokens, config.cuda_graphs,
+        )  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured, graphs)
+        for g in graphs:  # every bucket now, so that no step waits on a capture
+            g.capture_all()
         # What the runner holds of each request: every step sends it deltas (it drops a
         # request the step after it ends, so this outlives a reset).
         self.runner_inputs = RunnerInputBuilder()

@@ -27,12 +27,13 @@ sampled its first token; no other request pays for them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import StepAttention
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.runner_input import RunnerInput, RunnerRequest, RunnerRequests, StepItem
@@ -101,7 +102,7 @@ class ModelRunner:
         kv_cache: KVCache,
         attention: AttentionBackend,
         structured: StructuredOutputs | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: Sequence[DecodeGraphs | PiecewiseGraphs] = (),
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -112,7 +113,7 @@ class ModelRunner:
         self.make_event = _device_event(self.device)
         self.step_done = FINISHED  # the last step's forward, on the device
         self.requests = RunnerRequests()
-        self.graphs = graphs  # decode steps replayed as CUDA graphs (engine.cuda_graphs), if any
+        self.graphs = list(graphs)  # steps replayed as CUDA graphs (engine.cuda_graphs): the first that fits
 
     @torch.inference_mode()
     def execute(self, step: RunnerInput) -> RunnerOutput:
@@ -128,8 +129,9 @@ class ModelRunner:
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
         hidden = None
-        if self.graphs is not None and self.graphs.fits(layout):
-            hidden = self.graphs.run(token_ids, positions, layout)  # None if its capture failed
+        graphs = next((g for g in self.graphs if g.fits(layout)), None)
+        if graphs is not None:
+            hidden = graphs.run(token_ids, positions, layout)  # None if its capture failed
         if hidden is None:
             attn = StepAttention(self.attention, self.attention.build_metadata(layout))
             hidden = self.model(
