@@ -44,6 +44,7 @@ GPU test checks the graphs themselves).
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,7 +72,7 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets
 
 
-class _BucketGraphs:
+class _BucketGraphs(ABC):
     """What both kinds of graphs keep: a capture per bucket, made on first need or by
     ``capture_all``, and why a capture failed (after which the steps run eagerly)."""
 
@@ -106,8 +107,9 @@ class _BucketGraphs:
                 logger.warning("%s; %s run eagerly from now on", self.failed, self.steps)
         return captured
 
+    @abstractmethod
     def _capture(self, bucket: int):
-        raise NotImplementedError
+        """Capture ``bucket``'s graphs (on a CUDA device; without capture, what a replay reads)."""
 
 
 @dataclass
