@@ -255,8 +255,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 @dataclass
 class _Piece:
-    """One graph of a piecewise forward and the attention that follows it: the layer's
-    static q/k/v rows and cache, its scale and window (the last piece attends nothing)."""
+    """One graph of a piecewise forward and the attention that follows its replay: the
+    layer's index (-1 after the last graph), its scale and window."""
 
     graph: torch.cuda.CUDAGraph | None
     layer: int = -1
