@@ -19,13 +19,14 @@ What a decode graph holds fixed, and how a step is made to fit it:
   partitions past its own context, and the reduce reads only the row's).
 
 A model with mixture-of-experts layers runs eagerly: its routing sizes the expert GEMMs
-on the host. Sampling runs after the replay,
-as after an eager forward. The engine captures every bucket at start-up (a warm-up
-forward first, so that Triton compiles outside the capture), each decode graph on its
-own memory pool: a decode step's activations are a few MiB.
+on the host. Sampling runs after the replay, as after an eager forward. The engine
+captures every bucket at start-up (a warm-up forward first, so that Triton compiles
+outside the capture), each decode graph on its own memory pool: a decode step's
+activations are a few MiB.
 
 A capture that fails (out of memory, say, beside a KV cache sized to fill the device)
-is logged once, and from then on every step runs eagerly.
+is logged once, and from then on the steps of its kind run eagerly (decode steps then
+replay the piecewise graphs, if those were captured).
 
 Steps with prefill chunks replay **piecewise** graphs (``PiecewiseGraphs``), as vLLM's
 do: per token-count bucket, the forward is captured as one graph from the embedding to
