@@ -12,6 +12,9 @@ table are rewritten after each, so a run cut short keeps what it measured):
   gives the speedup. Smaller batches and contexts go into the profile table.
 * ``prefill``: the prefill kernel on fresh (causal) chunks, 8 of 2048 tokens at the same
   heads, in TFLOP/s (QK^T and PV: 4 x head_dim flops per query-key pair and head).
+* ``sampling``: the sampler's seeded random draw against softmax + ``torch.multinomial``
+  on the same logits, batches 8-128 over vocabularies of 32000 and 128256
+  (``bench.sampling``).
 * ``engine``: output tokens/s of ``LLM.generate`` on a random-weight Llama of about
   0.35B parameters (hidden 1024, 24 layers, 16 heads over 8 KV heads, intermediate
   2816, vocab 32000) in bf16, on the triton backend (steps replayed as CUDA graphs:
@@ -538,6 +541,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     if copy_tbps:
         measure("decode", lambda: bench_decode(copy_tbps, result["table_peak_tbps"]))
     measure("prefill", bench_prefill)
+    measure("sampling", bench_sampling)
     if args.skip_engine and args.skip_transfer and args.skip_steps:
         return result
     workload = dict(num_requests=args.num_requests, prompt_len=args.prompt_len, output_len=args.output_len)
@@ -553,6 +557,14 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
         if not args.skip_steps:
             measure("steps", lambda: bench_steps(model_dir))
     return result
+
+
+def bench_sampling(batches=(8, 32, 128), vocabs=(32000, 128256), device: str = "cuda") -> dict:
+    """The sampler's random draw (one batched inverse-CDF draw, seeded per request) against
+    softmax + ``torch.multinomial`` on the same logits (``bench.sampling``)."""
+    from bench.sampling import measure as measure_draw
+
+    return {"rows": [measure_draw(b, v, device, repeat=10) for v in vocabs for b in batches]}
 
 
 def engine_section(model_dir: Path, workload: dict) -> dict:
@@ -606,6 +618,7 @@ def summary(result: dict) -> dict:
         f"decode_at_least_{DECODE_BAR:.0%}_of_copy": (get("decode", "fraction_of_copy_peak") or 0) >= DECODE_BAR,
         "decode_speedup_vs_torch": get("decode", "speedup_vs_torch"),
         "prefill_tflops": get("prefill", "achieved_tflops"),
+        "sampling_vs_multinomial": [round(r["ratio_vs_multinomial"], 2) for r in get("sampling", "rows") or []],
         "engine_tokens_per_s": get("engine", "triton", "output_tokens_per_s"),
         "engine_speedup_vs_torch": get("engine", "speedup_vs_torch"),
         "engine_graphs_speedup": get("engine", "graphs_speedup"),

@@ -8,10 +8,11 @@ top-k / top-p / min-p masks, then a draw. Temperature 0 is greedy (argmax after
 penalties). Logprobs are the model's (after the grammar's mask only), as vLLM's
 default ``raw_logprobs``: a biased or banned token keeps its own.
 
-Random draws are a function of (request seed, output index) only: each row gets its
-own generator seeded from both, so a request's tokens do not depend on its batch
-mates, on chunking, or on preemption history. Requests without a seed get one from
-the engine when they are added.
+Random draws are a function of (request seed, output index) only, so a request's tokens
+do not depend on its batch mates, on chunking, or on preemption history: each row's
+uniform is a hash of both (SplitMix64, in Python), and the batch draws by inverse CDF
+(one cumulative sum and one search over all rows: no per-row generator or kernel).
+Requests without a seed get one from the engine when they are added.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
-_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
-_MASK63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs apart
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,26 @@ def apply_top_k_top_p_min_p(
     return out
 
 
-def _generator_for(seed: int, index: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(((seed * _SEED_MIX) ^ index) & _MASK63)
-    return g
+def uniform(seed: int, index: int) -> float:
+    """A uniform draw in [0, 1) that is a function of (seed, index) only: SplitMix64's
+    output function on the pair's key, its top 53 bits."""
+    z = ((seed * _GOLDEN ^ index) + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+def draw(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:
+    """One token of each row of ``probs`` ([R, V], rows summing to about 1), by inverse CDF:
+    the first token whose cumulative probability passes the row's uniform times the row's
+    total, summed in float64. A token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=probs.device).unsqueeze(1) * total
+    chosen = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    # Rounding can put u at the total: past the last token with any probability.
+    last = (cdf < total).sum(dim=-1)
+    return torch.minimum(chosen, last)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -182,13 +199,8 @@ def sample(
                 torch.tensor([p.top_p for p in params], device=logits.device),
                 torch.tensor([p.min_p for p in params], device=logits.device),
             )
-        probs = sub.softmax(dim=-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            row = rows[i]
-            noise[j].exponential_(generator=_generator_for(row.seed, len(row.output_token_ids), logits.device))
-        chosen[idx] = (probs / noise).argmax(dim=-1)
+        uniforms = [uniform(rows[i].seed, len(rows[i].output_token_ids)) for i in random_rows]
+        chosen[idx] = draw(sub.softmax(dim=-1), uniforms)
     ids = chosen.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu import bench_batching, bench_decode, bench_prefill, bench_steps, bench_transfer, copy_bandwidth
+from bench.gpu import (
+    bench_batching,
+    bench_decode,
+    bench_prefill,
+    bench_sampling,
+    bench_steps,
+    bench_transfer,
+    copy_bandwidth,
+)
 from tests.gpu.device import DEVICE
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
@@ -27,6 +35,12 @@ def test_copy_decode_and_prefill_report_bandwidth_flops_and_profile_rows():
     prefill = bench_prefill(DEVICE, dict(chunks=2, chunk_len=24, **HEADS), [(1, 16)])
     assert prefill["achieved_tflops"] > 0 and prefill["row"]["unit"] == "TFLOP/s"
     assert [r["params"]["chunk_len"] for r in [prefill["row"], *prefill["sweep"]]] == [24, 16]
+
+
+def test_sampling_times_the_seeded_draw_against_multinomial_at_each_shape():
+    rows = bench_sampling((2, 5), (64,), DEVICE)["rows"]
+    assert [(r["batch"], r["vocab"]) for r in rows] == [(2, 64), (5, 64)]
+    assert all(r["sample_ms"] > 0 and r["multinomial_ms"] > 0 and r["ratio_vs_multinomial"] > 0 for r in rows)
 
 
 def test_one_device_transfer_reports_handoff_bandwidth_and_equal_requests(tiny_model):

@@ -97,6 +97,8 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     monkeypatch.setattr(gpu, "bench_decode", lambda copy, table: {"row": row, "sweep": [], "achieved_tbps": 3.0,
                                                                   "fraction_of_copy_peak": 0.75})  # fmt: skip
     monkeypatch.setattr(gpu, "bench_prefill", lambda: 1 / 0)
+    real_sampling = gpu.bench_sampling
+    monkeypatch.setattr(gpu, "bench_sampling", lambda: real_sampling((2,), (64,), "cpu"))
     monkeypatch.setattr(gpu, "build_llama_05b", lambda path, dtype: path)
     monkeypatch.setattr(gpu, "engine_section", lambda model_dir, workload: {}["no such key"])
     handoff_row = profile_row("kv_handoff", "bfloat16", {}, 1.0, 50.0, "GB/s")
@@ -122,3 +124,4 @@ def test_a_failing_measurement_is_recorded_and_the_later_ones_still_run(monkeypa
     assert saved["batching"]["continuous_over_static"] == 1.8, "batching ran after the engine failed"
     headline = gpu.summary(result)
     assert headline["decode_at_least_70%_of_copy"] is True and headline["failed"] == ["engine", "prefill"]
+    assert len(headline["sampling_vs_multinomial"]) == 1, "the sampling ran after the prefill failed"

@@ -171,3 +171,8 @@ def test_prefill_here_rules():
     assert prefill_here(900, [5000, 3999], idle, 16, 4000) is None, "one prefill worker under the backlog"
     assert prefill_here(900, [5000], busy, 16, 4000) is None, "the decode worker has requests waiting"
     assert prefill_here(900, [], idle, 16, 4000) is None, "no prefill load known"
+
+
+def test_decode_ties_rotate_between_workers():
+    picks = Counter(pick_decode([D(40), D(40), D(40)], 5, 8, tie_break=t) for t in range(9))
+    assert picks == {0: 3, 1: 3, 2: 3}

@@ -9,7 +9,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from engine.sampler import SampleRow, apply_penalties, apply_token_controls, apply_top_k_top_p_min_p, sample
+from engine.sampler import (
+    SampleRow,
+    apply_penalties,
+    apply_token_controls,
+    apply_top_k_top_p_min_p,
+    draw,
+    sample,
+    uniform,
+)
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -191,6 +199,36 @@ def test_a_seeded_row_draws_the_same_token_alone_and_in_any_batch():
         if alone != together:
             mismatches.append((trial, alone, together))
     assert not mismatches, f"(trial, alone, in batch) draws differ: {mismatches}"
+
+
+def test_random_draws_take_as_many_tensor_ops_for_any_batch():
+    def ops(batch: int) -> int:
+        rows = [_row(seed=s, index=3, temperature=0.8) for s in range(batch)]
+        with _CountOps() as count:
+            sample(torch.randn(batch, 4096), rows)
+        return count.calls
+
+    assert ops(2) == ops(64), "one batched draw, not a generator and a kernel per row"
+
+
+def test_an_inverse_cdf_draw_never_lands_on_a_token_of_probability_zero():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    assert draw(probs, [0.0, 0.0]).tolist() == [1, 0]
+    assert draw(probs, [0.3, 0.6]).tolist() == [3, 1]
+    assert draw(probs, [1 - 2**-53, 1 - 2**-53]).tolist() == [3, 1], "the top of the range: the last likely token"
+    assert draw(probs * 3, [0.9, 0.9]).tolist() == [3, 1], "rows need not sum to 1"
+
+
+def test_uniform_draws_spread_over_the_unit_interval_by_seed_and_index():
+    by_index = [uniform(42, i) for i in range(4000)]
+    by_seed = [uniform(s, 0) for s in range(4000)]
+    for draws in (by_index, by_seed):
+        assert all(0.0 <= u < 1.0 for u in draws)
+        counts = [0] * 10
+        for u in draws:
+            counts[int(u * 10)] += 1
+        chi2 = sum((c - 400) ** 2 / 400 for c in counts)
+        assert chi2 < 27.9, f"deciles {counts} (27.9: the 99.9% point with 9 degrees of freedom)"
 
 
 def _draw_counts(logits: torch.Tensor, n: int, **params) -> list[int]:
