@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -224,22 +224,25 @@ class DecodeGraphs(_BucketGraphs):
 
     def _capture(self, bucket: int) -> _Captured:
         if not self.capture:
-            captured = _Captured(None, torch.empty(0), self._metadata(bucket))
-        else:
-            # A warm-up forward on a side stream compiles the kernels for these shapes (a
-            # compile inside the capture would fail), as torch's graph docs advise.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(bucket, self._metadata(bucket))
-            torch.cuda.current_stream().wait_stream(side)
-            meta = self._metadata(bucket)  # its split-K buffers come from the graph's pool
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a worker's transfer threads may copy KV into the cache meanwhile.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                hidden = self._forward(bucket, meta)
-            captured = _Captured(graph, hidden, meta)
-        return captured
+            return _Captured(None, torch.empty(0), self._metadata(bucket))
+        _warm_up(lambda: self._forward(bucket, self._metadata(bucket)))
+        meta = self._metadata(bucket)  # its split-K buffers come from the graph's pool
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a worker's transfer threads may copy KV into the cache meanwhile.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            hidden = self._forward(bucket, meta)
+        return _Captured(graph, hidden, meta)
+
+
+def _warm_up(forward: Callable[[], object]) -> None:
+    """Run ``forward`` once on a side stream before a capture: Triton compiles and cuBLAS
+    picks its kernels for these shapes outside it (a compile inside would fail), as
+    torch's graph docs advise."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -372,13 +375,8 @@ class PiecewiseGraphs(_BucketGraphs):
         return self.model(self.input_ids[:bucket], self.positions[:bucket], kv.k, kv.v, split)
 
     def _capture(self, bucket: int) -> tuple[list[_Piece], torch.Tensor]:
-        # Warm-up on a side stream first (cuBLAS picks its kernels outside the capture); its
-        # attention outputs are whatever the buffer holds: nothing of it is kept.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(_Split(self, bucket, False), bucket)
-        torch.cuda.current_stream().wait_stream(side)
+        # The warm-up's attention outputs are whatever the buffer holds: nothing of it is kept.
+        _warm_up(lambda: self._forward(_Split(self, bucket, False), bucket))
         torch.cuda.synchronize()
         split = _Split(self, bucket, True)
         with torch.cuda.stream(torch.cuda.Stream()):
