@@ -5,6 +5,7 @@
     python -m bench.sim disagg [--devices 64] [--slo ttft:60,itl:11] [--workload sharegpt:seed=0]
     python -m bench.sim validate [--rates 4,12]
     python -m bench.sim live-validate [--topologies 1P+1D,2P+1D,1P+2D,colocated] [--rates 2,8]
+                                      [--live-profile] [--calibrate]
 
 ``speed``: CPU time to simulate ``--devices`` H100s (1 prefill to 3 decode workers,
 Llama-3.1-8B) serving ShareGPT-shaped traffic for ``--seconds`` simulated seconds, and
@@ -17,7 +18,9 @@ configuration's goodput against the best colocated one. ``validate``: one real e
 (tandem-tiny-llama on this CPU, in process, no Ray) against its CPU-calibrated
 simulation on the same traces at two rates. ``live-validate``: the live local cluster
 (``bench.serve --launch``) in each topology at two rates, each run's own trace replayed
-strictly by the CPU-calibrated simulation of that topology (same KV block counts).
+strictly by the CPU-calibrated simulation of that topology (same KV block counts); with
+``--live-profile`` on costs timed inside that topology's live workers on a calibration
+run of its own (``live_profile``).
 
 Each prints its numbers and, with ``--json FILE``, writes them.
 """
@@ -29,6 +32,7 @@ import json
 import math
 import os
 import time
+from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -323,11 +327,81 @@ def _step_counters(service) -> dict[str, tuple[int, float, float]]:
     return out
 
 
-def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> list[tuple[Path, dict]]:
+def _serve_run(service, name: str, args: argparse.Namespace, rate: str, seed: int, path: Path,
+               extra: Sequence[str] = ()) -> None:
+    """One ``bench.serve`` run of the validation's workload against ``service``."""
+    from bench.serve import main as serve
+
+    argv = [*extra, "--base-url", service.http_url, "--workload", "synthetic", "--input-len", str(args.input_len),
+            "--output-len", str(args.output_len), "--range-ratio", str(args.range_ratio),
+            "--num-requests", str(args.requests), "--request-rate", rate, "--seed", str(seed),
+            "--result-json", str(path), "--no-progress", "--label", name]
+    if serve(argv + (["--model", args.model] if args.model else [])) != 0:
+        raise RuntimeError(f"bench.serve failed on {name} at {rate} req/s")
+
+
+def others_busy(steps: list[list[dict]]) -> list[list[int]]:
+    """For each worker's steps (``take_steps`` rows, in order), how many other workers were
+    mid-step as each began."""
+    spans = [([r["start_s"] for r in rows], [r["start_s"] + r["step_ms"] / 1e3 for r in rows]) for rows in steps]
+    out = []
+    for i, rows in enumerate(steps):
+        counts = []
+        for r in rows:
+            t = r["start_s"]
+            counts.append(sum(j != i and (k := bisect_right(starts, t) - 1) >= 0 and ends[k] > t
+                              for j, (starts, ends) in enumerate(spans)))
+        out.append(counts)
+    return out
+
+
+def live_profile(service, name: str, args: argparse.Namespace, out_dir: Path) -> Path:
+    """A profile timed inside the live workers of topology ``name``: a calibration run of its
+    own (``--calibration-rate``, another seed than the validated runs') with every worker
+    keeping its steps' shapes and times (``record_steps``: each step's turn of the step
+    thread, on the wall clock, under the service's load), written as a ``bench.steps`` table
+    whose rows also count the other workers mid-step as each began (``others_busy``: the
+    workers share the host's cores, ``sim.cost.live_corrections``);
+    and the request's way through the service, which no step times: the run's median TTFT
+    less the simulated one on those costs (``request_latency_ms``). A few requests go
+    first, untimed: a fresh service's first calls and connections are slow."""
+    import ray
+
+    from sim.cost import StepShape, profile_row, step_profile
+    from sim.workload import load_trace
+
+    prefill, decode = ray.get(service.controller.workers.remote())
+    handles = [w.handle for w in (*prefill, *decode)]
+    warm = argparse.Namespace(**{**vars(args), "requests": 8})  # first calls, connections: not timed
+    _serve_run(service, name, warm, "inf", args.seed + 999, out_dir / f"warm-up-{name}.json",
+               ["--max-concurrency", "2"])
+    ray.get([h.record_steps.remote(100_000) for h in handles])
+    run_path = out_dir / f"calibration-{name}.json"
+    _serve_run(service, name, args, args.calibration_rate, args.seed + 1000, run_path)
+    taken = ray.get([h.take_steps.remote() for h in handles])
+    ray.get([h.record_steps.remote(0) for h in handles])
+    rows = [{**profile_row(StepShape(**{k: v for k, v in row.items() if k not in ("step_ms", "start_s")}),
+                           row["step_ms"]), "others_busy": busy}
+            for steps, others in zip(taken, others_busy(taken), strict=True) for row, busy in zip(steps, others)]
+    spec = model_spec("tandem-tiny-llama")
+    table = step_profile("cpu", spec, 4, rows)  # CPU engines run float32
+    path = out_dir / f"live-profile-{name}.json"
+    path.write_text(json.dumps(table))
+    measured = json.loads(run_path.read_text())["runs"][0]["summary"]["ttft_ms"]["median"]
+    simulated = summary(Simulator(_live_topology(name, args.num_kv_blocks), cost_model("cpu", spec, path),
+                                  load_trace(run_path, 0)).run())["ttft_ms"]["median"]
+    table["request_latency_ms"] = round(max(0.0, measured - simulated), 3)
+    path.write_text(json.dumps(table))
+    print(f"{name}: {len(rows)} live steps timed; the request's way through the service "
+          f"{table['request_latency_ms']:.1f} ms (TTFT {measured:.1f} ms measured, {simulated:.1f} simulated)")
+    return path
+
+
+def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> tuple[list[tuple[Path, dict]], Path | None]:
     """``bench.serve`` against a local cluster of topology ``name`` started for it (as
     ``--launch`` starts one), one run per rate (seeds as a sweep's); for each, its result JSON
-    and the workers' mean step in the model runner, per role (wall and CPU ms)."""
-    from bench.serve import main as serve
+    and the workers' mean step in the model runner, per role (wall and CPU ms). With
+    ``--live-profile``, a calibration run first (``live_profile``), whose table it returns."""
     from bench.serve import parse_args, service_config
     from cluster.local import local_service
 
@@ -337,15 +411,11 @@ def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> list[tuple[P
     flags += ["--model", args.model] if args.model else []
     out = []
     with local_service(service_config(parse_args(["--launch", *flags])), args.num_cpus) as service:
+        profile = live_profile(service, name, args, out_dir) if args.live_profile else None
         for i, rate in enumerate(args.rates.split(",")):
             path = out_dir / f"live-{name}-{rate}.json"
             before = _step_counters(service)
-            argv = ["--base-url", service.http_url, "--workload", "synthetic", "--input-len", str(args.input_len),
-                    "--output-len", str(args.output_len), "--range-ratio", str(args.range_ratio),
-                    "--num-requests", str(args.requests), "--request-rate", rate, "--seed", str(args.seed + i),
-                    "--result-json", str(path), "--no-progress", "--label", name]
-            if serve(argv + (["--model", args.model] if args.model else [])) != 0:
-                raise RuntimeError(f"bench.serve failed on {name} at {rate} req/s")
+            _serve_run(service, name, args, rate, args.seed + i, path)
             steps = {}
             for role, (n, wall, cpu) in _step_counters(service).items():
                 n0, wall0, cpu0 = before.get(role, (0, 0.0, 0.0))
@@ -353,7 +423,12 @@ def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> list[tuple[P
                     steps[role] = {"steps": n - n0, "wall_ms": 1e3 * (wall - wall0) / (n - n0),
                                    "cpu_ms": 1e3 * (cpu - cpu0) / (n - n0)}
             out.append((path, steps))
-    return out
+    return out, profile
+
+
+def _live_topology(name: str, num_kv_blocks: int) -> SimTopology:
+    prefill, decode = LIVE_TOPOLOGIES[name]
+    return SimTopology(prefill_workers=prefill, decode_workers=decode, engine={"num_kv_blocks": num_kv_blocks})
 
 
 def replay_live(name: str, path: Path, cost, num_kv_blocks: int) -> list[dict]:
@@ -361,8 +436,7 @@ def replay_live(name: str, path: Path, cost, num_kv_blocks: int) -> list[dict]:
     simulation of topology ``name``; the measured and simulated metrics side by side."""
     from sim.workload import load_trace
 
-    prefill, decode = LIVE_TOPOLOGIES[name]
-    topo = SimTopology(prefill_workers=prefill, decode_workers=decode, engine={"num_kv_blocks": num_kv_blocks})
+    topo = _live_topology(name, num_kv_blocks)
     rows = []
     for i, recorded in enumerate(json.loads(path.read_text())["runs"]):
         sim = Simulator(topo, cost, load_trace(path, i))
@@ -380,14 +454,20 @@ def live_validate(args: argparse.Namespace) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     profile = calibrate(str(out_dir / "cpu-profile-now.json")) if args.calibrate else None
     cost = cost_model("cpu", model_spec("tandem-tiny-llama"), profile)
-    rows = []
+    rows, profiles = [], {}
     for name in args.topologies.split(","):
         before = _load_average()
-        runs = (live_run(name, args, out_dir) if not args.replay_only
-                else [(out_dir / f"live-{name}-{rate}.json", {}) for rate in args.rates.split(",")])
+        if args.replay_only:
+            runs = [(out_dir / f"live-{name}-{rate}.json", {}) for rate in args.rates.split(",")]
+            profile_here = out_dir / f"live-profile-{name}.json" if args.live_profile else None
+        else:
+            runs, profile_here = live_run(name, args, out_dir)
         after = _load_average()
+        topology_cost = cost_model("cpu", model_spec("tandem-tiny-llama"), profile_here) if profile_here else cost
+        if profile_here:
+            profiles[name] = str(profile_here)
         for path, steps in runs:
-            for row in replay_live(name, path, cost, args.num_kv_blocks):
+            for row in replay_live(name, path, topology_cost, args.num_kv_blocks):
                 row["load_average"] = [before, after]
                 row["live_steps"] = steps
                 rows.append(row)
@@ -399,7 +479,27 @@ def live_validate(args: argparse.Namespace) -> dict:
         row["within_bounds"] = all(v["error"] is not None and abs(v["error"]) <= BOUNDS[k]
                                    for k, v in row["metrics"].items())
     print(f"{sum(r['within_bounds'] for r in rows)} of {len(rows)} runs within every bound")
-    return {"profile": profile or "shipped", "rows": rows}
+    return {"profile": profile or "shipped", "live_profiles": profiles, "rows": rows}
+
+
+def _live_validate_arguments(lv: argparse.ArgumentParser) -> None:
+    lv.add_argument("--topologies", default=",".join(LIVE_TOPOLOGIES))
+    lv.add_argument("--rates", default="2,8", help="request rates, one run each per topology")
+    lv.add_argument("--requests", type=int, default=60, help="per run")
+    lv.add_argument("--input-len", type=int, default=128)
+    lv.add_argument("--output-len", type=int, default=32)
+    lv.add_argument("--range-ratio", type=float, default=0.5)
+    lv.add_argument("--num-kv-blocks", type=int, default=512, help="per worker, live and simulated")
+    lv.add_argument("--num-cpus", type=int, default=2)
+    lv.add_argument("--seed", type=int, default=0)
+    lv.add_argument("--model", default=None, help="default: the service's default (tandem-tiny-llama)")
+    lv.add_argument("--calibrate", action="store_true", help="measure a fresh CPU profile first (else the shipped one)")
+    lv.add_argument("--out-dir", default="bench-results/sim-live")
+    lv.add_argument("--replay-only", action="store_true", help="simulate the result files already in --out-dir")
+    lv.add_argument("--live-profile", action="store_true",
+                    help="time each topology's steps inside its live workers on a calibration run first, and "
+                         "simulate that topology on them (with the request's way through the service)")
+    lv.add_argument("--calibration-rate", default="4", help="--live-profile: the calibration run's request rate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -438,19 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="cpu: time the engine (and --calibrate) by the step thread's CPU time, "
                         "as one uncontended core would run it")
     lv = sub.add_parser("live-validate")
-    lv.add_argument("--topologies", default=",".join(LIVE_TOPOLOGIES))
-    lv.add_argument("--rates", default="2,8", help="request rates, one run each per topology")
-    lv.add_argument("--requests", type=int, default=60, help="per run")
-    lv.add_argument("--input-len", type=int, default=128)
-    lv.add_argument("--output-len", type=int, default=32)
-    lv.add_argument("--range-ratio", type=float, default=0.5)
-    lv.add_argument("--num-kv-blocks", type=int, default=512, help="per worker, live and simulated")
-    lv.add_argument("--num-cpus", type=int, default=2)
-    lv.add_argument("--seed", type=int, default=0)
-    lv.add_argument("--model", default=None, help="default: the service's default (tandem-tiny-llama)")
-    lv.add_argument("--calibrate", action="store_true", help="measure a fresh CPU profile first (else the shipped one)")
-    lv.add_argument("--out-dir", default="bench-results/sim-live")
-    lv.add_argument("--replay-only", action="store_true", help="simulate the result files already in --out-dir")
+    _live_validate_arguments(lv)
     for p in (sp, b, d, v, lv):
         p.add_argument("--json", default=None, help="write the numbers here")
     args = ap.parse_args(argv)

@@ -45,6 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.step_shape import StepShape, shape_of
 
 _T = TypeVar("_T")
 
@@ -189,6 +190,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.step_error: BaseException | None = None
+        self._step_log: deque[tuple[StepShape, float, float]] | None = None  # ``record_steps``
         # A grammar compiled off the step thread wakes it, if it sleeps.
         engine.structured.on_ready = self.wake
 
@@ -226,6 +228,22 @@ class AsyncEngine:
         """Queue ``fn`` for the step thread without waiting (from ``finally`` blocks)."""
         self._calls.append((fn, args, kwargs, None))
         self._wake.set()
+
+    def record_steps(self, limit: int) -> None:
+        """Keep the shape (``engine.step_shape``), start and wall time of each of the latest
+        ``limit`` steps (0: stop keeping them). A step's time is its turn of the step
+        thread: the queued calls run before it, the step, and handing its outputs on (what
+        spaces one token of a busy worker's streams from the next). Its start is on
+        ``time.monotonic()``, one clock for every process of a host."""
+        self._step_log = deque(maxlen=limit) if limit > 0 else None
+
+    def take_steps(self) -> list[tuple[StepShape, float, float]]:
+        """The steps kept since the last call (``record_steps``), oldest first: (shape,
+        start, seconds)."""
+        log, taken = self._step_log, []
+        while log:
+            taken.append(log.popleft())
+        return taken
 
     def _run_calls(self) -> None:
         if not self._calls:
@@ -389,6 +407,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            turn_start = time.monotonic()
             self._run_calls()
             now = time.monotonic()
             for fn in self._periodic:
@@ -406,6 +425,8 @@ class AsyncEngine:
                 self.deliver_all(outputs)
                 if self.metrics is not None:
                     self.metrics.on_step(self.engine.stats())
+                if self._step_log is not None:
+                    self._step_log.append((shape_of(self.engine.last_plan), turn_start, time.monotonic() - turn_start))
             elif not self._calls:
                 self._export_load()  # what periodic functions (leases, deadlines) freed
                 self._wake.wait(self._idle_poll_s)

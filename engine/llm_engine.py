@@ -47,7 +47,7 @@ from engine.request import Request, RequestStatus
 from engine.runner_input import RunnerInputBuilder
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
@@ -150,6 +150,7 @@ class LLMEngine:
         self._generation_tokens = 0
         self._forward_s = 0.0
         self._forward_cpu_s = 0.0
+        self.last_plan: SchedulerOutput | None = None  # the latest step's (``step_shape.shape_of`` reads it)
 
     def _make_parts(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int) -> None:
         """A fresh block manager (every block free, the prefix cache empty), scheduler and
@@ -461,7 +462,7 @@ class LLMEngine:
         admitted = self._admit_compiled() if self._compiling or self.remote_kv.has_held_back else []
         if not self.scheduler.has_schedulable_work() and self._compiling and not admitted:
             self.structured.wait_any(0.05)  # offline loops: nothing else to do meanwhile
-        sched = self.scheduler.schedule()
+        sched = self.last_plan = self.scheduler.schedule()
         now = time.monotonic()
         for item in sched.scheduled:
             if item.request.first_scheduled_time is None:

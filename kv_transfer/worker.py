@@ -9,6 +9,7 @@ knows the other's role in a worker) and below both worker packages.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 
 import torch
 
@@ -122,6 +123,17 @@ class WorkerBase:
         stats = await self.async_engine.call(engine_stats)
         stats["transfer"] = self.backend.stats.as_dict()
         return stats
+
+    async def record_steps(self, limit: int) -> None:
+        """Keep the latest ``limit`` steps' shapes and times (0: stop): a step profile
+        timed inside the serving worker, under its load (``AsyncEngine.record_steps``)."""
+        self.async_engine.record_steps(limit)
+
+    async def take_steps(self) -> list[dict]:
+        """The steps kept since the last call, as rows of ``StepShape`` fields, ``step_ms``
+        (the simulator's profile rows) and ``start_s`` (``time.monotonic()``)."""
+        return [{**asdict(shape), "step_ms": 1e3 * seconds, "start_s": start}
+                for shape, start, seconds in self.async_engine.take_steps()]
 
     async def abort(self, request_id: str) -> None:
         """Abort one attempt (the id the router placed it under)."""

@@ -29,6 +29,12 @@ The profile table (``step_profile`` / ``read_profile``; ``python -m bench.steps
      "model": {ModelSpec fields}, "rows": [{"batch": 8, "num_tokens": 8,
      "prefill_tokens": 0, "attn_pairs": 1060, "kv_read_tokens": 1060,
      "num_sampled": 8, "step_ms": 9.1}, ...]}
+
+A table timed inside a live service's workers (``bench.sim live-validate --live-profile``)
+also has, per row, ``others_busy`` (the other workers mid-step as the step began: they
+share the host's cores) and ``request_latency_ms``, the request's way through the service;
+``live_corrections`` reads them into the ``CostModel``'s ``contention`` and
+``request_latency_s``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+
+from engine.step_shape import StepShape
 
 PROFILE_FORMAT = "tandem-step-profile/1"
 GPU_PROFILE_FORMAT = "tandem-gpu-profile/1"  # bench.gpu's kernel table (docs/BENCHMARKS.md)
@@ -131,34 +139,6 @@ def model_spec(name: str) -> ModelSpec:
     return MODELS[name]
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """One step's work, read off the scheduler's plan."""
-
-    batch: int = 0  # requests in the step
-    num_tokens: int = 0  # tokens computed
-    prefill_tokens: int = 0  # of those, in chunks of more than one token
-    attn_pairs: int = 0  # (query, key) pairs: a chunk of n from position s has n*s + n(n+1)/2
-    kv_read_tokens: int = 0  # KV tokens the step's attention reads (context plus new)
-    num_sampled: int = 0  # tokens sampled (the LM head's rows)
-    swap_blocks: int = 0  # blocks copied to or from swap space
-
-
-def shape_of(out) -> StepShape:
-    """The ``StepShape`` of an ``engine.scheduler.SchedulerOutput``."""
-    batch = tokens = prefill = pairs = kv = sampled = 0
-    for item in out.scheduled:
-        n, start = len(item.token_ids), item.start_pos
-        batch += 1
-        tokens += n
-        if n > 1:
-            prefill += n
-        pairs += n * start + n * (n + 1) // 2
-        kv += start + n
-        sampled += item.sample
-    return StepShape(batch, tokens, prefill, pairs, kv, sampled, len(out.swap_in) + len(out.swap_out))
-
-
 def merge(*shapes: StepShape) -> StepShape:
     """One step doing the work of all of ``shapes`` (a decoding batch and a prefill beside it)."""
     return StepShape(*(sum(getattr(s, f.name) for s in shapes) for f in fields(StepShape)))
@@ -201,7 +181,15 @@ class CostModel:
     """Step and transfer times of one device kind serving one model."""
 
     def __init__(self, device: DeviceSpec, model: ModelSpec, corrections: Corrections | None = None,
-                 link: str = "ib", link_latency_s: float | None = None, block_size: int = 16) -> None:
+                 link: str = "ib", link_latency_s: float | None = None, block_size: int = 16,
+                 request_latency_s: float = 0.0, contention: tuple[float, ...] = ()) -> None:
+        """``request_latency_s``: a request's way through the service that no step or
+        transfer accounts for (the HTTP ingress, the router's calls to the workers, the first
+        token's way back), one fixed delay before the router places it. ``contention``: for
+        workers that share one host's cores (a local cluster on a CPU), what a step's time is
+        multiplied by when k other workers are mid-step as it begins (``contention[k]``, the
+        last entry for more). Both only from a profile timed on a live service
+        (``live_corrections``)."""
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
         self.device, self.model = device, model
@@ -210,6 +198,8 @@ class CostModel:
         self.block_size = block_size
         self.link_bw = getattr(device, f"{link}_bw")
         self.link_latency_s = link_latency_s if link_latency_s is not None else (20e-6 if device.is_gpu else 1e-3)
+        self.request_latency_s = request_latency_s
+        self.contention = contention
         db = device.dtype_bytes
         self._kv_bytes_per_token = model.kv_bytes_per_token(db)
         self._weight_bytes = (model.layer_params + model.vocab_size * model.hidden_size) * db
@@ -376,7 +366,7 @@ def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None,
     shipped = PROFILES / f"{device}-{model.name}.json"
     if profile is None and not spec.is_gpu and shipped.exists():
         profile = shipped
-    corrections = None
+    corrections, request_latency_s, contention = None, 0.0, ()
     if profile is not None:
         doc = read_profile(profile)
         if doc["format"] == GPU_PROFILE_FORMAT:
@@ -386,8 +376,37 @@ def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None,
         if doc["device"] != device:
             raise ValueError(f"{profile} was measured on {doc['device']!r}, not {device!r}")
         spec = replace(spec, dtype_bytes=doc.get("dtype_bytes", spec.dtype_bytes))
-        corrections = fit(spec, model, doc["rows"], source=str(profile))
-    return CostModel(spec, model, corrections, link or ("ib" if spec.is_gpu else "pcie"))
+        corrections, contention = live_corrections(spec, model, doc["rows"], str(profile))
+        request_latency_s = doc.get("request_latency_ms", 0.0) / 1e3
+    return CostModel(spec, model, corrections, link or ("ib" if spec.is_gpu else "pcie"),
+                     request_latency_s=request_latency_s, contention=contention)
+
+
+MIN_ALONE_STEPS = 20  # steps begun alone, at least, to fit a shared host's costs on
+
+
+def live_corrections(device: DeviceSpec, model: ModelSpec, rows: list[dict],
+                     source: str) -> tuple[Corrections, tuple[float, ...]]:
+    """``fit``, and for steps timed in live workers that shared a host's cores (rows with
+    ``others_busy``: the other workers mid-step as each began), the contention
+    (``CostModel``): the corrections are fitted to the steps begun alone, and
+    ``contention[k]`` is the median of measured over fitted time of the steps begun beside
+    k others. (Begun alone, not run alone: a step that no other overlapped is likelier a
+    short one.) Rows without ``others_busy`` (``bench.steps``: one engine alone) have none."""
+    alone = [r for r in rows if r.get("others_busy", 0) == 0]
+    if len(alone) == len(rows) or len(alone) < MIN_ALONE_STEPS:
+        return fit(device, model, rows, source=source), ()
+    corrections = fit(device, model, alone, source=source)
+    cost = CostModel(device, model, corrections)
+    ratios: dict[int, list[float]] = {}
+    for r in rows:
+        if r["others_busy"]:
+            ratios.setdefault(r["others_busy"], []).append(r["step_ms"] / (1e3 * cost.step_s(_shape(r))))
+    contention = [1.0]
+    for k in range(1, max(ratios) + 1):
+        seen = sorted(ratios.get(k, ()))
+        contention.append(seen[len(seen) // 2] if seen else contention[-1])
+    return corrections, tuple(contention)
 
 
 def relative_error(cost: CostModel, rows: list[dict]) -> float:

@@ -22,7 +22,10 @@ way, disaggregated::
     colocated, or ``prefill_here``: the decode worker runs the request whole
 
 Tokens reach the client at the end of the step that sampled them (a stream interval of
-0), the first one of a disaggregated request when its KV has arrived. A transfer waits
+0), the first one of a disaggregated request when its KV has arrived. A cost model timed
+on a live service adds the request's way through it (``request_latency_s``, before the
+router places the request) and, for workers sharing a host's cores, each step's
+contention with the others mid-step as it begins (``contention``). A transfer waits
 for both workers' links to be free (each link carries one transfer at a time).
 
 A decode worker takes a run of identical decode steps as one event (``sim.worker``'s
@@ -42,8 +45,9 @@ from dataclasses import dataclass, field, replace
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.step_shape import shape_of
 from router.admission import Admission, Rejection, Ticket
-from sim.cost import CostModel, shape_of
+from sim.cost import CostModel
 from sim.router import SimRouter
 from sim.topology import SimTopology
 from sim.worker import SAMPLED_TOKEN, DecodeRun, SimWorker
@@ -115,7 +119,8 @@ class Simulator:
             self.scaling = SimScaling(self, topology.autoscaling)
         self._max_devices = self.num_devices()
         self.local_prefills = 0
-        self.decode_runs = decode_runs and self.scaling is None
+        # Runs time their steps ahead, which a shared host's contention does not allow.
+        self.decode_runs = decode_runs and self.scaling is None and not cost.contention
 
     # -- the event loop ---------------------------------------------------------
 
@@ -125,8 +130,9 @@ class Simulator:
 
     def run(self) -> SimResult:
         cpu0 = time.process_time()
+        latency = self.cost.request_latency_s  # the way to the router's placement, and back
         for rec in self.records:
-            self.at(rec.req.arrival_s, self._arrive, rec)
+            self.at(rec.req.arrival_s + latency, self._arrive, rec)
         if self.records:
             self.at(0.0, self._sample)
         if self.scaling is not None:
@@ -260,10 +266,16 @@ class Simulator:
         if out.is_empty and not out.finished:
             return  # nothing fits now: the next arrival or freed blocks kick it again
         dt = self.cost.step_s(shape_of(out))
+        if self.cost.contention:  # the workers share a host's cores
+            dt *= self.cost.contention[min(self._others_busy(w), len(self.cost.contention) - 1)]
         w.in_flight = out
         w.num_steps += 1
         w.forward_s += dt
         self.at(self.now + dt, self._step_done, w)
+
+    def _others_busy(self, w: SimWorker) -> int:
+        """Workers other than ``w`` mid-step."""
+        return sum(v is not w and v.in_flight is not None for pool in self.pools.values() for v in pool)
 
     def _step_done(self, w: SimWorker) -> None:
         out, w.in_flight = w.in_flight, None

@@ -1,28 +1,28 @@
 """The simulator against the live cluster, CI-sized: a short ``bench.serve`` run on a live
 1P+1D service (the default model, tandem-tiny-llama), its own trace replayed strictly by
-the CPU-calibrated simulation of the same topology and KV block counts, and the two
-compared.
+the simulation of the same topology and KV block counts, and the two compared.
 
-The full table (four topologies at two loads, the issue's 10% / 15% bounds) is
-``python -m bench.sim live-validate`` (docs/SIMULATOR.md). Here the bounds are what a
-2-core machine that other work shares allows without flaking: below saturation both
-sides must serve the arrival rate (throughput within 25%), and the latencies must be
-within the same order of magnitude with the simulation the faster side (simulated /
-measured between 0.05 and 1.5 for TTFT p50 and the TPOT and E2E means). The simulation
-models the engines' steps on an uncontended core each; the live service adds the
-ingress, the router, Ray calls, the KV transfer's own costs and, on 2 cores, every
-process's contention with the others (one run at a load average of 4: 0.14, 0.31 and
-0.25).
+The simulation's costs are timed inside the live workers first (``bench.sim``'s
+``live_profile``: a calibration run of its own, every worker recording its steps' shapes
+and times, and how many other workers were mid-step as each began, since on this machine
+they share two cores), with the request's way through the service (ingress, router, Ray
+calls) as one measured delay. The full table (four topologies at two loads, the issue's
+10% / 15% bounds) is ``python -m bench.sim live-validate --live-profile``
+(docs/SIMULATOR.md). Here the bounds are what 16 requests on a 2-core machine allow
+without flaking: throughput within 25%, and simulated / measured between 0.5 and 2 for
+TTFT p50 and the TPOT and E2E means (the shipped profile, timed on an engine alone, gave
+0.14 to 0.31 here).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from bench.serve import main as serve
-from bench.sim import compare
+from bench.sim import compare, live_profile
 from sim.cost import cost_model, model_spec
 from sim.report import summary
 from sim.simulator import run
@@ -39,7 +39,17 @@ def service(ray_cluster, default_model):
         yield svc
 
 
-def test_a_short_live_run_and_its_strict_replay_agree_within_loose_bounds(service, default_model, tmp_path):
+def test_a_short_live_run_and_its_strict_replay_on_costs_timed_in_the_live_workers_agree(
+        service, default_model, tmp_path):
+    workload = argparse.Namespace(input_len=96, output_len=16, range_ratio=0.5, requests=16, model=str(default_model),
+                                  seed=3, calibration_rate="4", num_kv_blocks=NUM_KV_BLOCKS)
+    profile = live_profile(service, "1P+1D", workload, tmp_path)
+    table = json.loads(profile.read_text())
+    prefills = [r for r in table["rows"] if r["prefill_tokens"]]
+    assert len(prefills) >= 8 and len(table["rows"]) > len(prefills)  # both workers' steps, timed
+    assert all(r["step_ms"] > 0 and r["others_busy"] in (0, 1) for r in table["rows"])
+    assert table["request_latency_ms"] >= 0.0
+
     path = tmp_path / "run.json"
     argv = ["--base-url", service.http_url, "--model", str(default_model), "--no-progress", "--result-json",
             str(path), "--workload", "synthetic", "--input-len", "96", "--output-len", "16", "--range-ratio", "0.5",
@@ -49,11 +59,11 @@ def test_a_short_live_run_and_its_strict_replay_agree_within_loose_bounds(servic
     assert (measured["completed"], measured["failed"]) == (16, 0), measured["errors"]
 
     topo = SimTopology(prefill_workers=1, decode_workers=1, engine={"num_kv_blocks": NUM_KV_BLOCKS})
-    simulated = summary(run(topo, cost_model("cpu", model_spec("tandem-tiny-llama")), load_trace(path)))
+    simulated = summary(run(topo, cost_model("cpu", model_spec("tandem-tiny-llama"), profile), load_trace(path)))
     assert simulated["completed"] == 16
     row = compare(measured, simulated)
     error = row["throughput_tok_s"]["error"]
     assert abs(error) <= 0.25, f"throughput: simulated / measured - 1 = {error:+.0%}, expected within 25%: {row}"
     for name in ("ttft_p50_ms", "tpot_mean_ms", "e2e_mean_ms"):
         ratio = row[name]["simulated"] / row[name]["measured"]
-        assert 0.05 <= ratio <= 1.5, f"{name}: simulated / measured = {ratio:.2f}, expected in [0.05, 1.5]: {row}"
+        assert 0.5 <= ratio <= 2.0, f"{name}: simulated / measured = {ratio:.2f}, expected in [0.5, 2]: {row}"

@@ -174,3 +174,39 @@ def test_a_periodic_function_that_fails_once_does_not_stop_the_step_thread(engin
     assert outs[-1].finished and len(outs[-1].token_ids) == 6
     assert len(calls) > 1, "the periodic function should have run again after it failed"
     assert engine.stats().num_blocks_in_use == 0
+
+
+def test_recorded_steps_have_the_planned_shapes_and_times_and_stop_when_asked(engine):
+    """``record_steps``: every step's shape (prefill, then one-token decodes) and a wall time;
+    ``take_steps`` hands each over once; a limit keeps the latest; 0 stops recording."""
+    runtime = AsyncEngine(engine)
+
+    async def generate(rid, n, token):
+        async for _ in runtime.generate([token] * 20, _params(n), rid):  # a prompt of its own: no cache hit
+            pass
+        # A call runs on the step thread's next turn: the one that stepped last is over.
+        await runtime.call(lambda: None)
+        return runtime.take_steps()
+
+    async def main():
+        runtime.record_steps(1000)
+        first = await generate("rec-1", 4, 31)
+        again = runtime.take_steps()
+        runtime.record_steps(2)
+        latest = await generate("rec-2", 5, 32)
+        runtime.record_steps(0)
+        stopped = await generate("rec-3", 3, 33)
+        return first, again, latest, stopped
+
+    first, again, latest, stopped = asyncio.run(main())
+    runtime.shutdown()
+    shapes = [shape for shape, _, _ in first]
+    assert [(s.batch, s.num_tokens, s.prefill_tokens, s.num_sampled) for s in shapes] == (
+        [(1, 20, 20, 1)] + [(1, 1, 0, 1)] * 3), shapes
+    assert [s.kv_read_tokens for s in shapes] == [20, 21, 22, 23]
+    starts = [start for _, start, _ in first]
+    assert starts == sorted(starts) and all(seconds > 0 for _, _, seconds in first)
+    assert again == []  # taken once
+    assert [shape.kv_read_tokens for shape, _, _ in latest] == [23, 24]  # the latest two
+    assert stopped == []
+    assert engine.stats().num_blocks_in_use == 0

@@ -51,6 +51,32 @@ def test_a_disaggregated_request_gets_its_first_token_when_its_kv_has_arrived():
     assert len(rec.token_times) == 3
 
 
+def test_the_requests_way_through_the_service_delays_every_token_by_that_latency():
+    base = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5))
+    late = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5), request_latency_s=0.04)
+    topo = SimTopology(prefill_workers=1, decode_workers=1)
+    trace = [SimRequest(0.0, 100, 5), SimRequest(1.0, 60, 3)]
+    for fast, slow in zip(run(topo, base, trace).records, run(topo, late, trace).records):
+        assert list(slow.token_times) == pytest.approx([t + 0.04 for t in fast.token_times])
+
+
+def test_on_a_shared_host_a_step_begun_beside_another_workers_takes_the_contention_longer():
+    """Two colocated workers, two requests at once: the first prefill begins alone, the other
+    beside it and takes ``contention[1]`` times as long; each worker's next step begins while
+    the other's runs; the second request's last step begins alone and takes its own time."""
+    corrections = Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5)
+    alone = CostModel(DEVICES["H100"], LLAMA, corrections)
+    shared = CostModel(DEVICES["H100"], LLAMA, corrections, contention=(1.0, 2.5))
+    topo = SimTopology(prefill_workers=0, decode_workers=2, router=RouterSettings(placement="round_robin"))
+    first, second = run(topo, shared, [SimRequest(0.0, 100, 2), SimRequest(0.0, 100, 3)]).records
+    assert first.decode is not second.decode
+    prefill, decode = alone.step_s(prefill_shape([100])), alone.step_s(decode_shape(1, 100))
+    assert 1.5 * prefill < 2.5 * decode  # the first's decode step still runs when the second's prefill ends
+    assert list(first.token_times) == pytest.approx([prefill, prefill + 2.5 * decode])
+    assert list(second.token_times) == pytest.approx(
+        [2.5 * prefill, 2.5 * prefill + 2.5 * decode, 2.5 * prefill + 2.5 * decode + alone.step_s(decode_shape(1, 101))])
+
+
 def test_a_bench_serve_result_replays_as_its_requests_were_sent(tmp_path):
     records = [{"sent_s": 0.5 * i, "prompt_tokens": 50 + i, "requested_output_tokens": 8, "index": i}
                for i in range(6)]
@@ -142,3 +168,17 @@ def test_a_live_run_replayed_on_its_own_topology_compares_each_metric(tmp_path):
     assert row["rate"] == "4" and row["topology"] == "1P+2D"
     errors = {name: m["error"] for name, m in row["metrics"].items()}
     assert errors == dict.fromkeys(errors, 0.0), f"the same trace on the same topology must agree exactly: {errors}"
+
+
+def test_each_live_step_counts_the_other_workers_mid_step_as_it_began():
+    from bench.sim import others_busy
+
+    def steps(*spans_ms):
+        return [{"start_s": start / 1e3, "step_ms": length} for start, length in spans_ms]
+
+    a = steps((0, 10), (20, 10), (40, 5))
+    b = steps((5, 20), (41, 3))
+    c = steps((6, 1), (30, 2))
+    # a's first began alone, its second while b's first ran (5-25), its third alone (b's
+    # second began after it); b's first began beside a's; c's first beside a's and b's.
+    assert others_busy([a, b, c]) == [[0, 1, 0], [1, 1], [2, 0]]
