@@ -400,8 +400,9 @@ def live_corrections(device: DeviceSpec, model: ModelSpec, rows: list[dict],
     cost = CostModel(device, model, corrections)
     ratios: dict[int, list[float]] = {}
     for r in rows:
-        if r["others_busy"]:
-            ratios.setdefault(r["others_busy"], []).append(r["step_ms"] / (1e3 * cost.step_s(_shape(r))))
+        k, alone_s = r.get("others_busy", 0), cost.step_s(_shape(r))
+        if k and alone_s > 0:  # (a step whose plan came out empty has no work to compare)
+            ratios.setdefault(k, []).append(r["step_ms"] / (1e3 * alone_s))
     contention = [1.0]
     for k in range(1, max(ratios) + 1):
         seen = sorted(ratios.get(k, ()))

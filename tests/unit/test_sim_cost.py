@@ -131,6 +131,7 @@ def test_steps_timed_on_a_shared_host_give_the_costs_alone_and_the_contention(tm
     rows += [{**row, "step_ms": row["step_ms"] * f, "others_busy": 1}
              for row in _synthetic_rows(made) for f in (1.2, 1.3, 1.4)]
     rows += [{**row, "step_ms": row["step_ms"] * 1.9, "others_busy": 3} for row in _synthetic_rows(made)]
+    rows.append({**profile_row(StepShape(), 0.2), "others_busy": 1})  # a turn whose plan came out empty
     path = tmp_path / "live.json"
     path.write_text(json.dumps({**step_profile("cpu", tiny, 4, rows), "request_latency_ms": 25.0}))
     cost = cost_model("cpu", tiny, profile=path)
