@@ -5,7 +5,7 @@
     python -m bench.sim disagg [--devices 64] [--slo ttft:60,itl:11] [--workload sharegpt:seed=0]
     python -m bench.sim validate [--rates 4,12]
     python -m bench.sim live-validate [--topologies 1P+1D,2P+1D,1P+2D,colocated] [--rates 2,8]
-                                      [--live-profile] [--calibrate]
+                                      [--live-profile] [--calibrate] [--draws 8]
 
 ``speed``: CPU time to simulate ``--devices`` H100s (1 prefill to 3 decode workers,
 Llama-3.1-8B) serving ShareGPT-shaped traffic for ``--seconds`` simulated seconds, and
@@ -20,7 +20,9 @@ simulation on the same traces at two rates. ``live-validate``: the live local cl
 (``bench.serve --launch``) in each topology at two rates, each run's own trace replayed
 strictly by the CPU-calibrated simulation of that topology (same KV block counts); with
 ``--live-profile`` on costs timed inside that topology's live workers on a calibration
-run of its own (``live_profile``).
+run of its own (``live_profile``), with the request's way through the service measured
+on that run (``with_service_path``), its delays drawn ``--draws`` times and the metrics
+averaged.
 
 Each prints its numbers and, with ``--json FILE``, writes them.
 """
@@ -34,6 +36,7 @@ import os
 import time
 from bisect import bisect_right
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from router.admission import AdmissionConfig
@@ -297,11 +300,12 @@ BOUNDS = {"throughput_tok_s": 0.10, "ttft_p50_ms": 0.15, "ttft_p90_ms": 0.15, "t
           "e2e_mean_ms": 0.10}
 
 
-def compare(measured: dict, simulated: dict) -> dict:
-    """Each validated metric, measured and simulated, and the simulation's relative error."""
+def compare(measured: dict, *simulated: dict) -> dict:
+    """Each validated metric, measured and simulated (the mean over the simulations given),
+    and the simulation's relative error."""
     row = {}
     for name, get in METRICS:
-        m, p = get(measured), get(simulated)
+        m, p = get(measured), sum(get(s) for s in simulated) / len(simulated)
         row[name] = {"measured": m, "simulated": p, "error": (p - m) / m if m else None}
     return row
 
@@ -355,20 +359,22 @@ def others_busy(steps: list[list[dict]]) -> list[list[int]]:
     return out
 
 
+SPREADS = tuple(i / 10 for i in range(11))  # the service path's spreads tried on the calibration run
+SPREAD_SEEDS = 4
+
+
 def live_profile(service, name: str, args: argparse.Namespace, out_dir: Path) -> Path:
     """A profile timed inside the live workers of topology ``name``: a calibration run of its
     own (``--calibration-rate``, another seed than the validated runs') with every worker
     keeping its steps' shapes and times (``record_steps``: each step's turn of the step
     thread, on the wall clock, under the service's load), written as a ``bench.steps`` table
     whose rows also count the other workers mid-step as each began (``others_busy``: the
-    workers share the host's cores, ``sim.cost.live_corrections``);
-    and the request's way through the service, which no step times: the run's median TTFT
-    less the simulated one on those costs (``request_latency_ms``). A few requests go
-    first, untimed: a fresh service's first calls and connections are slow."""
+    workers share the host's cores, ``sim.cost.live_corrections``). ``with_service_path``
+    adds the request's way through the service. A few requests go first, untimed: a fresh
+    service's first calls and connections are slow."""
     import ray
 
     from sim.cost import StepShape, profile_row, step_profile
-    from sim.workload import load_trace
 
     prefill, decode = ray.get(service.controller.workers.remote())
     handles = [w.handle for w in (*prefill, *decode)]
@@ -376,25 +382,65 @@ def live_profile(service, name: str, args: argparse.Namespace, out_dir: Path) ->
     _serve_run(service, name, warm, "inf", args.seed + 999, out_dir / f"warm-up-{name}.json",
                ["--max-concurrency", "2"])
     ray.get([h.record_steps.remote(100_000) for h in handles])
-    run_path = out_dir / f"calibration-{name}.json"
-    _serve_run(service, name, args, args.calibration_rate, args.seed + 1000, run_path)
+    calibration = argparse.Namespace(**{**vars(args), "requests": args.calibration_requests})
+    _serve_run(service, name, calibration, args.calibration_rate, args.seed + 1000,
+               out_dir / f"calibration-{name}.json")
     taken = ray.get([h.take_steps.remote() for h in handles])
     ray.get([h.record_steps.remote(0) for h in handles])
     rows = [{**profile_row(StepShape(**{k: v for k, v in row.items() if k not in ("step_ms", "start_s")}),
                            row["step_ms"]), "others_busy": busy}
             for steps, others in zip(taken, others_busy(taken), strict=True) for row, busy in zip(steps, others)]
-    spec = model_spec("tandem-tiny-llama")
-    table = step_profile("cpu", spec, 4, rows)  # CPU engines run float32
     path = out_dir / f"live-profile-{name}.json"
-    path.write_text(json.dumps(table))
-    measured = json.loads(run_path.read_text())["runs"][0]["summary"]["ttft_ms"]["median"]
-    simulated = summary(Simulator(_live_topology(name, args.num_kv_blocks), cost_model("cpu", spec, path),
-                                  load_trace(run_path, 0)).run())["ttft_ms"]["median"]
-    table["request_latency_ms"] = round(max(0.0, measured - simulated), 3)
-    path.write_text(json.dumps(table))
-    print(f"{name}: {len(rows)} live steps timed; the request's way through the service "
-          f"{table['request_latency_ms']:.1f} ms (TTFT {measured:.1f} ms measured, {simulated:.1f} simulated)")
+    path.write_text(json.dumps(step_profile("cpu", model_spec("tandem-tiny-llama"), 4, rows)))  # CPU engines: float32
+    print(f"{name}: {len(rows)} live steps timed")
     return path
+
+
+def with_service_path(name: str, path: Path, calibration: Path, num_kv_blocks: int) -> None:
+    """Add to the live table at ``path`` the request's way through the service, which no
+    step times (``service_path``, ``sim.service_path``): each request of the calibration
+    run, its measured TTFT less the one simulated on the table's costs with no such delay,
+    grouped by the requests in flight as it was sent; and the spread of the draws that
+    gives the calibration run's own TTFT p50 and p90 (``SPREADS``, ``SPREAD_SEEDS`` draws each)."""
+    from sim.service_path import ServicePath
+    from sim.workload import load_trace
+
+    table = json.loads(path.read_text())
+    table.pop("service_path", None)
+    path.write_text(json.dumps(table))
+    cost = cost_model("cpu", model_spec("tandem-tiny-llama"), path)
+    run = json.loads(calibration.read_text())["runs"][0]
+    measured = sorted(run["requests"], key=lambda r: r["sent_s"])
+    topology, trace = _live_topology(name, num_kv_blocks), load_trace(calibration, 0)
+    records = Simulator(topology, cost, trace).run().records
+    in_flight = _in_flight(records)
+    ok = [(i, m["ttft_s"] - (r.token_times[0] - r.req.arrival_s))
+          for i, (m, r) in enumerate(zip(measured, records, strict=True)) if m["ok"] and r.token_times]
+    # Grouped again by the counts the simulator will see: in flight with these delays taken.
+    cost.service_path = ServicePath.fit([in_flight[i] for i, _ in ok], [d for _, d in ok])
+    in_flight = _in_flight(Simulator(topology, cost, trace).run().records)
+    groups = ServicePath.fit([in_flight[i] for i, _ in ok], [d for _, d in ok])
+    target = run["summary"]["ttft_ms"]
+
+    def miss(spread: float) -> float:
+        cost.service_path = replace(groups, spread=spread)
+        runs = [summary(Simulator(topology, cost, trace, seed=seed).run())["ttft_ms"] for seed in range(SPREAD_SEEDS)]
+        return sum(abs(sum(r[k] for r in runs) / len(runs) / target[k] - 1) for k in ("median", "p90"))
+
+    service = replace(groups, spread=min(SPREADS, key=miss))
+    table["service_path"] = service.to_json()
+    path.write_text(json.dumps(table))
+    medians = ", ".join(f"{n}+: {g[len(g) // 2] * 1e3:.1f}" for n, g in zip(service.starts, service.groups))
+    print(f"{name}: the request's way through the service, median ms by requests in flight: {medians}; "
+          f"spread {service.spread:g}")
+
+
+def _in_flight(records: list) -> list[int]:
+    """For each simulated request, the others in flight as it was sent."""
+    from sim.service_path import in_flight_at_send
+
+    return in_flight_at_send([r.req.arrival_s for r in records],
+                             [r.end_s if r.end_s is not None else math.inf for r in records])
 
 
 def live_run(name: str, args: argparse.Namespace, out_dir: Path) -> tuple[list[tuple[Path, dict]], Path | None]:
@@ -431,20 +477,23 @@ def _live_topology(name: str, num_kv_blocks: int) -> SimTopology:
     return SimTopology(prefill_workers=prefill, decode_workers=decode, engine={"num_kv_blocks": num_kv_blocks})
 
 
-def replay_live(name: str, path: Path, cost, num_kv_blocks: int) -> list[dict]:
+def replay_live(name: str, path: Path, cost, num_kv_blocks: int, draws: int = 1) -> list[dict]:
     """Each run of a ``bench.serve`` result replayed strictly (its requests as sent) on the
-    simulation of topology ``name``; the measured and simulated metrics side by side."""
+    simulation of topology ``name``; the measured and simulated metrics side by side. With
+    a service path whose delays are drawn, the simulated metrics are the mean of ``draws``
+    simulations (seeds 0 on): the model's expectation, not one draw's."""
     from sim.workload import load_trace
 
     topo = _live_topology(name, num_kv_blocks)
+    seeds = range(1 if cost.service_path.is_fixed else draws)
     rows = []
     for i, recorded in enumerate(json.loads(path.read_text())["runs"]):
-        sim = Simulator(topo, cost, load_trace(path, i))
-        simulated = summary(sim.run())
+        sims = [Simulator(topo, cost, load_trace(path, i), seed=seed) for seed in seeds]
+        simulated = [summary(sim.run()) for sim in sims]
         steps = {role: 1e3 * sum(w.forward_s for w in pool) / max(1, sum(w.num_steps for w in pool))
-                 for role, pool in sim.pools.items() if pool}
+                 for role, pool in sims[0].pools.items() if pool}
         rows.append({"topology": name, "rate": recorded["request_rate"], "failed": recorded["summary"]["failed"],
-                     "metrics": compare(recorded["summary"], simulated), "simulated_step_ms": steps})
+                     "metrics": compare(recorded["summary"], *simulated), "simulated_step_ms": steps})
     return rows
 
 
@@ -463,11 +512,13 @@ def live_validate(args: argparse.Namespace) -> dict:
         else:
             runs, profile_here = live_run(name, args, out_dir)
         after = _load_average()
+        if profile_here:
+            with_service_path(name, profile_here, out_dir / f"calibration-{name}.json", args.num_kv_blocks)
         topology_cost = cost_model("cpu", model_spec("tandem-tiny-llama"), profile_here) if profile_here else cost
         if profile_here:
             profiles[name] = str(profile_here)
         for path, steps in runs:
-            for row in replay_live(name, path, topology_cost, args.num_kv_blocks):
+            for row in replay_live(name, path, topology_cost, args.num_kv_blocks, args.draws):
                 row["load_average"] = [before, after]
                 row["live_steps"] = steps
                 rows.append(row)
@@ -500,6 +551,9 @@ def _live_validate_arguments(lv: argparse.ArgumentParser) -> None:
                     help="time each topology's steps inside its live workers on a calibration run first, and "
                          "simulate that topology on them (with the request's way through the service)")
     lv.add_argument("--calibration-rate", default="4", help="--live-profile: the calibration run's request rate")
+    lv.add_argument("--calibration-requests", type=int, default=120, help="--live-profile: the calibration run's size")
+    lv.add_argument("--draws", type=int, default=8,
+                    help="--live-profile: simulations of each run, their metrics averaged (delays are drawn)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,6 +3,7 @@ admission and autoscaling policy on simulated time, with a cost model in place o
 model and the KV transfers (docs/SIMULATOR.md).
 
 - ``sim.cost``: device kinds, model sizes, the roofline with fitted corrections, profile tables;
+- ``sim.service_path``: a request's way through a live service, measured by requests in flight;
 - ``sim.workload``: traces and workload specs to replay;
 - ``sim.topology``: what is deployed (a topology file's pools and engine settings);
 - ``sim.worker``: one worker, the engine's scheduler stepped on simulated time;

@@ -32,9 +32,9 @@ The profile table (``step_profile`` / ``read_profile``; ``python -m bench.steps
 
 A table timed inside a live service's workers (``bench.sim live-validate --live-profile``)
 also has, per row, ``others_busy`` (the other workers mid-step as the step began: they
-share the host's cores) and ``request_latency_ms``, the request's way through the service;
-``live_corrections`` reads them into the ``CostModel``'s ``contention`` and
-``request_latency_s``.
+share the host's cores), which ``live_corrections`` reads into the ``CostModel``'s
+``contention``, and ``service_path``, the request's way through the service: the delays
+measured, by requests in flight (``sim.service_path``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from engine.step_shape import StepShape
+from sim.service_path import NO_DELAY, ServicePath
 
 PROFILE_FORMAT = "tandem-step-profile/1"
 GPU_PROFILE_FORMAT = "tandem-gpu-profile/1"  # bench.gpu's kernel table (docs/BENCHMARKS.md)
@@ -182,10 +183,10 @@ class CostModel:
 
     def __init__(self, device: DeviceSpec, model: ModelSpec, corrections: Corrections | None = None,
                  link: str = "ib", link_latency_s: float | None = None, block_size: int = 16,
-                 request_latency_s: float = 0.0, contention: tuple[float, ...] = ()) -> None:
-        """``request_latency_s``: a request's way through the service that no step or
-        transfer accounts for (the HTTP ingress, the router's calls to the workers, the first
-        token's way back), one fixed delay before the router places it. ``contention``: for
+                 service_path: ServicePath = NO_DELAY, contention: tuple[float, ...] = ()) -> None:
+        """``service_path``: a request's way through the service that no step or transfer
+        accounts for (the HTTP ingress, the router's calls to the workers, the first token's
+        way back), a delay before the router places it. ``contention``: for
         workers that share one host's cores (a local cluster on a CPU), what a step's time is
         multiplied by when k other workers are mid-step as it begins (``contention[k]``, the
         last entry for more). Both only from a profile timed on a live service
@@ -198,7 +199,7 @@ class CostModel:
         self.block_size = block_size
         self.link_bw = getattr(device, f"{link}_bw")
         self.link_latency_s = link_latency_s if link_latency_s is not None else (20e-6 if device.is_gpu else 1e-3)
-        self.request_latency_s = request_latency_s
+        self.service_path = service_path
         self.contention = contention
         db = device.dtype_bytes
         self._kv_bytes_per_token = model.kv_bytes_per_token(db)
@@ -366,7 +367,7 @@ def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None,
     shipped = PROFILES / f"{device}-{model.name}.json"
     if profile is None and not spec.is_gpu and shipped.exists():
         profile = shipped
-    corrections, request_latency_s, contention = None, 0.0, ()
+    corrections, service_path, contention = None, NO_DELAY, ()
     if profile is not None:
         doc = read_profile(profile)
         if doc["format"] == GPU_PROFILE_FORMAT:
@@ -377,9 +378,10 @@ def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None,
             raise ValueError(f"{profile} was measured on {doc['device']!r}, not {device!r}")
         spec = replace(spec, dtype_bytes=doc.get("dtype_bytes", spec.dtype_bytes))
         corrections, contention = live_corrections(spec, model, doc["rows"], str(profile))
-        request_latency_s = doc.get("request_latency_ms", 0.0) / 1e3
+        if "service_path" in doc:
+            service_path = ServicePath.from_json(doc["service_path"])
     return CostModel(spec, model, corrections, link or ("ib" if spec.is_gpu else "pcie"),
-                     request_latency_s=request_latency_s, contention=contention)
+                     service_path=service_path, contention=contention)
 
 
 MIN_ALONE_STEPS = 20  # steps begun alone, at least, to fit a shared host's costs on

@@ -2,9 +2,9 @@
 
 The calls are the dispatcher's (``router.dispatch.Dispatcher._choose_decode``,
 ``_choose_prefill`` and ``_prefill_here``), minus what only a live service has (stale
-load reports, pending counts of placements still in flight, affinities of ``n`` > 1,
-workers that died): the loads are the workers' reports as of their last change, and a
-reservation is taken at once, so no placement is pending.
+load reports, affinities of ``n`` > 1, workers that died): the loads are the workers'
+reports as of their last change. A reservation waits for the decode worker's step to end,
+as the live call does; meanwhile its blocks count as pending, as the dispatcher counts them.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class SimRouter:
         self._prefill_ties = itertools.count()
         self._uses_prefixes = settings.placement != "round_robin" and settings.prefix_affinity
         self._hashed: tuple[Sequence[int] | None, list[bytes]] = (None, [])
+        self._pending = 0  # blocks placed and not yet reserved, over every decode worker
 
     def prefix_hashes(self, prompt: Sequence[int]) -> list[bytes]:
         """The prompt's block hashes (the last prompt's kept: both placements of a request ask)."""
@@ -68,15 +69,17 @@ class SimRouter:
         """A decode worker with room for the prompt and its first token, and how many of its
         leading blocks that worker likely caches; None when none has room."""
         workers = [w for w in self.pools["decode"] if not w.draining]
-        blocks = -(-(len(prompt) + 1) // self.block_size)
+        blocks = self._blocks(len(prompt))
         loads = [w.load if now <= w.load_until else w.decode_load(now) for w in workers]
         hashes = self.prefix_hashes(prompt)
+        pending = [w.pending_blocks for w in workers] if self._pending else ()
         if self.settings.placement == "round_robin":
-            room = [decode_has_room(load, blocks, self.max_running) for load in loads]
+            room = [decode_has_room(load, blocks, self.max_running, p)
+                    for load, p in itertools.zip_longest(loads, pending, fillvalue=0)]
             i = round_robin(len(workers), next(self._decode_ties), room)
         else:
             cached = self._decode_prefixes.matched(workers, hashes)
-            i = pick_decode(loads, blocks, self.max_running, (), next(self._decode_ties), cached,
+            i = pick_decode(loads, blocks, self.max_running, pending, next(self._decode_ties), cached,
                             self.settings.max_imbalance_requests)
         if i is None:
             return None
@@ -85,6 +88,22 @@ class SimRouter:
         if hashes:
             self._decode_prefixes.record(chosen, hashes)
         return chosen, held
+
+    def pending(self, decode: SimWorker, request) -> None:
+        """``request`` was placed on ``decode``; its reservation is on its way there."""
+        n = self._blocks(request.num_prompt_tokens)
+        decode.pending_blocks += n
+        self._pending += n
+
+    def reserved(self, decode: SimWorker, request) -> None:
+        """The reservation reached ``decode`` (taken or refused): its own report counts it now."""
+        n = self._blocks(request.num_prompt_tokens)
+        decode.pending_blocks -= n
+        self._pending -= n
+
+    def _blocks(self, num_prompt_tokens: int) -> int:
+        """Blocks a prompt and its first token take (the dispatcher's estimate)."""
+        return -(-(num_prompt_tokens + 1) // self.block_size)
 
     def choose_prefill(self, prompt: list[int]) -> SimWorker:
         """The prefill worker for ``prompt`` (least queued, or the one caching its prefix)."""

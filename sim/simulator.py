@@ -15,18 +15,21 @@ What the simulator itself does is the plumbing that is Ray and asyncio in the se
 (``router.dispatch``): the order of the calls, as the dispatcher makes them. A request's
 way, disaggregated::
 
-    arrive ─▶ admit ─▶ pick decode worker ─▶ reserve blocks (add_remote)
+    arrive ─▶ admit ─▶ pick decode worker ─▶ reserve blocks (add_remote)*
         ─▶ pick prefill worker ─▶ prefill (max_tokens 1, hold_kv) ─▶ KV transfer
-        ─▶ remote_arrived: first token ─▶ decode steps ─▶ finished, ticket released
+        ─▶ remote_arrived*: first token ─▶ decode steps ─▶ finished, ticket released
     no decode worker with room: try again every ``load_poll_s`` until ``capacity_wait_s``
     colocated, or ``prefill_here``: the decode worker runs the request whole
+    * a call to the worker: on its step thread, once the step under way has ended
 
 Tokens reach the client at the end of the step that sampled them (a stream interval of
-0), the first one of a disaggregated request when its KV has arrived. A cost model timed
-on a live service adds the request's way through it (``request_latency_s``, before the
-router places the request) and, for workers sharing a host's cores, each step's
-contention with the others mid-step as it begins (``contention``). A transfer waits
-for both workers' links to be free (each link carries one transfer at a time).
+0), the first one of a disaggregated request when its KV has arrived and the decode
+worker's step under way has ended. A cost model timed on a live service adds the
+request's way through it (``service_path``: a delay drawn from those measured with as
+many requests in flight, before the router places the request) and, for workers sharing
+a host's cores, each step's contention with the others mid-step as it begins
+(``contention``). A transfer waits for both workers' links to be free (each link carries
+one transfer at a time).
 
 A decode worker takes a run of identical decode steps as one event (``sim.worker``'s
 lifecycle), cut short when a request is placed on it or its KV arrives; the outcome is
@@ -39,6 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 import time
 from array import array
 from dataclasses import dataclass, field, replace
@@ -91,7 +95,7 @@ class Simulator:
     """One run: a topology on a cost model replays a list of requests (``run``)."""
 
     def __init__(self, topology: SimTopology, cost: CostModel, requests: list[SimRequest],
-                 sample_interval_s: float = 1.0, decode_runs: bool = True) -> None:
+                 sample_interval_s: float = 1.0, decode_runs: bool = True, seed: int = 0) -> None:
         self.topology = topology
         self.cost = cost
         self.requests = requests
@@ -109,6 +113,8 @@ class Simulator:
         self.router = SimRouter(topology.router, topology.engine_config("decode"), self.pools)
         self.records = [Record(i, r) for i, r in enumerate(requests)]
         self._open = len(self.records)
+        self._sent = 0
+        self._draws = random.Random(seed)  # the service path's delays
         self.samples: list[dict] = []
         self.scaling = self.latency = None
         if topology.autoscaling is not None:
@@ -130,9 +136,14 @@ class Simulator:
 
     def run(self) -> SimResult:
         cpu0 = time.process_time()
-        latency = self.cost.request_latency_s  # the way to the router's placement, and back
-        for rec in self.records:
-            self.at(rec.req.arrival_s + latency, self._arrive, rec)
+        path = self.cost.service_path  # the way to the router's placement, and back
+        if path.is_fixed:
+            latency = path.delay_s(0, 0.0)
+            for rec in self.records:
+                self.at(rec.req.arrival_s + latency, self._arrive, rec)
+        else:
+            for rec in self.records:
+                self.at(rec.req.arrival_s, self._send, rec)
         if self.records:
             self.at(0.0, self._sample)
         if self.scaling is not None:
@@ -192,6 +203,14 @@ class Simulator:
 
     # -- requests ---------------------------------------------------------------
 
+    def _send(self, rec: Record) -> None:
+        """The client sends ``rec``: it reaches the router after a delay drawn from those
+        measured with as many requests in flight (``ServicePath``)."""
+        in_flight = self._sent - (len(self.records) - self._open)
+        self._sent += 1
+        delay = self.cost.service_path.delay_s(in_flight, self._draws.random())
+        self.at(self.now + delay, self._arrive, rec)
+
     def _arrive(self, rec: Record) -> None:
         decision = self.admission.try_admit(rec.req.prompt_tokens, self.now)
         if isinstance(decision, Rejection):
@@ -220,16 +239,30 @@ class Simulator:
                 decode.touch()
                 self.kick(decode)
                 return
-            reserved = decode.scheduler.add_remote(request)
-            decode.touch()
-            if reserved is not None:
-                rec.decode, rec.held_blocks = decode, reserved[1]
-                self._start_prefill(rec, prompt)
-                return
+            self.router.pending(decode, request)
+            self._on_step_thread(decode, self._reserve, (rec, decode, request))
+            return
+        self._place_later(rec)
+
+    def _place_later(self, rec: Record) -> None:
+        """No decode worker had room: look again after ``load_poll_s``, until the deadline."""
         if self.now + self.topology.router.load_poll_s > rec.deadline_s:
             self._fail(rec, "no_capacity")
             return
         self.at(self.now + self.topology.router.load_poll_s, self._place, rec)
+
+    def _reserve(self, placed: tuple[Record, SimWorker, Request]) -> None:
+        """On the decode worker's step thread (``DecodeWorker.reserve``): blocks for the
+        prompt's KV, then the prefill; no room (or draining) sends it back to placement."""
+        rec, decode, request = placed
+        self.router.reserved(decode, request)
+        reserved = None if decode.draining else decode.scheduler.add_remote(request)
+        decode.touch()
+        if reserved is None:
+            self._place_later(rec)
+            return
+        rec.decode, rec.held_blocks = decode, reserved[1]
+        self._start_prefill(rec, request.prompt_token_ids)
 
     def _start_prefill(self, rec: Record, prompt: list[int]) -> None:
         prefill = self.router.choose_prefill(prompt)
@@ -273,6 +306,17 @@ class Simulator:
         w.forward_s += dt
         self.at(self.now + dt, self._step_done, w)
 
+    def _on_step_thread(self, w: SimWorker, fn, arg) -> None:
+        """``fn(arg)`` as a worker runs the calls it is sent (``AsyncEngine.call``): on its
+        step thread, between steps; at once when it is idle, else once the step under way
+        has ended and handed on its outputs. ``fn`` leaves kicking ``w`` to this."""
+        self._cut(w)
+        if w.in_flight is None:
+            fn(arg)
+            self.kick(w)
+        else:
+            w.calls.append((fn, arg))
+
     def _others_busy(self, w: SimWorker) -> int:
         """Workers other than ``w`` mid-step."""
         return sum(v is not w and v.in_flight is not None for pool in self.pools.values() for v in pool)
@@ -299,6 +343,9 @@ class Simulator:
                         self._finish(rec, request)
         for request in out.finished:  # ended while planning: it can never fit
             self._fail(self.records[int(request.request_id)], "too_long")
+        calls, w.calls = w.calls, []
+        for fn, arg in calls:  # the calls that came during the step, before the next
+            fn(arg)
         self.kick(w)
         if w.draining and self.scaling is not None:
             self.scaling.check_drained(w)
@@ -378,19 +425,24 @@ class Simulator:
         self.at(start + busy + self.cost.link_latency_s, self._kv_arrived, rec)
 
     def _kv_arrived(self, rec: Record) -> None:
-        rid = str(rec.index)
-        rec.prefill.scheduler.release_held(rid)
-        rec.prefill.touch()
-        self.kick(rec.prefill)
-        self._cut(rec.decode)
-        request = rec.decode.scheduler.remote_arrived(rid, SAMPLED_TOKEN)
+        """The read landed: the decode worker starts the request and the prefill worker lets
+        go of its blocks, each on its step thread."""
+        self._on_step_thread(rec.decode, self._decode_starts, rec)
+        self._on_step_thread(rec.prefill, self._release_held, rec)
+
+    def _decode_starts(self, rec: Record) -> None:
+        """``DecodeWorker._kv_arrived``: the first token goes to the client."""
+        request = rec.decode.scheduler.remote_arrived(str(rec.index), SAMPLED_TOKEN)
         rec.decode.touch()
         if request is None:
             return
         self._token(rec)
         if request.is_finished:
             self._finish(rec, request)
-        self.kick(rec.decode)
+
+    def _release_held(self, rec: Record) -> None:
+        rec.prefill.scheduler.release_held(str(rec.index))
+        rec.prefill.touch()
         if rec.prefill.draining and self.scaling is not None:
             self.scaling.check_drained(rec.prefill)
 

@@ -109,6 +109,8 @@ class SimWorker:
         self.forward_s = 0.0  # simulated model time, summed over steps
         self.num_steps = 0
         self.run: DecodeRun | None = None
+        self.calls: list = []  # (fn, arg) sent while a step was under way: run once it has ended
+        self.pending_blocks = 0  # placed here by the router, not yet reserved (the call waits for a step)
         self.load: DecodeLoad | None = None  # the last report, good until ``load_until``
         self.load_until = -math.inf  # (until the worker changes; in a run, until a step takes blocks)
         self._prefill_load: PrefillLoad | None = None
@@ -120,7 +122,7 @@ class SimWorker:
 
     def holds_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self.scheduler.held) or self.in_flight is not None
-                or self.run is not None)
+                or self.run is not None or bool(self.calls))
 
     def free_blocks(self, now: float) -> int:
         """Free KV blocks at ``now``: in a run, less what the steps begun by then took."""

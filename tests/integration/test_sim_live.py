@@ -6,7 +6,7 @@ The simulation's costs are timed inside the live workers first (``bench.sim``'s
 ``live_profile``: a calibration run of its own, every worker recording its steps' shapes
 and times, and how many other workers were mid-step as each began, since on this machine
 they share two cores), with the request's way through the service (ingress, router, Ray
-calls) as one measured delay. The full table (four topologies at two loads, the issue's
+calls) as the delays measured, by requests in flight (``with_service_path``). The full table (four topologies at two loads, the issue's
 10% / 15% bounds) is ``python -m bench.sim live-validate --live-profile``
 (docs/SIMULATOR.md). Here the bounds are what 16 requests on a 2-core machine allow
 without flaking: throughput within 25%, and simulated / measured between 0.5 and 2 for
@@ -22,9 +22,10 @@ import json
 import pytest
 
 from bench.serve import main as serve
-from bench.sim import compare, live_profile
+from bench.sim import compare, live_profile, with_service_path
 from sim.cost import cost_model, model_spec
 from sim.report import summary
+from sim.service_path import ServicePath
 from sim.simulator import run
 from sim.topology import SimTopology
 from sim.workload import load_trace
@@ -42,13 +43,15 @@ def service(ray_cluster, default_model):
 def test_a_short_live_run_and_its_strict_replay_on_costs_timed_in_the_live_workers_agree(
         service, default_model, tmp_path):
     workload = argparse.Namespace(input_len=96, output_len=16, range_ratio=0.5, requests=16, model=str(default_model),
-                                  seed=3, calibration_rate="4", num_kv_blocks=NUM_KV_BLOCKS)
+                                  seed=3, calibration_rate="4", calibration_requests=16, num_kv_blocks=NUM_KV_BLOCKS)
     profile = live_profile(service, "1P+1D", workload, tmp_path)
+    with_service_path("1P+1D", profile, tmp_path / "calibration-1P+1D.json", NUM_KV_BLOCKS)
     table = json.loads(profile.read_text())
     prefills = [r for r in table["rows"] if r["prefill_tokens"]]
     assert len(prefills) >= 8 and len(table["rows"]) > len(prefills)  # both workers' steps, timed
     assert all(r["step_ms"] > 0 and r["others_busy"] in (0, 1) for r in table["rows"])
-    assert table["request_latency_ms"] >= 0.0
+    delays = [d for g in ServicePath.from_json(table["service_path"]).groups for d in g]
+    assert len(delays) == 16 and all(0.0 <= d < 1.0 for d in delays)  # one a request, in seconds
 
     path = tmp_path / "run.json"
     argv = ["--base-url", service.http_url, "--model", str(default_model), "--no-progress", "--result-json",

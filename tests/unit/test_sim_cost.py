@@ -22,6 +22,7 @@ from sim.cost import (
     relative_error,
     step_profile,
 )
+from sim.service_path import ServicePath
 
 LLAMA = model_spec("llama-3.1-8b")
 
@@ -123,7 +124,7 @@ def test_fitting_a_profile_table_recovers_the_corrections_that_made_it(tmp_path)
 def test_steps_timed_on_a_shared_host_give_the_costs_alone_and_the_contention(tmp_path):
     """Live rows (``bench.sim``'s ``live_profile``): steps begun alone fit the corrections;
     those begun beside k other workers' steps, slower by a factor, give ``contention[k]``
-    (a k no step had takes the one below); the table's request latency is read too."""
+    (a k no step had takes the one below); the table's service path is read too."""
     tiny = model_spec("tandem-tiny-llama")
     truth = Corrections(overhead_s=4e-3, per_request_s=0.5e-3, mfu=1.0, mbu=1.0, per_token_s=30e-6)
     made = CostModel(DEVICES["cpu"], tiny, truth)
@@ -133,16 +134,17 @@ def test_steps_timed_on_a_shared_host_give_the_costs_alone_and_the_contention(tm
     rows += [{**row, "step_ms": row["step_ms"] * 1.9, "others_busy": 3} for row in _synthetic_rows(made)]
     rows.append({**profile_row(StepShape(), 0.2), "others_busy": 1})  # a turn whose plan came out empty
     path = tmp_path / "live.json"
-    path.write_text(json.dumps({**step_profile("cpu", tiny, 4, rows), "request_latency_ms": 25.0}))
+    service = ServicePath((0, 2), ((0.020, 0.025, 0.030), (0.050,)), spread=0.5)
+    path.write_text(json.dumps({**step_profile("cpu", tiny, 4, rows), "service_path": service.to_json()}))
     cost = cost_model("cpu", tiny, profile=path)
     assert cost.corrections.overhead_s == pytest.approx(truth.overhead_s, rel=0.05)
     assert cost.corrections.per_request_s == pytest.approx(truth.per_request_s, rel=0.05)
     assert cost.contention == pytest.approx((1.0, 1.3, 1.3, 1.9), rel=0.01)
-    assert cost.request_latency_s == pytest.approx(0.025)
-    # A table of steps timed alone (bench.steps) has no contention and no request latency.
+    assert cost.service_path == service
+    # A table of steps timed alone (bench.steps) has no contention and no service path.
     path.write_text(json.dumps(step_profile("cpu", tiny, 4, _synthetic_rows(made))))
     assert cost_model("cpu", tiny, profile=path).contention == ()
-    assert cost_model("cpu", tiny, profile=path).request_latency_s == 0.0
+    assert cost_model("cpu", tiny, profile=path).service_path == ServicePath()
 
 
 def test_a_profile_of_another_device_or_format_is_refused(tmp_path):

@@ -11,6 +11,7 @@ from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
 from router.admission import AdmissionConfig
 from sim.cost import DEVICES, Corrections, CostModel, decode_shape, model_spec, prefill_shape
 from sim.report import parse_slo, summary
+from sim.service_path import ServicePath
 from sim.simulator import run
 from sim.topology import RouterSettings, SimTopology
 from sim.workload import SimRequest, generate, load_trace, parse_spec, write_trace
@@ -53,11 +54,39 @@ def test_a_disaggregated_request_gets_its_first_token_when_its_kv_has_arrived():
 
 def test_the_requests_way_through_the_service_delays_every_token_by_that_latency():
     base = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5))
-    late = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5), request_latency_s=0.04)
+    late = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5),
+                     service_path=ServicePath.fixed(0.04))
     topo = SimTopology(prefill_workers=1, decode_workers=1)
     trace = [SimRequest(0.0, 100, 5), SimRequest(1.0, 60, 3)]
     for fast, slow in zip(run(topo, base, trace).records, run(topo, late, trace).records):
         assert list(slow.token_times) == pytest.approx([t + 0.04 for t in fast.token_times])
+
+
+def test_a_request_sent_with_others_in_flight_takes_a_delay_of_that_group():
+    """Two colocated workers, one request each: the first is sent with none in flight (10
+    ms), the second while the first runs (50 ms); a third, sent after both ended, with
+    none again."""
+    path = ServicePath((0, 1), ((0.010,), (0.050,)))
+    cost = CostModel(DEVICES["H100"], LLAMA, Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5), service_path=path)
+    topo = SimTopology(prefill_workers=0, decode_workers=2, router=RouterSettings(placement="round_robin"))
+    prefill = cost.step_s(prefill_shape([100]))
+    records = run(topo, cost, [SimRequest(0.0, 100, 3), SimRequest(0.001, 100, 3), SimRequest(5.0, 100, 3)]).records
+    assert [r.token_times[0] - r.req.arrival_s for r in records] == pytest.approx([0.010 + prefill, 0.050 + prefill,
+                                                                                 0.010 + prefill])
+
+
+def test_a_call_to_a_decode_worker_mid_step_waits_for_the_step_to_end():
+    """As live (``AsyncEngine.call``), a decode worker takes the reservation and the KV's
+    arrival between steps: B, sent while A decodes, is reserved when A's step under way
+    ends, and its first token comes at the end of the step under way as its KV lands."""
+    cost = CostModel(DEVICES["H100"], LLAMA, link="ib")
+    topo = SimTopology(prefill_workers=1, decode_workers=1)
+    alone = run(topo, cost, [SimRequest(0.0, 160, 60)]).records[0].token_times
+    sent = alone[5] + 0.3 * (alone[6] - alone[5])
+    a, b = run(topo, cost, [SimRequest(0.0, 160, 60), SimRequest(sent, 160, 3)]).records
+    landed = alone[6] + cost.step_s(prefill_shape([160])) + cost.transfer_s(10 * cost.block_bytes(16))
+    assert b.token_times[0] == pytest.approx(min(t for t in a.token_times if t >= landed))
+    assert b.token_times[0] > landed + 1e-6
 
 
 def test_on_a_shared_host_a_step_begun_beside_another_workers_takes_the_contention_longer():
@@ -182,3 +211,17 @@ def test_each_live_step_counts_the_other_workers_mid_step_as_it_began():
     # a's first began alone, its second while b's first ran (5-25), its third alone (b's
     # second began after it); b's first began beside a's; c's first beside a's and b's.
     assert others_busy([a, b, c]) == [[0, 1, 0], [1, 1], [2, 0]]
+
+
+def test_blocks_placed_on_a_decode_worker_count_as_pending_until_its_step_ends():
+    """B and C come while both decode workers are mid-step: B goes to the one with more
+    free blocks, and its reservation waits there; C sees those blocks as pending (as the
+    dispatcher counts them) and goes to the other."""
+    cost = CostModel(DEVICES["H100"], LLAMA)
+    topo = SimTopology(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 64})
+    trace = [SimRequest(0.0, 480, 400), SimRequest(0.0001, 16, 400), SimRequest(1.0, 480, 3),
+             SimRequest(1.0001, 16, 3)]
+    long, short, b, c = run(topo, cost, trace).records
+    assert long.decode is not short.decode
+    assert b.decode is short.decode  # 62 blocks free there, 33 on the other
+    assert c.decode is long.decode  # 62 less B's 31 pending
