@@ -287,11 +287,13 @@ async def run_benchmark(args: argparse.Namespace, plans: Sequence[RunPlan], voca
     async with open_client(args, base_url, grpc_target) as client:
         await warm_up(client, vocab, args.seed, grpc_target if args.backend == "grpc" else base_url)
         for plan in plans:
+            started = time.monotonic()  # the host's clock, which a local service's step records share
             results, duration = await run_load(client, plan, args.max_concurrency, not args.no_progress)
             summary = summarize(results, duration, args.goodput)
             print(format_summary(summary, rate_label(plan.rate)), flush=True)
             runs.append({
                 "request_rate": rate_label(plan.rate),
+                "started_monotonic_s": started,
                 "summary": summary,
                 "requests": [r.to_json() for r in results],
             })

@@ -363,13 +363,23 @@ SPREADS = tuple(i / 10 for i in range(11))  # the service path's spreads tried o
 SPREAD_SEEDS = 4
 
 
+def requests_in_flight(run: dict):
+    """For a ``bench.serve`` run against a local service, the requests sent and not yet
+    ended at a time on the host's monotonic clock (the workers' step records')."""
+    t0 = run["started_monotonic_s"]
+    sent = sorted(t0 + r["sent_s"] for r in run["requests"])
+    ended = sorted(t0 + r["sent_s"] + (r["e2e_s"] or 0.0) for r in run["requests"])
+    return lambda t: bisect_right(sent, t) - bisect_right(ended, t)
+
+
 def live_profile(service, name: str, args: argparse.Namespace, out_dir: Path) -> Path:
     """A profile timed inside the live workers of topology ``name``: a calibration run of its
     own (``--calibration-rate``, another seed than the validated runs') with every worker
     keeping its steps' shapes and times (``record_steps``: each step's turn of the step
     thread, on the wall clock, under the service's load), written as a ``bench.steps`` table
-    whose rows also count the other workers mid-step as each began (``others_busy``: the
-    workers share the host's cores, ``sim.cost.live_corrections``). ``with_service_path``
+    whose rows also say each step's ``role``, the other workers mid-step as it began
+    (``others_busy``) and the requests in flight then (``in_flight``): the workers and the
+    service share the host's cores (``sim.cost.live_corrections``). ``with_service_path``
     adds the request's way through the service. A few requests go first, untimed: a fresh
     service's first calls and connections are slow."""
     import ray
@@ -383,13 +393,16 @@ def live_profile(service, name: str, args: argparse.Namespace, out_dir: Path) ->
                ["--max-concurrency", "2"])
     ray.get([h.record_steps.remote(100_000) for h in handles])
     calibration = argparse.Namespace(**{**vars(args), "requests": args.calibration_requests})
-    _serve_run(service, name, calibration, args.calibration_rate, args.seed + 1000,
-               out_dir / f"calibration-{name}.json")
+    run_path = out_dir / f"calibration-{name}.json"
+    _serve_run(service, name, calibration, args.calibration_rate, args.seed + 1000, run_path)
     taken = ray.get([h.take_steps.remote() for h in handles])
     ray.get([h.record_steps.remote(0) for h in handles])
+    roles = ["prefill"] * len(prefill) + ["decode"] * len(decode)
+    in_flight = requests_in_flight(json.loads(run_path.read_text())["runs"][0])
     rows = [{**profile_row(StepShape(**{k: v for k, v in row.items() if k not in ("step_ms", "start_s")}),
-                           row["step_ms"]), "others_busy": busy}
-            for steps, others in zip(taken, others_busy(taken), strict=True) for row, busy in zip(steps, others)]
+                           row["step_ms"]), "role": role, "others_busy": busy, "in_flight": in_flight(row["start_s"])}
+            for steps, others, role in zip(taken, others_busy(taken), roles, strict=True)
+            for row, busy in zip(steps, others, strict=True)]
     path = out_dir / f"live-profile-{name}.json"
     path.write_text(json.dumps(step_profile("cpu", model_spec("tandem-tiny-llama"), 4, rows)))  # CPU engines: float32
     print(f"{name}: {len(rows)} live steps timed")

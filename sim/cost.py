@@ -31,10 +31,11 @@ The profile table (``step_profile`` / ``read_profile``; ``python -m bench.steps
      "num_sampled": 8, "step_ms": 9.1}, ...]}
 
 A table timed inside a live service's workers (``bench.sim live-validate --live-profile``)
-also has, per row, ``others_busy`` (the other workers mid-step as the step began: they
-share the host's cores), which ``live_corrections`` reads into the ``CostModel``'s
-``contention``, and ``service_path``, the request's way through the service: the delays
-measured, by requests in flight (``sim.service_path``).
+also has, per row, the step's ``role``, ``others_busy`` (the other workers mid-step as
+it began) and ``in_flight`` (the requests in flight then): the workers and the service
+share the host's cores. ``live_corrections`` reads them into the ``CostModel``'s
+``contention`` (``sim.contention``). Its ``service_path`` is the request's way through
+the service: the delays measured, by requests in flight (``sim.service_path``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from engine.step_shape import StepShape
+from sim.contention import ANY_ROLE, NO_CONTENTION, Contention
 from sim.service_path import NO_DELAY, ServicePath
 
 PROFILE_FORMAT = "tandem-step-profile/1"
@@ -183,14 +185,13 @@ class CostModel:
 
     def __init__(self, device: DeviceSpec, model: ModelSpec, corrections: Corrections | None = None,
                  link: str = "ib", link_latency_s: float | None = None, block_size: int = 16,
-                 service_path: ServicePath = NO_DELAY, contention: tuple[float, ...] = ()) -> None:
+                 service_path: ServicePath = NO_DELAY, contention: Contention = NO_CONTENTION) -> None:
         """``service_path``: a request's way through the service that no step or transfer
         accounts for (the HTTP ingress, the router's calls to the workers, the first token's
-        way back), a delay before the router places it. ``contention``: for
-        workers that share one host's cores (a local cluster on a CPU), what a step's time is
-        multiplied by when k other workers are mid-step as it begins (``contention[k]``, the
-        last entry for more). Both only from a profile timed on a live service
-        (``live_corrections``)."""
+        way back), a delay before the router places it. ``contention``: for workers that
+        share one host's cores (a local cluster on a CPU), what a step's time is multiplied
+        by, by its role, the other workers mid-step and the requests in flight as it begins.
+        Both only from a profile timed on a live service (``live_corrections``)."""
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
         self.device, self.model = device, model
@@ -367,7 +368,7 @@ def cost_model(device: str, model: ModelSpec, profile: str | Path | None = None,
     shipped = PROFILES / f"{device}-{model.name}.json"
     if profile is None and not spec.is_gpu and shipped.exists():
         profile = shipped
-    corrections, service_path, contention = None, NO_DELAY, ()
+    corrections, service_path, contention = None, NO_DELAY, NO_CONTENTION
     if profile is not None:
         doc = read_profile(profile)
         if doc["format"] == GPU_PROFILE_FORMAT:
@@ -388,28 +389,26 @@ MIN_ALONE_STEPS = 20  # steps begun alone, at least, to fit a shared host's cost
 
 
 def live_corrections(device: DeviceSpec, model: ModelSpec, rows: list[dict],
-                     source: str) -> tuple[Corrections, tuple[float, ...]]:
+                     source: str) -> tuple[Corrections, Contention]:
     """``fit``, and for steps timed in live workers that shared a host's cores (rows with
     ``others_busy``: the other workers mid-step as each began), the contention
-    (``CostModel``): the corrections are fitted to the steps begun alone, and
-    ``contention[k]`` is the median of measured over fitted time of the steps begun beside
-    k others. (Begun alone, not run alone: a step that no other overlapped is likelier a
-    short one.) Rows without ``others_busy`` (``bench.steps``: one engine alone) have none."""
+    (``sim.contention``): the corrections are fitted to the steps begun alone, and each
+    step's slowdown is its measured over its fitted time, kept by its ``role``, the others
+    mid-step and the requests ``in_flight`` as it began. (Begun alone, not run alone: a
+    step that no other overlapped is likelier a short one.) Rows without ``others_busy``
+    (``bench.steps``: one engine alone) have none."""
     alone = [r for r in rows if r.get("others_busy", 0) == 0]
     if len(alone) == len(rows) or len(alone) < MIN_ALONE_STEPS:
-        return fit(device, model, rows, source=source), ()
+        return fit(device, model, rows, source=source), Contention()
     corrections = fit(device, model, alone, source=source)
     cost = CostModel(device, model, corrections)
-    ratios: dict[int, list[float]] = {}
+    steps = []
     for r in rows:
-        k, alone_s = r.get("others_busy", 0), cost.step_s(_shape(r))
-        if k and alone_s > 0:  # (a step whose plan came out empty has no work to compare)
-            ratios.setdefault(k, []).append(r["step_ms"] / (1e3 * alone_s))
-    contention = [1.0]
-    for k in range(1, max(ratios) + 1):
-        seen = sorted(ratios.get(k, ()))
-        contention.append(seen[len(seen) // 2] if seen else contention[-1])
-    return corrections, tuple(contention)
+        alone_s = cost.step_s(_shape(r))
+        if alone_s > 0:  # (a step whose plan came out empty has no work to compare)
+            steps.append((r.get("role", ANY_ROLE), r.get("others_busy", 0), r.get("in_flight", 0),
+                          r["step_ms"] / (1e3 * alone_s)))
+    return corrections, Contention.fit(steps)
 
 
 def relative_error(cost: CostModel, rows: list[dict]) -> float:

@@ -27,8 +27,8 @@ Tokens reach the client at the end of the step that sampled them (a stream inter
 worker's step under way has ended. A cost model timed on a live service adds the
 request's way through it (``service_path``: a delay drawn from those measured with as
 many requests in flight, before the router places the request) and, for workers sharing
-a host's cores, each step's contention with the others mid-step as it begins
-(``contention``). A transfer waits for both workers' links to be free (each link carries
+a host's cores, each step's contention with the others mid-step and the requests in
+flight as it begins (``contention``). A transfer waits for both workers' links to be free (each link carries
 one transfer at a time).
 
 A decode worker takes a run of identical decode steps as one event (``sim.worker``'s
@@ -45,6 +45,7 @@ import math
 import random
 import time
 from array import array
+from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 
 from engine.request import Request
@@ -114,6 +115,7 @@ class Simulator:
         self.records = [Record(i, r) for i, r in enumerate(requests)]
         self._open = len(self.records)
         self._sent = 0
+        self._send_times = sorted(r.req.arrival_s for r in self.records)
         self._draws = random.Random(seed)  # the service path's delays
         self.samples: list[dict] = []
         self.scaling = self.latency = None
@@ -299,8 +301,8 @@ class Simulator:
         if out.is_empty and not out.finished:
             return  # nothing fits now: the next arrival or freed blocks kick it again
         dt = self.cost.step_s(shape_of(out))
-        if self.cost.contention:  # the workers share a host's cores
-            dt *= self.cost.contention[min(self._others_busy(w), len(self.cost.contention) - 1)]
+        if self.cost.contention:  # the workers and the service share a host's cores
+            dt *= self.cost.contention.factor(w.role, self._others_busy(w), self._in_flight())
         w.in_flight = out
         w.num_steps += 1
         w.forward_s += dt
@@ -316,6 +318,10 @@ class Simulator:
             self.kick(w)
         else:
             w.calls.append((fn, arg))
+
+    def _in_flight(self) -> int:
+        """Requests the clients have sent and that have not ended."""
+        return bisect_right(self._send_times, self.now) - (len(self.records) - self._open)
 
     def _others_busy(self, w: SimWorker) -> int:
         """Workers other than ``w`` mid-step."""

@@ -4,10 +4,12 @@ the simulation of the same topology and KV block counts, and the two compared.
 
 The simulation's costs are timed inside the live workers first (``bench.sim``'s
 ``live_profile``: a calibration run of its own, every worker recording its steps' shapes
-and times, and how many other workers were mid-step as each began, since on this machine
-they share two cores), with the request's way through the service (ingress, router, Ray
-calls) as the delays measured, by requests in flight (``with_service_path``). The full table (four topologies at two loads, the issue's
-10% / 15% bounds) is ``python -m bench.sim live-validate --live-profile``
+and times, their role, how many other workers were mid-step and how many requests were
+in flight as each began, since on this machine the workers and the service share two
+cores), with the request's way through the service (ingress, router, Ray calls) as the
+delays measured, by requests in flight (``with_service_path``). The full table (four
+topologies at two loads, the issue's 10% / 15% bounds) is ``python -m bench.sim
+live-validate --live-profile``
 (docs/SIMULATOR.md). Here the bounds are what 16 requests on a 2-core machine allow
 without flaking: throughput within 25%, and simulated / measured between 0.5 and 2 for
 TTFT p50 and the TPOT and E2E means (the shipped profile, timed on an engine alone, gave
@@ -49,7 +51,8 @@ def test_a_short_live_run_and_its_strict_replay_on_costs_timed_in_the_live_worke
     table = json.loads(profile.read_text())
     prefills = [r for r in table["rows"] if r["prefill_tokens"]]
     assert len(prefills) >= 8 and len(table["rows"]) > len(prefills)  # both workers' steps, timed
-    assert all(r["step_ms"] > 0 and r["others_busy"] in (0, 1) for r in table["rows"])
+    assert all(r["step_ms"] > 0 and r["others_busy"] in (0, 1) and 0 <= r["in_flight"] <= 16 for r in table["rows"])
+    assert {r["role"] for r in prefills} >= {"prefill"} and {r["role"] for r in table["rows"]} == {"prefill", "decode"}
     delays = [d for g in ServicePath.from_json(table["service_path"]).groups for d in g]
     assert len(delays) == 16 and all(0.0 <= d < 1.0 for d in delays)  # one a request, in seconds
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from engine.step_shape import shape_of
+from sim.contention import ANY_ROLE, Contention
 from sim.cost import (
     DEVICES,
     Corrections,
@@ -139,11 +140,11 @@ def test_steps_timed_on_a_shared_host_give_the_costs_alone_and_the_contention(tm
     cost = cost_model("cpu", tiny, profile=path)
     assert cost.corrections.overhead_s == pytest.approx(truth.overhead_s, rel=0.05)
     assert cost.corrections.per_request_s == pytest.approx(truth.per_request_s, rel=0.05)
-    assert cost.contention == pytest.approx((1.0, 1.3, 1.3, 1.9), rel=0.01)
+    assert cost.contention.by_role[ANY_ROLE].factors == pytest.approx((1.0, 1.3, 1.3, 1.9), rel=0.01)
     assert cost.service_path == service
     # A table of steps timed alone (bench.steps) has no contention and no service path.
     path.write_text(json.dumps(step_profile("cpu", tiny, 4, _synthetic_rows(made))))
-    assert cost_model("cpu", tiny, profile=path).contention == ()
+    assert not cost_model("cpu", tiny, profile=path).contention
     assert cost_model("cpu", tiny, profile=path).service_path == ServicePath()
 
 
@@ -223,3 +224,22 @@ def test_a_mixed_step_is_the_sum_of_its_decode_and_prefill_work():
     assert mixed.attn_pairs == 4 * 101 + 64 * 65 // 2
     cost = cost_model("H100", LLAMA)
     assert cost.step_s(mixed) >= max(cost.step_s(decode_shape(4, 100)), cost.step_s(prefill_shape([64])))
+
+
+def test_contention_is_kept_by_role_and_grows_with_the_requests_in_flight():
+    """Prefill steps slowed 1.5x beside another worker's, decode steps 1.1x; every decode
+    step slower by 2% a request in flight: the slope is found within each count of others
+    mid-step, and a factor is the mean at that count, moved by the slope from its mean
+    in-flight count."""
+    steps = [("prefill", 0, 2, 1.0)] * 6 + [("prefill", 1, 3, 1.5)] * 6
+    steps += [("decode", k, n, (1.1 if k else 1.0) + 0.02 * (n - 4)) for k in (0, 1) for n in range(9)]
+    fitted = Contention.fit(steps)
+    prefill, decode = fitted.by_role["prefill"], fitted.by_role["decode"]
+    assert prefill.factors == pytest.approx((1.0, 1.5)) and prefill.per_request == pytest.approx(0.0)
+    assert decode.factors == pytest.approx((1.0, 1.1)) and decode.in_flight == pytest.approx((4, 4))
+    assert decode.per_request == pytest.approx(0.02)
+    assert fitted.factor("decode", 1, 8) == pytest.approx(1.18)
+    assert fitted.factor("decode", 5, 4) == pytest.approx(1.1)  # past the last count: the last
+    assert fitted.factor("decode", 0, -100) == 0.5  # never under half the step alone
+    assert fitted.factor("prefill", 2, 0) == pytest.approx(1.5)
+    assert fitted.factor("router", 1, 1) == 1.0  # no table for that role, none for any

@@ -9,6 +9,7 @@ import pytest
 
 from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
 from router.admission import AdmissionConfig
+from sim.contention import ANY_ROLE, Contention, RoleContention
 from sim.cost import DEVICES, Corrections, CostModel, decode_shape, model_spec, prefill_shape
 from sim.report import parse_slo, summary
 from sim.service_path import ServicePath
@@ -91,11 +92,12 @@ def test_a_call_to_a_decode_worker_mid_step_waits_for_the_step_to_end():
 
 def test_on_a_shared_host_a_step_begun_beside_another_workers_takes_the_contention_longer():
     """Two colocated workers, two requests at once: the first prefill begins alone, the other
-    beside it and takes ``contention[1]`` times as long; each worker's next step begins while
-    the other's runs; the second request's last step begins alone and takes its own time."""
+    beside it and takes 2.5 times as long; each worker's next step begins while the other's
+    runs; the second request's last step begins alone and takes its own time."""
     corrections = Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5)
     alone = CostModel(DEVICES["H100"], LLAMA, corrections)
-    shared = CostModel(DEVICES["H100"], LLAMA, corrections, contention=(1.0, 2.5))
+    shared = CostModel(DEVICES["H100"], LLAMA, corrections,
+                       contention=Contention({ANY_ROLE: RoleContention((1.0, 2.5), (0.0, 0.0))}))
     topo = SimTopology(prefill_workers=0, decode_workers=2, router=RouterSettings(placement="round_robin"))
     first, second = run(topo, shared, [SimRequest(0.0, 100, 2), SimRequest(0.0, 100, 3)]).records
     assert first.decode is not second.decode
@@ -104,6 +106,21 @@ def test_on_a_shared_host_a_step_begun_beside_another_workers_takes_the_contenti
     assert list(first.token_times) == pytest.approx([prefill, prefill + 2.5 * decode])
     assert list(second.token_times) == pytest.approx(
         [2.5 * prefill, 2.5 * prefill + 2.5 * decode, 2.5 * prefill + 2.5 * decode + alone.step_s(decode_shape(1, 101))])
+
+
+def test_on_a_shared_host_a_step_begun_with_more_requests_in_flight_takes_longer():
+    """One worker; the service's work on the shared cores adds a step's own time for each
+    request in flight past one: A alone takes its own time; B, sent with C, takes twice its
+    prefill's (the worker begins it as B arrives, with both in flight)."""
+    corrections = Corrections(overhead_s=1e-3, mfu=0.5, mbu=0.5)
+    alone = CostModel(DEVICES["H100"], LLAMA, corrections)
+    per_request = RoleContention((1.0,), (1.0,), per_request=1.0)
+    shared = CostModel(DEVICES["H100"], LLAMA, corrections, contention=Contention({"decode": per_request}))
+    topo = SimTopology(prefill_workers=0, decode_workers=1, engine={"enable_prefix_caching": False})
+    a, b, _ = run(topo, shared, [SimRequest(0.0, 100, 2), SimRequest(5.0, 100, 2), SimRequest(5.0, 100, 2)]).records
+    prefill = alone.step_s(prefill_shape([100]))
+    assert list(a.token_times) == pytest.approx([prefill, prefill + alone.step_s(decode_shape(1, 100))])
+    assert b.token_times[0] == pytest.approx(5.0 + 2 * prefill)
 
 
 def test_a_bench_serve_result_replays_as_its_requests_were_sent(tmp_path):
@@ -225,3 +242,12 @@ def test_blocks_placed_on_a_decode_worker_count_as_pending_until_its_step_ends()
     assert long.decode is not short.decode
     assert b.decode is short.decode  # 62 blocks free there, 33 on the other
     assert c.decode is long.decode  # 62 less B's 31 pending
+
+
+def test_requests_in_flight_on_the_hosts_clock_count_those_sent_and_not_ended():
+    from bench.sim import requests_in_flight
+
+    run = {"started_monotonic_s": 100.0, "requests": [
+        {"sent_s": 0.0, "e2e_s": 1.0}, {"sent_s": 0.5, "e2e_s": 2.0}, {"sent_s": 0.6, "e2e_s": None}]}  # failed
+    at = requests_in_flight(run)
+    assert [at(t) for t in (99.9, 100.0, 100.55, 100.6, 101.0, 102.4, 102.5)] == [0, 1, 2, 2, 1, 1, 0]
