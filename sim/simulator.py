@@ -28,8 +28,8 @@ worker's step under way has ended. A cost model timed on a live service adds the
 request's way through it (``service_path``: a delay drawn from those measured with as
 many requests in flight, before the router places the request) and, for workers sharing
 a host's cores, each step's contention with the others mid-step and the requests in
-flight as it begins (``contention``). A transfer waits for both workers' links to be free (each link carries
-one transfer at a time).
+flight as it begins (``contention``). A transfer waits for both workers' links to be
+free (each link carries one transfer at a time).
 
 A decode worker takes a run of identical decode steps as one event (``sim.worker``'s
 lifecycle), cut short when a request is placed on it or its KV arrives; the outcome is
@@ -45,7 +45,7 @@ import math
 import random
 import time
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field, replace
 
 from engine.request import Request
@@ -114,7 +114,6 @@ class Simulator:
         self.router = SimRouter(topology.router, topology.engine_config("decode"), self.pools)
         self.records = [Record(i, r) for i, r in enumerate(requests)]
         self._open = len(self.records)
-        self._sent = 0
         self._send_times = sorted(r.req.arrival_s for r in self.records)
         self._draws = random.Random(seed)  # the service path's delays
         self.samples: list[dict] = []
@@ -207,10 +206,9 @@ class Simulator:
 
     def _send(self, rec: Record) -> None:
         """The client sends ``rec``: it reaches the router after a delay drawn from those
-        measured with as many requests in flight (``ServicePath``)."""
-        in_flight = self._sent - (len(self.records) - self._open)
-        self._sent += 1
-        delay = self.cost.service_path.delay_s(in_flight, self._draws.random())
+        measured with as many others in flight (``ServicePath``: sent before it, not ended)."""
+        others = bisect_left(self._send_times, self.now) - (len(self.records) - self._open)
+        delay = self.cost.service_path.delay_s(others, self._draws.random())
         self.at(self.now + delay, self._arrive, rec)
 
     def _arrive(self, rec: Record) -> None:
