@@ -415,13 +415,11 @@ def with_service_path(name: str, path: Path, calibration: Path, num_kv_blocks: i
     run, its measured TTFT less the one simulated on the table's costs with no such delay,
     grouped by the requests in flight as it was sent; and the spread of the draws that
     gives the calibration run's own TTFT p50 and p90 (``SPREADS``, ``SPREAD_SEEDS`` draws each)."""
-    from sim.service_path import ServicePath
+    from sim.service_path import NO_DELAY, ServicePath
     from sim.workload import load_trace
 
-    table = json.loads(path.read_text())
-    table.pop("service_path", None)
-    path.write_text(json.dumps(table))
     cost = cost_model("cpu", model_spec("tandem-tiny-llama"), path)
+    cost.service_path = NO_DELAY  # (a table fitted before has one: it is fitted anew)
     run = json.loads(calibration.read_text())["runs"][0]
     measured = sorted(run["requests"], key=lambda r: r["sent_s"])
     topology, trace = _live_topology(name, num_kv_blocks), load_trace(calibration, 0)
@@ -441,6 +439,7 @@ def with_service_path(name: str, path: Path, calibration: Path, num_kv_blocks: i
         return sum(abs(sum(r[k] for r in runs) / len(runs) / target[k] - 1) for k in ("median", "p90"))
 
     service = replace(groups, spread=min(SPREADS, key=miss))
+    table = json.loads(path.read_text())
     table["service_path"] = service.to_json()
     path.write_text(json.dumps(table))
     medians = ", ".join(f"{n}+: {g[len(g) // 2] * 1e3:.1f}" for n, g in zip(service.starts, service.groups))

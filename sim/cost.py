@@ -399,7 +399,7 @@ def live_corrections(device: DeviceSpec, model: ModelSpec, rows: list[dict],
     (``bench.steps``: one engine alone) have none."""
     alone = [r for r in rows if r.get("others_busy", 0) == 0]
     if len(alone) == len(rows) or len(alone) < MIN_ALONE_STEPS:
-        return fit(device, model, rows, source=source), Contention()
+        return fit(device, model, rows, source=source), NO_CONTENTION
     corrections = fit(device, model, alone, source=source)
     cost = CostModel(device, model, corrections)
     steps = []
