@@ -35,7 +35,10 @@ def check_every_request(report: dict, runs: int, per_run: int) -> None:
             assert r["ok"], r
             assert r["output_tokens"] == r["requested_output_tokens"]
             assert 0 < r["ttft_s"] <= r["e2e_s"]
-            assert len(r["itl_s"]) >= 1 and r["tpot_s"] > 0
+            # A gap for each chunk after the first; a stream read slower than it is made is
+            # merged into fewer chunks (``engine.async_engine.merge_outputs``), down to one.
+            assert len(r["itl_s"]) <= r["output_tokens"] - 1 and r["tpot_s"] > 0
+        assert any(r["itl_s"] for r in run["requests"]), "no request's tokens came in more than one chunk"
         assert s["output_throughput"] > 0 and s["ttft_ms"]["p99"] is not None
 
 
