@@ -119,7 +119,7 @@ def disagg(args: argparse.Namespace) -> dict:
     settings = PlanSettings(chunks=tuple(int(c) for c in args.chunks.split(",")),
                             batch_caps=tuple(int(c) for c in args.batch_caps.split(",")),
                             max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s,
-                            max_requests=args.max_requests)
+                            warmup_s=args.warmup_s, max_requests=args.max_requests)
 
     def progress(ev, replicas):
         print(f"  {ev.candidate.label(replicas):40} estimate {ev.estimate * replicas:8.1f}, sustains "
@@ -589,6 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--max-unit", type=int, default=8)
     d.add_argument("--iters", type=int, default=3)
     d.add_argument("--trial-s", type=float, default=10.0)
+    d.add_argument("--warmup-s", type=float, default=30.0, help="arrivals before each trial's, not counted")
     d.add_argument("--max-requests", type=int, default=3000)
     d.add_argument("--also-round-robin", action="store_true",
                    help="also simulate the best colocated configuration whole with round-robin placement")

@@ -109,7 +109,15 @@ def add_plan(sub) -> None:
     p.add_argument("--batch-caps", default="64,256", help="batch caps to try (max_num_seqs)")
     p.add_argument("--max-unit", type=int, default=8, help="devices per simulated unit, at most")
     p.add_argument("--iters", type=int, default=5, help="bisection steps per candidate")
-    p.add_argument("--trial-s", type=float, default=30.0, help="simulated seconds of arrivals per trial")
+    p.add_argument("--trial-s", type=float, default=30.0, help="simulated seconds of arrivals counted per trial")
+    p.add_argument("--warmup-s", type=float, default=30.0,
+                   help="simulated seconds of arrivals before them, not counted (batches fill to a steady state)")
+    p.add_argument("--low-rate", type=float, default=None,
+                   help="also plan elastic pools (autoscaling bounds) for traffic between this rate and --rate")
+    p.add_argument("--phase-s", type=float, default=300.0,
+                   help="with --low-rate: each phase of the day simulated (low, ramp up, peak, ramp down, low)")
+    p.add_argument("--worker-start-s", type=float, default=60.0,
+                   help="with --low-rate: seconds from asking for a worker to its serving")
     p.add_argument("--out-dir", default=None, help="write topology.yaml and values.yaml here")
     p.add_argument("--json", default=None, help="write every candidate's numbers as JSON")
     p.set_defaults(func=cmd_plan)
@@ -127,19 +135,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     base = SimTopology.from_yaml(args.config, router) if args.config else SimTopology(router=router)
     spec = parse_spec(args.workload)
     settings = PlanSettings(chunks=_ints(args.chunks, "--chunks"), batch_caps=_ints(args.batch_caps, "--batch-caps"),
-                            max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s)
+                            max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s, warmup_s=args.warmup_s)
+    if args.low_rate is not None and not 0 < args.low_rate < args.rate:
+        raise ValueError(f"--low-rate must be > 0 and below --rate ({args.rate:g}), got {args.low_rate:g}")
 
     def progress(ev, replicas):
         print(f"  {ev.candidate.label(replicas):40} estimate {ev.estimate * replicas:8.2f} req/s, "
               f"sustains {ev.rate * replicas:8.2f} req/s ({ev.trials} trials)", file=sys.stderr, flush=True)
 
     result = plan(args.devices, base, cost, spec, slo, settings, progress=progress)
-    print(format_plan(result, base, args, cost))
+    bounds = elastic_bounds(result, base, cost, spec, slo, args) if args.low_rate is not None else None
+    print(format_plan(result, base, args, cost, bounds))
     if args.out_dir:
-        write_plan(result, base, args, Path(args.out_dir))
+        write_plan(result, base, args, Path(args.out_dir), bounds)
     if args.json:
-        Path(args.json).write_text(json.dumps(plan_record(result), indent=2))
+        Path(args.json).write_text(json.dumps(plan_record(result, bounds), indent=2))
     return 0
+
+
+def elastic_bounds(result, base: SimTopology, cost, spec, slo, args: argparse.Namespace):
+    """``sim.bounds.plan_bounds`` for the plan's best configuration over a day between
+    ``--low-rate`` and ``--rate``; autoscaling as ``--config`` sets it, else the controller's
+    defaults held to the plan's SLO."""
+    from sim.bounds import default_scaling, plan_bounds
+    from sim.workload import RateProfile, generate_profile
+
+    if not result.ranked or result.cluster_rate(result.best) <= 0:
+        return None
+    ceiling = result.best.candidate.topology(base, result.replicas).replace(worker_start_s=args.worker_start_s)
+    profile = RateProfile.day(args.low_rate, args.rate, args.phase_s)
+    requests = generate_profile(spec, profile)
+    print(f"elastic pools: a day of 5 x {args.phase_s:g} s between {args.low_rate:g} and {args.rate:g} req/s, "
+          f"{len(requests)} requests", file=sys.stderr, flush=True)
+
+    def progress(t):
+        print(f"  {_bounds_line(t)}", file=sys.stderr, flush=True)
+
+    return plan_bounds(ceiling, result.cluster_rate(result.best), cost, requests, profile, slo,
+                       base.autoscaling or default_scaling(slo), progress=progress)
+
+
+def _bounds_line(t) -> str:
+    s = t.summary
+    return (f"{t.label():32} SLO attainment {s['slo_attainment']:6.1%}, devices mean {s['mean_devices']:6.2f} "
+            f"max {s['max_devices']:3}, {len(s['scaling_decisions'])} changes")
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -152,9 +191,10 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
-def best_topology(result, base: SimTopology, cost) -> SimTopology:
-    """The best candidate over all the devices, its KV blocks written out explicitly."""
-    topo = result.best.candidate.topology(base, result.replicas)
+def best_topology(result, base: SimTopology, cost, bounds=None) -> SimTopology:
+    """What the plan chose over all the devices (the elastic bounds' choice, with ``bounds``),
+    its KV blocks written out explicitly."""
+    topo = bounds.chosen.topology if bounds is not None else result.best.candidate.topology(base, result.replicas)
     roles = ("decode",) if topo.colocated else ("prefill", "decode")
     engines = {f"{role}_engine": {**getattr(topo, f"{role}_engine"), "num_kv_blocks": topo.kv_blocks(role, cost)[0]}
                for role in roles}
@@ -177,15 +217,32 @@ def _model_note(model: str) -> str:
 
 
 def helm_values(topo: SimTopology, max_outstanding: int = 256) -> dict:
-    """Helm values (deploy/helm/tandem) for ``topo``: one GPU a worker."""
+    """Helm values (deploy/helm/tandem) for ``topo``: one GPU a worker. With autoscaling, each
+    worker group between its pool's bounds (the chart writes the topology's ``autoscaling:``
+    from them) and the pods starting at the pools' sizes."""
     topology = {**topo.to_topology(), "prefill_resources": {"num_cpus": 1, "num_gpus": 1},
                 "decode_resources": {"num_cpus": 1, "num_gpus": 1}}
-    pools = {role: {"replicas": n, "minReplicas": n, "maxReplicas": n, "gpus": 1}
-             for role, n in (("prefill", topo.prefill_workers), ("decode", topo.decode_workers))}
-    return {**pools, "serve": {"topology": topology, "maxOutstandingRequests": max_outstanding}}
+    a = topology.pop("autoscaling", None) and topo.autoscaling
+    pools = {}
+    for role, n in (("prefill", topo.prefill_workers), ("decode", topo.decode_workers)):
+        lo, hi = (a.bounds(role).min_workers, a.bounds(role).max_workers) if a and n else (n, n)
+        # A colocated plan's prefill group holds no pod (the chart's groups have room for one at least).
+        pools[role] = {"replicas": n, "minReplicas": lo, "maxReplicas": max(hi, 1), "gpus": 1}
+    values = {**pools, "serve": {"topology": topology, "maxOutstandingRequests": max_outstanding}}
+    if a:
+        values["autoscaling"] = {"enabled": True, "slo": {"ttftMs": a.slo.ttft_ms, "itlMs": a.slo.itl_ms},
+                                 "intervalSeconds": a.interval_s, "scaleDownDelaySeconds": a.scale_down_delay_s,
+                                 "drainTimeoutSeconds": a.drain_timeout_s}
+        if a.allow_role_switch:  # a switched worker keeps its pod: both roles ask for one resource
+            values["autoscaling"]["allowRoleSwitch"] = True
+            values["serve"]["workerResources"] = {}
+            for role in ("prefill", "decode"):  # None deletes the chart's per-role resource from the merge
+                shared = {"tandem_worker": 1, f"tandem_{role}": None}
+                values["serve"]["workerResources"][role] = values[role]["rayResources"] = shared
+    return values
 
 
-def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> str:
+def format_plan(result, base: SimTopology, args: argparse.Namespace, cost, bounds=None) -> str:
     import yaml
 
     if not result.ranked or result.cluster_rate(result.best) <= 0:
@@ -204,7 +261,9 @@ def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> st
     if split is not None and colo is not None and result.cluster_rate(colo) > 0:
         lines.append(f"best disaggregated / best colocated: "
                      f"{result.cluster_rate(split) / result.cluster_rate(colo):.2f}x")
-    topo = best_topology(result, base, cost)
+    if bounds is not None:
+        lines += ["", *format_bounds(bounds, args)]
+    topo = best_topology(result, base, cost, bounds)
     lines += ["", "# topology.yaml", _model_note(args.model),
               yaml.safe_dump(topo.to_topology(), sort_keys=False).rstrip(),
               "", "# Helm values", _model_note(args.model),
@@ -212,11 +271,25 @@ def format_plan(result, base: SimTopology, args: argparse.Namespace, cost) -> st
     return "\n".join(lines)
 
 
-def write_plan(result, base: SimTopology, args: argparse.Namespace, out: Path) -> None:
+def format_bounds(bounds, args: argparse.Namespace) -> list[str]:
+    """The elastic step's lines: every configuration simulated over the day, and the choice."""
+    lines = [f"elastic pools over a day between {args.low_rate:g} and {args.rate:g} req/s "
+             f"(5 phases of {args.phase_s:g} s; a worker serves {args.worker_start_s:g} s after it is asked for):"]
+    lines += [f"  {_bounds_line(t)}" for t in [bounds.fixed, *bounds.trials]]
+    if bounds.chosen is bounds.fixed:
+        lines.append("no floor below the peak pools met the SLO over the day for fewer device-seconds: "
+                     "the pools stay fixed")
+    else:
+        lines.append(f"chosen: {bounds.chosen.label()}, {bounds.saved:.0%} fewer device-seconds than fixed pools")
+    return lines
+
+
+def write_plan(result, base: SimTopology, args: argparse.Namespace, out: Path, bounds=None) -> None:
     import yaml
 
     out.mkdir(parents=True, exist_ok=True)
-    topo = best_topology(result, base, cost_model(args.device_kind, model_spec(args.model), args.profile, args.link))
+    cost = cost_model(args.device_kind, model_spec(args.model), args.profile, args.link)
+    topo = best_topology(result, base, cost, bounds)
     note = _model_note(args.model) + "\n"
     (out / "topology.yaml").write_text(note + yaml.safe_dump(topo.to_topology(), sort_keys=False))
     (out / "values.yaml").write_text(note + yaml.safe_dump(helm_values(topo, outstanding(result)), sort_keys=False))
@@ -232,10 +305,16 @@ def _rates(result, ev) -> str:
             f"TTFT p90 {w['ttft_ms']['p90']:.0f} ms, TPOT p90 {w['tpot_ms']['p90']:.1f} ms)")
 
 
-def plan_record(result) -> dict:
-    """Every evaluated candidate's numbers (per the whole cluster), for ``--json``."""
+def plan_record(result, bounds=None) -> dict:
+    """Every evaluated candidate's numbers (per the whole cluster), for ``--json``; with
+    ``bounds``, each elastic configuration's summary over the day."""
     r = result.replicas
-    return {"unit": result.unit, "replicas": r, "candidates": [
+    out = {"unit": result.unit, "replicas": r, "candidates": [
         {"config": ev.candidate.label(r), "estimate": ev.estimate * r, "sustained_rate_by_units": ev.rate * r,
          "sustained_rate_whole": ev.whole_rate, "trials": ev.trials, "summary": ev.summary, "whole": ev.whole}
         for ev in result.ranked]}
+    if bounds is not None:
+        out["elastic"] = {"chosen": bounds.chosen.label(), "saved_device_s_share": bounds.saved,
+                          "configs": [{"config": t.label(), "floor_share": t.share, "summary": t.summary}
+                                      for t in [bounds.fixed, *bounds.trials]]}
+    return out

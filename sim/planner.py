@@ -15,7 +15,8 @@ The search, for a workload's length mix and an ``SloTarget``:
    ``keep``), and the colocated unit (all U workers run requests whole) always is.
 3. **Bisection**: for each kept split and each chunk budget and batch cap, the highest
    request rate whose simulation meets the SLO (``SloTarget.attainment`` of the requests
-   meet both limits), to ``iters`` halvings of the bracket around the estimate.
+   sent after a warm-up meet both limits), to ``iters`` halvings of the bracket around
+   the estimate.
 
 Candidates are ranked by the rate they sustain (the goodput the N devices serve); the best
 disaggregated and the best colocated one are simulated whole and rank first, by that rate.
@@ -87,9 +88,10 @@ class PlanSettings:
     keep: int = 3
     keep_share: float = 0.5
     iters: int = 5
-    trial_s: float = 30.0  # simulated seconds of arrivals per trial
+    trial_s: float = 30.0  # simulated seconds of arrivals per trial, after the warm-up
+    warmup_s: float = 30.0  # ... and before it: arrivals that fill the batches, not counted
     min_requests: int = 200
-    max_requests: int = 6000
+    max_requests: int = 6000  # counted requests per trial, at most
 
 
 @dataclass
@@ -157,10 +159,16 @@ def estimate(c: Candidate, base: SimTopology, cost: CostModel, lengths: tuple[fl
 
 
 def trial(c: Candidate, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget, rate: float,
-          s: PlanSettings) -> dict:
-    """One simulation of a unit of ``c`` at ``rate``: its summary."""
-    n = int(min(s.max_requests, max(s.min_requests, rate * s.trial_s)))
-    return summary(run(c.topology(base), cost, generate(spec.with_rate(rate, n))), slo)
+          s: PlanSettings, replicas: int = 1) -> dict:
+    """One simulation of ``replicas`` units of ``c`` at ``rate``: ``warmup_s`` of arrivals,
+    then ``trial_s`` more (``min_requests`` to ``max_requests`` a unit); the summary counts
+    the latter. The warm-up is what makes it a steady state: batches grow for as long as
+    the longest outputs take, and a rate met for 10 s can fail after 30 (docs/SIMULATOR.md)."""
+    counted = int(min(s.max_requests * replicas, max(s.min_requests, rate * s.trial_s)))
+    warmup = math.ceil(rate * s.warmup_s) if math.isfinite(rate) else 0
+    requests = generate(spec.with_rate(rate, warmup + counted))
+    since = requests[warmup].arrival_s if warmup else 0.0
+    return summary(run(c.topology(base, replicas), cost, requests), slo, since_s=since)
 
 
 def sustained(c: Candidate, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget,
@@ -254,8 +262,7 @@ def whole_cluster(ev: Evaluated, base: SimTopology, cost: CostModel, spec: Workl
     summary); the rate is 0 when even the last one missed."""
     rate = ev.rate * replicas
     for _ in range(backoffs + 1):
-        n = int(min(s.max_requests * replicas, max(s.min_requests, rate * s.trial_s)))
-        res = summary(run(ev.candidate.topology(base, replicas), cost, generate(spec.with_rate(rate, n))), slo)
+        res = trial(ev.candidate, base, cost, spec, slo, rate, s, replicas)
         if res["slo_attainment"] >= slo.attainment:
             return rate, res
         rate *= factor

@@ -66,22 +66,28 @@ def request_result(rec: Record) -> RequestResult:
     return result
 
 
-def summary(result: SimResult, slo: SloTarget | None = None) -> dict:
+def summary(result: SimResult, slo: SloTarget | None = None, since_s: float = 0.0) -> dict:
     """``load.results.summarize``'s numbers for the run, plus the simulator's own: preemptions,
-    steps, queue peaks, SLO attainment, CPU time, autoscaling decisions."""
-    results = [request_result(r) for r in result.records]
-    sent = [r.req.arrival_s for r in result.records]
-    ends = [r.end_s for r in result.records if r.end_s is not None]
+    steps, queue peaks, SLO attainment, CPU time, autoscaling decisions. With ``since_s``
+    the requests' numbers are those of the requests sent from then on (the ones before
+    warmed the workers up); the workers' counts are the whole run's."""
+    records = [r for r in result.records if r.req.arrival_s >= since_s] if since_s > 0 else result.records
+    results = [request_result(r) for r in records]
+    sent = [r.req.arrival_s for r in records]
+    ends = [r.end_s for r in records if r.end_s is not None]
     duration = (max(ends) - min(sent)) if ends and sent else 0.0
     out = summarize(results, max(duration, 1e-9), slo.bench_slo if slo else Slo())
     done = [r for r in results if r.ok]
     if slo is not None:
         met = sum(slo.bench_slo.met_by(r) for r in results)
         out["slo_attainment"] = met / len(results) if results else 0.0
+    out["warmup_requests"] = len(result.records) - len(records)
     out["num_preemptions"] = result.num_preemptions
     out["num_steps"] = result.num_steps
     out["local_prefills"] = result.local_prefills
     out["max_devices"] = result.num_devices_max
+    out["device_s"] = result.device_s
+    out["mean_devices"] = result.device_s / result.end_s if result.end_s > 0 else float(result.num_devices_max)
     out["sim_cpu_s"] = result.sim_cpu_s
     out["completed_tokens"] = sum(r.output_tokens for r in done)
     out["queues"] = queue_peaks(result.queue_samples)

@@ -69,7 +69,7 @@ class SimScaling:
             self.pending[d.role] += 1
             self.starting += 1
             self.sim.at(self.sim.now + self.sim.topology.worker_start_s, self._join, d.role)
-            self.sim.note_devices(self.starting)
+            self.sim.note_devices()
             return
         leaving = d.role if d.action == "remove" else ("decode" if d.role == "prefill" else "prefill")
         victim = self._least_busy(leaving)

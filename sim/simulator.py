@@ -90,6 +90,8 @@ class SimResult:
     num_devices_max: int
     scaling_decisions: list[tuple[float, str, str, str]]
     local_prefills: int = 0
+    device_s: float = 0.0  # devices held over time, to the last request's end (starting ones too)
+    end_s: float = 0.0  # simulated time at the last request's end
 
 
 class Simulator:
@@ -124,7 +126,8 @@ class Simulator:
 
             self.latency = LatencyWindow(span_s=10.0)  # what the routers' clients saw, as the router keeps it
             self.scaling = SimScaling(self, topology.autoscaling)
-        self._max_devices = self.num_devices()
+        self._max_devices = self._held = self.num_devices()  # devices held (workers starting hold theirs)
+        self._held_since = self._device_s = 0.0
         self.local_prefills = 0
         # Runs time their steps ahead, which a shared host's contention does not allow.
         self.decode_runs = decode_runs and self.scaling is None and not cost.contention
@@ -153,6 +156,7 @@ class Simulator:
         while events and self._open:
             self.now, _, fn, arg = pop(events)
             fn(arg)
+        self.note_devices()
         workers = [w for pool in self.pools.values() for w in pool] + self._retired
         return SimResult(
             self.records,
@@ -163,26 +167,33 @@ class Simulator:
             self._max_devices,
             self.scaling.decisions if self.scaling is not None else [],
             self.local_prefills,
+            self._device_s,
+            self.now,
         )
 
     def num_devices(self) -> int:
         return sum(len(p) for p in self.pools.values())
 
-    def note_devices(self, starting: int = 0) -> None:
-        """Keep the most devices held at once (workers still starting hold theirs)."""
-        self._max_devices = max(self._max_devices, self.num_devices() + starting)
+    def note_devices(self) -> None:
+        """The devices held may have changed now (workers still starting hold theirs): count
+        the device-seconds until now and keep the most held at once."""
+        held = self.num_devices() + (self.scaling.starting if self.scaling is not None else 0)
+        self._device_s += self._held * (self.now - self._held_since)
+        self._held, self._held_since = held, self.now
+        self._max_devices = max(self._max_devices, held)
 
     def add_worker(self, role: str) -> SimWorker:
         """A new worker joins ``role``'s pool (autoscaling), empty."""
         w = self._new_worker(role)
         self.pools[role].append(w)
-        self.note_devices(self.scaling.starting if self.scaling is not None else 0)
+        self.note_devices()
         return w
 
     def retire_worker(self, w: SimWorker) -> None:
         """A drained worker leaves its pool; its counters still count."""
         self.pools[w.role].remove(w)
         self._retired.append(w)
+        self.note_devices()
 
     def _new_worker(self, role: str) -> SimWorker:
         config = self.topology.engine_config(role)

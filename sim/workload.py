@@ -118,16 +118,84 @@ def generate(spec: WorkloadSpec) -> list[SimRequest]:
     """The spec's requests, in arrival order (same spec, same requests)."""
     rng = random.Random(spec.seed)
     times = arrival_times(spec.n, spec.rate, spec.burstiness, rng)
+    return [SimRequest(t, p, o) for t, (p, o) in zip(times, _lengths(spec, len(times), rng))]
+
+
+def _lengths(spec: WorkloadSpec, n: int, rng: random.Random) -> list[tuple[int, int]]:
+    """``n`` (prompt, output) lengths of the spec's kind."""
     if spec.kind == "sharegpt":
-        lengths = [sharegpt_lengths(rng) for _ in range(spec.n)]
-    else:
-        in_lo, in_hi = length_range(spec.input_len, spec.range_ratio)
-        out_lo, out_hi = length_range(spec.output_len, spec.range_ratio)
-        lengths = [(rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)) for _ in range(spec.n)]
-        if spec.kind == "long-mix":
-            long_at = set(rng.sample(range(spec.n), round(spec.n * spec.long_fraction)))
-            lengths = [(spec.long_len, o) if i in long_at else (p, o) for i, (p, o) in enumerate(lengths)]
-    return [SimRequest(t, p, o) for t, (p, o) in zip(times, lengths)]
+        return [sharegpt_lengths(rng) for _ in range(n)]
+    in_lo, in_hi = length_range(spec.input_len, spec.range_ratio)
+    out_lo, out_hi = length_range(spec.output_len, spec.range_ratio)
+    lengths = [(rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)) for _ in range(n)]
+    if spec.kind == "long-mix":
+        long_at = set(rng.sample(range(n), round(n * spec.long_fraction)))
+        lengths = [(spec.long_len, o) if i in long_at else (p, o) for i, (p, o) in enumerate(lengths)]
+    return lengths
+
+
+@dataclass(frozen=True)
+class RateProfile:
+    """A request rate that changes over time: segments of ``(seconds, rate at the start,
+    rate at the end)``, the rate linear within each (equal ends: a constant rate)."""
+
+    segments: tuple[tuple[float, float, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ValueError("a rate profile needs at least one segment")
+        for seconds, r0, r1 in self.segments:
+            if not (seconds > 0 and r0 >= 0 and r1 >= 0 and r0 + r1 > 0):
+                raise ValueError(f"a profile segment needs seconds > 0 and rates >= 0 (not both 0), "
+                                 f"got {(seconds, r0, r1)}")
+
+    @classmethod
+    def day(cls, low: float, peak: float, phase_s: float) -> RateProfile:
+        """``low`` for ``phase_s``, a ramp up for as long, ``peak`` for as long, a ramp down, ``low`` again."""
+        return cls(((phase_s, low, low), (phase_s, low, peak), (phase_s, peak, peak), (phase_s, peak, low),
+                    (phase_s, low, low)))
+
+    @property
+    def duration_s(self) -> float:
+        return sum(seconds for seconds, _, _ in self.segments)
+
+    @property
+    def peak(self) -> float:
+        return max(max(r0, r1) for _, r0, r1 in self.segments)
+
+    def expected(self) -> float:
+        """The mean number of arrivals over the whole profile."""
+        return sum(seconds * (r0 + r1) / 2 for seconds, r0, r1 in self.segments)
+
+    def time_at(self, count: float) -> float:
+        """When the mean number of arrivals since the start reaches ``count`` (the inverse of
+        the rate's integral); past the profile's end, ``inf``."""
+        t = 0.0
+        for seconds, r0, r1 in self.segments:
+            area = seconds * (r0 + r1) / 2
+            if count <= area:
+                a = (r1 - r0) / (2 * seconds)  # count = r0 x + a x^2 within the segment
+                if abs(a) < 1e-12:
+                    return t + count / r0
+                return t + (math.sqrt(r0 * r0 + 4 * a * count) - r0) / (2 * a)
+            count -= area
+            t += seconds
+        return math.inf
+
+
+def generate_profile(spec: WorkloadSpec, profile: RateProfile) -> list[SimRequest]:
+    """The spec's lengths arriving at the profile's changing rate (``spec.n`` and
+    ``spec.rate`` are not used): gaps drawn at rate 1 as ``arrival_times`` draws them
+    (gamma, shape ``burstiness``), then moved onto the profile's clock (``time_at``), the
+    time-rescaling of a renewal process."""
+    if spec.burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {spec.burstiness}")
+    rng = random.Random(spec.seed)
+    expected, count, times = profile.expected(), 0.0, []
+    while count <= expected:
+        times.append(profile.time_at(count))
+        count += rng.gammavariate(spec.burstiness, 1.0 / spec.burstiness)
+    return [SimRequest(at, p, o) for at, (p, o) in zip(times, _lengths(spec, len(times), rng))]
 
 
 def load_trace(path: str | Path, run: int = 0) -> list[SimRequest]:

@@ -1659,3 +1659,46 @@ def test_role_switching_renders_only_where_both_roles_ask_the_same_resources(cha
     topology = app["args"]["topology"]
     assert topology["autoscaling"]["allow_role_switch"] is True
     assert ClusterConfig.from_dict(topology).role_switch_problem() is None
+
+
+@pytest.mark.parametrize("pools,switch", [((2, 6), False), ((2, 6), True), ((0, 8), False)],
+                         ids=["disaggregated", "role-switch", "colocated"])
+def test_the_planners_elastic_helm_values_render_the_bounds_it_chose(chart, pools, switch):
+    """``tandem plan --low-rate``'s Helm values: the chart renders them, each worker group
+    spans its pool's bounds, and the topology the app gets carries the same autoscaling
+    section (SLO and timings) the simulator ran."""
+    from cluster.autoscaler import SLO, AutoscalingConfig
+    from cluster.config import ClusterConfig
+    from sim.bounds import elastic_topology
+    from sim.cli import helm_values
+    from sim.topology import SimTopology
+
+    scaling = AutoscalingConfig(slo=SLO(ttft_ms=300, itl_ms=25), interval_s=4, allow_role_switch=switch)
+    topo = elastic_topology(SimTopology(prefill_workers=pools[0], decode_workers=pools[1]), 0.25, scaling)
+    values = json.loads(json.dumps(helm_values(topo)))  # what `yaml.safe_dump` writes, read back
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")
+    groups = _groups(rs)
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    a = ClusterConfig.from_dict(app["args"]["topology"]).autoscaling  # what the controller runs
+    assert (a.slo.ttft_ms, a.slo.itl_ms, a.interval_s, a.allow_role_switch) == (300, 25, 4, switch)
+    assert (a.decode.min_workers, a.decode.max_workers) == (2, 8 if pools[0] == 0 else 6)
+    decode = [g for name, g in groups.items() if "decode" in name][0]
+    assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (2, 2, a.decode.max_workers)
+    if pools[0]:
+        assert (a.prefill.min_workers, a.prefill.max_workers) == (1, 2)
+
+
+def test_a_colocated_plans_helm_values_render_with_an_empty_prefill_group(chart):
+    """``tandem plan``'s values for a colocated best (prefill_workers 0, fixed pools): the
+    prefill group starts no pod, and the app gets the colocated topology."""
+    from cluster.config import ClusterConfig
+    from sim.cli import helm_values
+    from sim.topology import SimTopology
+
+    values = json.loads(json.dumps(helm_values(SimTopology(prefill_workers=0, decode_workers=8))))
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")
+    prefill = [g for name, g in _groups(rs).items() if "prefill" in name][0]
+    assert (prefill["replicas"], prefill["minReplicas"]) == (0, 0)
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    cluster = ClusterConfig.from_dict(app["args"]["topology"])
+    assert (cluster.prefill_workers, cluster.decode_workers, cluster.autoscaling) == (0, 8, None)

@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 SIM = sorted((ROOT / "sim").rglob("*.py"))
 
 
 def test_the_simulator_imports_no_torch_ray_or_network_library():
-    code = ("import sys, sim.simulator, sim.planner, sim.cli, sim.scaling, sim.report\n"
+    code = ("import sys, sim.simulator, sim.planner, sim.cli, sim.scaling, sim.report, sim.bounds\n"
             "print(' '.join(sorted(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          timeout=120)
@@ -79,3 +81,28 @@ def test_tandem_plan_prints_and_writes_a_topology_that_tandem_loads(tmp_path, ca
     cluster = ClusterConfig.from_yaml(tmp_path / "topology.yaml")
     assert cluster.prefill_workers + cluster.decode_workers == 2
     assert "replicas" in (tmp_path / "values.yaml").read_text()
+
+
+def test_tandem_plan_with_a_low_rate_plans_elastic_pools_that_tandem_loads(tmp_path, capsys):
+    from cluster.config import ClusterConfig
+    from tandem.cli import main
+
+    rc = main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--chunks", "2048",
+               "--batch-caps", "64", "--iters", "1", "--trial-s", "2", "--warmup-s", "2", "--low-rate", "2",
+               "--phase-s", "10", "--worker-start-s", "1", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "elastic pools over a day between 2 and 10 req/s" in text and "fixed colocated 2" in text
+    # 2 req/s needs one of the two colocated workers: the floor is 1, the ceiling 2.
+    assert "chosen: elastic colocated 1-2, 50% fewer device-seconds than fixed pools" in text
+    cluster = ClusterConfig.from_yaml(tmp_path / "topology.yaml")
+    assert (cluster.decode_workers, cluster.autoscaling.decode.max_workers) == (1, 2)
+    values = yaml.safe_load((tmp_path / "values.yaml").read_text())
+    assert values["autoscaling"]["enabled"] and values["decode"]["maxReplicas"] == 2
+
+
+def test_tandem_plan_refuses_a_low_rate_over_the_rate(capsys):
+    from tandem.cli import main
+
+    assert main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--low-rate", "20"]) == 2
+    assert "--low-rate must be > 0 and below --rate (10)" in capsys.readouterr().err

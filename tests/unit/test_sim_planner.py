@@ -19,7 +19,7 @@ COST = cost_model("H100", model_spec("llama-3.1-8b"))
 BASE = SimTopology(router=RouterSettings(admission=AdmissionConfig(max_requests=10**9, max_prompt_tokens=10**12)))
 SLO = SloTarget(ttft_ms=200, itl_ms=20)
 SPEC = parse_spec("sharegpt:seed=3")
-SMALL = PlanSettings(chunks=(2048,), batch_caps=(128,), max_unit=3, keep=1, iters=2, trial_s=3, min_requests=60,
+SMALL = PlanSettings(chunks=(2048,), batch_caps=(128,), max_unit=3, keep=1, iters=2, trial_s=3, warmup_s=3, min_requests=60,
                      max_requests=300)
 
 
@@ -94,3 +94,12 @@ def test_simulated_whole_the_cluster_is_held_to_the_slo_and_backs_off_until_it_m
     # Far over what it sustains, with no back-off left: it reports nothing sustained.
     rate, res = whole_cluster(replace(best, rate=4 * best.rate), BASE, COST, SPEC, SLO, SMALL, replicas=2, backoffs=0)
     assert rate == 0.0 and res["slo_attainment"] < SLO.attainment
+
+
+def test_a_trial_counts_only_the_requests_sent_after_its_warm_up():
+    s = replace(SMALL, warmup_s=2.0, trial_s=5.0)
+    res = trial(Candidate(1, 1, 2048, 128), BASE, COST, SPEC, SLO, 20.0, s)
+    assert res["warmup_requests"] == 40  # 2 s at 20 req/s, then 5 s more counted (100, within 60..300)
+    assert res["completed"] + res["failed"] == 100
+    cold = trial(Candidate(1, 1, 2048, 128), BASE, COST, SPEC, SLO, 20.0, replace(s, warmup_s=0.0))
+    assert cold["warmup_requests"] == 0 and cold["completed"] + cold["failed"] == 100

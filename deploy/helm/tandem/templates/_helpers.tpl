@@ -315,8 +315,9 @@ The router's settings and startTimeoutSeconds are left out: they apply in place.
 The topology the app runs (JSON): serve.topology and, with `autoscaling.enabled`, its
 `autoscaling` section from the chart's values: each pool between its worker group's
 minReplicas and maxReplicas workers (one worker per pod; a pod that fits more still
-counts one), the SLOs, the control loop's timings and, with allowRoleSwitch, warm role
-switches (refused unless both roles ask the same resources).
+counts one; a colocated topology, prefill_workers 0, has no prefill pool to bound), the
+SLOs, the control loop's timings and, with allowRoleSwitch, warm role switches (refused
+unless both roles ask the same resources).
 */}}
 {{- define "tandem.topology" -}}
 {{- $topo := deepCopy .Values.serve.topology -}}
@@ -330,7 +331,8 @@ switches (refused unless both roles ask the same resources).
 {{- end }}
 {{- $_ := set $section "allow_role_switch" true -}}
 {{- end }}
-{{- range $role := list "prefill" "decode" }}
+{{- $colocated := and (hasKey $topo "prefill_workers") (eq (int $topo.prefill_workers) 0) -}}
+{{- range $role := ternary (list "decode") (list "prefill" "decode") $colocated }}
 {{- $g := index $.Values $role -}}
 {{- $_ := set $section $role (dict "min_workers" (int $g.minReplicas) "max_workers" (int $g.maxReplicas)) -}}
 {{- end }}
