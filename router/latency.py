@@ -30,6 +30,7 @@ class LatencyWindow:
 
     def __init__(self, span_s: float = 30.0, max_samples: int = 4096) -> None:
         self.span_s = span_s
+        self.max_samples = max_samples
         self._ttft: deque[tuple[float, float, int]] = deque(maxlen=max_samples)  # (when, seconds, weight 1)
         self._itl: deque[tuple[float, float, int]] = deque(maxlen=max_samples)  # (when, seconds a token, tokens)
 

@@ -3,8 +3,9 @@ simulated workers.
 
 Every ``interval_s`` of simulated time ``cluster.elastic.PoolScaler.observe`` reads the
 simulated pools (``pool_state``: each listed worker's engine counters and load report,
-as the live cluster gives them) and what clients saw over the last 10 s (a
-``router.latency.LatencyWindow`` the simulator feeds every token), and
+as the live cluster gives them; runs of decode steps are cut first) and what clients
+saw over the last 10 s (a ``router.latency.LatencyWindow`` given every token up to now,
+``Simulator.latency_report``), and
 ``cluster.autoscaler.Autoscaler.decide`` says what to change; the simulator carries it
 out instead of Ray:
 
@@ -34,7 +35,7 @@ class SimScaling:
     def __init__(self, sim, config: AutoscalingConfig) -> None:
         self.sim = sim
         self.config = config
-        self.scaler = PoolScaler(self, config, clock=lambda: sim.now, latency=lambda: sim.latency.report(sim.now))
+        self.scaler = PoolScaler(self, config, clock=lambda: sim.now, latency=sim.latency_report)
         self.pending = {"prefill": 0, "decode": 0}
         self.starting = 0
         self.decisions: list[tuple[float, str, str, str]] = []
@@ -51,6 +52,7 @@ class SimScaling:
 
     def tick(self, _=None) -> None:
         now = self.sim.now
+        self.sim.cut_runs()  # what the controller reads is the state of now, runs or not
         seen = self.scaler.observe(now)
         seen = {role: replace(obs, pending=self.pending[role]) for role, obs in seen.items()}
         for d in self.scaler.policy.decide(seen, now):

@@ -33,8 +33,9 @@ free (each link carries one transfer at a time).
 
 A decode worker takes a run of identical decode steps as one event (``sim.worker``'s
 lifecycle), cut short when a request is placed on it or its KV arrives; the outcome is
-the stepped one's (``decode_runs=False`` steps one plan at a time, as a check). Not with
-autoscaling, whose latency window is fed token by token.
+the stepped one's (``decode_runs=False`` steps one plan at a time, as a check). With
+autoscaling, every run is cut when the controller looks (``cut_runs``), and the clients'
+tokens reach its latency window then, in the order they came (``latency_report``).
 """
 
 from __future__ import annotations
@@ -129,8 +130,13 @@ class Simulator:
         self._max_devices = self._held = self.num_devices()  # devices held (workers starting hold theirs)
         self._held_since = self._device_s = 0.0
         self.local_prefills = 0
+        # With autoscaling, what clients saw waits here until the controller reads it
+        # (``latency_report``): (when, order, seconds) of first tokens and of the gaps after.
+        self._ttft_feed: list[tuple[float, int, float]] = []
+        self._itl_feed: list[tuple[float, int, float]] = []
+        self._feed_order = itertools.count()
         # Runs time their steps ahead, which a shared host's contention does not allow.
-        self.decode_runs = decode_runs and self.scaling is None and not cost.contention
+        self.decode_runs = decode_runs and not cost.contention
 
     # -- the event loop ---------------------------------------------------------
 
@@ -386,7 +392,10 @@ class Simulator:
         ends = run.ends[:num_steps]
         records = self.records
         for request in run.requests:
-            records[int(request.request_id)].token_times.extend(ends)
+            times = records[int(request.request_id)].token_times
+            if self.latency is not None:
+                self._feed_gaps(times[-1], ends)
+            times.extend(ends)
         for dt in run.durations[:num_steps]:
             w.forward_s += dt
         w.num_steps += num_steps
@@ -418,10 +427,38 @@ class Simulator:
         times, now = rec.token_times, self.now
         if self.latency is not None:
             if times:
-                self.latency.tokens(1, now - times[-1], now)
+                self._itl_feed.append((now, next(self._feed_order), now - times[-1]))
             else:
-                self.latency.first_token(now - rec.req.arrival_s, now)
+                self._ttft_feed.append((now, next(self._feed_order), now - rec.req.arrival_s))
         times.append(now)
+
+    def _feed_gaps(self, last: float, ends) -> None:
+        """A request's tokens at ``ends`` (a run's steps), the one before at ``last``."""
+        feed, order = self._itl_feed, self._feed_order
+        for end in ends:
+            feed.append((end, next(order), end - last))
+            last = end
+
+    def cut_runs(self) -> None:
+        """Every worker's run cut at now (``_cut``: the same simulation), so that its state
+        and its clients' tokens are those of now."""
+        for pool in self.pools.values():
+            for w in pool:
+                self._cut(w)
+
+    def latency_report(self):
+        """What the routers' clients saw lately (``LatencyWindow.report``), every token up to
+        now in the window, in the order the clients got them (runs cut first:
+        ``cut_runs``). The window keeps only its last ``max_samples`` of each kind, so only
+        those are handed to it."""
+        window = self.latency
+        for feed, add in ((self._ttft_feed, window.first_token),
+                          (self._itl_feed, lambda seconds, when: window.tokens(1, seconds, when))):
+            feed.sort()
+            for when, _, seconds in feed[-window.max_samples:]:
+                add(seconds, when)
+            feed.clear()
+        return window.report(self.now)
 
     def _finish(self, rec: Record, request: Request) -> None:
         rec.end_s = self.now

@@ -1,17 +1,18 @@
 """Runs of decode steps taken as one event give the simulation stepped one plan at a time:
-the same token times to the last bit, the same ends, preemptions, step counts and
-queue samples, disaggregated and colocated, with prefix sharing and with a pool small
-enough to preempt."""
+the same token times to the last bit, the same ends, preemptions, step counts, queue
+samples and autoscaling decisions, disaggregated and colocated, with prefix sharing, with
+a pool small enough to preempt and with pools the controller resizes."""
 
 from __future__ import annotations
 
 import pytest
 
+from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
 from router.admission import AdmissionConfig
 from sim.cost import DEVICES, CostModel, model_spec
 from sim.simulator import Simulator
 from sim.topology import RouterSettings, SimTopology
-from sim.workload import SimRequest, generate, parse_spec
+from sim.workload import RateProfile, SimRequest, generate, generate_profile, parse_spec
 
 COST = CostModel(DEVICES["H100"], model_spec("llama-3.1-8b"))
 UNBOUNDED = RouterSettings(admission=AdmissionConfig(max_requests=10**9, max_prompt_tokens=10**12))
@@ -34,13 +35,22 @@ CASES = {
     "local prefills": (SimTopology(prefill_workers=1, decode_workers=2,
                                    router=RouterSettings(admission=UNBOUNDED.admission, local_prefill_tokens=96)),
                        "sharegpt:n=200,rate=50,seed=9"),
+    # The controller reads the pools every second, adds workers under load and drains them after.
+    "autoscaling": (SimTopology(prefill_workers=1, decode_workers=1, worker_start_s=2.0, router=UNBOUNDED,
+                                autoscaling=AutoscalingConfig(prefill=PoolBounds(1, 2), decode=PoolBounds(1, 3),
+                                                              slo=SLO(ttft_ms=100, itl_ms=12), interval_s=1.0,
+                                                              scale_down_delay_s=3.0, low_water=0.8)),
+                    ("sharegpt:seed=11", RateProfile(((6.0, 60.0, 60.0), (12.0, 3.0, 3.0))))),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_decode_runs_give_the_stepped_simulation(case):
     topo, spec = CASES[case]
-    requests = _shared_prefixes(generate(parse_spec(spec)))
+    if isinstance(spec, tuple):  # busy, then quiet: the pools grow, then shrink
+        requests = _shared_prefixes(generate_profile(parse_spec(spec[0]), spec[1]))
+    else:
+        requests = _shared_prefixes(generate(parse_spec(spec)))
     stepped = Simulator(topo, COST, requests, decode_runs=False).run()
     runs = Simulator(topo, COST, requests, decode_runs=True).run()
     for a, b in zip(stepped.records, runs.records):
@@ -49,5 +59,9 @@ def test_decode_runs_give_the_stepped_simulation(case):
     assert runs.num_preemptions == stepped.num_preemptions
     assert runs.num_steps == stepped.num_steps, "a run counts each of its steps"
     assert runs.queue_samples == stepped.queue_samples
+    assert runs.scaling_decisions == stepped.scaling_decisions and runs.device_s == stepped.device_s
+    if case == "autoscaling":
+        actions = {action for _, action, _, _ in stepped.scaling_decisions}
+        assert {"add", "remove"} <= actions, "the pools must grow and shrink for this case to check it"
     if case == "preempting":
         assert stepped.num_preemptions > 0, "the small pool must preempt for this case to check it"
