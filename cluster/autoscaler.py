@@ -15,10 +15,14 @@ The rules, per role (prefill answers for TTFT, decode for ITL):
   waits, and its KV use is under ``low_water``. Between the two is the hysteresis band:
   nothing changes there.
 
-A pressed role below ``max_workers`` gets one more worker, taken from the other role
+A pressed role below ``max_workers`` gets more workers: one taken from the other role
 when that one has been idle for ``scale_down_delay_s`` and is above its
-``min_workers`` (and switching is allowed), else started anew; at its maximum it can
-only take one from an idle other role. A role idle for ``scale_down_delay_s`` and
+``min_workers`` (and switching is allowed), else ``scale_up_share`` of its workers (at
+least one, at most up to its maximum) started anew; at its maximum it can only take one
+from an idle other role. Adding a share rather than one at a time is what lets a large
+pool follow a ramp: a worker on a GPU takes a minute or more to start, and the next
+change waits for it (``tandem plan --low-rate`` showed 8 colocated H100s adding one a
+minute miss the SLO on a 5-minute ramp from 30 to 120 req/s). A role idle for ``scale_down_delay_s`` and
 above its minimum loses one worker. One change per role at a time: nothing is decided
 for a role while a change of it is under way (``pending``), and an idle stretch starts
 again after each change, so the pools step, never flap.
@@ -26,6 +30,7 @@ again after each change, so the pools step, never flap.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -66,6 +71,7 @@ class AutoscalingConfig:
     slo: SLO = field(default_factory=SLO)
     interval_s: float = 5.0  # how often the controller observes and decides
     scale_down_delay_s: float = 30.0  # how long a role stays idle before it gives a worker up
+    scale_up_share: float = 0.5  # a pressed role starts this share of its workers at once (at least 1; 0: one)
     allow_role_switch: bool = False  # move a warm worker between roles instead of stopping and starting
     low_water: float = 0.5  # idle below this share of the SLO (and of the KV)
     max_queued_tokens: int = 8192  # prefill: queued prompt tokens per worker that count as pressure
@@ -76,6 +82,8 @@ class AutoscalingConfig:
         for name in ("interval_s", "scale_down_delay_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"autoscaling.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.scale_up_share <= 4:
+            raise ValueError(f"autoscaling.scale_up_share must be in [0, 4], got {self.scale_up_share}")
         if not 0 < self.low_water < 1:
             raise ValueError(f"autoscaling.low_water must be in (0, 1), got {self.low_water}")
         if not 0 < self.kv_full <= 1:
@@ -121,6 +129,14 @@ class Decision:
     role: str  # the role that gains (add, switch) or loses (remove) a worker
     reason: str
     cause: str = ""  # for metrics: "slo" (latency), "queue" (work waiting without room) or "idle"
+    count: int = 1  # workers to add (add only)
+
+
+def decision_text(d: dict[str, Any]) -> str:
+    """A decision as ``tandem status`` and ``tandem sim`` print it ("add 3 decode: why";
+    the count only when over one)."""
+    count = d.get("count", 1)
+    return f"{d['action']}{f' {count}' if count > 1 else ''} {d['role']}: {d['reason']}"
 
 
 class Autoscaler:
@@ -183,7 +199,9 @@ class Autoscaler:
                 decisions.append(Decision("switch", role, reason, cause))
                 changed |= {role, other}
             elif obs.workers < cfg.bounds(role).max_workers:
-                decisions.append(Decision("add", role, why, cause))
+                room = cfg.bounds(role).max_workers - obs.workers
+                count = min(room, max(1, math.ceil(obs.workers * cfg.scale_up_share)))
+                decisions.append(Decision("add", role, why, cause, count))
                 changed.add(role)
         for role in roles:
             since = self._idle_since[role]

@@ -22,6 +22,7 @@ Example YAML::
       slo: {ttft_ms: 1000, itl_ms: 50}
       interval_s: 5
       scale_down_delay_s: 30
+      scale_up_share: 0.5     # a pool over its SLO starts this share of its workers at once (0: one)
       allow_role_switch: false  # true: a warm worker may move between roles (needs both roles alike:
                                 # resources and engine settings, so not with decode_engine above)
 """

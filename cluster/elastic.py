@@ -122,7 +122,7 @@ class PoolScaler:
         self.last_round = {"at": now, "took_s": round(self.clock() - now, 3),
                            "seen": {role: dataclasses.asdict(o) for role, o in seen.items()}}
         for d in decisions:
-            log.info("autoscaling: %s a %s worker: %s", d.action, d.role, d.reason)
+            log.info("autoscaling: %s %d %s worker(s): %s", d.action, d.count, d.role, d.reason)
             self.decisions.append((now, d))
             self._act(d)
         if self.metrics is not None:
@@ -154,8 +154,9 @@ class PoolScaler:
 
     def _act(self, d: Decision) -> None:
         timeout_s = self.config.drain_timeout_s
-        if d.action == "add":
-            self._background((d.role,), "adding", lambda: self.cluster.add_worker(d.role), arriving=d.role)
+        if d.action == "add":  # each worker starts on a thread of its own
+            for _ in range(d.count):
+                self._background((d.role,), "adding", lambda: self.cluster.add_worker(d.role), arriving=d.role)
         elif d.action == "remove":
             victim = self._least_busy(d.role)
             self._background((d.role,), "removing", lambda: self.cluster.drain_worker(victim, timeout_s))
@@ -214,6 +215,7 @@ class PoolScaler:
             pending = dict(self._pending)
         now = self.clock()
         return {"pending": pending, "decisions": [
-            {"at": at, "ago_s": round(now - at, 1), "action": d.action, "role": d.role, "reason": d.reason}
+            {"at": at, "ago_s": round(now - at, 1), "action": d.action, "role": d.role, "count": d.count,
+             "reason": d.reason}
             for at, d in self.decisions
         ], "last_round": self.last_round}

@@ -11,8 +11,8 @@ whole over the profile with the controller's own autoscaling policy (``sim/scali
 one change per role at a time, an added worker serving ``worker_start_s`` after it was
 asked for), and the floor that holds the fewest device-seconds while ``attainment`` of
 all the profile's requests meet the SLO is chosen. The baseline is the ceiling held
-fixed all day; when no floor meets the SLO the bounds are that (min = max), and the
-report says so.
+fixed all day; when no floor meets the SLO on fewer device-seconds than that, the pools
+stay fixed (min = max), and the report says so.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from router.admission import AdmissionConfig
 from sim.cost import DEVICES, LINKS, MODELS, cost_model, model_spec
 from sim.topology import RouterSettings, SimTopology
 
-PLAN_HELP = "search P:D splits, chunk budgets and batch caps for the most load under SLOs"
+PLAN_HELP = ("search P:D splits, chunk budgets and batch caps for the most load under SLOs "
+             "(and with --low-rate, autoscaling bounds)")
 
 
 def _add_hardware(p: argparse.ArgumentParser) -> None:
@@ -232,6 +233,7 @@ def helm_values(topo: SimTopology, max_outstanding: int = 256) -> dict:
     if a:
         values["autoscaling"] = {"enabled": True, "slo": {"ttftMs": a.slo.ttft_ms, "itlMs": a.slo.itl_ms},
                                  "intervalSeconds": a.interval_s, "scaleDownDelaySeconds": a.scale_down_delay_s,
+                                 "scaleUpShare": a.scale_up_share,
                                  "drainTimeoutSeconds": a.drain_timeout_s}
         if a.allow_role_switch:  # a switched worker keeps its pod: both roles ask for one resource
             values["autoscaling"]["allowRoleSwitch"] = True

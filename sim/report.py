@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.autoscaler import decision_text
 from load.results import RequestResult, Slo, format_summary, summarize
 from sim.simulator import Record, SimResult
 
@@ -91,8 +92,8 @@ def summary(result: SimResult, slo: SloTarget | None = None, since_s: float = 0.
     out["sim_cpu_s"] = result.sim_cpu_s
     out["completed_tokens"] = sum(r.output_tokens for r in done)
     out["queues"] = queue_peaks(result.queue_samples)
-    out["scaling_decisions"] = [{"t": t, "action": a, "role": role, "reason": why}
-                                for t, a, role, why in result.scaling_decisions]
+    out["scaling_decisions"] = [{"t": t, "action": d.action, "role": d.role, "count": d.count, "reason": d.reason}
+                                for t, d in result.scaling_decisions]
     return out
 
 
@@ -118,5 +119,5 @@ def format_report(s: dict, label: str) -> str:
         if q:
             lines.append(f"{key + ' (max / mean):':29}{q['max']:.3g} / {q['mean']:.3g}")
     for d in s["scaling_decisions"][-10:]:
-        lines.append(f"  t={d['t']:8.1f} s  {d['action']} {d['role']}: {d['reason']}")
+        lines.append(f"  t={d['t']:8.1f} s  {decision_text(d)}")
     return "\n".join(lines)

@@ -38,7 +38,7 @@ class SimScaling:
         self.scaler = PoolScaler(self, config, clock=lambda: sim.now, latency=sim.latency_report)
         self.pending = {"prefill": 0, "decode": 0}
         self.starting = 0
-        self.decisions: list[tuple[float, str, str, str]] = []
+        self.decisions: list[tuple[float, Decision]] = []
         self._switch_to: dict[str, str] = {}  # draining worker id -> the role it joins
 
     def pool_state(self) -> dict[str, list]:
@@ -56,7 +56,7 @@ class SimScaling:
         seen = self.scaler.observe(now)
         seen = {role: replace(obs, pending=self.pending[role]) for role, obs in seen.items()}
         for d in self.scaler.policy.decide(seen, now):
-            self.decisions.append((now, d.action, d.role, d.reason))
+            self.decisions.append((now, d))
             self._act(d)
         self.sim.at(now + self.config.interval_s, self.tick)
 
@@ -68,9 +68,10 @@ class SimScaling:
 
     def _act(self, d: Decision) -> None:
         if d.action == "add":
-            self.pending[d.role] += 1
-            self.starting += 1
-            self.sim.at(self.sim.now + self.sim.topology.worker_start_s, self._join, d.role)
+            self.pending[d.role] += d.count
+            self.starting += d.count
+            for _ in range(d.count):
+                self.sim.at(self.sim.now + self.sim.topology.worker_start_s, self._join, d.role)
             self.sim.note_devices()
             return
         leaving = d.role if d.action == "remove" else ("decode" if d.role == "prefill" else "prefill")

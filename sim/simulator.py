@@ -49,6 +49,7 @@ from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field, replace
 
+from cluster.autoscaler import Decision
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.step_shape import shape_of
@@ -89,7 +90,7 @@ class SimResult:
     queue_samples: list[dict]
     sim_cpu_s: float
     num_devices_max: int
-    scaling_decisions: list[tuple[float, str, str, str]]
+    scaling_decisions: list[tuple[float, Decision]]  # when, and what the autoscaler decided
     local_prefills: int = 0
     device_s: float = 0.0  # devices held over time, to the last request's end (starting ones too)
     end_s: float = 0.0  # simulated time at the last request's end

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.autoscaler import decision_text
 from cluster.flags import GRPC_PORT, HTTP_PORT, LOCAL_URL, METRICS_PORT, add_service_flags
 from cluster.ingress import describe
 from engine.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
@@ -192,7 +193,7 @@ def format_status(status: dict) -> str:
     if "decisions" in scaling:
         lines.append("autoscaling decisions (latest last):" if scaling["decisions"] else "no autoscaling decisions yet")
         for d in scaling["decisions"][-10:]:
-            lines.append(f"  {d['ago_s']:>7.1f} s ago  {d['action']} {d['role']}: {d['reason']}")
+            lines.append(f"  {d['ago_s']:>7.1f} s ago  {decision_text(d)}")
     elif not scaling:
         lines.append("autoscaling: off (pools of fixed size)")
     return "\n".join(lines)

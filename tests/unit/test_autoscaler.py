@@ -35,6 +35,16 @@ def test_a_role_over_its_slo_gets_one_more_worker_and_nothing_more_while_it_star
     assert scaler.decide({"prefill": at_max, "decode": BAND_D}, 10) == [], "no worker past max_workers"
 
 
+@pytest.mark.parametrize("share,workers,added", [(0.5, 4, 2), (0.5, 5, 3), (0.5, 9, 1), (1.0, 2, 2), (0.0, 4, 1),
+                                                   (0.5, 1, 1)])
+def test_a_pressed_role_starts_a_share_of_its_workers_at_once_up_to_its_maximum(share, workers, added):
+    """A pool adding one worker a minute cannot follow a ramp: it starts ``scale_up_share``
+    of its workers at once, at least one, never past ``max_workers`` (10 here)."""
+    config = AutoscalingConfig(decode=PoolBounds(1, 10), slo=SLO(ttft_ms=1000, itl_ms=50), scale_up_share=share)
+    (d,) = Autoscaler(config).decide({"prefill": BAND_P, "decode": RoleObservation(workers, latency_ms=80)}, 0)
+    assert (d.action, d.role, d.count) == ("add", "decode", added)
+
+
 @pytest.mark.parametrize("role,seen,why", [
     ("prefill", RoleObservation(workers=1, queued=9000), "9000 prompt tokens queued"),
     ("decode", RoleObservation(workers=1, queued=3, kv_usage=0.95), "3 requests wait with KV 95% full"),
@@ -149,6 +159,8 @@ def test_settings_are_checked_where_they_are_read():
             AutoscalingConfig(**{role: PoolBounds(0, 2)})
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         AutoscalingConfig(interval_s=0)
+    with pytest.raises(ValueError, match=r"scale_up_share must be in \[0, 4\], got -0.5"):
+        AutoscalingConfig.from_dict({"scale_up_share": -0.5})
 
 
 def test_a_topology_s_autoscaling_section_is_checked_against_its_pool_sizes():

@@ -1634,7 +1634,8 @@ def test_autoscaling_values_become_the_topologys_section_and_the_groups_bounds(c
     topology = app["args"]["topology"]
     assert topology["autoscaling"] == {
         "prefill": {"min_workers": 1, "max_workers": 3}, "decode": {"min_workers": 1, "max_workers": 5},
-        "slo": {"ttft_ms": 800, "itl_ms": 40}, "interval_s": 2, "scale_down_delay_s": 20, "drain_timeout_s": 45,
+        "slo": {"ttft_ms": 800, "itl_ms": 40}, "interval_s": 2, "scale_down_delay_s": 20, "scale_up_share": 0.5,
+        "drain_timeout_s": 45,
     }
     a = ClusterConfig.from_dict(topology).autoscaling  # what the controller runs
     assert (a.decode.max_workers, a.slo.itl_ms, a.drain_timeout_s) == (5, 40, 45)
@@ -1673,14 +1674,16 @@ def test_the_planners_elastic_helm_values_render_the_bounds_it_chose(chart, pool
     from sim.cli import helm_values
     from sim.topology import SimTopology
 
-    scaling = AutoscalingConfig(slo=SLO(ttft_ms=300, itl_ms=25), interval_s=4, allow_role_switch=switch)
+    scaling = AutoscalingConfig(slo=SLO(ttft_ms=300, itl_ms=25), interval_s=4, allow_role_switch=switch,
+                                scale_up_share=1.5)
     topo = elastic_topology(SimTopology(prefill_workers=pools[0], decode_workers=pools[1]), 0.25, scaling)
     values = json.loads(json.dumps(helm_values(topo)))  # what `yaml.safe_dump` writes, read back
     (rs,) = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")
     groups = _groups(rs)
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
     a = ClusterConfig.from_dict(app["args"]["topology"]).autoscaling  # what the controller runs
-    assert (a.slo.ttft_ms, a.slo.itl_ms, a.interval_s, a.allow_role_switch) == (300, 25, 4, switch)
+    assert (a.slo.ttft_ms, a.slo.itl_ms, a.interval_s, a.allow_role_switch, a.scale_up_share) == (300, 25, 4, switch,
+                                                                                                1.5)
     assert (a.decode.min_workers, a.decode.max_workers) == (2, 8 if pools[0] == 0 else 6)
     decode = [g for name, g in groups.items() if "decode" in name][0]
     assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (2, 2, a.decode.max_workers)

@@ -80,6 +80,25 @@ def test_decode_steps_slower_than_the_itl_slo_add_one_decode_worker_and_wait_for
     assert cluster.added == ["decode"] and scaler.status()["pending"] == {"prefill": 0, "decode": 0}
 
 
+def test_a_decision_to_add_several_workers_starts_each_and_waits_for_all_of_them():
+    cluster = FakeCluster()
+    cluster.decode = cluster.decode[:1]
+    config = AutoscalingConfig(prefill=PoolBounds(1, 2), decode=PoolBounds(1, 8), slo=CONFIG.slo, interval_s=5,
+                               scale_down_delay_s=10, scale_up_share=3.0)
+    scaler = PoolScaler(cluster, config)
+    scaler.step(0.0)
+    cluster.decode = [("decode-0", _stats(num_steps=100, forward_s=8.0), DecodeLoad("decode-0", 10, 100, 30, 0, 0))]
+    cluster.release.clear()
+    (d,) = scaler.step(5.0)
+    assert (d.action, d.role, d.count) == ("add", "decode", 3)
+    assert scaler.observe(10.0)["decode"].pending == 3
+    assert scaler.targets(scaler.observe(10.0), [])["decode"] == 4, "the one listed and the three on their way"
+    assert scaler.status()["decisions"][-1]["count"] == 3
+    cluster.release.set()
+    _settle(scaler)
+    assert cluster.added == ["decode"] * 3 and scaler.status()["pending"] == {"prefill": 0, "decode": 0}
+
+
 def test_an_idle_decode_pool_drains_its_least_busy_worker_after_the_delay():
     cluster = FakeCluster()
     scaler = PoolScaler(cluster, CONFIG)

@@ -55,7 +55,7 @@ def test_device_seconds_count_every_worker_while_it_is_held():
     fixed = run(CEILING, COST, requests)
     assert fixed.device_s == pytest.approx(4 * fixed.end_s)
     elastic = run(elastic_topology(CEILING, 0.25, SCALING), COST, requests)
-    adds = sum(1 for _, action, _, _ in elastic.scaling_decisions if action == "add")
+    adds = sum(1 for _, d in elastic.scaling_decisions if d.action == "add")
     assert adds >= 1 and elastic.num_devices_max > 1
     # One device all along, and more from each add on: strictly between one and the most held.
     assert elastic.end_s < elastic.device_s < elastic.num_devices_max * elastic.end_s

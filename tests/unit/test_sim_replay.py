@@ -169,7 +169,7 @@ def test_autoscaling_adds_decode_workers_under_load_and_counts_them():
     topo = SimTopology(prefill_workers=1, decode_workers=1, autoscaling=scaling, worker_start_s=5.0,
                        router=RouterSettings(admission=AdmissionConfig(max_requests=10**6)))
     result = run(topo, COST, generate(parse_spec("sharegpt:n=1500,rate=40,seed=1")))
-    adds = [d for d in result.scaling_decisions if d[1] == "add" and d[2] == "decode"]
+    adds = [d for _, d in result.scaling_decisions if d.action == "add" and d.role == "decode"]
     assert adds, f"an ITL SLO of 8 ms under load should add decode workers: {result.scaling_decisions}"
     assert result.num_devices_max > 2
 

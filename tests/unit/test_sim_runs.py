@@ -61,7 +61,7 @@ def test_decode_runs_give_the_stepped_simulation(case):
     assert runs.queue_samples == stepped.queue_samples
     assert runs.scaling_decisions == stepped.scaling_decisions and runs.device_s == stepped.device_s
     if case == "autoscaling":
-        actions = {action for _, action, _, _ in stepped.scaling_decisions}
+        actions = {d.action for _, d in stepped.scaling_decisions}
         assert {"add", "remove"} <= actions, "the pools must grow and shrink for this case to check it"
     if case == "preempting":
         assert stepped.num_preemptions > 0, "the small pool must preempt for this case to check it"

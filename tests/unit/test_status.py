@@ -30,7 +30,10 @@ def test_autoscaled_pools_show_targets_draining_workers_and_the_latest_decisions
         "pending": {"prefill": 0, "decode": -1},
         "targets": {"prefill": {"workers": 1, "target": 1, "min": 1, "max": 2},
                     "decode": {"workers": 1, "target": 1, "min": 1, "max": 4}},
-        "decisions": [{"at": 1.0, "ago_s": 12.5, "action": "remove", "role": "decode", "reason": "idle for 30 s"}],
+        "decisions": [{"at": 0.5, "ago_s": 13.0, "action": "add", "role": "decode", "count": 3,
+                       "reason": "ITL 61 ms over the SLO's 50 ms"},
+                      {"at": 1.0, "ago_s": 12.5, "action": "remove", "role": "decode", "count": 1,
+                       "reason": "idle for 30 s"}],
         "slo": {"ttft_ms": 1000, "itl_ms": 50},
         "router_latency": {"ttft_ms": 812.4, "itl_ms": None, "requests": 7, "tokens": 0},
     }
@@ -40,7 +43,8 @@ def test_autoscaled_pools_show_targets_draining_workers_and_the_latest_decisions
     assert "  decode-1 (draining)      no answer" in text
     assert ("clients saw: TTFT p90 812 ms, ITL p90 - over 7 requests, 0 tokens  (SLO: TTFT 1000 ms, ITL 50 ms)"
             in text)
-    assert text.splitlines()[-2:] == ["autoscaling decisions (latest last):",
+    assert text.splitlines()[-3:] == ["autoscaling decisions (latest last):",
+                                      "     13.0 s ago  add 3 decode: ITL 61 ms over the SLO's 50 ms",
                                       "     12.5 s ago  remove decode: idle for 30 s"]
 
 

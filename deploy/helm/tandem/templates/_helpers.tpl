@@ -323,7 +323,7 @@ unless both roles ask the same resources).
 {{- $topo := deepCopy .Values.serve.topology -}}
 {{- $a := .Values.autoscaling -}}
 {{- if $a.enabled }}
-{{- $section := dict "slo" (dict "ttft_ms" $a.slo.ttftMs "itl_ms" $a.slo.itlMs) "interval_s" $a.intervalSeconds "scale_down_delay_s" $a.scaleDownDelaySeconds "drain_timeout_s" $a.drainTimeoutSeconds -}}
+{{- $section := dict "slo" (dict "ttft_ms" $a.slo.ttftMs "itl_ms" $a.slo.itlMs) "interval_s" $a.intervalSeconds "scale_down_delay_s" $a.scaleDownDelaySeconds "scale_up_share" $a.scaleUpShare "drain_timeout_s" $a.drainTimeoutSeconds -}}
 {{- if $a.allowRoleSwitch }}
 {{- $res := default dict .Values.serve.workerResources -}}
 {{- if or (ne (toJson (index $res "prefill")) (toJson (index $res "decode"))) (ne (toJson $topo.prefill_resources) (toJson $topo.decode_resources)) }}
