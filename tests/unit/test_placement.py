@@ -23,6 +23,7 @@ class D:
     running: int = 0
     waiting: int = 0
     waiting_for_kv: int = 0
+    total_blocks: int = 100
 
 
 def test_prefill_goes_to_the_worker_with_the_fewest_queued_tokens():
@@ -56,8 +57,16 @@ def test_no_prefill_workers_means_no_choice():
     assert pick_prefill([]) is None
 
 
-def test_decode_goes_to_the_worker_with_the_most_free_blocks():
+def test_decode_goes_to_the_worker_with_the_most_free_blocks_where_kv_binds():
     assert pick_decode([D(10), D(50), D(30)], blocks_needed=5, max_running=8) == 1
+
+
+def test_decode_goes_to_the_worker_with_the_fewest_requests_where_seats_bind():
+    """KV to spare everywhere (a GPU's pool holds far more than a batch of chat turns):
+    blocks would send every arrival to the worker a few blocks emptier; seats spread them."""
+    roomy = [D(900, running=10, total_blocks=1000), D(500, running=2, total_blocks=1000)]
+    assert pick_decode(roomy, blocks_needed=5, max_running=16) == 1  # 10/16 of its seats against 50% of its KV
+    assert pick_decode(roomy, blocks_needed=5, max_running=256) == 0  # 4% of the seats: now KV binds
 
 
 def test_decode_skips_workers_at_the_running_cap_and_without_room():
@@ -115,14 +124,18 @@ def test_prefill_without_cache_always_picks_a_least_queued_worker(queued, tie):
     st.integers(1, 20),
     st.integers(1, 10),
 )
-def test_decode_choice_always_has_room_and_the_most_free_blocks(workers, need, cap):
+def test_decode_choice_always_has_room_and_no_worker_with_room_is_emptier_in_both(workers, need, cap):
     loads = [D(free, running=run) for free, run in workers]  # nothing waiting
     i = pick_decode(loads, need, cap)
-    eligible = [w.free_blocks for w in loads if w.free_blocks >= need and w.running < cap]
+    eligible = [w for w in loads if w.free_blocks >= need and w.running < cap]
     if not eligible:
         assert i is None
-    else:
-        assert loads[i].free_blocks == max(eligible)
+        return
+    chosen = loads[i]
+    assert chosen.free_blocks >= need and chosen.running < cap
+    for w in eligible:  # more free blocks and fewer requests at once: it would have been the choice
+        assert not (w.free_blocks >= chosen.free_blocks and w.running <= chosen.running
+                    and (w.free_blocks, w.running) != (chosen.free_blocks, chosen.running)), (w, chosen)
 
 
 def test_pick_affine_follows_the_named_worker_only_while_it_is_listed_and_has_room():
@@ -156,7 +169,7 @@ def test_an_affine_decode_choice_has_room_and_is_never_much_busier(workers, need
         assert i is None
         return
     assert loads[i].free_blocks >= need and loads[i].running < 21
-    if loads[i].free_blocks != max(w.free_blocks for w in room):  # an affine choice
+    if i != pick_decode(loads, need, 21):  # an affine choice
         assert cached[i] > 0 and loads[i].running - min(w.running for w in room) <= imbalance
 
 
