@@ -393,10 +393,10 @@ class Simulator:
         ends = run.ends[:num_steps]
         records = self.records
         for request in run.requests:
-            times = records[int(request.request_id)].token_times
+            rec = records[int(request.request_id)]
             if self.latency is not None:
-                self._feed_gaps(times[-1], ends)
-            times.extend(ends)
+                self._feed_run(rec, ends)
+            rec.token_times.extend(ends)
         for dt in run.durations[:num_steps]:
             w.forward_s += dt
         w.num_steps += num_steps
@@ -433,11 +433,16 @@ class Simulator:
                 self._ttft_feed.append((now, next(self._feed_order), now - rec.req.arrival_s))
         times.append(now)
 
-    def _feed_gaps(self, last: float, ends) -> None:
-        """A request's tokens at ``ends`` (a run's steps), the one before at ``last``."""
-        feed, order = self._itl_feed, self._feed_order
+    def _feed_run(self, rec: Record, ends) -> None:
+        """``rec``'s tokens at ``ends`` (a run's steps) for the latency window. The first may
+        be its first token: a prompt whose last token was left to a step of its own (a
+        chunk that ended one short) decodes in the run from there."""
+        order, last = self._feed_order, rec.token_times[-1] if rec.token_times else None
         for end in ends:
-            feed.append((end, next(order), end - last))
+            if last is None:
+                self._ttft_feed.append((end, next(order), end - rec.req.arrival_s))
+            else:
+                self._itl_feed.append((end, next(order), end - last))
             last = end
 
     def cut_runs(self) -> None:

@@ -65,3 +65,21 @@ def test_decode_runs_give_the_stepped_simulation(case):
         assert {"add", "remove"} <= actions, "the pools must grow and shrink for this case to check it"
     if case == "preempting":
         assert stepped.num_preemptions > 0, "the small pool must preempt for this case to check it"
+
+
+def test_a_run_may_start_with_a_prompts_last_token_and_the_window_counts_it_as_a_first_token():
+    """A chunk that ends one token short of the prompt leaves a 1-token step, which a run
+    takes as a decode step: with autoscaling, its token reaches the latency window as the
+    request's first (a TTFT), as stepping gives it."""
+    topo = SimTopology(prefill_workers=0, decode_workers=1, router=UNBOUNDED, engine={"max_num_batched_tokens": 64},
+                       autoscaling=AutoscalingConfig(decode=PoolBounds(1, 1), interval_s=0.05))
+    # The first decodes from the second step on; the second's 64-token prompt then gets 63 of
+    # the 64-token budget, and its last token rides in the next step, a decode step.
+    requests = [SimRequest(0.0, 10, 200), SimRequest(0.001, 64, 100)]
+    stepped = Simulator(topo, COST, requests, decode_runs=False)
+    stepped_result = stepped.run()
+    runs = Simulator(topo, COST, requests, decode_runs=True)
+    runs_result = runs.run()
+    for a, b in zip(stepped_result.records, runs_result.records):
+        assert list(a.token_times) == list(b.token_times)
+    assert runs.latency.report(runs.now) == stepped.latency.report(stepped.now)
