@@ -108,9 +108,8 @@ def plan_bounds(ceiling: SimTopology, capacity: float, cost: CostModel, requests
         return t
 
     fixed = simulate(1.0, ceiling.replace(autoscaling=None))
-    low = min(min(r0, r1) for _, r0, r1 in profile.segments)
     floors: dict[tuple[int, int], tuple[float, SimTopology]] = {}
-    for share in floor_shares(low / capacity if capacity > 0 else 1.0, factors):
+    for share in floor_shares(profile.low / capacity if capacity > 0 else 1.0, factors):
         topo = elastic_topology(ceiling, share, scaling)
         floors.setdefault((topo.prefill_workers, topo.decode_workers), (share, topo))  # shares that round alike
     trials = [simulate(share, topo) for share, topo in floors.values() if topo.num_devices < ceiling.num_devices]

@@ -163,6 +163,10 @@ class RateProfile:
     def peak(self) -> float:
         return max(max(r0, r1) for _, r0, r1 in self.segments)
 
+    @property
+    def low(self) -> float:
+        return min(min(r0, r1) for _, r0, r1 in self.segments)
+
     def expected(self) -> float:
         """The mean number of arrivals over the whole profile."""
         return sum(seconds * (r0 + r1) / 2 for seconds, r0, r1 in self.segments)

@@ -28,7 +28,7 @@ DAY = RateProfile.day(low=20, peak=130, phase_s=10)
 
 def test_a_profile_inverts_its_rate_integral_and_arrivals_follow_its_rate():
     p = RateProfile.day(low=10, peak=40, phase_s=30)
-    assert p.duration_s == 150 and p.peak == 40
+    assert p.duration_s == 150 and (p.low, p.peak) == (10, 40)
     assert p.expected() == pytest.approx(30 * (10 + 25 + 40 + 25 + 10))
     # Inside the ramp up, the mean count is 300 + 10 t + (30 / 60) t^2 at t seconds into it.
     assert p.time_at(300) == pytest.approx(30)
