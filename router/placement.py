@@ -18,6 +18,7 @@ below) and return an index into them, or None when no worker can take the reques
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -89,56 +90,57 @@ def pick_decode(
     cached_blocks: Sequence[int] = (),
     max_imbalance_requests: int = 8,
 ) -> int | None:
-    """The least full worker with room (``decode_fullness``), or the one holding the longest
-    prefix of the prompt in its prefix cache.
+    """The least full worker with room, or the one holding the longest prefix of the
+    prompt in its prefix cache.
 
-    Full by whichever it has less of to spare: KV blocks where memory binds (a small pool,
-    long contexts), requests where it does not (a GPU's KV holds far more than a batch
-    cap's worth of chat turns). Ranked by free KV blocks alone, 64 colocated H100s
-    herded: the worker with a few hundred blocks more took every arrival of a step, and
-    prefilled them at once (85.8% of requests within TTFT 60 / ITL 11 ms at 1,100 req/s,
-    where round-robin made 97.0% and this rule 99.7%); ranked by requests alone, 8
-    workers of 1,000 blocks each preempted more (93.7% within TTFT 200 / ITL 20 ms at
-    85 req/s, against 99.7% by blocks and 99.2% by this rule). The simulator's numbers
-    (docs/SIMULATOR.md).
+    How full a worker is: the larger of the share of its KV blocks not spare (free, less
+    those pending there and those its waiting requests will take) and the share of its
+    running cap its requests take (running, waiting or receiving KV); the smaller ranks
+    ties, then the order from ``tie_break``. Full by whichever it has less of to spare:
+    KV blocks where memory binds (a small pool, long contexts), requests where it does
+    not (a GPU's KV holds far more than a batch cap's worth of chat turns). Ranked by
+    free KV blocks alone, 64 colocated H100s herded: the worker with a few hundred blocks
+    more took every arrival of a step, and prefilled them at once (85.8% of requests
+    within TTFT 60 / ITL 11 ms at 1,100 req/s, where round-robin made 97.0% and this rule
+    99.7%); ranked by requests alone, 8 workers of 1,000 blocks each preempted more
+    (93.7% within TTFT 200 / ITL 20 ms at 85 req/s, against 99.7% by blocks and 99.2% by
+    this rule). The simulator's numbers (docs/SIMULATOR.md).
 
     ``cached_blocks``: how many leading prompt blocks each worker has cached. The affine
-    worker wins unless it has more than ``max_imbalance_requests`` requests (running,
-    waiting or receiving KV) beyond the least busy worker with room. None when no worker
-    has room for ``blocks_needed`` blocks right now.
+    worker wins unless it has more than ``max_imbalance_requests`` requests beyond the
+    least busy worker with room. None when no worker has room for ``blocks_needed``
+    blocks right now.
     """
-    pending = [pending_blocks[i] if i < len(pending_blocks) else 0 for i in range(len(loads))]
-    # One pass over the workers (it runs for every request): those with room, in turn from
-    # ``tie_break``, and the first of them that is least full.
-    room: list[int] = []
-    spare = [0] * len(loads)
-    best, best_key = -1, (0.0, 0.0)
-    for i in _rotated(len(loads), tie_break):
+    n = len(loads)
+    if n == 0:
+        return None
+    npend = len(pending_blocks)
+    best, best_hi, best_lo = -1, 0.0, 0.0
+    start = tie_break % n
+    # One pass over the workers, inlined: it runs for every request, over every worker.
+    for i in itertools.chain(range(start, n), range(start)):
         load = loads[i]
-        if decode_has_room(load, blocks_needed, max_running, pending[i]):
-            room.append(i)
-            spare[i] = load.free_blocks - pending[i] - load.waiting * blocks_needed
-            key = decode_fullness(load, spare[i], max_running)
-            if best < 0 or key < best_key:
-                best, best_key = i, key
-    if not room:
+        free = load.free_blocks - (pending_blocks[i] if i < npend else 0)
+        active = load.running + load.waiting + load.waiting_for_kv
+        if free < blocks_needed or active >= max_running:
+            continue
+        total = load.total_blocks
+        kv = 1 - (free - load.waiting * blocks_needed) / total if total > 0 else 1.0
+        seats = active / max_running
+        hi, lo = (kv, seats) if kv >= seats else (seats, kv)
+        if best < 0 or hi < best_hi or (hi == best_hi and lo < best_lo):
+            best, best_hi, best_lo = i, hi, lo
+    if best < 0:
         return None
     if not any(cached_blocks):
         return best  # no worker caches any of it: the affine one would be the best
-    cached = [cached_blocks[i] if i < len(cached_blocks) else 0 for i in range(len(loads))]
-    affine = max(room, key=lambda i: (cached[i], spare[i]))
+    pending = [pending_blocks[i] if i < npend else 0 for i in range(n)]
+    room = [i for i in _rotated(n, tie_break) if decode_has_room(loads[i], blocks_needed, max_running, pending[i])]
+    cached = [cached_blocks[i] if i < len(cached_blocks) else 0 for i in range(n)]
+    affine = max(room, key=lambda i: (cached[i], loads[i].free_blocks - pending[i] - loads[i].waiting * blocks_needed))
     if cached[affine] > 0 and _active(loads[affine]) - min(_active(loads[i]) for i in room) <= max_imbalance_requests:
         return affine
     return best
-
-
-def decode_fullness(load: DecodeLoadLike, spare_blocks: int, max_running: int) -> tuple[float, float]:
-    """How full a decode worker is: the larger of the share of its KV blocks not spare
-    (``spare_blocks``: free, less those promised to requests placed or waiting there) and
-    the share of its running cap its requests take; then the smaller, to rank ties."""
-    kv = 1 - spare_blocks / load.total_blocks if load.total_blocks > 0 else 1.0
-    seats = _active(load) / max_running if max_running > 0 else 1.0
-    return max(kv, seats), min(kv, seats)
 
 
 def _active(load: DecodeLoadLike) -> int:

@@ -45,6 +45,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
+
 from engine.step_shape import StepShape
 from sim.contention import ANY_ROLE, NO_CONTENTION, Contention
 from sim.service_path import NO_DELAY, ServicePath
@@ -236,12 +238,17 @@ class CostModel:
             t += s.swap_blocks * self.block_bytes(self.block_size) / self.device.pcie_bw
         return t
 
-    def decode_steps_s(self, batch: int, context: int, num_steps: int) -> list[float]:
+    def decode_steps_s(self, batch: int, context: int, num_steps: int) -> np.ndarray:
         """``step_s`` of each of ``num_steps`` steps of ``batch`` requests decoding a token each
-        after ``context`` tokens in all: the j-th reads ``context + batch * j`` (``shape_of``)."""
-        compute = self._compute_s
-        return [compute(batch, batch, batch, context + batch * j, context + batch * j)
-                for j in range(1, num_steps + 1)]
+        after ``context`` tokens in all: the j-th reads ``context + batch * j`` (``shape_of``).
+        One array, each element what ``_compute_s`` gives for that step to the bit (the same
+        operations on the same integers, in the same order)."""
+        c = self.corrections
+        kv = context + batch * np.arange(1, num_steps + 1, dtype=np.int64)
+        flops = self._token_flops * batch + self._head_flops * batch + self._attn_flops_per_pair * kv
+        moved = self._weight_bytes + self._kv_bytes_per_token * (kv + batch)
+        t = self._fixed_s + c.per_request_s * batch + np.maximum(flops / self._flops_per_s, moved / self._bytes_per_s)
+        return t + (c.per_token_s * batch + c.per_pair_s * kv + c.per_kv_token_s * kv)
 
     def block_bytes(self, block_size: int) -> int:
         return self.model.bytes_per_block(block_size, self.device.dtype_bytes)

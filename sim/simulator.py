@@ -49,6 +49,8 @@ from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from cluster.autoscaler import Decision
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -378,27 +380,24 @@ class Simulator:
         """The steps of a ``decode_run``, timed as ``kick`` times each (``CostModel.decode_steps_s``)."""
         running = list(w.scheduler.running.in_order)
         durations = self.cost.decode_steps_s(len(running), sum(r.num_computed_tokens for r in running), len(taken))
-        t, ends = self.now, []
-        for dt in durations:
-            t = t + dt
-            ends.append(t)
+        ends = _running_sum(self.now, durations)
         w.run = DecodeRun(ends, durations, taken, w.kv.pool.num_free_blocks, running)
         w.touch()
-        self.at(t, self._run_done, (w, w.run))
+        self.at(float(ends[-1]), self._run_done, (w, w.run))
 
     def _skip(self, w: SimWorker, run: DecodeRun, num_steps: int) -> None:
         """The run's first ``num_steps`` steps ended: the scheduler skips them, their tokens
         reach the clients."""
         w.scheduler.skip_decode_steps(num_steps, SAMPLED_TOKEN)
         ends = run.ends[:num_steps]
-        records = self.records
+        times, records = ends.tobytes(), self.records
         for request in run.requests:
             rec = records[int(request.request_id)]
             if self.latency is not None:
-                self._feed_run(rec, ends)
-            rec.token_times.extend(ends)
-        for dt in run.durations[:num_steps]:
-            w.forward_s += dt
+                self._feed_run(rec, ends.tolist())
+            rec.token_times.frombytes(times)
+        if num_steps:
+            w.forward_s = float(_running_sum(w.forward_s, run.durations[:num_steps])[-1])
         w.num_steps += num_steps
         w.run = None
         w.touch()
@@ -420,8 +419,8 @@ class Simulator:
         out = w.scheduler.schedule()
         w.in_flight = out
         w.num_steps += 1
-        w.forward_s += run.durations[m]
-        self.at(run.ends[m], self._step_done, w)
+        w.forward_s += float(run.durations[m])
+        self.at(float(run.ends[m]), self._step_done, w)
 
     def _token(self, rec: Record) -> None:
         """A token reached the client now (counted in the routers' latency window with autoscaling)."""
@@ -503,6 +502,13 @@ class Simulator:
         rec.prefill.touch()
         if rec.prefill.draining and self.scaling is not None:
             self.scaling.check_drained(rec.prefill)
+
+
+def _running_sum(start: float, steps: np.ndarray) -> np.ndarray:
+    """``start + steps[0]``, then that ``+ steps[1]``, ...: each partial sum rounded as adding
+    one step at a time rounds it (``np.add.accumulate`` adds in order; ``np.cumsum`` then
+    ``+ start`` would round otherwise)."""
+    return np.add.accumulate(np.concatenate(([start], steps)))[1:]
 
 
 def run(topology: SimTopology, cost: CostModel, requests: list[SimRequest], **kwargs) -> SimResult:

@@ -37,8 +37,10 @@ once it holds none.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.block_hash import BlockHasher
 from engine.block_pool import KVCacheManager
@@ -76,19 +78,19 @@ def build_scheduler(config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
 
 @dataclass(slots=True)
 class DecodeRun:
-    """Identical decode steps a worker takes as one: each step's end time and duration, the
-    blocks steps 1 to j + 1 take in all (``taken[j]``, from ``Scheduler.decode_run``), the
-    free blocks before the first, and the requests decoding."""
+    """Identical decode steps a worker takes as one: each step's end time and duration (float64
+    arrays), the blocks steps 1 to j + 1 take in all (``taken[j]``, from
+    ``Scheduler.decode_run``), the free blocks before the first, and the requests decoding."""
 
-    ends: list[float]
-    durations: list[float]
+    ends: np.ndarray
+    durations: np.ndarray
     taken: list[int]
     free_blocks: int
     requests: list
 
     def steps_ended(self, now: float) -> int:
         """Steps ended before ``now`` (one ending at ``now`` has not yet)."""
-        return bisect_left(self.ends, now)
+        return int(np.searchsorted(self.ends, now, "left"))
 
 
 class SimWorker:
@@ -143,7 +145,7 @@ class SimWorker:
             self.load_until = math.inf
             if run is not None:  # good until the last step of those that take no more blocks than this one
                 taken = run.taken
-                self.load_until = run.ends[bisect_right(taken, taken[run.steps_ended(now)]) - 1]
+                self.load_until = float(run.ends[bisect_right(taken, taken[run.steps_ended(now)]) - 1])
             self.load = DecodeLoad(self.worker_id, self.free_blocks(now), self.kv.pool.num_usable_blocks,
                                    len(s.running), s.num_waiting, len(s.remote))
         return self.load
