@@ -49,6 +49,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -228,96 +229,95 @@ def _has(env: list[tuple[str, str]], name: str) -> bool:
     return any(k == name for k, _ in env)
 
 
-def build_cluster(docs: list[dict], *, namespace: str, domain: str, subnet: str, tag: str) -> Cluster:
-    """The pods KubeRay would make of the rendered RayService (head, then each worker group's
-    replicas), with their commands, environment and volumes."""
-    (rs,) = [d for d in docs if d["kind"] == "RayService"]
-    secrets = {
+def _secrets(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The chart's Secrets, their data decoded."""
+    return {
         d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()}
         for d in docs if d["kind"] == "Secret"
     }
-    spec = rs["spec"]
-    rcc = spec["rayClusterConfig"]
-    cluster_name = f"{rs['metadata']['name']}-{tag}"  # KubeRay: <rayservice>-<5 random>
-    head_spec = rcc["headGroupSpec"]
-    head_port = str((head_spec.get("rayStartParams") or {}).get("port", DEFAULT_GCS_PORT))
-    fqdn = f"{cluster_name}-head-svc.{namespace}.svc.{domain}"
 
-    groups = [("head", "headgroup", head_spec, 1)]
+
+def _groups(rcc: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], int]]:
+    """(kind, group, spec, replicas): the head, then each worker group, its replicas within
+    minReplicas and maxReplicas."""
+    groups = [("head", "headgroup", rcc["headGroupSpec"], 1)]
     for g in rcc.get("workerGroupSpecs") or []:
         replicas = min(max(int(g.get("replicas", 1)), int(g.get("minReplicas", 0))), int(g.get("maxReplicas", 2**31)))
         groups.append(("worker", g["groupName"], g, replicas))
+    return groups
 
-    pods: list[Pod] = []
-    rand = random.Random(tag)
-    for kind, group, gspec, replicas in groups:
-        template = gspec["template"]
-        pod_spec = template["spec"]
-        (container, *_) = pod_spec["containers"]
-        for _ in range(replicas):
-            suffix = "".join(rand.choices(string.ascii_lowercase + string.digits, k=5))
-            name = f"{cluster_name}-head-{suffix}" if kind == "head" else f"{cluster_name}-{group}-worker-{suffix}"
-            ip = f"{subnet}.{10 + len(pods)}"
-            labels = {**(template.get("metadata", {}).get("labels") or {}), "ray.io/cluster": cluster_name,
-                      "ray.io/group": group, "ray.io/node-type": kind, "ray.io/is-ray-node": "yes"}
-            meta = {"name": name, "namespace": namespace, "ip": ip, "labels": labels}
-            ray_start = ray_start_command(kind, gspec.get("rayStartParams"), container.get("resources") or {},
-                                          fqdn, head_port)
-            env = _env(container.get("env") or [], secrets, meta)
-            # KubeRay's setContainerEnvVars (RayService), then token auth where the chart left it out.
-            if kind == "worker":
-                env += [("FQ_RAY_IP", fqdn), ("RAY_IP", fqdn.split(".")[0])]
-            env += [("RAY_CLUSTER_NAME", cluster_name), ("RAY_CLUSTER_NAMESPACE", namespace),
-                    ("RAY_CLOUD_INSTANCE_ID", name), ("RAY_NODE_TYPE_NAME", group),
-                    ("KUBERAY_GEN_RAY_START_CMD", ray_start)]
-            defaults = [("RAY_PORT", head_port), ("RAY_TIMEOUT_MS_TASK_WAIT_FOR_DEATH_INFO", "0"),
-                        ("RAY_GCS_SERVER_REQUEST_TIMEOUT_SECONDS", "5"), ("RAY_SERVE_KV_TIMEOUT_S", "5"),
-                        ("RAY_ADDRESS", f"{'127.0.0.1' if kind == 'head' else fqdn}:{head_port}"),
-                        ("RAY_USAGE_STATS_KUBERAY_IN_USE", "1")]
-            env += [(k, v) for k, v in defaults if not _has(env, k)]
-            if kind == "head":
-                env.append(("RAY_USAGE_STATS_EXTRA_TAGS", "kuberay_crd=RayService"))
-            if not _has(env, "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE"):
-                env.append(("RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE", "1"))
-            auth = rcc.get("authOptions") or {}
-            if auth.get("mode") == "token":
-                token = secrets.get(auth.get("secretName", ""), {}).get("auth_token")
-                if not _has(env, "RAY_AUTH_MODE"):
-                    env.append(("RAY_AUTH_MODE", "token"))
-                if not _has(env, "RAY_AUTH_TOKEN") and token:
-                    env.append(("RAY_AUTH_TOKEN", token))
-            # Volumes: emptyDirs become fresh folders; /dev/shm (medium Memory) the container's shm.
-            vols = {v["name"]: v for v in pod_spec.get("volumes") or []}
-            mounts, shm = [], 64 * 2**20
-            for vm in container.get("volumeMounts") or []:
-                vol = vols.get(vm["name"])
-                if vol is None or "emptyDir" not in vol:
-                    raise CheckFailed(f"{name}: volume {vm['name']} is not an emptyDir; only emptyDirs are emulated")
-                if vm["mountPath"] == "/dev/shm":
-                    limits = (container.get("resources") or {}).get("limits") or {}
-                    limit = vol["emptyDir"].get("sizeLimit") or limits.get("memory")
-                    shm = quantity_value(limit) if limit else shm
-                else:
-                    mounts.append((vm["name"], vm["mountPath"]))
-            sc = {**(pod_spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
-            user = f"{sc['runAsUser']}:{sc.get('runAsGroup', sc['runAsUser'])}" if "runAsUser" in sc else ""
-            init = None
-            if kind == "worker":  # KubeRay's wait-gcs-ready init container (same env as the Ray container)
-                init = ["/bin/bash", "-c", "--", (
-                    "SECONDS=0; while true; do "
-                    f"if ray health-check --address {fqdn}:{head_port} >/dev/null 2>&1; "
-                    "then echo 'GCS is ready.'; break; fi; "
-                    "if (( SECONDS > 120 )); then echo 'GCS not ready after 120 s'; exit 1; fi; "
-                    'echo "$SECONDS seconds elapsed: Waiting for GCS to be ready."; sleep 5; done')]
-            ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports") or []}
-            pods.append(Pod(name=name, kind=kind, group=group, ip=ip, netns=f"tdmck-{len(pods)}",
-                            command=container_command(container, ray_start), env=env, user=user,
-                            volumes=mounts, shm_bytes=shm, init_command=init, ports=ports))
 
+def _add_kuberay_env(env: list[tuple[str, str]], *, kind: str, group: str, name: str, cluster_name: str,
+                     namespace: str, fqdn: str, head_port: str, ray_start: str) -> None:
+    """KubeRay's setContainerEnvVars (RayService), after the container's own env."""
+    if kind == "worker":
+        env += [("FQ_RAY_IP", fqdn), ("RAY_IP", fqdn.split(".")[0])]
+    env += [("RAY_CLUSTER_NAME", cluster_name), ("RAY_CLUSTER_NAMESPACE", namespace),
+            ("RAY_CLOUD_INSTANCE_ID", name), ("RAY_NODE_TYPE_NAME", group),
+            ("KUBERAY_GEN_RAY_START_CMD", ray_start)]
+    defaults = [("RAY_PORT", head_port), ("RAY_TIMEOUT_MS_TASK_WAIT_FOR_DEATH_INFO", "0"),
+                ("RAY_GCS_SERVER_REQUEST_TIMEOUT_SECONDS", "5"), ("RAY_SERVE_KV_TIMEOUT_S", "5"),
+                ("RAY_ADDRESS", f"{'127.0.0.1' if kind == 'head' else fqdn}:{head_port}"),
+                ("RAY_USAGE_STATS_KUBERAY_IN_USE", "1")]
+    env += [(k, v) for k, v in defaults if not _has(env, k)]
+    if kind == "head":
+        env.append(("RAY_USAGE_STATS_EXTRA_TAGS", "kuberay_crd=RayService"))
+    if not _has(env, "RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE"):
+        env.append(("RAY_DASHBOARD_ENABLE_K8S_DISK_USAGE", "1"))
+
+
+def _add_token_env(env: list[tuple[str, str]], rcc: dict[str, Any], secrets: dict[str, dict[str, str]]) -> None:
+    """Token auth, where authOptions asks for it and the chart left it out of the env."""
+    auth = rcc.get("authOptions") or {}
+    if auth.get("mode") == "token":
+        token = secrets.get(auth.get("secretName", ""), {}).get("auth_token")
+        if not _has(env, "RAY_AUTH_MODE"):
+            env.append(("RAY_AUTH_MODE", "token"))
+        if not _has(env, "RAY_AUTH_TOKEN") and token:
+            env.append(("RAY_AUTH_TOKEN", token))
+
+
+def _volumes(name: str, pod_spec: dict[str, Any], container: dict[str, Any]) -> tuple[list[tuple[str, str]], int]:
+    """(volume name, mount path) of the container's emptyDirs, and the size of its /dev/shm:
+    emptyDirs become fresh folders; /dev/shm (medium Memory) the container's shm."""
+    vols = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    mounts, shm = [], 64 * 2**20
+    for vm in container.get("volumeMounts") or []:
+        vol = vols.get(vm["name"])
+        if vol is None or "emptyDir" not in vol:
+            raise CheckFailed(f"{name}: volume {vm['name']} is not an emptyDir; only emptyDirs are emulated")
+        if vm["mountPath"] == "/dev/shm":
+            limits = (container.get("resources") or {}).get("limits") or {}
+            limit = vol["emptyDir"].get("sizeLimit") or limits.get("memory")
+            shm = quantity_value(limit) if limit else shm
+        else:
+            mounts.append((vm["name"], vm["mountPath"]))
+    return mounts, shm
+
+
+def _user(pod_spec: dict[str, Any], container: dict[str, Any]) -> str:
+    """uid:gid of the securityContext (the container's over the pod's), or "" where it sets none."""
+    sc = {**(pod_spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+    return f"{sc['runAsUser']}:{sc.get('runAsGroup', sc['runAsUser'])}" if "runAsUser" in sc else ""
+
+
+def _wait_gcs_ready(fqdn: str, head_port: str) -> list[str]:
+    """KubeRay's wait-gcs-ready init container of a worker (same env as the Ray container)."""
+    return ["/bin/bash", "-c", "--", (
+        "SECONDS=0; while true; do "
+        f"if ray health-check --address {fqdn}:{head_port} >/dev/null 2>&1; "
+        "then echo 'GCS is ready.'; break; fi; "
+        "if (( SECONDS > 120 )); then echo 'GCS not ready after 120 s'; exit 1; fi; "
+        'echo "$SECONDS seconds elapsed: Waiting for GCS to be ready."; sleep 5; done')]
+
+
+def _cluster(pods: list[Pod], spec: dict[str, Any], secrets: dict[str, dict[str, str]], fqdn: str,
+             head_port: str) -> Cluster:
+    """The pods with the RayService's Serve config, the operator's token and the head's ports."""
     serve_config = yaml.safe_load(spec["serveConfigV2"])
     (app,) = serve_config["applications"]
     token = None
-    auth = rcc.get("authOptions") or {}
+    auth = spec["rayClusterConfig"].get("authOptions") or {}
     if auth.get("mode") == "token":
         token = secrets.get(auth.get("secretName", ""), {}).get("auth_token")
         if not token:
@@ -330,6 +330,48 @@ def build_cluster(docs: list[dict], *, namespace: str, domain: str, subnet: str,
         ingress="haproxy" if head_env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "proxy",
         app_name=app["name"],
     )
+
+
+def build_cluster(docs: list[dict], *, namespace: str, domain: str, subnet: str, tag: str) -> Cluster:
+    """The pods KubeRay would make of the rendered RayService (head, then each worker group's
+    replicas), with their commands, environment and volumes."""
+    (rs,) = [d for d in docs if d["kind"] == "RayService"]
+    secrets = _secrets(docs)
+    spec = rs["spec"]
+    rcc = spec["rayClusterConfig"]
+    cluster_name = f"{rs['metadata']['name']}-{tag}"  # KubeRay: <rayservice>-<5 random>
+    head_spec = rcc["headGroupSpec"]
+    head_port = str((head_spec.get("rayStartParams") or {}).get("port", DEFAULT_GCS_PORT))
+    fqdn = f"{cluster_name}-head-svc.{namespace}.svc.{domain}"
+
+    pods: list[Pod] = []
+    rand = random.Random(tag)
+    for kind, group, gspec, replicas in _groups(rcc):
+        template = gspec["template"]
+        pod_spec = template["spec"]
+        (container, *_) = pod_spec["containers"]
+        for _ in range(replicas):
+            suffix = "".join(rand.choices(string.ascii_lowercase + string.digits, k=5))
+            name = f"{cluster_name}-head-{suffix}" if kind == "head" else f"{cluster_name}-{group}-worker-{suffix}"
+            ip = f"{subnet}.{10 + len(pods)}"
+            labels = {**(template.get("metadata", {}).get("labels") or {}), "ray.io/cluster": cluster_name,
+                      "ray.io/group": group, "ray.io/node-type": kind, "ray.io/is-ray-node": "yes"}
+            meta = {"name": name, "namespace": namespace, "ip": ip, "labels": labels}
+            ray_start = ray_start_command(kind, gspec.get("rayStartParams") or {}, container.get("resources") or {},
+                                          fqdn, head_port)
+            env = _env(container.get("env") or [], secrets, meta)
+            # KubeRay's setContainerEnvVars (RayService), then token auth where the chart left it out.
+            _add_kuberay_env(env, kind=kind, group=group, name=name, cluster_name=cluster_name,
+                             namespace=namespace, fqdn=fqdn, head_port=head_port, ray_start=ray_start)
+            _add_token_env(env, rcc, secrets)
+            mounts, shm = _volumes(name, pod_spec, container)
+            user = _user(pod_spec, container)
+            init = _wait_gcs_ready(fqdn, head_port) if kind == "worker" else None
+            ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports") or []}
+            pods.append(Pod(name=name, kind=kind, group=group, ip=ip, netns=f"tdmck-{len(pods)}",
+                            command=container_command(container, ray_start), env=env, user=user,
+                            volumes=mounts, shm_bytes=shm, init_command=init, ports=ports))
+    return _cluster(pods, spec, secrets, fqdn, head_port)
 
 
 # ------------------------------------------------------------------------- the machine
@@ -555,9 +597,9 @@ def _metric_total(text: str, name: str) -> float:
     return total
 
 
-def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: str) -> dict:
-    head, workers = c.pods[0], c.pods[1:]
-    summary: dict = {}
+def _create_pods(c: Cluster, m: Machine, namespace: str, domain: str) -> None:
+    """The pods' network, the cluster DNS for the head Service's name, and their containers."""
+    head = c.pods[0]
     for pod in c.pods:
         log(f"pod {pod.name} ({pod.group}) at {pod.ip}, netns {pod.netns}: {shlex.join(pod.command)}")
     m.network(c.pods)
@@ -565,20 +607,20 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
     for pod in c.pods:
         m.create(pod, namespace, domain)
 
-    t0 = time.time()
-    m.start(head)
-    dashboard = f"http://{head.ip}:{DEFAULT_DASHBOARD_PORT}"
 
-    # KubeRay's head probes (Ray >= 2.53: GET /api/healthz on the agent's port; the older
-    # exec probe's gcs_healthz too), sent as the kubelet sends them: no token.
+def _wait_head_ready(head: Pod, dashboard: str) -> None:
+    """KubeRay's head probes (Ray >= 2.53: GET /api/healthz on the agent's port; the older
+    exec probe's gcs_healthz too), sent as the kubelet sends them: no token."""
     def head_ready():
         return (http(f"http://{head.ip}:{DEFAULT_AGENT_LISTEN_PORT}/api/healthz")[0] == 200
                 and http(f"{dashboard}/api/gcs_healthz")[0] == 200)
 
     _wait("the head is Ready (KubeRay's probes)", 300, head_ready, [head])
-    summary["head_ready_s"] = round(time.time() - t0)
 
-    # The RayService controller: the Serve config to the dashboard, with the operator's token.
+
+def _put_serve_config(c: Cluster, dashboard: str) -> None:
+    """The RayService controller: the Serve config to the dashboard, with the operator's token
+    (and, where there is one, refused without it)."""
     if c.token:
         code, text = http(f"{dashboard}/api/serve/applications/", method="PUT", body=c.serve_config, timeout=60)
         if code not in (401, 403):
@@ -591,7 +633,9 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
         raise CheckFailed(f"PUT /api/serve/applications/: {code} {text[:1000]}")
     log("PUT /api/serve/applications/ (the rendered serveConfigV2, with Ray's token): 200")
 
-    # Workers: KubeRay's wait-gcs-ready init container, then the Ray container.
+
+def _start_workers(m: Machine, workers: list[Pod]) -> None:
+    """Workers: KubeRay's wait-gcs-ready init container, then the Ray container."""
     for pod in workers:
         t = time.time()
         out = m.exec(pod, pod.init_command, timeout=180)
@@ -600,6 +644,9 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
         log(f"{pod.name}: wait-gcs-ready passed in {time.time() - t:.0f} s ({out.stdout.strip().splitlines()[-1]})")
         m.start(pod)
 
+
+def _wait_app_running(c: Cluster, dashboard: str, timeout: float) -> None:
+    """The application RUNNING, as the dashboard reports it; DEPLOY_FAILED or UNHEALTHY fails."""
     def app_state():
         code, text = http(f"{dashboard}/api/serve/applications/", token=c.token, timeout=20)
         if code != 200:
@@ -610,12 +657,13 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
         return app if app.get("status") == "RUNNING" else None
 
     _wait(f"application {c.app_name} RUNNING", timeout, app_state, c.pods, every=5)
-    summary["app_running_s"] = round(time.time() - t0)
 
-    # Readiness: every worker's raylet through the agent (KubeRay's probe); the head's Serve
-    # proxy (the controller labels the head serve=true); workers must not be Ready for the
-    # chart's readinessProbe (/-/healthz on the serve port), or the HTTP Service would send
-    # clients where nothing serves.
+
+def _check_probes(c: Cluster, head: Pod, workers: list[Pod]) -> None:
+    """Readiness: every worker's raylet through the agent (KubeRay's probe); the head's Serve
+    proxy (the controller labels the head serve=true); workers must not be Ready for the
+    chart's readinessProbe (/-/healthz on the serve port), or the HTTP Service would send
+    clients where nothing serves."""
     for pod in workers:
         code, _ = http(f"http://{pod.ip}:{DEFAULT_AGENT_LISTEN_PORT}/api/healthz")
         if code != 200:
@@ -629,7 +677,9 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
                           f"{ready_workers}")
     log(f"probes: head serve /-/healthz 200; {len(workers)} worker(s) raylet healthy and not serve-Ready (no proxy)")
 
-    # A chat question through the head's HTTP port (HAProxy's when the chart runs it).
+
+def _ask_chat(c: Cluster, m: Machine, head: Pod) -> str:
+    """A chat question through the head's HTTP port (HAProxy's when the chart runs it); the reply."""
     base = f"http://{head.ip}:{c.http_port}"
     listener = _listener_uid(m, head, c.http_port)
     if listener is None:
@@ -647,30 +697,37 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
     if code != 200:
         raise CheckFailed(f"POST /v1/chat/completions: {code} {text[:1000]}")
     reply = json.loads(text)
-    content = reply["choices"][0]["message"]["content"]
+    content: str = reply["choices"][0]["message"]["content"]
     log(f"chat through {c.ingress} on the head's port {c.http_port} ({time.time() - t:.1f} s), model {model}: "
         f"{content!r} (finish_reason {reply['choices'][0].get('finish_reason')}, usage {reply.get('usage')})")
     if not content.strip():
         raise CheckFailed(f"the chat reply is empty: {text[:500]}")
-    summary["reply"] = content
+    return content
 
-    # Scrapes: Tandem's port and Ray's on every pod (the metrics Service / PodMonitor
-    # targets), HAProxy's exporter on the head.
+
+def _scrape_pod(c: Cluster, pod: Pod) -> dict[str, float]:
+    """Tandem's metrics port and Ray's on one pod: their sample counts and Tandem's counters."""
+    code, text = http(f"http://{pod.ip}:{c.metrics_port}/metrics", timeout=30)
+    tandem = [x for x in text.splitlines() if x.startswith("tandem:")]
+    if code != 200 or not tandem:
+        raise CheckFailed(f"{pod.name}: GET :{c.metrics_port}/metrics: {code}, {len(tandem)} tandem: samples")
+    rcode, rtext = http(f"http://{pod.ip}:{DEFAULT_METRICS_PORT}/metrics", timeout=30)
+    ray_lines = [x for x in rtext.splitlines() if x.startswith("ray_")]
+    if rcode != 200 or not ray_lines:
+        raise CheckFailed(f"{pod.name}: Ray's metrics (:{DEFAULT_METRICS_PORT}): {rcode}, "
+                          f"{len(ray_lines)} ray_ samples")
+    return {"tandem_samples": len(tandem), "ray_samples": len(ray_lines),
+            "request_success_total": _metric_total(text, "tandem:request_success_total"),
+            "generation_tokens_total": _metric_total(text, "tandem:generation_tokens_total")}
+
+
+def _check_scrapes(c: Cluster, head: Pod) -> dict[str, dict[str, float]]:
+    """Scrapes: Tandem's port and Ray's on every pod (the metrics Service / PodMonitor
+    targets), HAProxy's exporter on the head."""
     scrapes = {}
     time.sleep(6)  # the exporters read the multiprocess files on each scrape; let the counters land
     for pod in c.pods:
-        code, text = http(f"http://{pod.ip}:{c.metrics_port}/metrics", timeout=30)
-        tandem = [x for x in text.splitlines() if x.startswith("tandem:")]
-        if code != 200 or not tandem:
-            raise CheckFailed(f"{pod.name}: GET :{c.metrics_port}/metrics: {code}, {len(tandem)} tandem: samples")
-        rcode, rtext = http(f"http://{pod.ip}:{DEFAULT_METRICS_PORT}/metrics", timeout=30)
-        ray_lines = [x for x in rtext.splitlines() if x.startswith("ray_")]
-        if rcode != 200 or not ray_lines:
-            raise CheckFailed(f"{pod.name}: Ray's metrics (:{DEFAULT_METRICS_PORT}): {rcode}, "
-                              f"{len(ray_lines)} ray_ samples")
-        scrapes[pod.name] = {"tandem_samples": len(tandem), "ray_samples": len(ray_lines),
-                             "request_success_total": _metric_total(text, "tandem:request_success_total"),
-                             "generation_tokens_total": _metric_total(text, "tandem:generation_tokens_total")}
+        scrapes[pod.name] = _scrape_pod(c, pod)
         log(f"scrape {pod.name} ({pod.group}): {scrapes[pod.name]}")
     head_text = http(f"http://{head.ip}:{c.metrics_port}/metrics", timeout=30)[1]
     for line in head_text.splitlines():
@@ -685,9 +742,11 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
         if code != 200 or not lines:
             raise CheckFailed(f"HAProxy's exporter (:{port}): {code}, {len(lines)} haproxy_ samples")
         log(f"scrape HAProxy's exporter (head :{port}): {len(lines)} haproxy_ samples")
-    summary["scrapes"] = scrapes
+    return scrapes
 
-    # The serving processes run as the pod's user (the image's non-root uid).
+
+def _check_listener_uids(c: Cluster, m: Machine, head: Pod) -> None:
+    """The serving processes run as the pod's user (the image's non-root uid)."""
     want = int(head.user.split(":")[0]) if head.user else None
     for pod, port in [(head, c.http_port), *[(p, c.metrics_port) for p in c.pods]]:
         found = _listener_uid(m, pod, port)
@@ -698,12 +757,37 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
             raise CheckFailed(f"{pod.name}: pid {pid} ({cmd}) on port {port} runs as uid {uid}")
         log(f"{pod.name}: port {port}: pid {pid} runs as uid {uid} ({cmd})")
 
-    # The engine built its CPU attention kernel in each worker with the image's compiler.
+
+def _check_attention_kernel(m: Machine, workers: list[Pod]) -> None:
+    """The engine built its CPU attention kernel in each worker with the image's compiler."""
     for pod in workers:
         out = m.exec(pod, ["sh", "-c", 'ls "$TANDEM_HOME"/kernels/paged_attention-*.so'], timeout=60)
         if out.returncode != 0:
             raise CheckFailed(f"{pod.name}: no CPU attention kernel built (no C compiler in the image?): {out.stderr}")
     log("each worker built the CPU attention kernel")
+
+
+def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: str) -> dict:
+    head, workers = c.pods[0], c.pods[1:]
+    summary: dict = {}
+    _create_pods(c, m, namespace, domain)
+
+    t0 = time.time()
+    m.start(head)
+    dashboard = f"http://{head.ip}:{DEFAULT_DASHBOARD_PORT}"
+    _wait_head_ready(head, dashboard)
+    summary["head_ready_s"] = round(time.time() - t0)
+
+    _put_serve_config(c, dashboard)
+    _start_workers(m, workers)
+    _wait_app_running(c, dashboard, timeout)
+    summary["app_running_s"] = round(time.time() - t0)
+
+    _check_probes(c, head, workers)
+    summary["reply"] = _ask_chat(c, m, head)
+    summary["scrapes"] = _check_scrapes(c, head)
+    _check_listener_uids(c, m, head)
+    _check_attention_kernel(m, workers)
     return summary
 
 
