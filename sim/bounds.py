@@ -3,21 +3,24 @@
 For traffic between a low rate and the planned peak (a ``RateProfile``, by default
 ``RateProfile.day``: low, a ramp up, the peak, a ramp down, low), the pools the planner
 sized for the peak are the ceiling (``max_workers``); the search is over the floor
-(``min_workers``: where the pools start, and what they shrink back to when idle).
+(``min_workers``: where the pools start, and what they shrink back to when idle) and,
+when asked, over how many workers a pressed pool starts at once (``scale_up_share``).
 
 Each floor is a share of the ceiling, per pool (at least one worker): the low rate's
-share of what the ceiling sustains, times each of ``FLOOR_FACTORS``. Each is simulated
-whole over the profile with the controller's own autoscaling policy (``sim/scaling.py``:
-one change per role at a time, an added worker serving ``worker_start_s`` after it was
-asked for), and the floor that holds the fewest device-seconds while ``attainment`` of
-all the profile's requests meet the SLO is chosen. The baseline is the ceiling held
-fixed all day; when no floor meets the SLO on fewer device-seconds than that, the pools
-stay fixed (min = max), and the report says so.
+share of what the ceiling sustains, times each of ``FLOOR_FACTORS``. Each floor (with
+each scale-up share) is simulated whole over the profile with the controller's own
+autoscaling policy (``sim/scaling.py``: a pressed pool starts ``scale_up_share`` of its
+workers, an added worker serving ``worker_start_s`` after it was asked for), and the
+bounds that hold the fewest device-seconds while ``attainment`` of all the profile's
+requests meet the SLO are chosen. The baseline is the ceiling held fixed all day; when
+nothing meets the SLO on fewer device-seconds than that, the pools stay fixed (min =
+max), and the report says so.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
@@ -51,7 +54,8 @@ class BoundsTrial:
         if a is None:
             return f"fixed {_pools(topo.prefill_workers, topo.decode_workers)}"
         prefill = None if topo.colocated else f"{a.prefill.min_workers}-{a.prefill.max_workers}"
-        return f"elastic {_pools(prefill, f'{a.decode.min_workers}-{a.decode.max_workers}')}"
+        pools = _pools(prefill, f"{a.decode.min_workers}-{a.decode.max_workers}")
+        return f"elastic {pools} scale-up {a.scale_up_share:g}"
 
 
 def _pools(prefill, decode) -> str:
@@ -98,9 +102,11 @@ def default_scaling(slo: SloTarget) -> AutoscalingConfig:
 
 def plan_bounds(ceiling: SimTopology, capacity: float, cost: CostModel, requests: list[SimRequest],
                 profile: RateProfile, slo: SloTarget, scaling: AutoscalingConfig,
-                factors: tuple[float, ...] = FLOOR_FACTORS, progress=None) -> BoundsPlan:
+                factors: tuple[float, ...] = FLOOR_FACTORS, scale_up_shares: Sequence[float] = (),
+                progress=None) -> BoundsPlan:
     """Search the floor of pools whose ceiling is ``ceiling`` (which sustains ``capacity``
-    requests/s) for ``requests`` arriving over ``profile`` (module docstring)."""
+    requests/s) for ``requests`` arriving over ``profile`` (module docstring), with each of
+    ``scale_up_shares`` (by default only ``scaling``'s own)."""
     def simulate(share: float, topo: SimTopology) -> BoundsTrial:
         t = BoundsTrial(share, topo, summary(run(topo, cost, requests), slo))
         if progress is not None:
@@ -112,6 +118,8 @@ def plan_bounds(ceiling: SimTopology, capacity: float, cost: CostModel, requests
     for share in floor_shares(profile.low / capacity if capacity > 0 else 1.0, factors):
         topo = elastic_topology(ceiling, share, scaling)
         floors.setdefault((topo.prefill_workers, topo.decode_workers), (share, topo))  # shares that round alike
-    trials = [simulate(share, topo) for share, topo in floors.values() if topo.num_devices < ceiling.num_devices]
+    ups = scale_up_shares or (scaling.scale_up_share,)
+    trials = [simulate(share, elastic_topology(ceiling, share, replace(scaling, scale_up_share=up)))
+              for share, topo in floors.values() if topo.num_devices < ceiling.num_devices for up in ups]
     meeting = [t for t in trials if t.meets(slo) and t.device_s < fixed.device_s]
     return BoundsPlan(fixed, trials, min(meeting, key=lambda t: t.device_s) if meeting else fixed)

@@ -119,6 +119,9 @@ def add_plan(sub) -> None:
                    help="with --low-rate: each phase of the day simulated (low, ramp up, peak, ramp down, low)")
     p.add_argument("--worker-start-s", type=float, default=60.0,
                    help="with --low-rate: seconds from asking for a worker to its serving")
+    p.add_argument("--scale-up-shares", default=None,
+                   help="with --low-rate: scale_up_share values to try with each floor, e.g. 0,0.5,1 "
+                        "(default: the controller's, from --config or 0.5)")
     p.add_argument("--out-dir", default=None, help="write topology.yaml and values.yaml here")
     p.add_argument("--json", default=None, help="write every candidate's numbers as JSON")
     p.set_defaults(func=cmd_plan)
@@ -139,13 +142,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s, warmup_s=args.warmup_s)
     if args.low_rate is not None and not 0 < args.low_rate < args.rate:
         raise ValueError(f"--low-rate must be > 0 and below --rate ({args.rate:g}), got {args.low_rate:g}")
+    ups = _shares(args.scale_up_shares) if args.scale_up_shares is not None else ()
 
     def progress(ev, replicas):
         print(f"  {ev.candidate.label(replicas):40} estimate {ev.estimate * replicas:8.2f} req/s, "
               f"sustains {ev.rate * replicas:8.2f} req/s ({ev.trials} trials)", file=sys.stderr, flush=True)
 
     result = plan(args.devices, base, cost, spec, slo, settings, progress=progress)
-    bounds = elastic_bounds(result, base, cost, spec, slo, args) if args.low_rate is not None else None
+    bounds = elastic_bounds(result, base, cost, spec, slo, args, ups) if args.low_rate is not None else None
     print(format_plan(result, base, args, cost, bounds))
     if args.out_dir:
         write_plan(result, base, args, Path(args.out_dir), bounds)
@@ -154,10 +158,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def elastic_bounds(result, base: SimTopology, cost, spec, slo, args: argparse.Namespace):
+def elastic_bounds(result, base: SimTopology, cost, spec, slo, args: argparse.Namespace,
+                   scale_up_shares: tuple[float, ...] = ()):
     """``sim.bounds.plan_bounds`` for the plan's best configuration over a day between
     ``--low-rate`` and ``--rate``; autoscaling as ``--config`` sets it, else the controller's
-    defaults held to the plan's SLO."""
+    defaults held to the plan's SLO; each floor with each of ``scale_up_shares``."""
     from sim.bounds import default_scaling, plan_bounds
     from sim.workload import RateProfile, generate_profile
 
@@ -173,12 +178,13 @@ def elastic_bounds(result, base: SimTopology, cost, spec, slo, args: argparse.Na
         print(f"  {_bounds_line(t)}", file=sys.stderr, flush=True)
 
     return plan_bounds(ceiling, result.cluster_rate(result.best), cost, requests, profile, slo,
-                       base.autoscaling or default_scaling(slo), progress=progress)
+                       base.autoscaling or default_scaling(slo), scale_up_shares=scale_up_shares,
+                       progress=progress)
 
 
 def _bounds_line(t) -> str:
     s = t.summary
-    return (f"{t.label():32} SLO attainment {s['slo_attainment']:6.1%}, devices mean {s['mean_devices']:6.2f} "
+    return (f"{t.label():44} SLO attainment {s['slo_attainment']:6.1%}, devices mean {s['mean_devices']:6.2f} "
             f"max {s['max_devices']:3}, {len(s['scaling_decisions'])} changes")
 
 
@@ -189,6 +195,17 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         raise ValueError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
     if not values or min(values) < 1:
         raise ValueError(f"{flag} values must be >= 1, got {text!r}")
+    return values
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    """``--scale-up-shares``: comma-separated numbers in [0, 4] (``AutoscalingConfig``'s range)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--scale-up-shares takes comma-separated numbers, got {text!r}") from None
+    if not all(0 <= v <= 4 for v in values):
+        raise ValueError(f"--scale-up-shares values must be in [0, 4], got {text!r}")
     return values
 
 

@@ -91,3 +91,15 @@ def test_pools_that_cannot_grow_in_time_keep_the_fixed_ceiling():
     bounds = plan_bounds(slow, 140, COST, requests, DAY, SLO_TARGET, SCALING)
     assert bounds.trials and not any(t.meets(SLO_TARGET) for t in bounds.trials)
     assert bounds.chosen is bounds.fixed and bounds.saved == 0
+
+
+def test_each_floor_is_tried_with_each_scale_up_share_and_one_that_keeps_up_with_the_ramp_is_chosen():
+    # Workers that take 4 s to start: from one worker, adding one at a time reaches four
+    # after three starts, doubling after two, and only that keeps up with the ramp.
+    requests = generate_profile(SPEC, DAY)
+    slow = CEILING.replace(worker_start_s=4.0)
+    bounds = plan_bounds(slow, 140, COST, requests, DAY, SLO_TARGET, SCALING, factors=(1.0,), scale_up_shares=(0.0, 1.0))
+    one_at_a_time, doubling = bounds.trials
+    assert [t.label() for t in bounds.trials] == ["elastic colocated 1-4 scale-up 0", "elastic colocated 1-4 scale-up 1"]
+    assert not one_at_a_time.meets(SLO_TARGET) and doubling.meets(SLO_TARGET)
+    assert bounds.chosen is doubling and bounds.chosen.topology.autoscaling.scale_up_share == 1.0

@@ -89,16 +89,20 @@ def test_tandem_plan_with_a_low_rate_plans_elastic_pools_that_tandem_loads(tmp_p
 
     rc = main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--chunks", "2048",
                "--batch-caps", "64", "--iters", "1", "--trial-s", "2", "--warmup-s", "2", "--low-rate", "2",
-               "--phase-s", "10", "--worker-start-s", "1", "--out-dir", str(tmp_path)])
+               "--phase-s", "10", "--worker-start-s", "1", "--scale-up-shares", "0,1", "--out-dir", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "elastic pools over a day between 2 and 10 req/s" in text and "fixed colocated 2" in text
-    # 2 req/s needs one of the two colocated workers: the floor is 1, the ceiling 2.
-    assert "chosen: elastic colocated 1-2, 50% fewer device-seconds than fixed pools" in text
+    # 2 req/s needs one of the two colocated workers: the floor is 1, the ceiling 2; each
+    # scale-up share is tried on it, and the first of equals is chosen.
+    assert "elastic colocated 1-2 scale-up 0 " in text and "elastic colocated 1-2 scale-up 1 " in text
+    assert "chosen: elastic colocated 1-2 scale-up 0, 50% fewer device-seconds than fixed pools" in text
     cluster = ClusterConfig.from_yaml(tmp_path / "topology.yaml")
     assert (cluster.decode_workers, cluster.autoscaling.decode.max_workers) == (1, 2)
+    assert cluster.autoscaling.scale_up_share == 0
     values = yaml.safe_load((tmp_path / "values.yaml").read_text())
     assert values["autoscaling"]["enabled"] and values["decode"]["maxReplicas"] == 2
+    assert values["autoscaling"]["scaleUpShare"] == 0
 
 
 def test_tandem_plan_refuses_a_low_rate_over_the_rate(capsys):
@@ -106,3 +110,6 @@ def test_tandem_plan_refuses_a_low_rate_over_the_rate(capsys):
 
     assert main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--low-rate", "20"]) == 2
     assert "--low-rate must be > 0 and below --rate (10)" in capsys.readouterr().err
+    assert main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--low-rate", "2",
+                 "--scale-up-shares", "0.5,5"]) == 2
+    assert "--scale-up-shares values must be in [0, 4], got '0.5,5'" in capsys.readouterr().err
