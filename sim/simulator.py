@@ -391,10 +391,11 @@ class Simulator:
         w.scheduler.skip_decode_steps(num_steps, SAMPLED_TOKEN)
         ends = run.ends[:num_steps]
         times, records = ends.tobytes(), self.records
+        feed = ends.tolist() if self.latency is not None else None  # the latency window's, with autoscaling
         for request in run.requests:
             rec = records[int(request.request_id)]
-            if self.latency is not None:
-                self._feed_run(rec, ends.tolist())
+            if feed is not None:
+                self._feed_run(rec, feed)
             rec.token_times.frombytes(times)
         if num_steps:
             w.forward_s = float(_running_sum(w.forward_s, run.durations[:num_steps])[-1])
