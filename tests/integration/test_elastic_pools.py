@@ -141,10 +141,11 @@ def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles
     """While requests stream (1 prefill + 2 decode workers at the start), a decode worker
     with streams in flight switches to prefill (it finishes them first), then the original
     prefill worker switches to decode with a deadline too short to finish its prompts
-    (they move on by the re-run rules). Each switch keeps its process: the same pid, no
-    model reloaded. Then a second router that still holds the worker lists from before
-    the switches places requests: the switched workers refuse it (their epochs moved on)
-    and it places elsewhere. Every request of both routers ends with the undisturbed
+    (they move on by the re-run rules). Each switch in place keeps its process: the same
+    pid, no model reloaded (the second is replaced instead when a transfer still pins its
+    blocks at the deadline). Then a second router that still holds the worker lists from
+    before the switches places requests: the workers switched in place refuse it (their
+    epochs moved on) and it places elsewhere. Every request of both routers ends with the undisturbed
     text, none errors, and no worker keeps a block."""
     from engine import SamplingParams
     from router.dispatch import DispatchConfig, Dispatcher
@@ -203,7 +204,11 @@ def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles
             return dispatcher.num_stale_placements
 
         refused = asyncio.run(stale_router())
-        assert refused >= 2, f"both switched workers should have refused the stale router ({refused} refusals)"
+        # A worker that switched in place refuses the stale router (its epoch moved on); one
+        # replaced instead (its deadline ran out with a transfer still pinning its blocks, so
+        # it could not reset: ``switch_worker``) is gone, and the stale router forgets it.
+        in_place = sum(s["in_place"] for s in switches)
+        assert refused >= in_place, f"each worker switched in place should have refused the stale router: {refused}"
         judge("after the stale router", [], workload, svc, may_fail=False, count=0)  # no block left anywhere
 
 
