@@ -14,7 +14,10 @@ A switch (``switch_role``), once the cluster has drained the worker::
     serving role A, epoch n ──drain──▶ draining (placements refused)
         ──switch_role──▶ retire A (streams ended, what is left aborted, step thread stopped)
         ──▶ engine reset (every block free, prefix cache empty, B's scheduler settings)
-        ──▶ serving role B, epoch n+1
+        ──▶ B ready (its step thread and token channel started) ──▶ serving role B, epoch n+1
+
+Retiring waits for the reads of the old role's blocks that are still in flight (up to the
+transfer lease, ``PrefillWorker``): a switch takes at most the drain deadline plus the lease.
 
 The model, the KV cache tensors and the transfer backend (its registered memory and
 endpoint) stay. Calls that arrive meanwhile wait for the switch (it takes milliseconds).
@@ -91,10 +94,11 @@ class PoolWorker:
                 raise RuntimeError(f"worker {old.worker_id} still holds blocks after retiring; it cannot reset")
             self.worker = self._make(role, worker_id, old.transfer, previous=old)
             self.epoch += 1
+            ready = await self.worker.ready()  # its step thread (and token channel) run before any call reaches it
+            self._fenced = False
         finally:
             self._settled.set()
-        self._fenced = False
-        return {**await self.worker.ready(), "epoch": self.epoch, "idle": was_idle}
+        return {**ready, "epoch": self.epoch, "idle": was_idle}
 
     async def drain(self) -> None:
         """Leaving the pool or switching: placements are refused from now on."""

@@ -362,7 +362,9 @@ class TandemCluster:
         drained = _drain(old.handle, timeout_s, poll_s)
         new_id = f"{role}-{index}"
         try:
-            info = ray.get(old.handle.switch_role.remote(role, new_id), timeout=READY_TIMEOUT_S)
+            # Retiring waits out the reads in flight of its blocks, up to the lease.
+            info = ray.get(old.handle.switch_role.remote(role, new_id),
+                           timeout=READY_TIMEOUT_S + self.config.transfer.lease_s)
             ref = WorkerRef(new_id, old.handle, incarnation=f"{old.incarnation}@{info['epoch']}", epoch=info["epoch"])
             in_place = True
         except (RayActorError, GetTimeoutError, RuntimeError) as e:

@@ -3,7 +3,9 @@
 The sender sums each block it offers (``TransferMeta.checksums``, one per block, in the
 transfer's order) and the receiver sums the blocks it read into; a difference is a
 ``TransferError("checksum")``, never KV served. A setting (``TransferConfig.checksums``),
-on in the tests and chaos runs, off by default: each side reads every byte once more.
+on by default: each side reads every byte once more, which costs little beside the read
+and the prefill (docs/BENCHMARKS.md), and a bug that hands a reader the wrong blocks then
+fails loudly instead of streaming another prompt's continuation.
 
 The sum is a position-weighted word checksum, not a cryptographic hash: the block's
 bytes as int32 words, summed (wrapping) in ``SEGMENTS`` stretches per layer and per K and

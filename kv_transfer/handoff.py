@@ -35,6 +35,10 @@ Sender (the prefill worker), one ``Offer`` per attempt::
           at once: the send stops waiting for the answer and the lease is not waited out
 
 Whoever ends the record (``end``, once) frees the blocks, so they are freed exactly once.
+Each read of its blocks is asked through ``ask_read``; once the sender ``retire``s (its
+worker leaves its role and its engine will be reset onto the same KV memory) no read is
+asked any more, so the reads already asked are the last that can touch the blocks: the
+worker waits for their answers before it ends the records.
 
 A second attempt under an id whose record is still in either table is refused.
 """
@@ -257,6 +261,7 @@ class Sender:
     that thread: "dictionary changed size during iteration")."""
 
     records: dict[str, Offer] = field(default_factory=dict)
+    retiring: bool = False  # no read is asked any more (``retire``)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __contains__(self, attempt_id: str) -> bool:
@@ -300,6 +305,19 @@ class Sender:
             offer = self.records.get(attempt_id)
             if offer is not None and offer.state == HandoffState.RESERVED:
                 offer.state = HandoffState.LANDING
+
+    def ask_read(self, attempt_id: str) -> bool:
+        """Whether the receiver may be asked to read (part of) this attempt's blocks now:
+        only while its record is live and the sender is not retiring."""
+        with self._lock:
+            offer = self.records.get(attempt_id)
+            return not self.retiring and offer is not None and offer.state.live
+
+    def retire(self) -> None:
+        """No read is asked from now on (the worker leaves its role): the reads asked so
+        far are the last that may touch the blocks."""
+        with self._lock:
+            self.retiring = True
 
     def end(self, attempt_id: str, state: HandoffState) -> Offer | None:
         """The receiver answered (or the transfer failed): the record leaves; the caller

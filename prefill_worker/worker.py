@@ -8,6 +8,10 @@ A request's lifecycle here::
     ``abort`` at any point (the router knows the decode worker died, or the client went
     away): the prefill stops, the send stops waiting for an answer, and the blocks are
     released at once, not when the lease runs out
+    ``retire`` (the worker leaves its role): no read is asked any more; the reads asked
+    are answered first (or their lease runs out), then every prefill is aborted, its
+    reader told that the KV will not come, and the blocks released: no block a decode
+    worker may still read is freed, or reset onto another prompt, under its read
 
 The KV moves straight out of this worker's blocks, which the engine holds (``hold_kv``)
 until the decode worker has answered: NIXL's reader pulls them, gloo's push sends them
@@ -48,7 +52,8 @@ class PrefillWorker(WorkerBase):
         self._transfer_ids = itertools.count()
         self._sending = 0
         self.offers = Sender()  # one hand-off record per attempt being prefilled or sent
-        self._let_go_of: list[str] = []  # attempts whose hand-offs ended as it retired
+        self._reads: set[asyncio.Future] = set()  # receivers' answers awaited: reads that may touch blocks
+        self._prefills: set[asyncio.Future] = set()  # the ``prefill`` calls running
         self.async_engine.add_periodic(self._tend_offers)
 
     def _load(self) -> PrefillLoad:
@@ -92,6 +97,7 @@ class PrefillWorker(WorkerBase):
         # The receiver's deadline on this side's clock: past it, the work is dropped.
         deadline = time.monotonic() + (reservation.deadline - time.time())
         self.offers.begin(request_id, held, parts, deadline, stop)  # refuses an attempt already here
+        self._prefills.add(this := asyncio.current_task())
         state = TransferState.FAILED
         try:
             if (refusal := self._refusal(num_tokens, deadline)) is not None:
@@ -105,10 +111,8 @@ class PrefillWorker(WorkerBase):
             self.offers.computed(request_id)
             state, error = await self._hand_over(meta, decode_worker, final, landed, stop)
         finally:
-            ended = HandoffState.COMPLETE if state == TransferState.DONE else HandoffState.FAILED
-            if self.offers.end(request_id, ended) is not None:
-                # The blocks stayed held until the receiver answered.
-                self.async_engine.submit(self.engine.release_held, request_id)
+            self._end_offer(request_id, state == TransferState.DONE, decode_worker, stop)
+            self._prefills.discard(this)
         return PrefillResult(
             request_id=request_id,
             first_token=final.token_ids[-1],
@@ -121,13 +125,22 @@ class PrefillWorker(WorkerBase):
             error=error,
         )
 
+    def _end_offer(self, request_id: str, done: bool, decode_worker, stop: asyncio.Future) -> None:
+        """The attempt's hand-off ends here: its held blocks are released (they stayed
+        held until the receiver answered), and a reader still waiting for KV that will
+        not come, because this worker retires, is told so."""
+        if self.offers.end(request_id, HandoffState.COMPLETE if done else HandoffState.FAILED) is not None:
+            self.async_engine.submit(self.engine.release_held, request_id)
+        if not done and self.offers.retiring and not _aborted(stop):
+            decode_worker.transfer_failed.remote(request_id)
+
     @staticmethod
     def _ended_early(request_id: str, final, stop: asyncio.Future, decode_worker) -> str | None:
         """Why a prefill that ended has nothing to hand over, if so: aborted by the router
         (the abort's call, queued after the request's add, aborted it or released the
         blocks it held), or past its deadline (the decode worker is told)."""
         if stop.done():
-            return "aborted"
+            return stop.result()
         if final.finish_reason == "abort":
             decode_worker.transfer_failed.remote(request_id)
             return "the prefill was aborted past the reservation's deadline"
@@ -167,7 +180,7 @@ class PrefillWorker(WorkerBase):
         try:
             return await self._send(meta, decode_worker, final, landed, stop)
         except _Aborted:
-            return TransferState.FAILED, "aborted"
+            return TransferState.FAILED, stop.result()
         finally:
             self._sending -= 1
 
@@ -193,17 +206,22 @@ class PrefillWorker(WorkerBase):
         for aid in attempt_ids:
             offer = self.offers.end(aid, HandoffState.FAILED)
             if offer is not None:
-                if offer.stop is not None and not offer.stop.done():
-                    offer.stop.set_result(None)
+                _wake(offer.stop, ABORTED)
                 ended.append(aid)
         return ended
 
     async def _let_go(self) -> None:
-        self._let_go_of = self._end_handoffs([o.attempt_id for o in self.offers.offers()])  # their sends stop waiting
-
-    def _abort_everything(self) -> None:
-        super()._abort_everything()
-        self._release_held(self._let_go_of)
+        """As it retires (module docstring): no more reads; those asked answered (or their
+        lease out); then every prefill ends, and has queued its blocks' release, before
+        the step thread stops."""
+        self.offers.retire()
+        if self._reads:
+            await asyncio.wait(set(self._reads), timeout=self.transfer.lease_s)
+        for offer in self.offers.offers():
+            _wake(offer.stop, RETIRED)
+        await self.async_engine.call(self._abort_everything)
+        if self._prefills:
+            await asyncio.wait(set(self._prefills), timeout=self.transfer.op_timeout_s)
 
     def _abort_and_release(self, request_id: str, ended: list[str]) -> None:
         # One call on the step thread, so no step comes between: a prefill still running
@@ -294,20 +312,37 @@ class PrefillWorker(WorkerBase):
     async def _send_part(
         self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int, stop
     ) -> bool:
-        meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, block_ids)
-        payload = self.backend.prepare_blocks(meta, block_ids)
+        """Offer one stretch of finished blocks; whether it landed. Whatever fails (the
+        checksums, the payload, the send, the answer) fails the part, never the sender."""
+        payload = None
         try:
-            answer = asyncio.ensure_future(decode_worker.receive_kv_part.remote(meta, payload, first))
+            meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, block_ids)
+            payload = self.backend.prepare_blocks(meta, block_ids)
+            answer = self._ask(meta.request_id, stop, decode_worker.receive_kv_part, meta, payload, first)
             await self._push_until_answered(meta, payload, answer, stop)
             return await self._answer(answer, stop) == TransferState.DONE
-        except _Aborted:
-            return False  # the router knows: no one to tell
-        except Exception as e:  # the decode worker died or never answered
+        except (_Aborted, _NotAsked):
+            return False  # the router knows, or ``prefill`` tells the reader as the worker retires
+        except Exception as e:  # the decode worker died or never answered, or the blocks could not be offered
             self._count_failure(e)
             decode_worker.transfer_failed.remote(meta.request_id)
             return False
         finally:
-            self.backend.release(meta, payload)
+            if payload is not None:
+                self.backend.release(meta, payload)
+
+    def _ask(self, request_id: str, stop: asyncio.Future, method, *args) -> asyncio.Future:
+        """Ask the receiver to read (``method.remote(*args)``); its answer is counted among
+        the reads that may touch the blocks until it comes. ``_Aborted`` once the attempt
+        was aborted, ``_NotAsked`` once no read may be asked (the worker retires)."""
+        if stop.done():
+            raise _Aborted()
+        if not self.offers.ask_read(request_id):
+            raise _NotAsked()
+        answer = asyncio.ensure_future(method.remote(*args))
+        self._reads.add(answer)
+        answer.add_done_callback(self._reads.discard)
+        return answer
 
     async def _send(self, meta: TransferMeta, decode_worker, final, landed: int, stop):
         """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
@@ -318,16 +353,17 @@ class PrefillWorker(WorkerBase):
             meta = _stretch(meta, landed, len(blocks))
             meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, blocks)
             payload = self.backend.prepare_blocks(meta, blocks)
-            ack = asyncio.ensure_future(
-                decode_worker.receive_kv.remote(
-                    meta, payload, final.token_ids[-1], lp, final.num_cached_tokens, final.prompt_logprobs
-                )
+            ack = self._ask(
+                meta.request_id, stop, decode_worker.receive_kv,
+                meta, payload, final.token_ids[-1], lp, final.num_cached_tokens, final.prompt_logprobs,
             )
             await self._push_until_answered(meta, payload, ack, stop)
             state = await self._answer(ack, stop)
             return state, None if state == TransferState.DONE else "receiver reported failure"
         except _Aborted:
             raise
+        except _NotAsked:
+            return TransferState.FAILED, RETIRED
         except Exception as e:  # any failure ends this transfer; the decode side recovers
             reason = self._count_failure(e)
             # Tell the decode side at once instead of letting it wait for the deadline.
@@ -397,6 +433,24 @@ def _failed(request_id: str, error: str) -> PrefillResult:
 
 class _Aborted(Exception):
     """The attempt was aborted here while its send waited."""
+
+
+class _NotAsked(Exception):
+    """No read may be asked: the worker is retiring (``Sender.ask_read``)."""
+
+
+# Why a hand-off's send was woken early (its ``stop`` future's result).
+ABORTED = "aborted"  # by the router: the reader is dead, or the client gone
+RETIRED = "the prefill worker left its role"
+
+
+def _wake(stop: asyncio.Future | None, why: str) -> None:
+    if stop is not None and not stop.done():
+        stop.set_result(why)
+
+
+def _aborted(stop: asyncio.Future) -> bool:
+    return stop.done() and stop.result() == ABORTED
 
 
 def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:

@@ -68,7 +68,7 @@ from ray.exceptions import RayActorError
 
 from engine import token_channel
 from engine.block_hash import DEFAULT_HASH_ALGO, BlockHasher, check_hash_algo, check_hash_seed
-from engine.messages import ErrorKind, StalePlacement, StreamDelta, WorkerRef, attempt_id
+from engine.messages import ErrorKind, StalePlacement, StreamDelta, TransferState, WorkerRef, attempt_id
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelConfig, Notice, NoticeKind
 from router.placement import (
@@ -688,7 +688,7 @@ class Dispatcher:
 
         async def watch() -> None:
             try:
-                await ref
+                result = await ref
             except StalePlacement as e:  # refused untouched: the reservation waits for another
                 self._stale(prefill, e)
                 self._start_prefill(aid, prompt, params, decode, reservation, resume, None, priority, hashes,
@@ -700,6 +700,9 @@ class Dispatcher:
                 decode.handle.transfer_failed.remote(aid)
                 if isinstance(e, RayActorError):  # its memory is gone: no read from it can still land
                     _quietly(lambda: decode.handle.sender_gone.remote(prefill.worker_id))
+            else:
+                if result.state != TransferState.DONE:  # the KV will not come: its reader need not wait for it
+                    decode.handle.transfer_failed.remote(aid)  # (told twice, it ignores the second)
             finally:
                 self._pending_tokens[prefill.worker_id] -= len(prompt) + len(resume)
 

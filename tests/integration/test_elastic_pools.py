@@ -18,6 +18,7 @@ import random
 
 import ray
 
+from kv_transfer.config import default_backend
 from tests.chaos.streams import judge, model_name, reference, run_load, until, workers
 
 CYCLES = int(os.environ.get("TANDEM_DRAIN_CYCLES", "1"))
@@ -146,13 +147,18 @@ def test_warm_workers_switch_roles_under_load_and_a_router_holding_the_old_roles
     blocks at the deadline). Then a second router that still holds the worker lists from
     before the switches places requests: the workers switched in place refuse it (their
     epochs moved on) and it places elsewhere. Every request of both routers ends with the undisturbed
-    text, none errors, and no worker keeps a block."""
+    text, none errors, and no worker keeps a block; with transfer checksums off, so that only the
+    texts can tell whether a retiring worker freed blocks a decode worker was still reading."""
     from engine import SamplingParams
     from router.dispatch import DispatchConfig, Dispatcher
     from tests.helpers import metric_sum, running_service, scrape
 
     workload = _workload(tiny_model)
-    settings = dict(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64})
+    # Checksums off, on the backend whose reader reads the prefill worker's blocks in place
+    # (nixl where installed; gloo pushes from them): a block freed or reset under a read
+    # would land another prompt's KV, and only the exact texts would show it.
+    settings = dict(prefill_workers=1, decode_workers=2, engine={"num_kv_blocks": 512, "max_num_batched_tokens": 64},
+                    transfer={"backend": default_backend(), "checksums": False})
     switched = metric_sum(scrape(metrics_dir), "tandem:role_switches_total")
     with running_service(tiny_model, **settings) as svc:
         controller = svc.controller

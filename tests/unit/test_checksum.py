@@ -75,6 +75,6 @@ def test_check_names_the_blocks_that_differ():
         check(meta, (1, 2))
 
 
-def test_checksums_are_off_by_default_and_a_setting():
-    assert not TransferConfig().checksums
-    assert TransferConfig.from_dict({"checksums": True}).checksums
+def test_checksums_are_on_by_default_and_a_setting():
+    assert TransferConfig().checksums, "a block that is not what was sent must fail loudly unless turned off"
+    assert not TransferConfig.from_dict({"checksums": False}).checksums

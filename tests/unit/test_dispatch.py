@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, StalePlacement, request_of
+from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, PrefillResult, StalePlacement, TransferState, request_of
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelServer, Notice, NoticeKind
 from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
@@ -71,6 +71,9 @@ class _FakePrefill:
 
     async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0):
         self.prefilled[request_of(rid)] = (reservation, priority)
+        return PrefillResult(rid, 4, 0, int(self.state), 0.0, 0.0, 0.0, 0)
+
+    state = TransferState.DONE  # how its hand-offs end
 
     async def _load(self):
         return PrefillLoad("prefill-0", 0, 0, 0, 0, 0)
@@ -960,3 +963,36 @@ def test_placements_refused_as_stale_by_switched_workers_go_to_the_next_worker_o
     assert not stale_decode.priorities and list(decode.priorities) == ["r1"], "reserved once, on the worker that is one"
     assert prefill.prefilled["r1"][0] == "reservation-r1", "the reservation of the decode worker that took it"
     assert dispatcher.num_stale_placements == 2
+
+
+@pytest.mark.parametrize("state", [TransferState.DONE, TransferState.FAILED])
+def test_a_prefill_that_ends_without_handing_over_its_kv_tells_the_decode_worker(state):
+    """A prefill worker's failed result (one that retired, refused the prompt or could not
+    send) is no exception, but its KV will not come either: the decode worker is told at
+    once instead of waiting out the reservation's deadline."""
+
+    async def main():
+        prefill, decode = _FakePrefill(), _DyingDecode("decode-0")
+        prefill.state = state
+        failed: list[str] = []
+
+        async def transfer_failed(aid):
+            failed.append(aid)
+
+        decode.transfer_failed = _Method(transfer_failed)
+        dispatcher = Dispatcher(
+            lambda: [WorkerRef("prefill-0", prefill)], lambda: [WorkerRef("decode-0", decode)], DispatchConfig()
+        )
+        task = asyncio.create_task(_collect(dispatcher, "r1", {}))
+        await _until(lambda: "r1" in prefill.prefilled, "the prefill to be sent")
+        for _ in range(5):
+            await asyncio.sleep(0)  # its result reaches the dispatcher
+        dispatcher.abort("r1")
+        await task
+        dispatcher.close()
+        return decode, failed
+
+    decode, failed = asyncio.run(main())
+    told = [request_of(a) for a in failed]
+    assert told == (["r1"] if state == TransferState.FAILED else []), f"transfer_failed calls: {failed}"
+    assert failed == decode.attempts[: len(failed)], "the attempt the decode worker reserved is the one told"

@@ -448,3 +448,122 @@ def test_a_prefill_whose_reservation_expired_is_dropped_before_it_is_computed(ti
     assert result.state == TransferState.FAILED and "deadline" in result.error
     assert steps == 0 and decode.transfer_failed.calls == [("a",)]
     assert len(worker.offers) == 0
+
+
+class _Answers(_Recorder):
+    """A Ray method whose answers the test gives (a read that is still running)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[asyncio.Future] = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        self.answers.append(asyncio.get_running_loop().create_future())
+        return self.answers[-1]
+
+
+def _blocks_held(worker, block_ids) -> list[int]:
+    """Those of ``block_ids`` still out of the free pool (on the step thread, or stopped)."""
+    pool = worker.engine.kv_manager.pool
+    return [b for b in block_ids if pool.blocks[b].ref_cnt > 0]
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["final-read", "part-read"])
+def test_a_retiring_prefill_worker_frees_no_block_a_reader_is_still_reading(tiny_model, pipeline):
+    """A role switch whose drain ran out while a decode worker reads an offer: the blocks
+    it reads must stay as they are until it answers (freed and reset onto another prompt,
+    the reader would land that prompt's KV and stream it with no error). Then every block
+    comes back, the worker retires idle, and a reader whose KV will not come is told."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model, pipeline, max_num_batched_tokens=16)  # a block a step
+    decode = _FakeDecodeHandle()
+    reads = decode.receive_kv_part if pipeline else decode.receive_kv
+    reads.__class__ = _Answers
+    reads.answers = []
+
+    async def main():
+        reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 3600)
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        await async_wait_for(lambda: reads.calls, PATIENCE_S, "the first read to be asked")
+        being_read = list(reads.calls[0][1])  # the payload: the sender's blocks the reader reads
+        retire = asyncio.ensure_future(worker.retire())
+        for _ in range(20):  # the retire runs as far as it can while the read is unanswered
+            await asyncio.sleep(0.01)
+            if not retire.done():
+                await worker.async_engine.call(lambda: None)
+        retired_early = retire.done()  # then its step thread has stopped: the pool is read here
+        held_during_read = (_blocks_held(worker, being_read) if retired_early
+                            else await worker.async_engine.call(_blocks_held, worker, being_read))
+        if not reads.answers[0].done():  # (a sender that stopped waiting has cancelled it)
+            reads.answers[0].set_result(int(TransferState.DONE))
+        idle = await asyncio.wait_for(retire, PATIENCE_S)
+        return being_read, held_during_read, retired_early, idle, await asyncio.wait_for(prefill, PATIENCE_S)
+
+    being_read, held_during_read, retired_early, idle, result = asyncio.run(main())
+    assert not retired_early, "the worker retired (and could reset) while a read of its blocks was unanswered"
+    assert held_during_read == being_read, f"blocks {being_read} were read, only {held_during_read} stayed held"
+    assert idle and worker.engine.kv_manager.pool.num_used_blocks == 0, "every block comes back once answered"
+    assert len(worker.offers) == 0
+    if pipeline:  # the part landed, the rest never will: the reader must not wait for its deadline
+        assert result.state == TransferState.FAILED and decode.transfer_failed.calls == [("a",)], result
+        assert decode.receive_kv.calls == [], "no read is asked once the worker retires"
+    else:  # the read it was waiting for was the whole hand-off
+        assert result.state == TransferState.DONE and decode.transfer_failed.calls == [], result
+
+
+def test_a_retiring_prefill_worker_tells_the_reader_of_a_prefill_it_drops(tiny_model):
+    """A prefill still computing as its worker retires is dropped: its decode worker is
+    told at once (it recomputes), not left to wait out the reservation's deadline."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model, pipeline=False, max_num_batched_tokens=16)
+    decode = _FakeDecodeHandle()
+
+    async def main():
+        reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 3600)
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        await asyncio.sleep(0)  # the prefill begins and queues its request
+        idle = await asyncio.wait_for(worker.retire(), PATIENCE_S)
+        return idle, await asyncio.wait_for(prefill, PATIENCE_S)
+
+    idle, result = asyncio.run(main())
+    assert result.state == TransferState.FAILED and "left its role" in result.error, result
+    assert decode.transfer_failed.calls == [("a",)], "the reader must be told its KV will not come"
+    assert decode.receive_kv.calls == [] and idle and worker.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def _raises(*_):
+    raise RuntimeError("injected")
+
+
+@pytest.mark.parametrize("step", ["checksum", "prepare", "send"])
+def test_a_pipelined_part_that_raises_fails_its_attempt_and_unpins_every_part(tiny_model, monkeypatch, step):
+    """A part whose checksums, payload or send raises must fail only its attempt: the
+    reader told, the later parts never sent but unpinned, every block back (pinned for
+    good, they would keep the worker from ever draining)."""
+    from engine.messages import Reservation
+
+    worker = _prefill_worker(tiny_model, pipeline=True, max_num_batched_tokens=16)
+    worker.transfer = dataclasses.replace(worker.transfer, checksums=True)
+    decode = _FakeDecodeHandle()
+    if step == "checksum":
+        monkeypatch.setattr("prefill_worker.worker.block_checksums", _raises)
+    elif step == "prepare":
+        worker.backend.prepare_blocks = _raises
+    else:
+        decode.receive_kv_part.remote = _raises
+
+    async def main():
+        reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 3600)
+        result = await asyncio.wait_for(worker.prefill("a", PROMPT, GREEDY, decode, reservation), PATIENCE_S)
+        in_use = await _blocks_in_use(worker)
+        worker.async_engine.shutdown()
+        return result, in_use
+
+    result, in_use = asyncio.run(main())
+    assert result.state == TransferState.FAILED, result
+    assert decode.transfer_failed.calls[:1] == [("a",)], "the reader must be told at once"
+    assert decode.receive_kv.calls == [], "an attempt whose part failed sends nothing more"
+    assert len(worker.offers) == 0 and in_use == 0, f"{in_use} blocks still in use (pinned parts never unpinned?)"

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import DecodeLoad, PrefillLoad, StalePlacement
 from kv_transfer.config import TransferConfig
+from tests.helpers import PATIENCE_S
 
 PROMPT = list(range(5, 45))
 SHORT = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -96,3 +97,43 @@ def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_olde
         await worker.worker.async_engine.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_call_during_a_switch_waits_until_the_new_role_is_ready(configs):
+    """A call that arrives while the worker switches reaches the new role only once that
+    role is ready (its step thread and, for decode, its token channel started): before,
+    a reservation could land on a decode worker whose channel was not listening yet."""
+
+    async def scenario():
+        worker = PoolWorker("prefill", "prefill-0", configs, TransferConfig(backend="inprocess"))
+        await worker.ready()
+        gate, readied = asyncio.Event(), asyncio.Event()
+        make = worker._make
+
+        def gated_make(*args, **kwargs):
+            new = make(*args, **kwargs)
+            ready = new.ready
+
+            async def gated_ready():
+                readied.set()
+                await gate.wait()
+                return await ready()
+
+            new.ready = gated_ready
+            return new
+
+        worker._make = gated_make
+        switch = asyncio.ensure_future(worker.switch_role("decode", "decode-1"))
+        await asyncio.wait_for(readied.wait(), PATIENCE_S)
+        poll = asyncio.ensure_future(worker.load(epoch=1))
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        answered_before_ready = poll.done()
+        gate.set()
+        info, load = await asyncio.wait_for(asyncio.gather(switch, poll), PATIENCE_S)
+        await worker.worker.async_engine.stop()
+        return answered_before_ready, info, load
+
+    answered_before_ready, info, load = asyncio.run(scenario())
+    assert not answered_before_ready, "a call reached the new role before it was ready"
+    assert info["epoch"] == 1 and isinstance(load, DecodeLoad)
