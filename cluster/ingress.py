@@ -33,6 +33,10 @@ ENABLE_HAPROXY = "RAY_SERVE_ENABLE_HA_PROXY"
 FALLBACK_HTTP_PORT = "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"
 FALLBACK_GRPC_PORT = "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"
 MIN_DRAIN_S = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# The largest message Serve's gRPC servers (its proxy's and, with HAProxy, the replica's)
+# take or send; past it grpc refuses the call (RESOURCE_EXHAUSTED) before reading the
+# message. Serve's default is 2 GiB, read whole before the router could refuse it.
+GRPC_MAX_MESSAGE = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 THREADS = "RAY_SERVE_HAPROXY_NBTHREAD"
 # HAProxy's own listeners on every interface of its node (Serve's template binds them
 # so); the variables move them, nothing turns them off.
@@ -66,19 +70,21 @@ def check_ingress(ingress: str) -> str:
 
 def serve_env(
     ingress: str, fallback_ports: tuple[int, int] | None = None, drain_s: float | None = None,
-    threads: int | None = None,
+    threads: int | None = None, grpc_max_message_bytes: int | None = None,
 ) -> dict[str, str]:
     """The environment variables that make Serve run ``ingress``.
 
     ``fallback_ports``: HTTP and gRPC ports of the backup Python proxy (haproxy only);
     ``drain_s``: how long a stopping replica stays reachable (haproxy only);
-    ``threads``: HAProxy's threads (``haproxy_threads``). Any of them None leaves
+    ``threads``: HAProxy's threads (``haproxy_threads``); ``grpc_max_message_bytes``:
+    the gRPC servers' message limit, both ways (either ingress). Any of them None leaves
     Serve's default. ``proxy`` sets the switch off explicitly, so that an inherited
     ``RAY_SERVE_ENABLE_HA_PROXY=1`` does not win.
     """
+    grpc = {} if grpc_max_message_bytes is None else {GRPC_MAX_MESSAGE: str(grpc_max_message_bytes)}
     if check_ingress(ingress) == "proxy":
-        return {ENABLE_HAPROXY: "0"}
-    env = {ENABLE_HAPROXY: "1"}
+        return {ENABLE_HAPROXY: "0", **grpc}
+    env = {ENABLE_HAPROXY: "1", **grpc}
     if fallback_ports is not None:
         env[FALLBACK_HTTP_PORT], env[FALLBACK_GRPC_PORT] = (str(p) for p in fallback_ports)
     if drain_s is not None:

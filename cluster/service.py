@@ -4,8 +4,9 @@
 pools), Serve with its ingress (HAProxy by default, or Serve's Python proxy: see
 ``cluster/ingress.py``) on the HTTP and gRPC ports, and the router application;
 ``shutdown()`` takes them down in reverse order. A Serve already running in the Ray
-cluster is used as it is (its ports and ingress), and ``shutdown(keep_serve=True)``
-leaves it up: the integration tests start one service after another on one Serve.
+cluster is used as it is (its ports, ingress and gRPC message limit), and
+``shutdown(keep_serve=True)`` leaves it up: the integration tests start one service
+after another on one Serve.
 ``tandem up`` and the tests use it; the caller owns ``ray.init`` / ``ray.shutdown``.
 """
 
@@ -49,8 +50,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServiceConfig:
     """Everything a ``TandemService`` starts: the pools' topology, the router's settings, where
-    Serve listens (host, HTTP and gRPC ports, ingress) and the app's name. Built once, from the
-    flags (``from_flags``) or by the caller."""
+    Serve listens (host, HTTP and gRPC ports, ingress), its gRPC message limit and the app's
+    name. Built once, from the flags (``from_flags``) or by the caller."""
 
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -62,9 +63,16 @@ class ServiceConfig:
     # A Ray custom resource only the head node advertises: the controller and the router
     # ask for a unit of it, so they run on the head (see ``head_pinned``). None: no pin.
     head_resource: str | None = None
+    # The largest gRPC message Serve's servers take or send (grpc refuses a larger one
+    # unread: RESOURCE_EXHAUSTED). Serve-wide, unlike the router's per-app body limit,
+    # which the router still checks. Serve holds responses to it too: a first message
+    # with prompt_logprobs of a long prompt can pass it (docs/SECURITY.md).
+    grpc_max_message_bytes: int = RouterConfig.max_body_bytes
 
     def __post_init__(self) -> None:
         check_ingress(self.ingress)
+        if self.grpc_max_message_bytes < 1:
+            raise ValueError(f"grpc_max_message_bytes must be >= 1, got {self.grpc_max_message_bytes}")
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace, *, free: bool = False, api_key: str | None = None) -> ServiceConfig:
@@ -162,17 +170,26 @@ def _on_head_node() -> bool:
 def controller_env(config: ServiceConfig, on_head: bool, environ) -> dict[str, str]:
     """The environment of Serve's controller (and so of its proxies and replicas).
 
-    On the head node (where the driver can see which ports are free), HAProxy's backup
-    proxy gets free ports rather than Serve's fixed 8500 / 9500, so that two services on
-    one machine (tests, a second ``tandem up``) do not collide, and HAProxy as many
-    threads as the node's CPUs warrant (``haproxy_threads``). Values in ``environ``
+    Serve's gRPC servers take messages up to ``config.grpc_max_message_bytes``, either
+    ingress. On the head node (where the driver can see which ports are free), HAProxy's
+    backup proxy gets free ports rather than Serve's fixed 8500 / 9500, so that two
+    services on one machine (tests, a second ``tandem up``) do not collide, and HAProxy as
+    many threads as the node's CPUs warrant (``haproxy_threads``). Values in ``environ``
     (this process's environment) win over the defaults chosen here.
     """
     if config.ingress == "proxy":
-        return serve_env("proxy")
+        env = serve_env("proxy", grpc_max_message_bytes=config.grpc_max_message_bytes)
+    else:
+        env = _haproxy_env(config, on_head)
+    env.update({k: environ[k] for k in env if k != ENABLE_HAPROXY and k in environ})
+    return env
+
+
+def _haproxy_env(config: ServiceConfig, on_head: bool) -> dict[str, str]:
     ports = tuple(free_ports(config.host, 2, avoid={config.http_port, config.grpc_port})) if on_head else None
     threads = haproxy_threads(os.cpu_count() or 1) if on_head else None
-    env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S, threads=threads)
+    env = serve_env("haproxy", fallback_ports=ports, drain_s=LOCAL_DRAIN_S, threads=threads,
+                    grpc_max_message_bytes=config.grpc_max_message_bytes)
     if on_head:
         # HAProxy's stats page and exporter: their usual ports when free, else spare ones
         # (a second service on the machine would otherwise stop HAProxy from starting).
@@ -181,7 +198,6 @@ def controller_env(config: ServiceConfig, on_head: bool, environ) -> dict[str, s
             port = default if _port_free(default) and default not in taken else free_ports("0.0.0.0", 1, taken)[0]
             env[var] = str(port)
             taken.add(port)
-    env.update({k: environ[k] for k in env if k != ENABLE_HAPROXY and k in environ})
     return env
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from engine.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
+from engine.grammar import GrammarLimits
 from engine.scheduler import SchedulerConfig, check_modes
 
 GiB = 1 << 30
@@ -38,6 +39,8 @@ class EngineConfig:
     ``prefix_hash_algo`` (``blake2b`` | ``sha256``) and ``prefix_hash_seed`` (None: a
     random seed per process) name prefix-cache blocks; see ``engine.block_hash``. The
     router's placement index takes the decode engine's.
+    ``grammar``: the bounds on a structured-output spec and the wall-clock limit on its
+    compile (``engine.grammar.GrammarLimits``; a dict of its fields in a topology file).
     """
 
     model: str | None = None
@@ -61,6 +64,7 @@ class EngineConfig:
     seed: int = 0
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
     prefix_hash_seed: str | int | None = None
+    grammar: GrammarLimits = GrammarLimits()
 
     # What an engine can change without reloading its model or reallocating its KV cache
     # (``LLMEngine.reset``, a worker's role switch): the scheduler's and prefix cache's settings.
@@ -89,6 +93,8 @@ class EngineConfig:
                 and getattr(self, f.name) != getattr(other, f.name)]
 
     def __post_init__(self) -> None:
+        if isinstance(self.grammar, dict):  # from a topology file's ``engine`` section
+            object.__setattr__(self, "grammar", GrammarLimits(**self.grammar))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -16,7 +16,10 @@ A request with a structured-output constraint waits outside the scheduler until 
 grammar is compiled (``engine.structured_output``; a cached grammar is ready at
 once), then enters it like any other. Each step the sampler masks its logits row with
 the grammar's token bitmask, and a request whose matcher terminates finishes with
-``stop``.
+``stop``. ``add_request`` checks only the spec's bounds (``EngineConfig.grammar``;
+a ValueError naming the limit); a spec that does not parse, or whose compile runs past
+``compile_timeout_s``, ends its request with finish reason ``error`` and the reason in
+``stop_reason``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
 from engine.cuda_graphs import step_graphs_for
 from engine.gguf_checkpoint import is_gguf, open_gguf
-from engine.grammar import check as check_structured_output
+from engine.grammar import precheck as precheck_structured_output
 from engine.kv_cache import KVCache, bytes_per_block
 from engine.loader import load_model, resolve_dtype
 from engine.model_config import ModelConfig
@@ -129,6 +132,7 @@ class LLMEngine:
             self.tokenizer,
             self.model_config.vocab_size,
             self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
+            config.grammar,
         )
         graphs = step_graphs_for(
             self.model, self.kv_cache, self.attention, config.max_num_seqs, self.max_model_len,
@@ -362,8 +366,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.holds(rid):
             raise ValueError(f"request_id {rid!r} is already in use")
-        if params.structured_output is not None:
-            check_structured_output(params.structured_output)  # cached: cheap after the first time
+        so = params.structured_output
+        if so is not None and not self.structured.cached(so):  # a cached spec passed the bounds before
+            # Only the bounds, in milliseconds: the parse is the compile thread's (a spec
+            # that does not parse ends its request with an error there).
+            precheck_structured_output(so, limits=self.config.grammar)
         params.check_vocab(self.model_config.vocab_size)
         return Request(
             request_id=rid,
@@ -437,11 +444,12 @@ class LLMEngine:
         if self.scheduler.has_schedulable_work():
             return True
         ready = self.structured.is_ready
-        return any(ready(rid) for rid in self._compiling) or self.remote_kv.has_ready()
+        return (any(ready(rid) for rid in self._compiling) or self.remote_kv.has_ready()
+                or self.structured.overdue(time.monotonic()))
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand requests whose grammar is now ready to the scheduler; a grammar that
-        failed to compile ends its request with an error."""
+        failed to compile (or ran past its time limit) ends its request with an error."""
         outputs = []
         for rid in [r for r in self._compiling if self.structured.is_ready(r)]:
             request = self._compiling.pop(rid)
@@ -459,6 +467,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of the requests that produced tokens."""
+        self.structured.expire(time.monotonic())  # a compile past its limit: its requests end below
         admitted = self._admit_compiled() if self._compiling or self.remote_kv.has_held_back else []
         if not self.scheduler.has_schedulable_work() and self._compiling and not admitted:
             self.structured.wait_any(0.05)  # offline loops: nothing else to do meanwhile

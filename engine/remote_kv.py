@@ -13,7 +13,8 @@ A request's lifecycle here::
 
     reserve ──▶ waiting (blocks reserved; the worker pins them for the transfer)
       ├─ arrive ─▶ [grammar compiling: held back] ─▶ committed: RUNNING, first token out
-      ├─ fail, recompute ─▶ WAITING (a local prefill)
+      │                      └─ grammar failed (or past its time limit) ─▶ FINISHED_ERROR
+      ├─ fail, recompute ─▶ WAITING (a local prefill; FINISHED_ERROR if its grammar failed)
       ├─ fail ─▶ FINISHED_ERROR
       └─ abort (the scheduler's ``finish_requests``) ─▶ forgotten
 
@@ -105,10 +106,12 @@ class RemoteKVIntake:
     def commit(self, request_id: str, arrival: Arrival) -> Request | None:
         """The request's KV has landed: it joins the batch with ``arrival``'s first token (and
         may finish at once: a stop token, ``max_tokens`` of 1). None when it does not wait
-        here, or when its grammar is still compiling (held back until ``take_ready``)."""
+        here, or when its grammar is still compiling or failed (held back: ``take_ready``
+        commits it, or ends it with an error)."""
         if request_id not in self.scheduler.remote:
             return None
-        if request_id in self.structured and not self.structured.is_ready(request_id):
+        structured = self.structured
+        if request_id in structured and (not structured.is_ready(request_id) or structured.error(request_id)):
             self._held_back[request_id] = arrival
             return None
         request = self.scheduler.remote_arrived(request_id, arrival.first_token)
@@ -140,8 +143,12 @@ class RemoteKVIntake:
 
     def fail(self, request_id: str, recompute: bool) -> Request | None:
         """The KV will not come: queue the request to prefill here (``recompute``) or finish
-        it with an error. None when it does not wait here."""
+        it with an error (also when its grammar failed: nothing could be sampled). None when it
+        does not wait here."""
         self._held_back.pop(request_id, None)
+        structured = self.structured
+        if request_id in structured and structured.is_ready(request_id) and structured.error(request_id):
+            recompute = False
         return self.scheduler.remote_failed(request_id, recompute)
 
     def forget(self, request_id: str) -> None:

@@ -6,7 +6,9 @@ This module owns everything the engine needs to know about tokenization:
   loads a Hugging Face style model directory (``tokenizer.json`` plus the
   optional ``tokenizer_config.json``, ``generation_config.json`` and
   ``config.json``) or a GGUF file's tokenizer metadata, and renders chat templates with a sandboxed Jinja
-  environment configured the way ``transformers`` configures it.
+  environment configured the way ``transformers`` configures it. Its ``encode``
+  lets go of the GIL while it works, and ``max_chars_per_token`` bounds how much
+  text one token stands for (the router refuses a text far over the context with it).
 * :class:`IncrementalDetokenizer` -- turns a growing stream of generated token
   ids into text deltas suitable for streaming, handling multi-byte characters
   that are split across tokens and stop strings that span token boundaries.
@@ -19,8 +21,10 @@ heavy at runtime, and everything the engine needs is available from
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from datetime import datetime
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
+
+from engine.stop_strings import StopMatcher
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer"]
 
@@ -115,6 +121,67 @@ def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+# -- how many characters one token can stand for -----------------------------------
+
+# The most code points NFC or NFKC composes into one (U+1F82, an alpha with three marks,
+# decomposes into four): the most a Unicode normalizer divides a text's length by.
+_MAX_COMPOSED = 4
+# Pre-tokenizers that split text and drop none of it (Split and Punctuation unless their
+# behavior is "Removed"); Whitespace, WhitespaceSplit and BERT's drop the whitespace.
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"})
+
+
+def _parts(section: dict | None, key: str) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer as the list of its steps."""
+    if section is None:
+        return []
+    return [p for part in section[key] for p in _parts(part, key)] if section["type"] == "Sequence" else [section]
+
+
+def _shrink(normalizer: dict | None) -> Fraction | None:
+    """The most ``normalizer`` divides a text's length by; None for one that can drop any
+    amount of it (Strip, StripAccents, a regex Replace, BERT's, SentencePiece's Precompiled)."""
+    factor = Fraction(1)
+    for step in _parts(normalizer, "normalizers"):
+        kind, pattern = step["type"], step.get("pattern") or {}
+        if kind in ("NFC", "NFKC"):
+            factor *= _MAX_COMPOSED
+        elif kind == "Replace" and pattern.get("String") and step["content"]:
+            factor *= max(Fraction(1), Fraction(len(pattern["String"]), len(step["content"])))
+        elif kind not in ("NFD", "NFKD", "Lowercase", "Prepend"):  # those give a character or more for each
+            return None
+    return factor
+
+
+def _model_keeps_text(model: dict, byte_level: bool) -> bool:
+    """Whether a BPE model gives every character a token of its own or a share of one: a
+    byte-level vocabulary has all 256 bytes, byte fallback all 256 ``<0x..>`` tokens, or an
+    unknown character gets an unknown token each. Other models, and BPE without these,
+    drop or merge unknown text (WordPiece makes a whole word one [UNK])."""
+    if model["type"] != "BPE":
+        return False
+    vocab = model["vocab"]
+    if byte_level and all(c in vocab for c in tokenizers.pre_tokenizers.ByteLevel.alphabet()):
+        return True
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return True
+    return model.get("unk_token") is not None and not model.get("fuse_unk")
+
+
+def _max_chars_per_token(spec: dict) -> int | None:
+    """``Tokenizer.max_chars_per_token`` of the tokenizer ``spec`` (its tokenizer.json)."""
+    shrink = _shrink(spec.get("normalizer"))
+    pre = _parts(spec.get("pre_tokenizer"), "pretokenizers")
+    added = spec.get("added_tokens") or []
+    if (shrink is None or spec.get("truncation") is not None
+            or any(p["type"] not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed" for p in pre)
+            or not _model_keeps_text(spec["model"], any(p["type"] == "ByteLevel" for p in pre))
+            or any(t["lstrip"] or t["rstrip"] for t in added)):  # such a token swallows whitespace
+        return None
+    longest = max([len(t) for t in spec["model"]["vocab"]] + [len(t["content"]) for t in added])
+    return math.ceil(longest * shrink)
 
 
 class Tokenizer:
@@ -229,7 +296,9 @@ class Tokenizer:
         prepending BOS). Special-token text inside ``text`` (such as
         ``<|user|>``) is always encoded as the special token.
         """
-        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch lets go of the GIL while it works (encode holds it): a prompt
+        # tokenized on another thread (the router's) leaves the event loop running.
+        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         ids = encoding.ids
         if not add_special_tokens or self.add_bos_token is None or self.bos_token_id is None:
             return ids
@@ -242,6 +311,19 @@ class Tokenizer:
             # BOS the text spelled out itself has mask 0 and is kept.
             ids = ids[1:]
         return ids
+
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of text one token can stand for: a text of ``c`` characters
+        encodes to at least ``c / max_chars_per_token()`` tokens, so one far over a context
+        can be refused without encoding it. None where the tokenizer can drop text (see
+        ``_max_chars_per_token``'s helpers): then no text is too long to fit.
+
+        Why it holds: a token stands for at most as many characters as its vocabulary
+        entry has (a byte-level entry has a character per byte, and a character is a byte
+        or more; a ``<0x..>`` or unknown token stands for one), an added token for its
+        content; the normalizer divides the text's length by at most ``_shrink``.
+        """
+        return _max_chars_per_token(json.loads(self._tok.to_str()))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Decode token ids to text, optionally dropping special tokens."""
@@ -337,10 +419,11 @@ class IncrementalDetokenizer:
         if isinstance(stop, str):
             stop = (stop,)  # not a sequence of one-character stop strings
         # An empty stop string would match immediately; it is meaningless.
-        self._stops: tuple[str, ...] = tuple(s for s in stop if s)
+        stops = tuple(s for s in stop if s)
+        self._stops = StopMatcher(stops)
         # Text ending in the last len(stop)-1 chars may be the start of a stop
         # string, so take_delta must not release it yet.
-        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._holdback = max((len(s) for s in stops), default=1) - 1
 
         # The decode window: _ids[:_read_offset] is context whose text was
         # already emitted, _ids[_read_offset:] is pending. vLLM's prefix_offset
@@ -433,23 +516,16 @@ class IncrementalDetokenizer:
         self._ids = self._ids[self._read_offset :]
         self._read_offset = len(self._ids)
 
-        search_from = len(self._text)
         self._text += new_text
-        return self._check_stop(search_from)
+        return self._check_stop()
 
-    def _check_stop(self, new_text_start: int) -> str | None:
-        """Find the earliest stop string overlapping text from ``new_text_start``."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            # A match must end inside the new text (anything earlier was
-            # already checked), so it starts at most len(stop)-1 chars before.
-            start = max(0, new_text_start - len(stop) + 1)
-            idx = self._text.find(stop, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
+    def _check_stop(self) -> str | None:
+        """Look for a stop string ending in the new text (``engine.stop_strings`` says
+        which wins); on a match, cut the text there and remember it."""
+        match = self._stops.find(self._text)
+        if match is None:
             return None
-        idx, stop = best
+        idx, stop = match
         self._text = self._text[: idx + len(stop) if self._include_stop else idx]
         self._stop_str = stop
         return stop

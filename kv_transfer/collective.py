@@ -47,7 +47,12 @@ sender's older channels not among them. Deadlines: ``TransferMeta.deadline`` is 
 (``time.time()``) and the two sides compare it on their own clocks, so skew between
 hosts moves one side's give-up against the other's; the waits themselves (builds,
 sends, receives, and a transfer's wait for a build another transfer started) are
-relative timeouts on the monotonic clock, taken from the time left.
+relative timeouts on the monotonic clock, taken from the time left. A build runs on a
+thread of its own and is waited for no longer (``_build``): gloo's can outlast its own
+timeout five-fold when the peer left the rendezvous, and the pair's transfers wait. The
+sender's also stops at the receiver's mark that it gave the epoch up, which may land
+after the build began. A receive whose channel came only past its deadline posts
+nothing and leaves the channel whole.
 
 On CPUs the backend is paged: each worker attaches its paged cache, and a transfer goes
 from the sender's blocks straight into the receiver's reserved ones, with neither a
@@ -74,6 +79,8 @@ import time
 import uuid
 import zlib
 from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 import torch
@@ -112,6 +119,7 @@ MAX_DRAIN_BYTES = 256 << 20
 # about 3 GB/s each, so small messages lose to two copies once they are many.
 MAX_MESSAGES = 512
 MIN_MESSAGE_BYTES = 64 << 10
+BUILD_POLL_S = 0.05  # how often a channel build in progress looks whether the receiver gave it up
 
 
 def transfer_header(
@@ -394,11 +402,17 @@ class CollectiveBackend(KVTransferBackend):
                 raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
             host, port = endpoint.rsplit(":", 1)
             try:
-                store = _client(host, int(port), timeout_s)
-                if store.check([_given_up(self.sender_id, epoch)]):
-                    raise TransferError("channel_closed", f"epoch {epoch}'s channel is closed: "
-                                                          "the receiver gave up building it")
-                channel = Channel(store, f"{self.sender_id}/{epoch}", 0, timeout_s)
+                store, watch = _client(host, int(port), timeout_s), _client(host, int(port), timeout_s)
+                mark = _given_up(self.sender_id, epoch)
+
+                def check() -> None:  # before the build, and while it runs: the receiver may give up any time
+                    if watch.check([mark]):
+                        raise TransferError("channel_closed", f"epoch {epoch}'s channel is closed: "
+                                                              "the receiver gave up building it")
+
+                check()
+                channel = _build(lambda: Channel(store, f"{self.sender_id}/{epoch}", 0, timeout_s), f"to {endpoint}",
+                                 timeout_s, check)
             except Exception as e:
                 self._drop_outgoing(out, epoch)  # a half-built rendezvous must not be joined again
                 if isinstance(e, TransferError):
@@ -545,9 +559,14 @@ class CollectiveBackend(KVTransferBackend):
     def _receive_checked(self, channel: Channel, meta: TransferMeta, tag: int, expected: torch.Tensor,
                          body: list[torch.Tensor]) -> None:
         """The header first; the body's receives are posted only once it matches. Raises
-        ``TransferRefused`` when the header differs and the channel is left whole."""
+        ``TransferRefused`` when the header differs and the channel is left whole, or when
+        the deadline passed before anything was posted (a channel whose build ended late:
+        a receive posted now would have to close the channel, failing the pair's others)."""
+        timeout_s = self._op_timeout(meta)
+        if timeout_s <= 0:
+            raise TransferRefused("timeout", f"transfer {meta.transfer_id} passed its deadline")
         header = torch.zeros_like(expected)
-        channel.exchange("recv", [header], tag, self._op_timeout(meta))
+        channel.exchange("recv", [header], tag, timeout_s)
         if not torch.equal(header, expected):
             self._drain(channel, header, tag)
             raise TransferRefused(
@@ -638,7 +657,9 @@ class CollectiveBackend(KVTransferBackend):
             try:
                 if timeout_s <= 0:
                     raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline")
-                channel = Channel(_client("127.0.0.1", store.port, timeout_s), f"{sender}/{epoch}", 1, timeout_s)
+                client = _client("127.0.0.1", store.port, timeout_s)
+                prefix = f"{sender}/{epoch}"
+                channel = _build(lambda: Channel(client, prefix, 1, timeout_s), f"from {sender}", timeout_s)
             except Exception as e:
                 with self._lock:
                     self._closed_in.add(key)
@@ -706,13 +727,50 @@ class CollectiveBackend(KVTransferBackend):
 
 
 class TransferRefused(TransferError):
-    """The receiver refused this transfer and drained its messages: the channel is whole."""
+    """The receiver refused this transfer (drained its messages, or posted nothing as its
+    deadline had passed): nothing of it is posted here, and the channel is whole."""
 
 
 def _close_soon(channels: list[Channel]) -> None:
     """Close these channels on a thread of their own: the caller is an event loop."""
     if channels:
         threading.Thread(target=lambda: [c.close() for c in channels], name="kv-channel-close", daemon=True).start()
+
+
+def _build(make, peer: str, timeout_s: float, check=lambda: None) -> Channel:
+    """``make()``, the build of a channel ``peer`` ("to host:port", for errors), on a thread
+    of its own: waited for ``timeout_s`` at most, and ``check()`` every ``BUILD_POLL_S``
+    meanwhile (it raises to stop waiting). gloo's build against a peer that left the
+    rendezvous can outlast its own timeout five-fold (measured, the connect retried), and
+    the caller holds the pair's build lock meanwhile. A build left behind closes its
+    channel, should it end built."""
+    built: Future = Future()
+
+    def run() -> None:
+        try:
+            built.set_result(make())
+        except Exception as e:
+            built.set_exception(e)
+
+    threading.Thread(target=run, name="kv-channel-build", daemon=True).start()
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return built.result(timeout=min(BUILD_POLL_S, max(end - time.monotonic(), 0.0)))
+        except FutureTimeout:
+            pass
+        try:
+            check()
+            if time.monotonic() >= end:
+                raise TransferError("connect", f"no channel {peer} within {timeout_s:.1f} s")
+        except BaseException:
+            built.add_done_callback(_close_if_built)
+            raise
+
+
+def _close_if_built(built: Future) -> None:
+    if not built.cancelled() and built.exception() is None:
+        built.result().close()
 
 
 def _given_up(sender: str, epoch: int) -> str:

@@ -12,6 +12,13 @@ A ticket's lifecycle::
                                  └──▶ Rejection(reason, retry_after_s)
 
 ``try_admit_all`` admits a batch (the prompts of one request) whole or not at all.
+
+``Intake`` bounds the work before admission the same way: the requests a replica is
+reading, rendering and tokenizing at once (``router.core`` runs that on its tokenizer
+threads) and their bodies' bytes. An intake ticket's lifecycle::
+
+    try_enter(body_bytes, now) ──▶ IntakeTicket ──▶ leave(ticket, now)   (when its thread is done)
+                               └──▶ Rejection(reason, retry_after_s)
 """
 
 from __future__ import annotations
@@ -42,11 +49,35 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class IntakeConfig:
+    """The bounds on the work before admission: requests being validated (parsed, rendered,
+    tokenized) at once and their bodies' bytes, past either a 429; and the tokenizer threads
+    that do it, the others waiting their turn. Checked on creation."""
+
+    threads: int = 2
+    max_requests: int = 256
+    max_bytes: int = 16 << 20  # 16 bodies of the 1 MiB limit: a few seconds of tokenizing
+
+    def __post_init__(self) -> None:
+        for name in ("threads", "max_requests", "max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"intake {name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class Ticket:
     """An admitted request's share of the bounds; hand it to ``release`` exactly
     once, when the request ends."""
 
     prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class IntakeTicket:
+    """A request's share of the intake bounds; hand it to ``Intake.leave`` exactly once,
+    when its validation is done."""
+
+    body_bytes: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +101,7 @@ class Admission:
         self.prompt_tokens = 0
         self.num_admitted = 0
         self.num_rejected = 0
-        self._finished: deque[float] = deque()  # release times within the rate window
+        self._hint = _RetryHint(self.config)  # from the rate requests are released at
 
     def try_admit(self, prompt_tokens: int, now: float) -> Ticket | Rejection:
         """Admit the request (count it as outstanding) or say why not and when to retry."""
@@ -119,19 +150,70 @@ class Admission:
         """The admitted request ended (finished, failed or cancelled)."""
         self.requests -= 1
         self.prompt_tokens -= ticket.prompt_tokens
+        self._hint.finished(now)
+
+    def _reject(self, reason: str, must_finish: int, now: float, code: str) -> Rejection:
+        self.num_rejected += 1
+        return Rejection(reason, self._hint.seconds(must_finish, now), code)
+
+
+class Intake:
+    """One router replica's count of the requests it is validating before admission (an
+    intake ticket's lifecycle is in the module docstring); ``RouterCore`` owns one, and
+    every call takes the time as ``now``. Its retry hint follows the rate validations
+    end at, within admission's bounds on the hint."""
+
+    def __init__(self, config: IntakeConfig | None = None, hint: AdmissionConfig | None = None) -> None:
+        self.config = config or IntakeConfig()
+        self.requests = 0
+        self.bytes = 0
+        self._hint = _RetryHint(hint or AdmissionConfig())
+
+    def try_enter(self, body_bytes: int, now: float) -> IntakeTicket | Rejection:
+        """Count the request as being validated, or say why not and when to retry."""
+        cfg = self.config
+        if self.requests >= cfg.max_requests:
+            reason = f"the server is validating {self.requests} requests (max_intake_requests={cfg.max_requests})"
+            return Rejection(reason, self._hint.seconds(self.requests - cfg.max_requests + 1, now),
+                             "max_intake_requests")
+        # An idle intake takes any body: the body size limit already capped it.
+        if self.requests and self.bytes + body_bytes > cfg.max_bytes:
+            reason = (f"the server is validating {self.bytes} bytes of requests and this one adds "
+                      f"{body_bytes} (max_intake_bytes={cfg.max_bytes})")
+            return Rejection(reason, self._hint.seconds(1, now), "max_intake_bytes")
+        self.requests += 1
+        self.bytes += body_bytes
+        return IntakeTicket(body_bytes)
+
+    def leave(self, ticket: IntakeTicket, now: float) -> None:
+        """The request's validation is done (it passed, failed, or its client left and the
+        thread finished anyway)."""
+        self.requests -= 1
+        self.bytes -= ticket.body_bytes
+        self._hint.finished(now)
+
+
+class _RetryHint:
+    """The whole seconds a refusal suggests waiting: how long until ``must_finish`` more of
+    the work is done, at the rate it finished over the last ``rate_window_s`` (never less
+    than ``min_retry_after_s``, never more than ``max_retry_after_s``)."""
+
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._finished: deque[float] = deque()  # finish times within the rate window
+
+    def finished(self, now: float) -> None:
         self._finished.append(now)
         self._trim(now)
+
+    def seconds(self, must_finish: int, now: float) -> int:
+        self._trim(now)
+        cfg = self.config
+        rate = len(self._finished) / cfg.rate_window_s  # finished per second
+        # Nothing finished lately: no rate to go by, so suggest the shortest wait.
+        wait = must_finish / rate if rate > 0 else cfg.min_retry_after_s
+        return math.ceil(min(max(wait, cfg.min_retry_after_s), cfg.max_retry_after_s))
 
     def _trim(self, now: float) -> None:
         while self._finished and self._finished[0] < now - self.config.rate_window_s:
             self._finished.popleft()
-
-    def _reject(self, reason: str, must_finish: int, now: float, code: str) -> Rejection:
-        self.num_rejected += 1
-        self._trim(now)
-        cfg = self.config
-        rate = len(self._finished) / cfg.rate_window_s  # requests finished per second
-        # Nothing finished lately: no rate to go by, so suggest the shortest wait.
-        wait = must_finish / rate if rate > 0 else cfg.min_retry_after_s
-        wait = min(max(wait, cfg.min_retry_after_s), cfg.max_retry_after_s)
-        return Rejection(reason, math.ceil(wait), code)

@@ -1,7 +1,13 @@
 """The request bodies as pydantic models (strict types, unknown fields ignored, as OpenAI
 clients send extras), and reading a body: JSON first (413 over the size limit, 400 when
-malformed), then the model (400 naming the first field that does not fit). What the
-types cannot check is ``router.validation``'s."""
+malformed or nested more than ``MAX_JSON_DEPTH`` levels), then the model (400 naming the
+first field that does not fit). What the types cannot check is ``router.validation``'s.
+
+The depth bound keeps every later step off Python's recursion limit: the JSON decoder
+stops near 1000 levels, but pydantic, ``json.dumps`` (a schema becomes a spec's text) and
+the chat template's ``tojson`` recurse too, and failed (a 500) from about 500 levels. JSON
+text inside a string (a tool call's ``arguments``, gRPC's ``response_format``) is held to
+the same bound (``check_depth``)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.errors import ApiError
+
+MAX_JSON_DEPTH = 128  # objects and arrays inside one another; a JSON schema's own bound is 64 (GrammarLimits)
+
+
+def check_depth(value: object, what: str, param: str | None = None) -> None:
+    """400 naming ``what`` (and ``param``) when ``value`` (parsed JSON) nests objects and
+    arrays more than ``MAX_JSON_DEPTH`` levels deep. Iterative: no depth overflows it."""
+    todo = [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"{what} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep, "
+                           "over the limit", param=param)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def check_text(text: str, param: str) -> str:
@@ -153,6 +174,7 @@ def _template_call(call: MessageToolCall, path: str) -> dict:
     if not isinstance(arguments, dict):
         raise ApiError(400, f"{path}.function.arguments must be a JSON object, as text",
                        param=f"{path}.function.arguments")
+    check_depth(arguments, f"{path}.function.arguments", f"{path}.function.arguments")
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
@@ -212,6 +234,8 @@ def parse_json(raw: bytes, max_bytes: int) -> dict:
         raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # else it cannot nest that deep: no walk
+        check_depth(body, "request body")
     return body
 
 

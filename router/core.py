@@ -1,7 +1,11 @@
 """The router's transport-independent part (``RouterCore``): validation's checks that
 need the model, admission, dispatch, auth, the worker list it keeps fresh and the latency
 it reports; and ``RouterConfig``, a replica's settings. ``router.server`` puts HTTP and
-gRPC in front of it."""
+gRPC in front of it.
+
+Validation (parsing a body, rendering the chat, tokenizing) runs on the core's tokenizer
+threads (``prepare``), never on the event loop that streams every other request's tokens,
+and within the intake bounds (``router.admission.Intake``): past them, a 429."""
 
 from __future__ import annotations
 
@@ -10,13 +14,17 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import ray
 
+from engine.grammar import GrammarLimits
 from engine.metrics import RouterMetrics
-from router.admission import Admission, AdmissionConfig, Rejection, Ticket
+from router.aborts import AbortBudget, AbortConfig
+from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, Rejection, Ticket
 from router.dispatch import Affinity, DispatchConfig, Dispatcher
 from router.errors import ApiError
 from router.fanout import Fanout
@@ -26,6 +34,8 @@ from router.validation import Choice, PreparedRequest, ServedModel, check_api_ke
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -34,11 +44,14 @@ class RouterConfig:
     ``cluster.service`` builds it from the flags or a RayService's args."""
 
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    intake: IntakeConfig = field(default_factory=IntakeConfig)  # validation before admission: threads, bounds
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)  # block size etc. come from the cluster
     max_body_bytes: int = 1 << 20
     api_key: str | None = None  # None: no auth
     workers_refresh_s: float = 1.0  # also how often the replica reports its latency to the controller
     latency_window_s: float = 10.0  # the span of the TTFT / ITL percentiles it reports
+    aborts: AbortConfig = field(default_factory=AbortConfig)  # Aborts of ids run elsewhere, passed on
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured-output specs: bounds, parse time
 
 
 
@@ -54,9 +67,12 @@ class RouterCore:
         self.config = config
         info = dict(info)
         self.tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
-        self.model = ServedModel(**info)
+        self.model = ServedModel(**info, max_chars_per_token=self.tokenizer.max_chars_per_token())
         self.created = int(time.time())
         self.admission = Admission(config.admission)
+        self.intake = Intake(config.intake, config.admission)
+        self._tokenizer_threads = ThreadPoolExecutor(config.intake.threads, thread_name_prefix="router-tokenizer")
+        self.aborts = AbortBudget(config.aborts)
         self.replica_id = f"router-{os.getpid()}"
         self.metrics = RouterMetrics(self.model.name, self.replica_id)
         self.latency = LatencyWindow(config.latency_window_s)  # reported for the pools' control loop
@@ -66,7 +82,7 @@ class RouterCore:
         # follows the deployment's setting: the controller knows them.
         dispatch = dataclasses.replace(config.dispatch, **dispatch_settings)
         self.dispatcher = Dispatcher(lambda: self._prefill, lambda: self._decode, dispatch, self.metrics)
-        self.grammars = GrammarChecker()
+        self.grammars = GrammarChecker(config.grammar)
         self.fanouts: dict[str, Fanout] = {}  # request id -> its choices, for a request of several in flight
 
     @classmethod
@@ -106,13 +122,32 @@ class RouterCore:
     def check_key(self, presented: str | None) -> None:
         check_api_key(self.config.api_key, presented)
 
+    async def prepare(self, body_bytes: int, validate: Callable[[], T]) -> T:
+        """``validate()`` (parsing, rendering the chat, tokenizing: ``router.validation``) on a
+        tokenizer thread, counted against the intake bounds until it is done (429 past them);
+        its ``ApiError`` is counted as an invalid request."""
+        ticket = self._admitted(self.intake.try_enter(body_bytes, time.monotonic()))
+        loop = asyncio.get_running_loop()
+        work = self._tokenizer_threads.submit(validate)
+        # Leave when the thread is done, not when the handler is: a client that went away
+        # cancels its wait, not a tokenization already running.
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(self.intake.leave, ticket, time.monotonic()))
+        try:
+            return await asyncio.wrap_future(work)
+        except ApiError:
+            self.metrics.on_rejected("invalid_request")
+            raise
+
     async def check_structured_output(self, prepared: PreparedRequest) -> None:
-        """400 naming the field when xgrammar cannot parse the request's output constraint."""
+        """400 naming the field when the request's output constraint is past a bound of
+        ``config.grammar``, or xgrammar cannot parse it within ``compile_timeout_s``
+        (counted as an invalid request)."""
         so = prepared.params.structured_output
         if so is None:
             return
         error = await self.grammars.check(so, prepared.structured_field)
         if error is not None:
+            self.metrics.on_rejected("invalid_request")
             raise ApiError(400, error, param=prepared.structured_field)
 
     def admit_all(self, batch: list[Choice], n: int) -> list[Ticket]:
@@ -131,7 +166,7 @@ class RouterCore:
         return self._admitted(self.admission.try_admit(len(prepared.prompt_token_ids), time.monotonic()))
 
     def _admitted(self, decision):
-        """The ticket(s) of an admission decision; a rejection is a 429."""
+        """The ticket(s) of an admission (or intake) decision; a rejection is a 429."""
         if isinstance(decision, Rejection):
             self.metrics.on_rejected(decision.code)
             raise ApiError(429, f"server busy: {decision.reason}; retry after {decision.retry_after_s}s",
@@ -148,12 +183,21 @@ class RouterCore:
 
     def abort(self, rid: str) -> bool:
         """Abort request ``rid`` (each of its choices, when it has several); returns
-        whether it was in flight here."""
+        whether it was in flight here. One that is not may run on another replica: every
+        worker is asked, within the replica's budget (``router.aborts``; 429 past it)."""
         fan = self.fanouts.get(rid)
-        if fan is None:
-            return self.dispatcher.abort(rid)
-        fan.abort()
-        return True
+        if fan is not None:
+            fan.abort()
+            return True
+        if not self.dispatcher.in_flight(rid):
+            if not rid:  # no request has an empty id: one is made for a Generate without
+                return False
+            if (wait := self.aborts.try_take(time.monotonic())) is not None:
+                cfg = self.config.aborts
+                raise ApiError(429, f"too many Aborts of requests not running on this replica (aborts.per_s="
+                                    f"{cfg.per_s:g}, aborts.burst={cfg.burst}); retry after {wait}s",
+                               type="rate_limit_error", code="server_busy", retry_after_s=wait)
+        return self.dispatcher.abort(rid)
 
     async def run(
         self, prepared: PreparedRequest, rid: str, ticket: Ticket,

@@ -1,8 +1,9 @@
 """The gRPC edge: ``tandem.v1`` messages to and from the router's plain types.
 
 Validation is shared with HTTP (``router.validation``); ``ApiError`` statuses map to
-gRPC codes here: 400/413 INVALID_ARGUMENT, 404 NOT_FOUND, 401 UNAUTHENTICATED,
-429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, anything else INTERNAL.
+gRPC codes here: 400 INVALID_ARGUMENT, 404 NOT_FOUND, 401 UNAUTHENTICATED,
+413 and 429 RESOURCE_EXHAUSTED (413 as grpc's own answer to a message over Serve's
+limit, ``ServiceConfig.grpc_max_message_bytes``), 503 UNAVAILABLE, anything else INTERNAL.
 
 The servicer registrations (``add_generation_servicer``, ``add_health_servicer``; Serve's
 proxy calls them) parse requests leniently: bytes that are not the method's message
@@ -19,6 +20,7 @@ import grpc
 
 from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
+from router.bodies import check_depth
 from router.errors import ApiError
 from router.validation import PreparedRequest, ServedModel, bearer, prepare_completion
 
@@ -26,7 +28,7 @@ _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.INVALID_ARGUMENT,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,  # as grpc's own refusal of a message over Serve's limit
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
@@ -72,8 +74,12 @@ def prepare(request: pb.GenerateRequest, model: ServedModel, tokenizer) -> Prepa
             body["response_format"] = json.loads(s.response_format)
         except ValueError as e:
             raise ApiError(400, f"response_format is not valid JSON: {e}", param="response_format") from None
+        except RecursionError:
+            raise ApiError(400, "response_format is not valid JSON: nested too deeply",
+                           param="response_format") from None
         if not isinstance(body["response_format"], dict):
             raise ApiError(400, "response_format must be a JSON object", param="response_format")
+        check_depth(body["response_format"], "response_format", "response_format")
     return prepare_completion(body, model, tokenizer)
 
 

@@ -8,8 +8,9 @@ gRPC proxy, servicers from ``protos``): ``tandem.v1.Generation`` and
 
 A request's way through a replica::
 
-    auth ─▶ parse + validate + tokenize (4xx) ─▶ output constraint parsed (400; helper
-      process) ─▶ admission (429 / RESOURCE_EXHAUSTED)
+    auth ─▶ body read (413) ─▶ intake bound (429 / RESOURCE_EXHAUSTED) ─▶ parse + validate
+      + render + tokenize on a tokenizer thread (4xx; ``RouterCore.prepare``) ─▶ output
+      constraint parsed (400; helper process) ─▶ admission (429 / RESOURCE_EXHAUSTED)
       ─▶ Dispatcher.generate ─▶ deltas out as JSON, SSE chunks or gRPC messages
       ─▶ admission ticket released (finished, failed, aborted or client gone)
 
@@ -37,6 +38,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -113,6 +115,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _validated(raw: bytes, core: RouterCore, validate):
+    """``validate(body, model, tokenizer)`` of the JSON body ``raw``: on a tokenizer thread."""
+    return validate(parse_json(raw, core.config.max_body_bytes), core.model, core.tokenizer)
+
+
+def _chat_batch(body: dict, model, tokenizer) -> list[PreparedRequest]:
+    return [prepare_chat(body, model, tokenizer)]
+
+
 # The router's code never blocks its event loop, so it runs on the replica's own loop:
 # with user code in a separate thread (Serve's default) every streamed chunk hops
 # between two loops, about 15% of the router's CPU per token (docs/BENCHMARKS.md).
@@ -170,11 +181,16 @@ class Router:
         return await self._tokenizer_call(request, detokenize)
 
     async def _tokenizer_call(self, request: Request, handle) -> dict:
+        raw = await self._body(request)
+        return await self.core.prepare(len(raw), partial(_validated, raw, self.core, handle))
+
+    async def _body(self, request: Request) -> bytes:
+        """The body of a request with the API key (else 401); 413 past ``max_body_bytes``,
+        400 cut short (both counted as invalid requests)."""
         core = self.core
         core.check_key(bearer(request.headers.get("authorization")))
-        limit = core.config.max_body_bytes
         try:
-            return handle(parse_json(await _read_body(request, limit), limit), core.model, core.tokenizer)
+            return await _read_body(request, core.config.max_body_bytes)
         except ApiError:
             core.metrics.on_rejected("invalid_request")
             raise
@@ -189,17 +205,11 @@ class Router:
 
     async def _http(self, request: Request, chat: bool):
         core = self.core
-        core.check_key(bearer(request.headers.get("authorization")))
-        limit = core.config.max_body_bytes
-        try:
-            body = parse_json(await _read_body(request, limit), limit)
-            batch = [prepare_chat(body, core.model, core.tokenizer)] if chat else \
-                prepare_completions(body, core.model, core.tokenizer)
-            for prepared in batch:
-                await core.check_structured_output(prepared)
-        except ApiError:
-            core.metrics.on_rejected("invalid_request")
-            raise
+        raw = await self._body(request)
+        validate = _chat_batch if chat else prepare_completions
+        batch = await core.prepare(len(raw), partial(_validated, raw, core, validate))
+        for prepared in batch:
+            await core.check_structured_output(prepared)
         if len(batch) > 1 or batch[0].n > 1:
             return await self._http_many(batch, chat)
         prepared = batch[0]
@@ -347,15 +357,12 @@ class Router:
         core = self.core
         core.check_key(grpc_api.api_key(grpc_context))
         grpc_api.well_formed(request, grpc_context)
-        try:
-            size, limit = request.ByteSize(), core.config.max_body_bytes
-            if size > limit:  # Serve's proxy takes messages up to 2 GiB; don't tokenize them
-                raise ApiError(413, f"the request is {size} bytes, over the limit of {limit} bytes")
-            prepared = grpc_api.prepare(request, core.model, core.tokenizer)
-            await core.check_structured_output(prepared)
-        except ApiError:
+        size, limit = request.ByteSize(), core.config.max_body_bytes
+        if size > limit:  # under Serve's limit (grpc refuses larger ones) but over this app's
             core.metrics.on_rejected("invalid_request")
-            raise
+            raise ApiError(413, f"the request is {size} bytes, over the limit of {limit} bytes")
+        prepared = await core.prepare(size, partial(grpc_api.prepare, request, core.model, core.tokenizer))
+        await core.check_structured_output(prepared)
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         if core.in_flight(rid):
             raise ApiError(400, f"request_id {rid!r} is already in flight", param="request_id")
@@ -385,7 +392,11 @@ class Router:
     async def Abort(self, request, grpc_context):
         self._grpc_auth(grpc_context)
         grpc_api.well_formed(request, grpc_context)
-        return pb.AbortResponse(found=self.core.abort(request.request_id))
+        try:
+            found = self.core.abort(request.request_id)
+        except ApiError as e:  # past the budget of Aborts passed to every worker
+            grpc_api.fail(grpc_context, grpc_api.status_code(e), e.message)
+        return pb.AbortResponse(found=found)
 
     async def GetModelInfo(self, request, grpc_context):
         self._grpc_auth(grpc_context)

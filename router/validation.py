@@ -25,6 +25,10 @@ vLLM's token controls become SamplingParams fields: ``logit_bias`` (OpenAI's map
 token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
 ``bad_words`` (strings, tokenized here into the sequences the sampler bans).
 
+Stop conditions are bounded before the prompt is tokenized: at most ``MAX_STOP_STRINGS``
+``stop`` strings of at most ``MAX_STOP_STRING_LEN`` characters, and ``MAX_STOP_TOKEN_IDS``
+``stop_token_ids`` (``engine.sampling_params``' limits; the engine's own API keeps them too).
+
 ``priority`` (vLLM's): an integer, lower served first, that the workers' schedulers
 order by when they run the ``priority`` policy. Under ``fcfs`` (the default) only 0
 is accepted, as vLLM does: a priority the server would ignore is a 400.
@@ -39,7 +43,7 @@ from typing import Any
 
 import jinja2
 
-from engine.sampling_params import SamplingParams, StructuredOutput
+from engine.sampling_params import SamplingParams, StructuredOutput, check_stop_conditions
 from router.bodies import ChatBody, ChatMessage, CompletionBody, SamplingBody, check_text, parse_as
 from router.errors import ApiError
 from router.output_constraints import structured_output
@@ -84,6 +88,15 @@ class ServedModel:
     prefill_workers: int = 0
     decode_workers: int = 0
     scheduling_policy: str = "fcfs"  # the workers' engine ``policy``: "priority" honors ``priority``
+    # The tokenizer's ``max_chars_per_token``: a text over ``max_prompt_chars`` is refused
+    # before it is tokenized. None: no such bound (any text might fit).
+    max_chars_per_token: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt's text can have and still be under ``max_model_len``
+        tokens; None when the tokenizer gives no bound."""
+        return None if self.max_chars_per_token is None else (self.max_model_len - 1) * self.max_chars_per_token
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
@@ -153,6 +166,16 @@ def _check_n(b: SamplingBody) -> None:
     if b.best_of not in (None, b.n):
         raise ApiError(400, f"best_of is not supported: it must equal n ({b.n}) or be left out, got {b.best_of}",
                        param="best_of")
+
+
+def _check_stops(b: SamplingBody) -> None:
+    """``stop`` and ``stop_token_ids`` within the engine's limits (``MAX_STOP_*`` in
+    ``engine.sampling_params``), checked before the prompt is tokenized."""
+    stop = (b.stop,) if isinstance(b.stop, str) else b.stop or ()
+    try:
+        check_stop_conditions(stop, b.stop_token_ids or ())
+    except ValueError as e:
+        raise ApiError(400, str(e), param=str(e).split()[0]) from None
 
 
 def _logit_bias(raw: dict[str, float], model: ServedModel) -> dict[int, float]:
@@ -247,6 +270,22 @@ def check_token_ids(ids, model: ServedModel, param: str) -> None:
             )
 
 
+def _check_length(text: str, model: ServedModel, param: str) -> str:
+    """``text``, or a 400 naming ``param`` without tokenizing it when it has more characters
+    than ``max_model_len`` tokens could hold (``ServedModel.max_prompt_chars``)."""
+    most = model.max_prompt_chars
+    if most is not None and len(text) > most:
+        raise ApiError(
+            400,
+            f"{param} has {len(text)} characters; the model's context is {model.max_model_len} tokens "
+            f"(max_model_len), this tokenizer's tokens hold at most {model.max_chars_per_token} characters "
+            f"each, and the prompt must leave room for output: at most {most} characters",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return text
+
+
 def _check_prompt(ids: list[int], model: ServedModel, param: str) -> None:
     if not ids:
         raise ApiError(400, f"{param} must not be empty", param=param)
@@ -278,11 +317,12 @@ def _stream_flags(b: SamplingBody) -> tuple[bool, bool]:
 
 def _parse_body(model_cls: type[SamplingBody], body: dict, model: ServedModel) -> Any:
     """Parse a body and check what every endpoint checks: the model's name, ``n``,
-    ``best_of`` and ``priority``."""
+    ``best_of``, ``priority`` and the stop conditions' limits."""
     b = parse_as(model_cls, body)
     model.check_name(b.model)
     _check_n(b)
     _check_priority(b, model)
+    _check_stops(b)
     return b
 
 
@@ -340,7 +380,10 @@ def prepare_completion(body: dict, model: ServedModel, tokenizer) -> PreparedReq
 
 
 def _completion(b: CompletionBody, prompt: str | list[int], model: ServedModel, tokenizer) -> PreparedRequest:
-    ids = tokenizer.encode(check_text(prompt, "prompt")) if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(_check_length(check_text(prompt, "prompt"), model, "prompt"))
+    else:
+        ids = list(prompt)
     _check_prompt(ids, model, "prompt")
     if b.logprobs is not None and b.logprobs < 0:
         raise ApiError(400, f"logprobs must be >= 0, got {b.logprobs}", param="logprobs")
@@ -364,7 +407,8 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
         raise ApiError(400, f"n is {b.n}, but a request that may call tools takes n = 1 (or tool_choice "
                        "'none')", param="n")
     # The template writes the special tokens itself (as HF's tokenize=True does).
-    ids = tokenizer.encode(render_chat(b.messages, tokenizer, tools=tools.template_tools), add_special_tokens=False)
+    text = render_chat(b.messages, tokenizer, tools=tools.template_tools)
+    ids = tokenizer.encode(_check_length(text, model, "messages"), add_special_tokens=False)
     _check_prompt(ids, model, "messages")
     top = b.top_logprobs
     if top is not None and not b.logprobs:

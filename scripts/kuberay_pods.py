@@ -36,6 +36,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -794,7 +795,8 @@ def run_check(c: Cluster, m: Machine, timeout: float, namespace: str, domain: st
 def check_values(image: str, memory: str, object_store: int) -> dict:
     """Values that fit one small machine: one worker per group, 1 CPU and `memory` per pod,
     Ray's object store sized outright (nothing caps it to the pod's memory here, as the
-    container's cgroup does on a node). Everything else is the chart's default."""
+    container's cgroup does on a node), and Ray's auth token (an offline render draws none:
+    the chart cannot tell it from helm template). Everything else is the chart's default."""
     repo, _, tag = image.rpartition(":")
     params = {"object-store-memory": object_store}
     worker = {"replicas": 1, "cpu": "1", "memory": memory, "rayStartParams": params}
@@ -805,6 +807,7 @@ def check_values(image: str, memory: str, object_store: int) -> dict:
                  "rayStartParams": params},
         "prefill": worker,
         "decode": worker,
+        "rayAuth": {"token": secrets.token_hex(24)},
     }
 
 

@@ -165,17 +165,27 @@ def test_a_receiver_that_gives_up_breaks_neither_the_pair_nor_the_process(channe
     with pytest.raises(TransferError):
         ray.get(sender.push.remote(meta), timeout=30)
     ray.get(sender.release.remote(meta))
-    # Its send still runs to its end on the sender's transfer thread (so the pair's
-    # message order holds), and closes the channel when it fails: a transfer prepared
-    # meanwhile fails with "channel_closed". Once that send has ended, the pair is whole.
+    # The receiver gave up building that epoch's channel: a transfer prepared on it
+    # meanwhile fails, at once ("channel_closed"; or "connect", when the sender's build
+    # starts before the receiver's mark lands and gloo refuses it), never at its deadline:
+    # a sender's build the receiver left must not hold the pair (it could, five times its
+    # timeout, before). The next epoch's channel is whole.
     attempts = iter(range(1000))
 
     def recovered() -> bool:
+        meta = _meta(f"recovery-{next(attempts)}", receiver)
+        attempt, sent = ray.get(sender.prepare.remote(meta, seed=7))
+        pull = receiver.pull.remote(meta, attempt)
+        t0 = time.monotonic()
         try:
-            sent, got = _transfer(sender, receiver, _meta(f"recovery-{next(attempts)}", receiver), seed=7)
+            ray.get(sender.push.remote(meta), timeout=30)
+            got, _ = ray.get(pull, timeout=60)
         except TransferError as e:
-            assert "closed" in str(e), f"only the abandoned send's channel may fail a transfer now: {e}"
+            assert attempt["epoch"] == payload["epoch"], f"only the given-up epoch may fail a transfer now: {e}"
+            assert time.monotonic() - t0 < 10, f"a transfer failed {time.monotonic() - t0:.0f} s late: {e}"
             return False
+        finally:
+            ray.get(sender.release.remote(meta))
         return got == sent
 
     wait_for(recovered, 60, "a transfer after the abandoned send ended", every_s=0.5)

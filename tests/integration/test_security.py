@@ -178,11 +178,12 @@ def test_bodies_over_the_limit_get_413_however_they_are_sent(http, stub):
     assert len(under) <= MAX_BODY
     r = http.post("/v1/completions", content=under, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-    # gRPC: Serve's proxy takes messages up to 2 GiB; the router refuses any over the limit
+    # gRPC: Serve's servers refuse messages over its limit unread (1 MiB, the default body
+    # limit); the router refuses one over its own, smaller here, with the same code
     big = pb.GenerateRequest(text="y" * MAX_BODY, sampling=pb.SamplingParams(max_tokens=2))
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(big, metadata=list(auth.items()), timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(MAX_BODY) in e.value.details()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(MAX_BODY) in e.value.details()
 
 
 def test_prompts_longer_than_the_context_get_400_naming_the_limit(http, stub, service):

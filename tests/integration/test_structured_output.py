@@ -108,6 +108,9 @@ def test_invalid_specs_are_400_naming_the_field(client, model_name):
         ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= nowhere"}}, "guided_grammar"),
         ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice"),
+        # Issue 53: 36 s of xgrammar's parse before the bound, and a RecursionError (500).
+        ({"extra_body": {"guided_json": {"type": "string", "pattern": "[a-z]{1,20000}"}}}, "guided_json"),
+        ({"extra_body": {"guided_json": "[" * 50_000 + "]" * 50_000}}, "guided_json"),
     ]
     for kwargs, field in cases:
         with pytest.raises(openai.BadRequestError) as e:

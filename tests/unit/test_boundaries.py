@@ -52,7 +52,7 @@ def test_the_pools_and_the_workers_import_nothing_of_the_router():
     "module",
     ["engine.scheduler", "engine.request_queues", "engine.block_pool", "engine.block_hash", "engine.runner_input",
      "router.placement",
-     "router.admission", "router.tool_parsers", "router.json_rewriter", "router.tool_calls", "engine.messages"],
+     "router.admission", "router.aborts", "router.tool_parsers", "router.json_rewriter", "router.tool_calls", "engine.messages"],
 )
 def test_pure_parts_import_no_torch_ray_or_network_library(module):
     loaded = _loaded_after([module])

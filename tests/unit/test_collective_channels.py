@@ -6,10 +6,13 @@ tags however long a pair lives, and pushes keep working across the tag limit, a 
 prepared before it included; ``abandon`` never waits for a channel build, and stops a
 push whose sends are posted at once (by closing the channel), not at its deadline; a
 push that expired before its channel was built leaves the epoch to the others, and the
-next build learns from the receiver's store whether the receiver gave that epoch up.
+next build learns from the receiver's store whether the receiver gave that epoch up, or
+a build already under way does, once the receiver says so (it never holds the pair past
+that); a receive whose channel came only past its deadline leaves the channel whole.
 
-Real gloo channels between two backends in one process, except for the build that
-``abandon`` must not wait for: that one is a fake that blocks on an event.
+Real gloo channels between two backends in one process, except for the builds that
+``abandon`` must not wait for and that a receiver left: those are fakes that block on
+an event.
 """
 
 from __future__ import annotations
@@ -296,3 +299,100 @@ def test_a_transfer_the_receiver_refuses_unread_fails_alone(pair):
     assert checksum(*cache_blocks(dst, [10, 11])) == before, "no byte of the refused one may land"
     _move(sender, receiver, _meta("after", receiver, [20, 21]), [7, 8])  # the channel is whole
     assert _arrived(src, dst, [7, 8], [20, 21])
+
+
+class _HeldMarks:
+    """A receiver's rendezvous store whose "given up" marks land only once ``may_land``
+    is set: the receiver's thread, descheduled between its failed build and the mark."""
+
+    def __init__(self, inner, may_land: threading.Event) -> None:
+        self.inner, self.may_land = inner, may_land
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def set(self, key: str, value) -> None:
+        if key.startswith("given-up/"):
+            self.may_land.wait(30)
+        self.inner.set(key, value)
+
+
+def test_a_sender_building_as_the_receiver_gives_up_fails_fast_and_frees_the_pair(pair, monkeypatch):
+    """The receiver gives up building an epoch's channel (its transfer's deadline), and the
+    sender starts building the same epoch before the receiver's mark says so. gloo's build
+    against a rendezvous its peer left can outlast its timeout five-fold (measured), under
+    the pair's build lock; here it hangs until the test ends. The push must fail
+    channel_closed once the mark lands, and the pair's next transfer arrive."""
+    sender, src, receiver, dst = pair
+    left, hanging, may_land, end = set(), threading.Event(), threading.Event(), threading.Event()
+    gloo = collective.Channel
+
+    class GlooAfterAGiveUp(gloo):
+        def __init__(self, store, prefix, rank, timeout_s) -> None:
+            if rank == 0 and prefix in left:
+                hanging.set()
+                end.wait(10)
+                raise RuntimeError("Gloo connectFullMesh failed: Connect timeout")
+            try:
+                super().__init__(store, prefix, rank, timeout_s)
+            except Exception:
+                left.add(prefix)
+                raise
+
+    monkeypatch.setattr(collective, "Channel", GlooAfterAGiveUp)
+    receiver.endpoint  # noqa: B018  (its store starts on first use)
+    receiver._store = _HeldMarks(receiver._store, may_land)
+    given_up = _meta("given-up", receiver, [0], deadline_s=0.5)
+    given_up_payload = sender.prepare_blocks(given_up, [1])
+    recovery = _meta("recovery", receiver, [1], deadline_s=10)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            gave_up = pool.submit(receiver.pull_blocks, given_up, given_up_payload, [0])  # nobody pushes
+            while not left:  # its build fails at its deadline; its mark waits
+                assert not gave_up.done(), gave_up.exception()
+                time.sleep(0.01)
+            payload = sender.prepare_blocks(recovery, [2])
+            assert payload["epoch"] == given_up_payload["epoch"], "prepared on the epoch the receiver left"
+            push = pool.submit(sender.push, recovery, None, None, payload)
+            assert hanging.wait(10), "the sender never began building the left epoch's channel"
+            may_land.set()
+            t0 = time.monotonic()
+            with pytest.raises(TransferError) as info:
+                push.result(timeout=30)
+            waited = time.monotonic() - t0
+            with pytest.raises(TransferError):
+                gave_up.result(timeout=30)
+    finally:
+        end.set()
+    assert info.value.reason == "channel_closed" and waited < 2, (
+        f"the push failed {info.value.reason} {waited:.1f} s after the receiver's mark: {info.value}")
+    after = _move(sender, receiver, _meta("after", receiver, [2, 3]), [4, 5])
+    assert after["epoch"] > payload["epoch"] and _arrived(src, dst, [4, 5], [2, 3])
+
+
+def test_a_receive_whose_channel_came_after_its_deadline_posts_nothing_and_keeps_the_channel(pair, monkeypatch):
+    """A receiver's build can end past its transfer's deadline (a sender joined at the last
+    moment, for another transfer). That receive must fail without posting anything on the
+    channel (a receive posted past the deadline must close the channel, failing the other
+    transfer), so the pair's other transfers go on over it."""
+    sender, src, receiver, dst = pair
+    _move(sender, receiver, _meta("warm", receiver, [0]), [1])  # the pair's channel is built
+    late = _meta("late", receiver, [4], deadline_s=0.5)
+    late_payload = sender.prepare_blocks(late, [6])
+    built = receiver._recv_channel
+
+    def built_late(key, meta, live):
+        channel = built(key, meta, live)
+        while meta.time_left() > 0:  # the build ended as the deadline passed
+            time.sleep(0.01)
+        return channel
+
+    monkeypatch.setattr(receiver, "_recv_channel", built_late)
+    with pytest.raises(TransferError) as info:
+        receiver.pull_blocks(late, late_payload, [4])
+    assert info.value.reason == "timeout"
+    monkeypatch.setattr(receiver, "_recv_channel", built)
+    other = _meta("other", receiver, [8, 9])
+    assert _move(sender, receiver, other, [10, 11])["epoch"] == late_payload["epoch"], "the same channel"
+    assert _arrived(src, dst, [10, 11], [8, 9]), "the pair's next transfer arrives over the same channel"
+    assert receiver.num_channels == 1

@@ -38,6 +38,8 @@ CHART = DEPLOY / "helm" / "tandem"
 GPU_VALUES = CHART / "values-gpu.yaml"
 KUBE_VERSION = "1.30.0"
 RELEASE, NAMESPACE = "tandem", "tandem"
+# Ray's auth token for offline renders, which may not draw one (rayAuth.token).
+TOKEN = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKL"
 
 # The metric names the dashboard may use: the spec of the metrics the service exports
 # (prometheus-client names: histograms add _bucket/_sum/_count, counters end in _total).
@@ -132,6 +134,23 @@ def _ray_resources_param(group: dict) -> dict:
     return json.loads(json.loads(raw))
 
 
+def _with_token(values: dict | None) -> dict:
+    """``values`` with Ray's auth token given, unless they name a Secret or a token."""
+    values = dict(values or {})
+    auth = values.get("rayAuth", {})
+    if not {"existingSecret", "token"} & set(auth):
+        values["rayAuth"] = {"token": TOKEN, **auth}
+    return values
+
+
+class OfflineChart(helm.Chart):
+    """The chart rendered as helm template and GitOps tools render it, which must be given
+    Ray's auth token: an offline render draws none (lookup sees no cluster)."""
+
+    def render(self, values=None, **options):
+        return super().render(_with_token(values), **options)
+
+
 def _error_text(err: Exception) -> str:
     return f"{err.message} at {'/'.join(map(str, err.absolute_path))}" if hasattr(err, "message") else str(err)
 
@@ -141,7 +160,7 @@ def _error_text(err: Exception) -> str:
 
 @pytest.fixture(scope="module")
 def chart():
-    c = helm.Chart.load(CHART)
+    c = OfflineChart.load(CHART)
     yield c
     c.close()
 
@@ -325,6 +344,7 @@ def test_every_ray_container_runs_the_ingress_the_app_asks_for(chart, rendered):
             env = {e["name"]: e.get("value") for e in c["env"]}
             assert env["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0"), (ingress, c["name"])
             assert env.get("RAY_SERVE_HAPROXY_NBTHREAD") == ("1" if ingress == "haproxy" else None), c["name"]
+            assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == "1048576", "Serve's gRPC servers would read 2 GiB"
             check_environment(app["args"]["ingress"], env)
         head_ports = {p["name"] for p in _containers(rs)[0]["ports"]}
         assert ({"haproxy-stats", "haproxy-metrics"} <= head_ports) == (ingress == "haproxy"), head_ports
@@ -900,7 +920,7 @@ def _render_upgrade(tmp_path, live: dict, values: dict) -> None:
     (copy_dir / "templates" / "zz-live.yaml").write_text(
         "{{- include \"tandem.checkInPlaceUpgrade\" (dict \"root\" . \"live\" ("
         + json.dumps(json.dumps(live)) + " | fromJson)) }}\n")
-    copied = helm.Chart.load(copy_dir)
+    copied = OfflineChart.load(copy_dir)
     try:
         copied.render(values, name=RELEASE, namespace=NAMESPACE)
     finally:
@@ -1333,8 +1353,7 @@ def test_ray_token_auth_is_on_by_default_in_every_ray_container(chart, rendered)
         (rs,) = _by_kind(docs, "RayService")
         name = secret["metadata"]["name"]
         assert name == f"{rs['metadata']['name']}-ray-auth"
-        token = base64.b64decode(secret["data"]["auth_token"]).decode()
-        assert re.fullmatch(r"[A-Za-z0-9]{48}", token), token
+        assert base64.b64decode(secret["data"]["auth_token"]).decode() == TOKEN
         assert rs["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token", "secretName": name}
         for c in _containers(rs):
             env = _env(c)
@@ -1358,30 +1377,62 @@ def test_ray_auth_takes_an_existing_secret_or_can_be_turned_off(chart):
     assert not [c for c in _containers(rs) if {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(_env(c))]
 
 
-def test_the_auth_token_is_made_once_and_kept_across_upgrades(tmp_path, chart):
+def test_the_auth_token_is_made_once_and_kept_across_upgrades(tmp_path):
     """A new token on a running cluster would lock the operator out of its head. The Secret
-    takes the token lookup finds in the live one (offline lookup finds nothing, so a chart
-    copy feeds the helper a live Secret in its place), else a new random one."""
+    takes the token lookup finds in the live one, else rayAuth.token, else a new random one
+    where Helm reads the cluster (a first install); a token other than the live one fails.
+    Offline lookup finds nothing, so a chart copy feeds the helper what it would find."""
     import shutil
 
-    first = _by_kind(_split(chart.render({}, name=RELEASE)), "Secret")[0]["data"]["auth_token"]
-    second = _by_kind(_split(chart.render({}, name=RELEASE)), "Secret")[0]["data"]["auth_token"]
-    assert first != second, "a first install draws a new token"
     copy_dir = tmp_path / "tandem"
     shutil.copytree(CHART, copy_dir)
+
+    def token(live: str, given: str, online: str) -> str:
+        live_secret = f'(dict "data" (dict "auth_token" "{live}"))' if live else "dict"
+        return (f'{{{{ include "tandem.rayAuthTokenB64" (dict "name" "tandem-ray-auth" "live" {live_secret} '
+                f'"token" "{given}" "online" {online}) | quote }}}}')
+
+    kept = base64.b64encode(b"kept-token").decode()
     (copy_dir / "templates" / "zz-live.yaml").write_text(
-        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: live}\ndata:\n'
-        '  kept: {{ include "tandem.rayAuthTokenB64" (dict "live" (dict "data" (dict "auth_token" "a2VwdA=="))) | quote }}\n'
-        '  none: {{ include "tandem.rayAuthTokenB64" (dict "live" dict) | quote }}\n')
-    copied = helm.Chart.load(copy_dir)
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: live}\ndata:\n"
+        f"  kept: {token(kept, '', 'true')}\n  keptOffline: {token(kept, '', 'false')}\n"
+        f"  keptGiven: {token(kept, 'kept-token', 'false')}\n  given: {token('', 'given-token', 'false')}\n"
+        f"  drawn: {token('', '', 'true')}\n"
+        f"{{{{- if eq .Release.Name \"rotate\" }}}}\n  rotated: {token(kept, 'another-token', 'true')}\n{{{{- end }}}}\n")
+    copied = OfflineChart.load(copy_dir)
     try:
         (live,) = [d for d in _split(copied.render({}, name=RELEASE)) if d["kind"] == "ConfigMap"]
+        with pytest.raises(helm.HelmRenderError, match="rayAuth.token differs from the token in the release's "
+                                                        "Secret tandem-ray-auth: the chart never changes a live token"):
+            copied.render({}, name="rotate")
     finally:
         copied.close()
-    assert live["data"]["kept"] == "a2VwdA=="
-    assert re.fullmatch(r"[A-Za-z0-9]{48}", base64.b64decode(live["data"]["none"]).decode())
+    assert live["data"]["kept"] == live["data"]["keptOffline"] == live["data"]["keptGiven"] == kept
+    assert base64.b64decode(live["data"]["given"]) == b"given-token"
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", base64.b64decode(live["data"]["drawn"]).decode())
     template = (CHART / "templates" / "secret.yaml").read_text()
     assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+    assert 'lookup "v1" "Secret" .Release.Namespace ""' in template  # the cluster answers a list, offline nothing
+
+
+def test_an_offline_render_draws_no_token_and_names_the_values_to_set():
+    """helm template, helm lint and Argo CD render without the cluster (lookup finds
+    nothing): a token drawn there would be new on every render, and applying it would
+    replace the running release's Secret under its pods (the operator would then read a
+    token they do not hold). So the render fails and names what to set; given a token,
+    two renders make the same Secret."""
+    plain = helm.Chart.load(CHART)
+    try:
+        with pytest.raises(helm.HelmRenderError, match=r"cannot read the cluster.*rayAuth\.existingSecret.*rayAuth\.token"):
+            plain.render({}, name=RELEASE, namespace=NAMESPACE)
+        given = {"rayAuth": {"token": TOKEN}}
+        first, second = (_by_kind(_split(plain.render(given, name=RELEASE, namespace=NAMESPACE)), "Secret")
+                         for _ in range(2))
+        assert first == second and base64.b64decode(first[0]["data"]["auth_token"]).decode() == TOKEN
+        with pytest.raises(helm.HelmRenderError, match="rayAuth.existingSecret or rayAuth.token, not both"):
+            plain.render({"rayAuth": {"token": TOKEN, "existingSecret": "mine"}}, name=RELEASE)
+    finally:
+        plain.close()
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -1449,6 +1500,46 @@ def test_the_network_policy_admits_clients_to_the_api_and_prometheus_to_metrics_
     assert _by_kind(_split(chart.render({"networkPolicy": {"enabled": False}}, name=RELEASE)), "NetworkPolicy") == []
 
 
+def test_the_operator_and_prometheus_are_admitted_from_their_namespace_not_by_a_pod_label(chart, rendered):
+    """A pod label is no boundary: whoever may create a pod anywhere can label it
+    `app.kubernetes.io/name: kuberay-operator` and, with rayAuth off, submit jobs to the
+    dashboard. Each default peer names its namespace by `kubernetes.io/metadata.name` (the
+    API server sets it) beside the pod label, in the same peer, so both must match."""
+    every = RAY_PORTS + [8000, 9000, 8081, 8080, 9101]
+    for case, docs in rendered.items():
+        (policy,) = _by_kind(docs, "NetworkPolicy")
+        peers = [peer for rule in policy["spec"]["ingress"] for peer in rule.get("from", [])]
+        unnamed = [p for p in peers if "namespaceSelector" in p
+                   and set(p["namespaceSelector"].get("matchLabels", {})) != {"kubernetes.io/metadata.name"}]
+        assert unnamed == [], f"{case}: peers that admit a namespace by anything but its name: {unnamed}"
+
+    def source(namespace: str, name: str) -> tuple[str, dict, dict]:
+        return namespace, {"kubernetes.io/metadata.name": namespace}, {"app.kubernetes.io/name": name}
+
+    (policy,) = _by_kind(rendered["default"], "NetworkPolicy")
+    for impostor in (source("apps", "kuberay-operator"), source("apps", "prometheus")):
+        assert _reachable(policy, impostor, every) == [8000, 9000], impostor
+    assert _reachable(policy, source("kuberay", "kuberay-operator"), [8265]) == [8265]
+    assert _reachable(policy, source("monitoring", "prometheus"), [8081]) == [8081]
+    moved = {"networkPolicy": {"operatorNamespace": "ray-system", "prometheusNamespace": "observability"}}
+    (policy,) = _by_kind(_split(chart.render(moved, name=RELEASE, namespace=NAMESPACE)), "NetworkPolicy")
+    assert _reachable(policy, source("ray-system", "kuberay-operator"), every) == [8265, 8000, 9000]
+    assert _reachable(policy, source("observability", "prometheus"), every) == [8000, 9000, 8081, 8080, 9101]
+    assert _reachable(policy, source("kuberay", "kuberay-operator"), every) == [8000, 9000]
+    # "" drops a default peer; with no peer left the ports admit no one else (never everyone)
+    dropped = {"networkPolicy": {"operatorNamespace": "", "prometheusNamespace": "", "clients": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}]}}
+    (policy,) = _by_kind(_split(chart.render(dropped, name=RELEASE, namespace=NAMESPACE)), "NetworkPolicy")
+    assert _reachable(policy, source("kuberay", "kuberay-operator"), every) == []
+    assert _reachable(policy, source("monitoring", "prometheus"), every) == []
+    # the lists add peers, e.g. the API server's addresses for an operator run with useKubernetesProxy
+    api_server = {"networkPolicy": {"operator": [{"ipBlock": {"cidr": "10.0.0.1/32"}}]}}
+    (policy,) = _by_kind(_split(chart.render(api_server, name=RELEASE, namespace=NAMESPACE)), "NetworkPolicy")
+    (rule,) = [r for r in policy["spec"]["ingress"] if {"port": 8265, "protocol": "TCP"} in r.get("ports", [])]
+    assert {"ipBlock": {"cidr": "10.0.0.1/32"}} in rule["from"]
+    assert _reachable(policy, source("kuberay", "kuberay-operator"), [8265]) == [8265]
+
+
 # ---------------------------------------------------------------------- values schema
 
 
@@ -1477,6 +1568,7 @@ def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema
         ({"serve": {"placement": "random"}}, "placement"),
         ({"serve": {"ingress": "nginx"}}, "ingress"),
         ({"serve": {"haproxyThreads": 0}}, "haproxyThreads"),
+        ({"serve": {"grpcMaxMessageBytes": 0}}, "grpcMaxMessageBytes"),
         ({"metrics": {"port": 70000}}, "port"),
         ({"prefill": {"rayResources": {"tandem_prefill": -1}}}, "tandem_prefill"),
         ({"serve": {"startTimeoutSeconds": 0}}, "startTimeoutSeconds"),
@@ -1484,6 +1576,8 @@ def test_the_schema_offers_exactly_the_transfer_backends_there_are(values_schema
         ({"prefill": {"image": {"repo": "x"}}}, "repo"),
         ({"decode": {"topologySpreadConstraints": [{"maxSkew": 1}]}}, "topologyKey"),
         ({"head": {"priorityClassName": "Not A Name"}}, "priorityClassName"),
+        ({"rayAuth": {"token": "too-short"}}, "token"),
+        ({"networkPolicy": {"operatorNamespace": "Ray System"}}, "operatorNamespace"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(chart, values_schema, override, where):

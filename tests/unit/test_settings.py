@@ -122,6 +122,7 @@ CHART_FIELDS = {
     "serve.localPrefillTokens": "router.dispatch.local_prefill_tokens",
     "serve.localPrefillBacklogTokens": "router.dispatch.local_prefill_backlog_tokens",
     "serve.ingress": "ingress",
+    "serve.grpcMaxMessageBytes": "grpc_max_message_bytes",
     "service.httpPort": "http_port",
     "service.grpcPort": "grpc_port",
     "serve.topology.prefill_workers": "cluster.prefill_workers",

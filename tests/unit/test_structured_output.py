@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 import torch
 
 from engine import LLM, LLMEngine, SamplingParams
-from engine.grammar import check
+from engine.grammar import GrammarLimits, check
 from engine.sampler import apply_token_bitmask
 from engine.sampling_params import StructuredOutput
 from tests.helpers import ENGINE_PROMPTS, assert_engine_idle, build_hf_checkpoint
@@ -279,9 +281,74 @@ def test_bitmask_touches_only_the_constrained_rows():
 def test_a_spec_that_does_not_parse_is_refused_naming_the_field(llm, so, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         check(so)
-    with pytest.raises(ValueError, match=re.escape(field)):
-        llm.engine.add_request("hi", SamplingParams(structured_output=so))
+    # The engine parses on its compile thread, not in add_request: the request ends with an error.
+    try:
+        rid = llm.engine.add_request("hi", SamplingParams(structured_output=so))
+    except ValueError as e:  # what needs no parse (the spec is not JSON) is refused at once
+        assert so.spec == "{not json" and field in str(e), e
+        return
+    [out] = _until_finished(llm.engine, rid)
+    assert out.finish_reason == "error" and field in out.stop_reason, (out.finish_reason, out.stop_reason)
     assert_engine_idle(llm)
+
+
+def _until_finished(engine, *rids: str, limit_s: float = 30.0) -> list:
+    """Step ``engine`` until the requests ``rids`` finish; their final outputs, in order."""
+    final: dict = {}
+    t0 = time.monotonic()
+    while len(final) < len(rids):
+        assert time.monotonic() - t0 < limit_s, f"requests {set(rids) - set(final)} did not finish in {limit_s}s"
+        final.update((o.request_id, o) for o in engine.step() if o.request_id in rids and o.finished)
+    return [final[rid] for rid in rids]
+
+
+def test_add_request_refuses_a_spec_past_its_bounds_before_any_parse(llm):
+    bomb = StructuredOutput("json", '{"type": "string", "pattern": "[a-z]{1,20000}"}')  # 36 s to parse
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"response_format\.json_schema\.schema\.pattern .*max_regex_size"):
+        llm.engine.add_request("hi", SamplingParams(structured_output=bomb))
+    assert time.perf_counter() - t0 < 1.0, "the bound must act before xgrammar parses anything"
+    assert_engine_idle(llm)
+
+
+def test_a_compile_past_its_time_limit_ends_its_request_with_an_error_and_others_run(llm, monkeypatch):
+    engine = llm.engine
+    cached = StructuredOutput("regex", "[a-c]{2}")
+    engine.structured.compiled(cached).result()  # ready at once below
+    gate, real_compile = threading.Event(), engine.structured._compile
+
+    def compile_or_hang(so):
+        if so.spec == "hang":
+            gate.wait(60)
+        return real_compile(so)
+
+    monkeypatch.setattr(engine.structured, "_compile", compile_or_hang)
+    monkeypatch.setattr(engine.structured, "limits", GrammarLimits(compile_timeout_s=0.2))
+    try:
+        slow = engine.add_request("hi", SamplingParams(max_tokens=4, structured_output=StructuredOutput("regex", "hang")))
+        fine = engine.add_request("hi", SamplingParams(max_tokens=4, structured_output=cached))
+        hung, done = _until_finished(engine, slow, fine)
+    finally:
+        gate.set()
+    assert hung.finish_reason == "error" and "compile_timeout_s" in hung.stop_reason, hung
+    assert done.finish_reason == "stop" and re.fullmatch("[a-c]{2}", done.text), done
+    assert_engine_idle(llm)
+
+
+def test_a_decode_engine_ends_an_arrival_whose_grammar_failed_and_goes_on(llm, tiny_model):
+    so = StructuredOutput("regex", "(unclosed")  # parses on the compile thread, and fails there
+    prefill = llm.engine
+    rid = prefill.add_request("hi", SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+    first = None
+    while first is None:
+        first = next((o for o in prefill.step() if o.finished), None)
+    decode = LLMEngine(model=tiny_model, num_kv_blocks=64)
+    assert decode.add_remote_request("hi", SamplingParams(max_tokens=8, structured_output=so), request_id=rid)
+    decode.structured.wait_any(30)
+    assert decode.remote_kv_arrived(rid, first.token_ids[0], *prefill.take_held_kv(rid, first.kv_blocks)) is None
+    [out] = _until_finished(decode, rid)
+    assert out.finish_reason == "error", out
+    assert decode.stats().num_blocks_in_use == 0 and not decode.has_unfinished_requests()
 
 
 def test_bad_constraint_descriptions_are_value_errors():

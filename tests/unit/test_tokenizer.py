@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -191,6 +192,91 @@ def test_add_bos_token_true_does_not_duplicate_bos(model_dir: Path, tmp_path: Pa
     assert ids[0] == tok.bos_token_id and ids[1] != tok.bos_token_id, (
         "expected exactly one leading BOS"
     )
+
+
+# -- how many characters a token stands for -------------------------------------------
+
+
+def _altered(tok: Tokenizer, **sections) -> Tokenizer:
+    """``tok`` with sections of its tokenizer.json replaced."""
+    spec = json.loads(tok.backend().to_str())
+    spec.update(sections)
+    return Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)))
+
+
+def test_max_chars_per_token_is_the_longest_entry_and_bounds_the_worst_texts(tok: Tokenizer) -> None:
+    bound = tok.max_chars_per_token()
+    vocab = tok.backend().get_vocab(with_added_tokens=True)
+    assert bound == max(len(t) for t in vocab) == 16, bound
+    longest = sorted(vocab, key=len)[-30:]  # each repeated: the fewest tokens a text can have
+    texts = [tok.decode([vocab[t]], skip_special_tokens=False) * 50 for t in longest]
+    for text in [*texts, *ASCII_TEXTS, *UNICODE_TEXTS, PROMPT * 20]:
+        tokens = len(tok.encode(text, add_special_tokens=False))
+        assert len(text) <= bound * tokens, f"{text[:40]!r}: {len(text)} characters in {tokens} tokens"
+
+
+@pytest.fixture(scope="session")
+def max_chars(tok: Tokenizer) -> int:
+    return tok.max_chars_per_token()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_no_text_has_fewer_tokens_than_its_characters_over_max_chars_per_token(
+    tok: Tokenizer, max_chars: int, text: str
+) -> None:
+    tokens = len(tok.encode(text, add_special_tokens=False))
+    assert len(text) <= max_chars * tokens, f"{len(text)} characters in {tokens} tokens"
+
+
+@pytest.mark.parametrize(
+    "sections,factor",
+    [
+        ({"normalizer": {"type": "NFC"}}, 4),  # a character and three marks compose into one
+        ({"normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "NFKC"}, {"type": "Replace", "pattern": {"String": "ab"}, "content": "c"}]}}, 8),
+        ({"normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}}, 1),
+    ],
+)
+def test_a_normalizer_that_shrinks_text_widens_the_bound(tok: Tokenizer, sections, factor) -> None:
+    assert _altered(tok, **sections).max_chars_per_token() == 16 * factor
+
+
+def _added_rstrip(tok: Tokenizer) -> list[dict]:
+    added = json.loads(tok.backend().to_str())["added_tokens"]
+    return [{**t, "rstrip": t["content"] == "<|user|>"} for t in added]
+
+
+@pytest.mark.parametrize(
+    "name,sections,text",
+    [
+        ("whitespace pre-tokenizer", {"pre_tokenizer": {"type": "Whitespace"}}, " " * 5000),
+        ("stripping normalizer", {"normalizer": {"type": "Strip", "strip_left": True, "strip_right": True}},
+         " " * 5000),
+        ("regex replace", {"normalizer": {"type": "Replace", "pattern": {"Regex": "a+"}, "content": "a"}},
+         "a" * 5000),
+        ("no byte-level pre-tokenizer", {"pre_tokenizer": None}, "\u2603" * 5000),  # unknown: dropped
+        ("added token with rstrip", {"added_tokens": None}, "<|user|>" + " " * 5000),
+        ("truncation", {"truncation": {"direction": "Right", "max_length": 8, "strategy": "LongestFirst",
+                                       "stride": 0}}, "hello world " * 500),
+    ],
+)
+def test_a_tokenizer_that_can_drop_text_gives_no_bound(tok: Tokenizer, name, sections, text) -> None:
+    if name == "added token with rstrip":
+        sections = {"added_tokens": _added_rstrip(tok)}
+    altered = _altered(tok, **sections)
+    assert altered.max_chars_per_token() is None, name
+    # Why: this text has far more characters than a 16-character bound allows for its tokens.
+    assert len(altered.encode(text, add_special_tokens=False)) < len(text) / 16, name
+
+
+def test_wordpiece_gives_no_bound_as_a_whole_word_can_be_one_unknown_token(tok: Tokenizer) -> None:
+    wordpiece = {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                 "max_input_chars_per_word": 100, "vocab": {"[UNK]": 0, "a": 1}}
+    altered = _altered(tok, model=wordpiece, added_tokens=[], post_processor=None, decoder=None,
+                       pre_tokenizer={"type": "Whitespace"})
+    assert altered.max_chars_per_token() is None
+    assert altered.encode("b" * 5000, add_special_tokens=False) == [0]
 
 
 @pytest.mark.parametrize(

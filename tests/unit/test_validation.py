@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from router.admission import Admission, AdmissionConfig, Rejection, Ticket
+from engine.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, IntakeTicket, Rejection, Ticket
 from router.bodies import parse_json
 from router.errors import ApiError
 from router.validation import (
@@ -183,6 +184,26 @@ def test_bodies_must_be_json_objects_under_the_size_limit():
 # -- API key ---------------------------------------------------------------------
 
 
+def test_a_prompt_with_more_characters_than_the_context_holds_is_refused_before_tokenizing():
+    bounded = dataclasses.replace(MODEL, max_chars_per_token=4)  # 63 tokens of 4 characters: 252 at most
+
+    class Untouchable(FakeTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            raise AssertionError(f"encode was called with {len(text)} characters")
+
+    over = "x" * 253
+    cases = [(prepare_completions, {"prompt": over}, "prompt", 253),
+             (prepare_completions, {"prompt": [over, "hi"]}, "prompt", 253),
+             (prepare_chat, {"messages": [{"role": "user", "content": over[:-1]}]}, "messages", 253)]  # + ">"
+    for prepare, body, param, length in cases:
+        e = error_of(prepare, body, bounded, Untouchable())
+        assert (e.status, e.param, e.code) == (400, param, "context_length_exceeded"), e.message
+        assert f"has {length} characters" in e.message and "at most 252 characters" in e.message, e.message
+        assert "64 tokens (max_model_len)" in e.message and "4 characters" in e.message, e.message
+    e = error_of(prepare_completion, {"prompt": "x" * 252}, bounded, FakeTokenizer())
+    assert "has 252 tokens" in e.message, "at the bound the tokenizer decides: " + e.message
+
+
 def test_api_key_is_checked_only_when_configured():
     check_api_key(None, None)
     check_api_key("s3cret", "s3cret")
@@ -248,6 +269,37 @@ def test_admission_config_rejects_nonsense():
     for kwargs in ({"max_requests": 0}, {"max_prompt_tokens": 0}, {"min_retry_after_s": 5, "max_retry_after_s": 1}):
         with pytest.raises(ValueError):
             AdmissionConfig(**kwargs)
+
+
+def test_intake_bounds_the_requests_being_validated_and_frees_on_leave():
+    intake = Intake(IntakeConfig(max_requests=2, max_bytes=1000))
+    a, b = intake.try_enter(10, now=0.0), intake.try_enter(10, now=0.0)
+    assert isinstance(a, IntakeTicket) and isinstance(b, IntakeTicket)
+    refused = intake.try_enter(10, now=0.0)
+    assert isinstance(refused, Rejection) and refused.code == "max_intake_requests", refused
+    assert "validating 2 requests (max_intake_requests=2)" in refused.reason and refused.retry_after_s == 1
+    intake.leave(a, now=1.0)
+    assert isinstance(intake.try_enter(10, now=1.0), IntakeTicket)
+    # One validation ended in the last 10 s (0.1/s): one more place takes about 10 s.
+    assert intake.try_enter(10, now=2.0).retry_after_s == 10
+
+
+def test_intake_bounds_the_bytes_being_validated_but_takes_any_body_when_idle():
+    intake = Intake(IntakeConfig(max_requests=10, max_bytes=100))
+    big = intake.try_enter(500, now=0.0)
+    assert isinstance(big, IntakeTicket), "an idle intake takes a body over the byte bound"
+    refused = intake.try_enter(1, now=0.0)
+    assert isinstance(refused, Rejection) and refused.code == "max_intake_bytes", refused
+    assert "500 bytes of requests and this one adds 1 (max_intake_bytes=100)" in refused.reason
+    intake.leave(big, now=0.5)
+    assert (intake.requests, intake.bytes) == (0, 0)
+    assert [isinstance(intake.try_enter(50, now=0.5), IntakeTicket) for _ in range(3)] == [True, True, False]
+
+
+def test_intake_config_rejects_nonsense():
+    for name in ("threads", "max_requests", "max_bytes"):
+        with pytest.raises(ValueError, match=f"intake {name} must be >= 1"):
+            IntakeConfig(**{name: 0})
 
 
 # -- structured output -----------------------------------------------------------
@@ -439,3 +491,51 @@ def test_grpc_priority_goes_through_the_http_rules():
     assert prepared(MODEL, priority=0).priority == 0
     e = error_of(prepared, MODEL, priority=2)
     assert (e.status, e.param) == (400, "priority") and grpc_api.status_code(e) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- stop conditions ---------------------------------------------------------------------
+
+STOP_LIMITS = [
+    ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop", f"over the limit of {MAX_STOP_STRINGS}"),
+    ({"stop": "y" * (MAX_STOP_STRING_LEN + 1)}, "stop", f"at most {MAX_STOP_STRING_LEN} characters"),
+    ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids", f"over the limit of {MAX_STOP_TOKEN_IDS}"),
+]
+
+
+@pytest.mark.parametrize("fields, param, words", STOP_LIMITS)
+def test_stop_conditions_past_their_limits_are_a_400_naming_the_field_and_the_limit(fields, param, words):
+    chat = {"messages": [{"role": "user", "content": "x"}], **fields}
+    for e in (error_of(completion, **fields), error_of(prepare_chat, chat, MODEL, FakeTokenizer())):
+        assert (e.status, e.param) == (400, param) and words in e.message, e.message
+
+
+def test_stop_conditions_at_their_limits_are_accepted():
+    req = completion(stop=["s" * MAX_STOP_STRING_LEN] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    assert (len(req.params.stop), len(req.params.stop_token_ids)) == (MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
+
+
+def test_a_stop_list_past_its_limit_is_refused_before_the_prompt_is_tokenized():
+    class CountingTokenizer(FakeTokenizer):
+        calls = 0
+
+        def encode(self, text, add_special_tokens=True):
+            CountingTokenizer.calls += 1
+            return super().encode(text, add_special_tokens)
+
+    body = {"prompt": ["p"] * 8, "stop": ["x"] * 110_000}
+    e = error_of(prepare_completions, body, MODEL, CountingTokenizer())
+    assert (e.status, e.param, CountingTokenizer.calls) == (400, "stop", 0), e.message
+
+
+@pytest.mark.parametrize("fields, param, words", STOP_LIMITS)
+def test_grpc_stop_conditions_past_their_limits_are_invalid_argument(fields, param, words):
+    import grpc
+
+    from protos.tandem.v1 import generate_pb2 as pb
+    from router import grpc_api
+
+    stop = fields.get("stop", [])
+    sampling = pb.SamplingParams(stop=[stop] if isinstance(stop, str) else stop,
+                                 stop_token_ids=fields.get("stop_token_ids", []))
+    e = error_of(grpc_api.prepare, pb.GenerateRequest(text="hi", sampling=sampling), MODEL, FakeTokenizer())
+    assert (e.param, grpc_api.status_code(e)) == (param, grpc.StatusCode.INVALID_ARGUMENT) and words in e.message

@@ -68,6 +68,8 @@ its controller and in every proxy and replica it starts, on any pod. */}}
 - name: RAY_SERVE_HAPROXY_NBTHREAD
   value: {{ .Values.serve.haproxyThreads | quote }}
 {{- end }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE   # read before the router sees a message: Serve's default is 2 GiB
+  value: {{ int64 .Values.serve.grpcMaxMessageBytes | quote }}
 - name: TANDEM_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
 - name: PROMETHEUS_MULTIPROC_DIR   # every Tandem process on the pod writes its metrics here
@@ -108,12 +110,35 @@ authentication (KubeRay adds the same two only where a container lacks them). */
 {{- end }}
 {{- end }}
 
-{{/* The chart's token, base64 as a Secret holds it: the live Secret's (`live`, what
-lookup found; empty on a first install and offline) so an upgrade keeps it, else a new
-random one. A new token on a running cluster would lock the operator out of it. */}}
+{{/* The chart's token, base64 as a Secret holds it. `live`: the release's Secret as lookup
+found it (`name`); `token`: rayAuth.token; `online`: whether Helm reads the cluster. In order: the
+live token (an upgrade keeps it: a new token on a running cluster would lock the operator
+out of it), the given one, a new random one on a first install, else a failure: a render
+that cannot read the cluster (helm template, --dry-run, GitOps tools) would draw a new
+token on every render, and applying it would replace the running release's Secret. */}}
 {{- define "tandem.rayAuthTokenB64" -}}
-{{- $data := (default dict .live).data | default dict -}}
-{{- index $data "auth_token" | default (randAlphaNum 48 | b64enc) }}
+{{- $live := index ((default dict .live).data | default dict) "auth_token" -}}
+{{- if and $live .token (ne $live (b64enc .token)) }}
+{{- fail (printf "rayAuth.token differs from the token in the release's Secret %s: the chart never changes a live token (KubeRay's operator would read the new one while the running pods hold the old one). Set rayAuth.token to the live one (kubectl get secret %s -o jsonpath='{.data.auth_token}' | base64 -d), or leave it empty" .name .name) }}
+{{- end }}
+{{- if $live }}{{ $live }}
+{{- else if .token }}{{ b64enc .token }}
+{{- else if .online }}{{ randAlphaNum 48 | b64enc }}
+{{- else }}
+{{- fail "rayAuth: this render cannot read the cluster (helm template, helm install --dry-run, Argo CD and other GitOps tools), so a Ray token made here would be new on every render and replace the running release's. Set rayAuth.existingSecret to a Secret of yours with key auth_token (kubectl create secret generic tandem-ray-token --from-literal=auth_token=\"$(openssl rand -hex 24)\"), or rayAuth.token; helm install and upgrade (or --dry-run=server) make and keep one themselves" }}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy peers for a component outside the release (values.yaml: networkPolicy):
+pods labelled app.kubernetes.io/name `name` in the namespace `namespace`, both in one peer
+so both must match ("": no such peer), then the peers in `more`. A YAML list, for
+fromYamlArray; empty when there are none. */}}
+{{- define "tandem.networkPolicyPeers" -}}
+{{- $peers := list }}
+{{- with .namespace }}
+{{- $peers = append $peers (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .)) "podSelector" (dict "matchLabels" (dict "app.kubernetes.io/name" $.name))) }}
+{{- end }}
+{{- toYaml (concat $peers (.more | default list)) }}
 {{- end }}
 
 {{/*
