@@ -7,7 +7,9 @@ not load a tensor library to do so. Workers build them; the router reads them.
 Token deltas travel as plain tuples in ``StreamDelta``'s field order, one list of them
 per engine step and subscriber (``StepDeltas``): a tuple pickles several times faster
 than any class instance, and this is the path every streamed token takes. Each such
-message also carries the decode worker's load after the step (``StepMessage``).
+message also carries the decode worker's load after the step (``StepMessage``). Over a
+decode worker's token channel they go as MessagePack decoded against ``StreamDelta`` and
+``DecodeLoad`` (``engine/channel_wire.py``), so their annotations are that wire's schema.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ class StreamDelta(NamedTuple):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    logprobs: list | None = None  # [(token, logprob, [(id, logprob), ...])] for the new tokens
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # (token, logprob, top) per new token
     error: str | None = None
     error_kind: ErrorKind | None = None
     # On the first delta of a request that asked: one entry per prompt token, None first,
     # then (token, logprob, rank, [(id, logprob), ...]).
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[tuple[int, float, int | None, list[tuple[int, float]]] | None] | None = None
 
     @classmethod
     def failure(cls, request_id: str, kind: ErrorKind, message: str) -> StreamDelta:

@@ -4,9 +4,11 @@ Ray's streaming generators cost about a millisecond of CPU per message between t
 processes (the worker's report thread and gRPC, the router's object-ref machinery),
 which at one message per engine step is more than the rest of the token path. A
 decode worker therefore also serves its ``subscribe`` stream over TCP: the router
-asks it once (a Ray call) for the address and a secret, connects, says who it is, and
-from then on reads length-prefixed pickled ``StepMessage`` frames. Ray still carries
-every request and control call; only the per-step messages take this path.
+asks it once (a Ray call) for the address and a secret, connects, each side proves that
+it holds the secret, the router says who it is, and from then on it reads the worker's
+``StepMessage`` frames (``engine/channel_wire.py``: authenticated, size-capped, of a fixed
+schema). Ray still carries every request and control call; only the per-step messages
+take this path.
 
 The subscription is a *session*, which outlives any one connection. A session's
 lifecycle on the worker::
@@ -40,48 +42,49 @@ peer with an open connection, or a vanished host, is noticed within the deadline
 ``TCP_USER_TIMEOUT`` (Linux) also fails a socket whose sent data stays unacknowledged
 that long, and TCP keepalive covers an idle one.
 
-The secret keeps anything but the router that asked from subscribing; frames flow
-one way, from worker to router, which unpickles only what the worker it placed
-requests on sends, as Ray itself does; the router sends only text lines.
+Trust: neither side believes an address. Every connection opens with the handshake of
+``engine/channel_wire.py``: the worker proves that it holds the secret before the router
+sends anything but a nonce or reads a frame (another process on a dead worker's port, a
+pod given its IP, is refused there: ``ChannelLost``), and the router proves it before
+the worker serves it. Every frame after that carries a tag under a key of that
+connection alone and its count on it, so nothing on the path can alter, replay or
+reorder one unnoticed; a frame longer than ``max_frame_bytes`` is refused before it is
+read; and a frame is MessagePack of a fixed schema, never a pickle. A frame that fails
+any of these ends the router's stream with ``ChannelLost`` (logged), as a dead worker's.
 
-Wire format: the router sends one line, ``<secret> <subscriber> <resume>\\n``, where
-``<resume>`` is ``new`` or the number of the last message it got; then a line with that
-number (an acknowledgement, and its heartbeat) every ``heartbeat_s`` and every
-``ACK_EVERY`` messages, and ``end`` when it is done with the session (it ends at once,
-with no grace). The worker sends frames of a 4-byte little-endian length and a
-pickle (protocol 5) of ``(number, message)``; number 0 is a heartbeat (message None)
-or a ``Notice``, outside the numbering.
+On the wire, after the handshake (whose line names the subscriber and ``<resume>``:
+``new``, or the number of the last message it got): the router sends that number (an
+acknowledgement, and its heartbeat) every ``heartbeat_s`` and every ``ACK_EVERY``
+messages, and ``END`` when it is done with the session (it ends at once, with no
+grace). The worker sends numbered step messages and ``Notice``s; number 0 is a
+heartbeat or a ``Notice`` of the channel's own, outside the numbering.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import hmac
+import functools
 import logging
-import pickle
 import secrets
 import socket
-import struct
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, fields
 
+from engine import channel_wire as wire
+from engine.channel_wire import END, FrameRefused, HeartbeatFrame, Notice, NoticeFrame, NoticeKind, Seal
+
 log = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("<I")
-HELLO_TIMEOUT_S = 5.0
-MAX_HELLO_BYTES = 1024
-MAX_ACK_BYTES = 32
+HELLO_TIMEOUT_S = 5.0  # a peer that has not finished its handshake by then is closed on
 ACK_EVERY = 64  # the router acknowledges at least this often, in messages
 NEW = "new"
-_END = b"end\n"  # the router's last line when it is done with the session
-_HEARTBEAT = None
 # A peer on a host that vanished while the connection was idle is noticed after
 # about KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S (heartbeats usually first).
 KEEPALIVE_IDLE_S = 5
 KEEPALIVE_INTERVAL_S = 2
 KEEPALIVE_PROBES = 3
+MIN_FRAME_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class ChannelConfig:
     # subscriber is cut off: its requests are aborted and their blocks freed.
     max_pending_outputs: int = 65536
     slow_subscriber_s: float = 5.0
+    # The largest frame the router reads; a longer one's length ends the stream unread. A step
+    # message with prompt logprobs (20 alternatives) of a 128k-token prompt is about 40 MiB.
+    max_frame_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_s", "heartbeat_timeout_s", "reconnect_grace_s", "slow_subscriber_s"):
@@ -108,6 +114,9 @@ class ChannelConfig:
         for name in ("max_unacked_bytes", "max_pending_outputs"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"channel.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_frame_bytes >= MIN_FRAME_BYTES:
+            raise ValueError(f"channel.max_frame_bytes must be >= {MIN_FRAME_BYTES} (1 MiB: a step message with "
+                             f"logprobs can be that big), got {self.max_frame_bytes}")
 
     @classmethod
     def from_dict(cls, d: dict) -> ChannelConfig:
@@ -115,24 +124,6 @@ class ChannelConfig:
         if unknown:
             raise ValueError(f"unknown channel settings: {sorted(unknown)}")
         return cls(**d)
-
-
-class NoticeKind(str, enum.Enum):
-    """What a ``Notice`` says about the stream: a backlog (``SLOW``, ``CUT``), a connection resumed
-    (``RESUMED``) or a session the worker no longer knows (``GONE``)."""
-
-    SLOW = "slow"  # worker: this subscriber's pending outputs passed max_pending_outputs
-    CUT = "cut"  # worker: the subscriber was too slow for too long; its requests were aborted
-    RESUMED = "resumed"  # router side: the connection dropped and was re-established, nothing lost
-    GONE = "gone"  # worker: it does not know the session any more (ended, or never began)
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A message about the stream itself, among the step messages (rare: logged, counted)."""
-
-    kind: NoticeKind
-    detail: str = ""
 
 
 class ChannelLost(ConnectionError):
@@ -146,12 +137,6 @@ class ChannelAddress:
     host: str
     port: int
     secret: str
-
-
-def frame(message, number: int = 0) -> bytes:
-    """One message as it goes on the wire (``number`` 0: outside the numbering)."""
-    body = pickle.dumps((number, message), protocol=5)
-    return _LENGTH.pack(len(body)) + body
 
 
 def keep_alive(writer: asyncio.StreamWriter, user_timeout_s: float | None = None) -> None:
@@ -178,9 +163,10 @@ class _Session:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.sent = 0  # number of the last message
-        self.unacked: deque[tuple[int, bytes]] = deque()
+        self.unacked: deque[tuple[int, bytes]] = deque()  # (number, frame body), sealed as written
         self.unacked_bytes = 0
         self.writer: asyncio.StreamWriter | None = None  # None: DETACHED (or ENDED)
+        self.seal: Seal | None = None  # the connection's, for what the worker writes on it
         self.last_sent = self.loop.time()
         self.changed = asyncio.Event()  # attached, or acknowledged: a waiting send may go on
         self.task: asyncio.Task | None = None  # the serving
@@ -190,11 +176,11 @@ class _Session:
     async def send(self, message) -> None:
         """Number, keep and write one message; waits while detached or too far ahead."""
         self.sent += 1
-        data = frame(message, self.sent)
-        self.unacked.append((self.sent, data))
-        self.unacked_bytes += len(data)
+        body = wire.encode(message, self.sent)
+        self.unacked.append((self.sent, body))
+        self.unacked_bytes += len(body)
         if self.writer is not None:
-            self.writer.write(data)
+            self.writer.write(self.seal.seal(body))
             self.last_sent = self.loop.time()
         while self.writer is None or self.unacked_bytes > self.config.max_unacked_bytes:
             self.changed.clear()
@@ -206,7 +192,7 @@ class _Session:
 
     def heartbeat(self) -> None:
         if self.writer is not None:
-            self.writer.write(frame(_HEARTBEAT))
+            self.writer.write(self.seal.seal(wire.HEARTBEAT))
             self.last_sent = self.loop.time()
 
     def ack(self, number: int) -> None:
@@ -220,17 +206,17 @@ class _Session:
         first = self.unacked[0][0] if self.unacked else self.sent + 1
         return first - 1 <= number <= self.sent
 
-    def attach(self, writer: asyncio.StreamWriter, number: int) -> None:
-        """A connection takes the session over, from after message ``number``."""
+    def attach(self, writer: asyncio.StreamWriter, seal: Seal, number: int) -> None:
+        """A connection (``seal``: its own) takes the session over, from after message ``number``."""
         if self.expiry is not None:
             self.expiry.cancel()
             self.expiry = None
-        old, self.writer = self.writer, writer
+        old, self.writer, self.seal = self.writer, writer, seal
         if old is not None:
             old.close()
         self.ack(number)
-        for _, data in self.unacked:
-            writer.write(data)
+        for _, body in self.unacked:
+            writer.write(seal.seal(body))
         self.last_sent = self.loop.time()
 
     def detach(self, writer: asyncio.StreamWriter, end: Callable[[], None]) -> None:
@@ -286,14 +272,12 @@ class ChannelServer:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            hello = await asyncio.wait_for(reader.readuntil(b"\n"), HELLO_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            writer.close()
+            subscriber, resume, incoming, outgoing = await asyncio.wait_for(
+                wire.worker_handshake(reader, writer, self._secret), HELLO_TIMEOUT_S)
+        except (asyncio.TimeoutError, EOFError, asyncio.LimitOverrunError, ConnectionError, FrameRefused):
+            writer.close()  # silent, gone, or not a router that holds the secret
             return
-        words = hello[:MAX_HELLO_BYTES].decode(errors="replace").strip().split(" ")  # one space apart: none empty
-        secret, subscriber, resume = (words + ["", "", ""])[:3]
-        resume = resume or NEW  # a two-word hello (an older router) starts a session
-        if not subscriber or not hmac.compare_digest(secret, self._secret):
+        if not subscriber:
             writer.close()
             return
         keep_alive(writer, self.config.heartbeat_timeout_s)
@@ -305,15 +289,17 @@ class ChannelServer:
         elif resume != NEW and resume.isdigit() and session is not None and session.can_resume(int(resume)):
             number = int(resume)
             self.num_resumed += 1
-            writer.write(frame(Notice(NoticeKind.RESUMED, f"after message {number}")))  # before the replay
+            notice = Notice(NoticeKind.RESUMED, f"after message {number}")
+            writer.write(outgoing.seal(wire.encode(notice)))  # before the replay
         else:  # a name already in use, or a session this worker cannot carry on
-            writer.write(frame(Notice(NoticeKind.GONE, f"no session {subscriber!r} to resume from {resume}")))
+            notice = Notice(NoticeKind.GONE, f"no session {subscriber!r} to resume from {resume}")
+            writer.write(outgoing.seal(wire.encode(notice)))
             writer.close()
             return
-        session.attach(writer, number)
+        session.attach(writer, outgoing, number)
         said_end = False
         try:
-            said_end = await self._watch(session, reader, writer)
+            said_end = await self._watch(session, reader, writer, incoming)
         finally:
             if said_end:
                 self._end(session)
@@ -321,27 +307,32 @@ class ChannelServer:
                 session.detach(writer, lambda: self._end(session))
             writer.close()
 
-    async def _watch(self, session: _Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _watch(
+        self, session: _Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, incoming: Seal,
+    ) -> bool:
         """Read the router's acknowledgements, send heartbeats when idle; return when the
         connection ends, is replaced, or the router has been silent past the deadline:
         True when the router said it is done with the session."""
         loop, heartbeat_s, timeout_s = session.loop, self.config.heartbeat_s, self.config.heartbeat_timeout_s
         heard = loop.time()
         while session.writer is writer:
-            try:
-                line = await asyncio.wait_for(reader.readline(), heartbeat_s)
+            try:  # one fixed-size read, so a timeout never splits a frame (what came stays buffered)
+                data = await asyncio.wait_for(reader.readexactly(wire.ACK_BYTES), heartbeat_s)
             except asyncio.TimeoutError:
-                line = None
-            except (ConnectionError, ValueError):
-                return False  # reset, or a line past the reader's limit
+                data = None
+            except (ConnectionError, EOFError):
+                return False  # reset, or hung up
             now = loop.time()
-            if line is not None:
-                if line == _END:
+            if data is not None:
+                try:
+                    number = incoming.open_ack(data)
+                except FrameRefused as e:
+                    log.warning("token channel: subscriber %s: %s; closing the connection", session.subscriber, e)
+                    return False
+                if number == END:
                     return True
-                if not line or len(line) > MAX_ACK_BYTES or not line.strip().isdigit():
-                    return False  # hung up (or spoke out of turn)
                 heard = now
-                session.ack(int(line))
+                session.ack(number)
             elif now - heard > timeout_s:
                 return False  # the router hung, or its host vanished
             if now - session.last_sent >= heartbeat_s:
@@ -374,24 +365,44 @@ class ChannelServer:
 
 
 class _Link:
-    """One connection of the router's side: reads frames, acknowledges, watches the deadline."""
+    """One connection of the router's side: its handshake, then it reads frames,
+    acknowledges them and watches the deadline."""
 
-    def __init__(self, reader, writer, config: ChannelConfig) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, config: ChannelConfig) -> None:
         self.reader, self.writer, self.config = reader, writer, config
         self.loop = asyncio.get_running_loop()
         self.heard = self.loop.time()
         self.got = 0  # number of the last message, to acknowledge
         self.timed_out = False
-        self.ticker = self.loop.create_task(self._tick())
+        self.incoming: Seal | None = None  # both set by the handshake
+        self.outgoing: Seal | None = None
+        self.ticker: asyncio.Task | None = None
 
     @classmethod
-    async def open(cls, address: ChannelAddress, subscriber: str, resume: str, config: ChannelConfig) -> _Link:
+    async def open(cls, address: ChannelAddress, config: ChannelConfig) -> _Link:
+        """Connect (``OSError`` when that fails); nothing is sent yet."""
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(address.host, address.port), config.heartbeat_timeout_s
         )
         keep_alive(writer, config.heartbeat_timeout_s)
-        writer.write(f"{address.secret} {subscriber} {resume}\n".encode())
         return cls(reader, writer, config)
+
+    async def greet(self, secret: str, subscriber: str, resume: str) -> None:
+        """The handshake (``FrameRefused``: the peer does not hold ``secret``; a
+        ``ConnectionError`` when it hangs up or says nothing in ``heartbeat_timeout_s``)."""
+        try:
+            self.incoming, self.outgoing = await asyncio.wait_for(
+                wire.router_handshake(self.reader, self.writer, secret, subscriber, resume),
+                self.config.heartbeat_timeout_s,
+            )
+        except (asyncio.TimeoutError, EOFError) as e:
+            raise ConnectionError(f"no answer to the handshake: {type(e).__name__}") from e
+        self.heard = self.loop.time()
+        self.ticker = self.loop.create_task(self._tick())
+
+    async def read(self) -> bytes:
+        """The next frame's body, its tag and size checked."""
+        return await wire.read_frame(self.reader, self.incoming, self.config.max_frame_bytes)
 
     async def _tick(self) -> None:
         while True:
@@ -400,27 +411,38 @@ class _Link:
                 self.timed_out = True
                 self.writer.transport.abort()  # the read ends with an EOF
                 return
-            self.writer.write(b"%d\n" % self.got)
+            self.writer.write(self.outgoing.ack(self.got))
 
     def acknowledge(self, number: int) -> None:
         self.got = number
         if number % ACK_EVERY == 0:
-            self.writer.write(b"%d\n" % number)
+            self.writer.write(self.outgoing.ack(number))
 
     def close(self, end: bool = False) -> None:
         """Close the connection; ``end``: tell the worker the session is over (no reconnect)."""
-        self.ticker.cancel()
-        if end and not self.writer.is_closing():
-            self.writer.write(_END)
+        if self.ticker is not None:
+            self.ticker.cancel()
+        if end and self.outgoing is not None and not self.writer.is_closing():
+            self.writer.write(self.outgoing.ack(END))
         self.writer.close()
 
 
 async def connect(address: ChannelAddress, subscriber: str, config: ChannelConfig | None = None) -> AsyncIterator:
-    """The router's side: connect (``OSError`` when it cannot) and subscribe; returns the
-    worker's messages for ``subscriber`` (and ``Notice``s), reconnecting after a drop
-    (a ``RESUMED`` notice says so); it ends with ``ChannelLost`` when the session is over."""
+    """The router's side: connect and subscribe (an ``OSError`` when it cannot: nothing
+    listens, no answer, or ``ChannelLost`` when the peer does not prove that it holds the
+    secret); returns the worker's messages for ``subscriber`` (and ``Notice``s),
+    reconnecting after a drop (a ``RESUMED`` notice says so); they end with
+    ``ChannelLost`` when the session is over, or a frame is refused."""
     config = config or ChannelConfig()
-    link = await _Link.open(address, subscriber, NEW, config)
+    link = await _Link.open(address, config)
+    try:
+        await link.greet(address.secret, subscriber, NEW)
+    except FrameRefused as e:
+        link.close()
+        raise _refused(address, e) from e
+    except BaseException:
+        link.close()
+        raise
     return _messages(address, subscriber, config, link)
 
 
@@ -428,26 +450,29 @@ async def _messages(address: ChannelAddress, subscriber: str, config: ChannelCon
     got = 0
     try:
         while True:
-            unpack, loads, readexactly = _LENGTH.unpack, pickle.loads, link.reader.readexactly
-            now, acknowledge = link.loop.time, link.acknowledge
             try:
+                # Bound once per connection: this loop runs per step message.
+                read = functools.partial(wire.read_frame, link.reader, link.incoming, config.max_frame_bytes)
+                decode, now, acknowledge = wire.decode, link.loop.time, link.acknowledge
                 while True:
-                    (size,) = unpack(await readexactly(_LENGTH.size))
-                    number, message = loads(await readexactly(size))
+                    frame = decode(await read())
                     link.heard = now()
+                    if type(frame) is HeartbeatFrame:
+                        continue
+                    number = frame.number
                     if number == got + 1:
                         got = number
                         acknowledge(number)
-                        yield message
-                    elif number == 0:
-                        if message is None:
-                            continue  # a heartbeat
-                        if message.kind is NoticeKind.GONE:
-                            raise ChannelLost(f"the worker ended the session: {message.detail}")
-                        yield message
+                        yield wire.message_of(frame)
+                    elif number == 0:  # the channel's own notice
+                        if frame.kind is NoticeKind.GONE:
+                            raise ChannelLost(f"the worker ended the session: {frame.detail}")
+                        yield wire.message_of(frame)
                     elif number > got:
                         raise ChannelLost(f"message {got + 1} is missing (got {number})")
                     # else: sent again after a reconnect, and already had
+            except FrameRefused as e:
+                raise _refused(address, e) from e
             except (EOFError, ConnectionError) as e:
                 if isinstance(e, ChannelLost):
                     raise
@@ -459,17 +484,24 @@ async def _messages(address: ChannelAddress, subscriber: str, config: ChannelCon
         link.close(end=True)  # the consumer is done: the worker need not wait for a reconnect
 
 
+def _refused(address: ChannelAddress, e: FrameRefused) -> ChannelLost:
+    """Log the refusal of a peer or a frame; the stream ends as a dead worker's does."""
+    log.warning("token channel %s:%d: %s; closing the connection", address.host, address.port, e)
+    return ChannelLost(f"the token channel at {address.host}:{address.port} was refused: {e}")
+
+
 async def _reconnect(address: ChannelAddress, subscriber: str, config: ChannelConfig, got: int) -> _Link:
     """Connect again within the grace, resuming after message ``got``, until the worker
-    confirms; ``ChannelLost`` when nothing listens (the worker is gone), the worker closes
-    the connection unanswered or no longer knows the session, or the grace runs out (a
-    worker that accepts but never answers, hung, counts as gone too)."""
+    confirms; ``ChannelLost`` when nothing listens (the worker is gone), the peer does
+    not prove that it holds the secret, the worker closes the connection unanswered or no
+    longer knows the session, or the grace runs out (a worker that accepts but never
+    answers, hung, counts as gone too)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.reconnect_grace_s
     delay = min(0.05, config.heartbeat_s)
     while True:
         try:
-            link = await _Link.open(address, subscriber, str(got), config)
+            link = await _Link.open(address, config)
         except ConnectionRefusedError as e:
             raise ChannelLost(f"nothing listens at {address.host}:{address.port}") from e
         except OSError as e:  # unreachable, timed out: the network, maybe only for now
@@ -479,17 +511,24 @@ async def _reconnect(address: ChannelAddress, subscriber: str, config: ChannelCo
             delay = min(2 * delay, config.heartbeat_s)
             continue
         try:
-            _, answer = await asyncio.wait_for(_read_frame(link.reader), max(0.0, deadline - loop.time()))
+            left_s = max(0.0, deadline - loop.time())
+            answer = await asyncio.wait_for(_resume(link, address.secret, subscriber, got), left_s)
+        except FrameRefused as e:
+            link.close()
+            raise _refused(address, e) from e
         except (asyncio.TimeoutError, EOFError, ConnectionError) as e:
             # Connected, then closed or silent: not the network but the worker (dying, hung).
             link.close()
             raise ChannelLost(f"the worker did not take the session back: {type(e).__name__}") from e
-        if isinstance(answer, Notice) and answer.kind is NoticeKind.RESUMED:
+        if type(answer) is NoticeFrame and answer.kind is NoticeKind.RESUMED:
             return link
         link.close()
-        raise ChannelLost(f"the worker ended the session: {getattr(answer, 'detail', answer)}")
+        detail = answer.detail if type(answer) is NoticeFrame else type(answer).__name__
+        raise ChannelLost(f"the worker ended the session: {detail}")
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, object]:
-    (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    return pickle.loads(await reader.readexactly(size))
+async def _resume(link: _Link, secret: str, subscriber: str, got: int) -> wire.Frame:
+    """The handshake of a reconnect, and the worker's first frame (a ``RESUMED`` notice if it takes
+    the session back)."""
+    await link.greet(secret, subscriber, str(got))
+    return wire.decode(await link.read())
