@@ -329,6 +329,7 @@ class TandemCluster:
         with self._lock:
             self._slots.remove(slot)
         ray.kill(handle, no_restart=True)
+        self._sender_gone(slot.role, worker_id)
         _forget_metrics(slot.pid)
         self._give_back(slot)
         seconds = time.monotonic() - t0
@@ -371,6 +372,7 @@ class TandemCluster:
             log.warning("worker %s could not switch in place (%s); starting a new %s worker in its bundle",
                         worker_id, e, role)
             ray.kill(old.handle, no_restart=True)
+            self._sender_gone(old_role, worker_id)
             _forget_metrics(slot.pid)
             ref, in_place = None, False
         with self._lock:
@@ -471,9 +473,25 @@ class TandemCluster:
                     ray.kill(slot.ref.handle, no_restart=True)
                 except Exception:  # already gone
                     pass
+                self._sender_gone(slot.role, slot.ref.worker_id, locked=True)
                 _forget_metrics(slot.pid)
                 self._replace(slot)
         return self._await_replacements(PING_TIMEOUT_S)
+
+    def _sender_gone(self, role: str, worker_id: str, locked: bool = False) -> None:
+        """A killed prefill worker's memory is gone, so no read of it can still land: every
+        decode worker releases the blocks such a read kept out of use (``sender_gone``)."""
+        if role != "prefill":
+            return
+        if not locked:
+            with self._lock:
+                return self._sender_gone(role, worker_id, locked=True)
+        for slot in self._slots:
+            if slot.listed and slot.role != "prefill":
+                try:
+                    slot.ref.handle.sender_gone.remote(worker_id)
+                except Exception:  # a dead one releases nothing: the health thread replaces it
+                    pass
 
     def _replace(self, slot: _Slot) -> None:
         """A new actor in ``slot``'s bundle, unlisted until its ``ready`` answers (under the lock)."""

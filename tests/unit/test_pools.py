@@ -123,3 +123,34 @@ def test_a_replacement_with_no_room_stays_starting_unlisted_while_the_rounds_go_
     answering.add("new")
     assert cluster.check_health() == ["new"]
     assert [w.worker_id for w in cluster.workers()] == ["decode-0", "new"] and cluster.starting() == []
+
+
+class _Reader(_Handle):
+    """A decode worker's handle that records ``sender_gone`` calls."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker)
+        self.gone: list[str] = []
+        self.sender_gone = self
+
+    def remote(self, *args):
+        if args:
+            self.gone.append(args[0])
+            return None
+        return super().remote()
+
+
+def test_a_removed_prefill_worker_is_gone_for_every_decode_worker(monkeypatch):
+    """Killed, its memory is gone: a decode worker holding blocks out of use for a read of
+    it that could not be stopped (quarantined) gets them back now, not never."""
+    c = pools.TandemCluster(ClusterConfig(prefill_workers=1, decode_workers=2))
+    readers = [_Reader(f"decode-{i}") for i in range(2)]
+    c._slots = [pools._Slot("prefill", 0, "pg", 0, WorkerRef("prefill-0", _Handle("prefill-0")), pid=10)] + [
+        pools._Slot("decode", i, "pg", i, WorkerRef(f"decode-{i}", r), pid=11 + i) for i, r in enumerate(readers)]
+    monkeypatch.setattr(pools, "_drain", lambda handle, timeout_s, poll_s: False)  # a read still in flight
+    monkeypatch.setattr(pools.ray, "kill", lambda handle, no_restart: None)
+    monkeypatch.setattr(c, "_give_back", lambda slot: None)
+    c.drain_worker("prefill-0", timeout_s=0.0)
+    assert [r.gone for r in readers] == [["prefill-0"], ["prefill-0"]]
+    c.drain_worker("decode-1", timeout_s=0.0)  # a decode worker is no sender
+    assert readers[0].gone == ["prefill-0"]
