@@ -292,8 +292,9 @@ class NoCapacityError(RuntimeError):
 
 class Dispatcher:
     """Runs requests over the prefill and decode pools (the module docstring says how). A router
-    replica's ``RouterCore`` (or a ``TandemCluster``) keeps one for its life; it reads the worker
-    lists through the callables it is given. ``close`` stops its streams."""
+    replica's ``RouterCore`` keeps one for its life (tests make their own, some over a
+    ``TandemCluster``'s lists); it reads the worker lists through the callables it is given.
+    ``close`` stops its streams."""
 
     def __init__(
         self,

@@ -83,7 +83,9 @@ def log(msg: str) -> None:
 
 
 class CheckFailed(Exception):
-    pass
+    """What the check found wrong (the chart asks for something not emulated, a pod that
+    exits, a probe or port that does not answer as KubeRay expects). Raised while the pods
+    run, ``main`` prints it with each pod's last log lines, tears the pods down and returns 1."""
 
 
 # ------------------------------------------------------------------ the rendered chart
@@ -169,6 +171,10 @@ def container_command(container: dict, ray_start: str) -> list[str]:
 
 @dataclass
 class Pod:
+    """One Ray node's pod as KubeRay would make it (``build_cluster``): its name, address
+    and network namespace, the container's command, environment, user and emptyDirs; once
+    ``Machine`` runs it, its buildah container, process and log."""
+
     name: str
     kind: str  # head | worker
     group: str  # headgroup | the worker group's name
@@ -188,6 +194,11 @@ class Pod:
 
 @dataclass
 class Cluster:
+    """The rendered RayService as this check runs it (``build_cluster``): the pods, head
+    first, and what the check needs to reach it: the Serve config it PUTs to the head's
+    dashboard, Ray's auth token, the head Service's name and GCS port, the HTTP, gRPC and
+    metrics ports, the ingress (``haproxy`` or Serve's ``proxy``) and the application's name."""
+
     pods: list[Pod]
     serve_config: dict
     token: str | None

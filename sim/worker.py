@@ -1,7 +1,7 @@
 """One simulated worker: the engine's own scheduler and block manager, stepped on simulated time.
 
 ``build_scheduler`` wires ``engine.block_pool.KVCacheManager`` and
-``engine.scheduler.Scheduler`` from an ``EngineConfig`` as ``LLMEngine._make_scheduler``
+``engine.scheduler.Scheduler`` from an ``EngineConfig`` as ``LLMEngine._make_parts``
 does (the budget raised to the context without chunked prefill); nothing of them is
 copied. A step is the engine's: ``schedule()``, then, once the cost model's time has
 passed, ``update()`` with a sampled token for every request the plan samples. No model

@@ -6,7 +6,8 @@ not mix, a transfer past its deadline fails with reason "timeout" and is counted
 released transfer leaves nothing held. The collective backend's pairwise channels are
 checked further: a layout that does not match is refused before any byte moves (and
 the pair's channel stays), a receiver that gives up does not stall the pair, and a
-sender that dies mid-stream breaks only its own channel. NCCL needs a GPU per rank: its checks are in
+sender that dies mid-stream breaks only its own channel. The same channel between
+actors on a GPU (KV staged through host memory) is checked in
 ``tests/gpu/test_gpu_transfer.py``; NIXL's own failure modes (refused sizes, dead
 and frozen senders) are in ``test_nixl_transfer.py``.
 """
