@@ -48,8 +48,9 @@ class Accumulator:
         if delta.logprobs is None:
             return None
         # An echoed prompt's first token has no logprob and no top tokens (None).
+        text = self.token_text
         lps = [
-            (self.token_text(t), lp, None if top is None else [(self.token_text(i), v) for i, v in top])
+            (text(t), _floored(lp), None if top is None else [(text(i), _floored(v)) for i, v in top])
             for t, lp, top in delta.logprobs
         ]
         self.logprobs = (self.logprobs or []) + lps
@@ -69,6 +70,15 @@ class Accumulator:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+
+# JSON has no -inf (nor NaN): a token drawn where its constraints left nothing allowed has
+# logprob -inf, and would make the whole response a 500. vLLM floors them at the same value.
+MIN_LOGPROB = -9999.0
+
+
+def _floored(lp: float | None) -> float | None:
+    return lp if lp is None or lp > MIN_LOGPROB else MIN_LOGPROB  # NaN too: it compares false
 
 
 def completion_logprobs(lps, text_offset: int) -> dict | None:
@@ -96,9 +106,9 @@ def prompt_logprobs_json(entries: list, token_text) -> list:
             out.append(None)
             continue
         token, logprob, rank, top = entry
-        ranked = {token: {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}}
+        ranked = {token: {"logprob": _floored(logprob), "rank": rank, "decoded_token": token_text(token)}}
         for r, (t, lp) in enumerate(top, 1):
-            ranked.setdefault(t, {"logprob": lp, "rank": r, "decoded_token": token_text(t)})
+            ranked.setdefault(t, {"logprob": _floored(lp), "rank": r, "decoded_token": token_text(t)})
         out.append(ranked)
     return out
 

@@ -13,14 +13,25 @@ The oracle: bytes that do not parse as the method's message must get INVALID_ARG
 a GenerateRequest gets what the router's validation says locally
 (``router.grpc_api.prepare`` with the served model's limits and tokenizer) as a status
 code, and an accepted one a well-formed stream (cheap: ``max_tokens`` is set to
-``CAP``). Never INTERNAL or UNKNOWN. Counts are printed (``-s``) and written to
-``fuzz-grpc.json`` in the session's temp folder.
+``CAP``). The oracle runs the router's check of a structured-output spec too (its
+bounds, then xgrammar's parse: ``tests.fuzz.conftest.check_grammar``). Never INTERNAL or
+UNKNOWN. Counts are printed (``-s``) and written to ``fuzz-grpc.json`` in the session's
+temp folder.
+
+Hostile requests (issue 53: grammar bombs, JSON text nested deeper than the decoder
+goes, stop lists and prompts past their limits; ``HOSTILE``) are drawn among the random
+ones, as patches on valid requests and as single fields' values, and each is also sent
+once by itself (``test_each_hostile_request_gets_its_answer_at_once``): its status code,
+the limit its details name, within ``ANSWER_S``.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from collections import Counter
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -31,7 +42,7 @@ from protos.grpc.health.v1 import health_pb2
 from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.errors import ApiError
-from tests.fuzz.conftest import MAX_BODY
+from tests.fuzz.conftest import MAX_BODY, check_grammar
 from tests.helpers import tally, write_report
 
 CAP = 4
@@ -41,6 +52,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 CASES: Counter = Counter()  # (test, status code name) -> calls made
+ANSWERED_S: dict[str, float] = {}  # hostile request sent by itself -> seconds to its answer
 SERVED = "<the served model's name>"
 GENERATE = "/tandem.v1.Generation/Generate"
 UNARY = {
@@ -60,6 +72,9 @@ def report(tmp_path_factory):
     bad = sum(n for (_, outcome), n in CASES.items() if outcome in {c.name for c in NEVER})
     path = write_report(tmp_path_factory, "fuzz-grpc.json", {"total": total, "internal_or_unknown": bad, "by_test": by_test})
     print(f"\ngRPC fuzz: {total} calls, {bad} INTERNAL/UNKNOWN; by test and code: {by_test} ({path})")
+    if ANSWERED_S:
+        slowest = max(ANSWERED_S, key=ANSWERED_S.__getitem__)
+        print(f"hostile requests: {len(ANSWERED_S)} answered, the slowest in {ANSWERED_S[slowest]:.3f}s ({slowest})")
 
 
 def _identity(b: bytes) -> bytes:
@@ -91,11 +106,13 @@ def call(channel, method: str, payload: bytes, test: str):
 
 
 def predict_generate(request: pb.GenerateRequest, oracle) -> ApiError | None:
+    """What the router says of ``request`` before admission (its size, its validation,
+    its check of an output constraint): the ApiError, or None (accepted)."""
     model, tokenizer = oracle
     try:
         if request.ByteSize() > MAX_BODY:
             raise ApiError(413, "over the limit")
-        grpc_api.prepare(request, model, tokenizer)
+        check_grammar(grpc_api.prepare(request, model, tokenizer))
     except ApiError as e:
         return e
     return None
@@ -110,16 +127,19 @@ def cheap(request: pb.GenerateRequest, oracle) -> pb.GenerateRequest:
     return request
 
 
-def check_generate(channel, request: pb.GenerateRequest, oracle, test: str) -> None:
+def check_generate(channel, request: pb.GenerateRequest, oracle, test: str) -> tuple[grpc.StatusCode, str, float]:
+    """Send ``request`` and judge the answer by the oracle; (its code, details, seconds)."""
     expected = predict_generate(request, oracle)
+    start = time.monotonic()
     code, details, out = call(channel, GENERATE, request.SerializeToString(), test)
+    took = time.monotonic() - start
     if expected is not None:
         want = grpc_api.status_code(expected)
         assert code == want, (code, details, expected.message)
         assert details, code
         if expected.param:
             assert expected.param.split(".")[0] in details, (details, expected.param)
-        return
+        return code, details, took
     assert code == grpc.StatusCode.OK, (code, details)
     messages = [pb.GenerateResponse.FromString(m) for m in out]
     n = request.sampling.n if request.sampling.HasField("n") else 1
@@ -129,6 +149,7 @@ def check_generate(channel, request: pb.GenerateRequest, oracle, test: str) -> N
         assert mine[-1].finished and mine[-1].finish_reason in ("length", "stop"), (i, mine[-1:])
         assert 1 <= mine[-1].usage.completion_tokens <= CAP
         assert not any(m.finished for m in mine[:-1])
+    return code, details, took
 
 
 # -- strategies ----------------------------------------------------------------
@@ -147,6 +168,59 @@ texts = st.one_of(
 )
 token_ids = st.lists(st.one_of(st.integers(0, 4095), st.integers(4090, 4200), u32), max_size=40)
 
+
+# -- hostile requests (issue 53) -------------------------------------------------
+# Each once cost a service seconds to minutes of a grammar parse that nothing stops, or
+# its event loop: a patch on a valid request, with the answer it must get.
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A patch (``text``: the prompt; other keys: SamplingParams fields) and the answer it
+    must get: ``code``, and ``says``, a part of the details (the field or the limit)."""
+
+    patch: dict
+    code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    says: str = ""
+
+
+BOMB = json.dumps({"type": "string", "pattern": "[a-z]{1,20000}"})  # 36 s of xgrammar's parse, unbounded
+HOSTILE = {
+    "schema bomb": Hostile({"guided_json": BOMB}, says="(max_regex_size)"),
+    "guided_json nested 20000 deep": Hostile({"guided_json": "[" * 20_000 + "]" * 20_000},
+                                             says="guided_json is not valid JSON: nested too deeply"),
+    "response_format nested 900 deep": Hostile(
+        {"response_format": '{"type":"json_schema","json_schema":{"schema":{"a":' + "[" * 900 + "]" * 900 + "}}}"},
+        says="response_format"),
+    "response_format with nested repeats": Hostile(
+        {"response_format": json.dumps({"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "(a{1,100}){1,100}"}}})},
+        says="(max_regex_size)"),
+    "guided_regex repeating 5000 times": Hostile({"guided_regex": "[a-z]{1,5000}"}, says="(max_regex_size)"),
+    "16 stop strings": Hostile({"stop": ["x"] * 16}, grpc.StatusCode.OK),
+    "17 stop strings": Hostile({"stop": ["x"] * 17}, says="stop has 17 strings, over the limit of 16"),
+    "128 stop_token_ids": Hostile({"stop_token_ids": [1] * 128}, grpc.StatusCode.OK),
+    "129 stop_token_ids": Hostile({"stop_token_ids": [1] * 129}, says="stop_token_ids has 129"),
+    "a prompt of 40000 characters": Hostile({"text": "x" * 40_000}, says="prompt has 40000 characters"),
+}
+
+
+def hostile_values(name: str) -> list:
+    """The values the hostile requests give field ``name``: drawn among its random ones."""
+    return [h.patch[name] for h in HOSTILE.values() if name in h.patch]
+
+
+def patched(request: pb.GenerateRequest, patch: dict) -> pb.GenerateRequest:
+    """``request`` with the patch's fields set in place of its own."""
+    fields = dict(patch)
+    if "text" in fields:
+        request.text = fields.pop("text")
+    for name in fields:
+        request.sampling.ClearField(name)
+    request.sampling.MergeFrom(pb.SamplingParams(**fields))
+    return request
+
+
 sampling = st.builds(
     pb.SamplingParams,
     max_tokens=st.one_of(st.none(), st.integers(0, 8), u32),
@@ -158,8 +232,8 @@ sampling = st.builds(
     presence_penalty=st.one_of(st.none(), doubles),
     frequency_penalty=st.one_of(st.none(), doubles),
     seed=st.one_of(st.none(), u64),
-    stop=st.lists(texts, max_size=3),
-    stop_token_ids=st.lists(u32, max_size=3),
+    stop=st.one_of(st.lists(texts, max_size=3), st.sampled_from(hostile_values("stop"))),
+    stop_token_ids=st.one_of(st.lists(u32, max_size=3), st.sampled_from(hostile_values("stop_token_ids"))),
     ignore_eos=st.booleans(),
     logprobs=st.one_of(st.none(), st.integers(0, 25), u32),
     prompt_logprobs=st.one_of(st.none(), st.integers(0, 25), u32),
@@ -168,6 +242,9 @@ sampling = st.builds(
     logit_bias=st.dictionaries(u32, doubles, max_size=3),
     allowed_token_ids=token_ids,
     bad_words=st.lists(texts, max_size=3),
+    guided_json=st.one_of(st.none(), texts, st.sampled_from(hostile_values("guided_json"))),
+    guided_regex=st.one_of(st.none(), texts, st.sampled_from(hostile_values("guided_regex"))),
+    response_format=st.one_of(st.none(), texts, st.sampled_from(hostile_values("response_format"))),
 )
 valid_sampling = st.builds(
     pb.SamplingParams,
@@ -205,7 +282,10 @@ def generate_requests(draw):
         kwargs["token_ids"] = pb.TokenIds(ids=draw(ids))
     if not draw(st.integers(0, 9)):
         del kwargs["sampling"]
-    return pb.GenerateRequest(**kwargs)
+    request = pb.GenerateRequest(**kwargs)
+    if valid and not draw(st.integers(0, 4)):
+        patched(request, draw(st.sampled_from(list(HOSTILE.values()))).patch)
+    return request
 
 
 def _varint(n: int) -> bytes:
@@ -286,6 +366,40 @@ def test_generate_with_raw_bytes(channel, oracle, payload):
     check_generate(channel, cheap(request, oracle), oracle, "Generate bytes")
 
 
+ANSWER_S = 2.0  # a refusal here takes milliseconds; unbounded, the grammar cases took 10 s to minutes
+
+
+def small_request() -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_each_hostile_request_gets_its_answer_at_once(channel, oracle, name):
+    """Each hostile request by itself: its code and the limit its details name, within ANSWER_S."""
+    case = HOSTILE[name]
+    request = patched(small_request(), case.patch)
+    expected = predict_generate(request, oracle)
+    predicted = grpc.StatusCode.OK if expected is None else grpc_api.status_code(expected)
+    assert predicted == case.code, f"the oracle says {predicted}: {expected and expected.message}"
+    code, details, ANSWERED_S[name] = check_generate(channel, request, oracle, "hostile")
+    if code != grpc.StatusCode.OK:
+        assert case.says in details, (case.says, details)
+        assert ANSWERED_S[name] < ANSWER_S, f"answered in {ANSWERED_S[name]:.2f}s, over {ANSWER_S}s"
+
+
+def test_a_prompt_past_the_character_bound_is_refused_before_tokenizing(channel, oracle):
+    """A text one character over (max_model_len - 1) * max_chars_per_token: INVALID_ARGUMENT
+    counting characters, not tokens."""
+    most = oracle[0].max_prompt_chars
+    assert most is not None, "the tiny model's tokenizer bounds the characters of a token"
+    request = small_request()
+    request.text = "x" * (most + 1)
+    name = f"a prompt past {most} characters"
+    code, details, ANSWERED_S[name] = check_generate(channel, request, oracle, "hostile")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"prompt has {most + 1} characters" in details, details
+    assert ANSWERED_S[name] < ANSWER_S, f"answered in {ANSWERED_S[name]:.2f}s, over {ANSWER_S}s"
+
+
 @settings(FUZZ, max_examples=400)
 @given(
     method=st.sampled_from(sorted(UNARY)),
@@ -300,6 +414,9 @@ def test_unary_methods_with_raw_bytes(channel, method, payload):
     code, details, out = call(channel, method, payload, method.rsplit("/", 1)[1])
     if not parses:
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        return
+    if method.endswith("/Abort") and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        assert "aborts.per_s" in details, details  # past the replica's budget of Aborts passed to every worker
         return
     assert code == grpc.StatusCode.OK, (code, details)
     if method.endswith("/Abort"):

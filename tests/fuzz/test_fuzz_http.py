@@ -11,10 +11,20 @@ The oracle is the router's own validation, run locally on the same bytes
 (``parse_json`` + ``prepare_completion`` / ``prepare_chat`` with the served model's
 limits and tokenizer): a body it rejects must get that status and ``param`` in the
 OpenAI error JSON; a body it accepts must get 200 and a well-formed response (whole or
-SSE). Accepted bodies are made cheap first: their ``max_tokens`` is set to ``CAP``.
-Nothing may ever answer 5xx. The module ends with a normal request and, like every
-test here, with no KV blocks in use. Cases tried per test are printed (``-s``) and
-written to ``fuzz-http.json`` in the session's temp folder.
+SSE). The oracle runs the router's check of a structured-output spec too (its bounds,
+then xgrammar's parse: ``tests.fuzz.conftest.check_grammar``), which the service runs
+after validation. Accepted bodies are made cheap first: their ``max_tokens`` is set to
+``CAP``. Nothing may ever answer 5xx. The module ends with a normal request and, like
+every test here, with no KV blocks in use. Cases tried per test are printed (``-s``)
+and written to ``fuzz-http.json`` in the session's temp folder.
+
+Hostile bodies (issue 53: grammar bombs, JSON text nested 20000 deep, stop lists and
+prompts far over their limits; ``HOSTILE_COMPLETION``, ``HOSTILE_CHAT``) are drawn among
+the random ones, as whole bodies and as single fields' values, and each is also sent once
+by itself (``test_each_hostile_body_gets_its_answer_at_once``): its status, ``param``,
+the limit its message names, within ``ANSWER_S``. Those of a megabyte (110k stop
+strings, 1 MB prompts) need the default 1 MiB body limit: they are sent beside a running
+stream in ``tests/integration/test_hostile_bodies.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import errno
 import json
 import math
 import socket
+import time
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +50,7 @@ from router.bodies import parse_json
 from router.errors import ApiError
 from router.tokenization import detokenize, tokenize
 from router.validation import prepare_chat, prepare_completions
-from tests.fuzz.conftest import MAX_BODY
+from tests.fuzz.conftest import MAX_BODY, check_grammar
 from tests.helpers import tally, write_report
 
 CAP = 4  # max_tokens of a body the server will accept
@@ -48,6 +60,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 CASES: Counter = Counter()  # (test, outcome) -> requests sent
+ANSWERED_S: dict[str, float] = {}  # hostile body sent by itself -> seconds to its answer
 SERVED = "<the served model's name>"  # strategies draw this; the tests put in the real name
 
 pytestmark = pytest.mark.usefixtures("no_blocks_left")
@@ -60,6 +73,9 @@ def report(tmp_path_factory):
     server_errors = sum(n for (_, outcome), n in CASES.items() if outcome.startswith("5"))
     path = write_report(tmp_path_factory, "fuzz-http.json", {"total": total, "5xx": server_errors, "by_test": by_test})
     print(f"\nHTTP fuzz: {total} requests, {server_errors} answered 5xx; by test and status: {by_test} ({path})")
+    if ANSWERED_S:
+        slowest = max(ANSWERED_S, key=ANSWERED_S.__getitem__)
+        print(f"hostile bodies: {len(ANSWERED_S)} answered, the slowest in {ANSWERED_S[slowest]:.3f}s ({slowest})")
 
 
 # -- strategies ----------------------------------------------------------------
@@ -95,6 +111,114 @@ def either(plausible):
 token_ids = st.lists(
     st.one_of(st.integers(0, 4095), st.integers(-5, 5), st.integers(4090, 5000), big_ints), min_size=0, max_size=24
 )
+
+
+# -- hostile bodies (issue 53) ---------------------------------------------------
+# Each once cost a service seconds to minutes of a grammar parse that nothing stops, or
+# its event loop: a patch on a small valid body, with the answer it must get. All fit the
+# 64 KiB limit.
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """A patch on a small valid body and the answer it must get: ``status``, ``param``,
+    and ``says``, a part of the message (the limit it names)."""
+
+    patch: dict
+    status: int = 400
+    param: str | None = None
+    says: str = ""
+
+
+def _deep_list(depth: int) -> list:
+    """A list nested ``depth`` levels deep."""
+    out: list = []
+    for _ in range(depth - 1):
+        out = [out]
+    return out
+
+
+def _deep_items(depth: int) -> dict:
+    """A schema of arrays of arrays, ``depth`` levels of ``items``."""
+    out: dict = {}
+    for _ in range(depth):
+        out = {"items": out}
+    return out
+
+
+def _tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+BOMB = {"type": "string", "pattern": "[a-z]{1,20000}"}  # 36 s of xgrammar's parse, unbounded
+NESTED_REPEATS = {"type": "string", "pattern": "(a{1,100}){1,100}"}
+LONG_TEXT = "x" * 40_000  # far past the tiny model's prompt bound, (512 - 1) tokens of at most 16 characters
+HOSTILE_COMPLETION = {
+    "schema bomb": Hostile({"guided_json": BOMB}, param="guided_json", says="(max_regex_size)"),
+    "schema as JSON text nested 20000 deep": Hostile({"guided_json": "[" * 20_000 + "]" * 20_000},
+                                                     param="guided_json", says="nested too deeply"),
+    "schema nested 600 deep": Hostile({"guided_json": {"a": _deep_list(600)}}, says="more than 128 levels"),
+    "nested repeats in a pattern": Hostile({"guided_json": NESTED_REPEATS}, param="guided_json",
+                                           says="(max_regex_size)"),
+    "maxLength of a billion": Hostile({"guided_json": {"type": "string", "maxLength": 10**9}},
+                                      param="guided_json", says="(max_schema_bound)"),
+    "items nested 70 deep": Hostile({"guided_json": _deep_items(70)}, param="guided_json",
+                                    says="(max_schema_depth)"),
+    "20 patterns of 600": Hostile(
+        {"guided_json": {"type": "object",
+                         "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,600}"} for i in range(20)}}},
+        param="guided_json", says="(max_total_regex_size)"),
+    "guided_regex repeating 5000 times": Hostile({"guided_regex": "[a-z]{1,5000}"}, param="guided_regex",
+                                                 says="(max_regex_size)"),
+    "16 stop strings": Hostile({"stop": ["x"] * 16}, status=200),
+    "17 stop strings": Hostile({"stop": ["x"] * 17}, param="stop", says="stop has 17 strings, over the limit of 16"),
+    "10000 stop strings, n 16": Hostile({"stop": ["x"] * 10_000, "n": 16}, param="stop",
+                                        says="stop has 10000 strings, over the limit of 16"),
+    "a stop string of 128": Hostile({"stop": "y" * 128}, status=200),
+    "a stop string of 129": Hostile({"stop": "y" * 129}, param="stop", says="(stop[0])"),
+    "a second stop string of 129": Hostile({"stop": ["ok", "y" * 129]}, param="stop", says="(stop[1])"),
+    "128 stop_token_ids": Hostile({"stop_token_ids": [1] * 128}, status=200),
+    "129 stop_token_ids": Hostile({"stop_token_ids": [1] * 129}, param="stop_token_ids", says="over the limit of 128"),
+    "10000 stop_token_ids": Hostile({"stop_token_ids": [1] * 10_000}, param="stop_token_ids",
+                                    says="over the limit of 128"),
+    "a prompt of 40000 characters": Hostile({"prompt": LONG_TEXT}, param="prompt", says="prompt has 40000 characters"),
+    "a second prompt of 40000 characters": Hostile({"prompt": ["hi", LONG_TEXT]}, param="prompt",
+                                                   says="prompt has 40000 characters"),
+}
+HOSTILE_CHAT = {
+    "schema bomb": Hostile({"guided_json": BOMB}, param="guided_json", says="(max_regex_size)"),
+    "response_format with nested repeats": Hostile({"response_format": _json_schema(NESTED_REPEATS)},
+                                                   param="response_format.json_schema.schema",
+                                                   says="(max_regex_size)"),
+    "response_format nested 600 deep": Hostile({"response_format": _json_schema({"a": _deep_list(600)})},
+                                               says="more than 128 levels"),
+    "tool parameters nested 600 deep": Hostile({"tools": [_tool({"a": _deep_list(600)})]}, says="more than 128 levels"),
+    "schema bomb in a required tool": Hostile({"tools": [_tool({"type": "object", "properties": {"a": BOMB}})],
+                                               "tool_choice": "required"}, param="tools", says="(max_regex_size)"),
+    "schema bomb in a named tool": Hostile({"tools": [_tool({"type": "object", "properties": {"a": BOMB}})],
+                                            "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                                           param="tools.0.function.parameters", says="(max_regex_size)"),
+    "call arguments nested 900 deep": Hostile(
+        {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": '{"a":' * 900 + "1" + "}" * 900}}]},
+            {"role": "user", "content": "hi"}]},
+        param="messages.0.tool_calls.0.function.arguments", says="more than 128 levels"),
+    "17 stop strings": Hostile({"stop": ["x"] * 17}, param="stop", says="stop has 17 strings, over the limit of 16"),
+    "content of 40000 characters": Hostile({"messages": [{"role": "user", "content": LONG_TEXT}]}, param="messages",
+                                           says="characters"),
+}
+
+
+def hostile_values(name: str) -> list:
+    """The values the hostile bodies give field ``name``: drawn among its random ones."""
+    return [h.patch[name] for h in (*HOSTILE_COMPLETION.values(), *HOSTILE_CHAT.values()) if name in h.patch]
+
+
 SAMPLING = {
     "model": st.sampled_from([SERVED, "no-such-model", ""]),
     "max_tokens": st.one_of(st.integers(-2, 600), big_ints),
@@ -106,8 +230,8 @@ SAMPLING = {
     "presence_penalty": st.floats(-3, 3),
     "frequency_penalty": st.floats(-3, 3),
     "seed": any_int,
-    "stop": st.one_of(any_text, st.lists(any_text, max_size=3)),
-    "stop_token_ids": token_ids,
+    "stop": st.one_of(any_text, st.lists(any_text, max_size=3), st.sampled_from(hostile_values("stop"))),
+    "stop_token_ids": st.one_of(token_ids, st.sampled_from(hostile_values("stop_token_ids"))),
     "ignore_eos": st.booleans(),
     "min_tokens": st.one_of(st.integers(-1, 10), big_ints),
     "skip_special_tokens": st.booleans(),
@@ -121,10 +245,13 @@ SAMPLING = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "user": any_text,
+    "guided_json": st.one_of(json_values, any_text, st.sampled_from(hostile_values("guided_json"))),
+    "guided_regex": st.one_of(any_text, st.sampled_from(hostile_values("guided_regex"))),
 }
 COMPLETION = {
     **SAMPLING,
-    "prompt": st.one_of(any_text, token_ids, st.lists(any_text, max_size=2), st.lists(token_ids, max_size=2)),
+    "prompt": st.one_of(any_text, token_ids, st.lists(any_text, max_size=2), st.lists(token_ids, max_size=2),
+                        st.sampled_from(hostile_values("prompt"))),
     "logprobs": st.integers(-2, 25),
     "echo": st.booleans(),
     "suffix": any_text,
@@ -140,12 +267,14 @@ message = st.fixed_dictionaries(
 )
 CHAT = {
     **SAMPLING,
-    "messages": st.lists(message, max_size=4),
+    "messages": st.one_of(st.lists(message, max_size=4), st.sampled_from(hostile_values("messages"))),
     "max_completion_tokens": st.one_of(st.integers(-2, 600), big_ints),
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(-2, 25),
-    "tools": st.lists(json_values, max_size=2),
-    "response_format": st.one_of(st.just({"type": "text"}), st.dictionaries(any_text, json_values, max_size=2)),
+    "tools": st.one_of(st.lists(json_values, max_size=2), st.sampled_from(hostile_values("tools"))),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+    "response_format": st.one_of(st.just({"type": "text"}), st.dictionaries(any_text, json_values, max_size=2),
+                                 st.sampled_from(hostile_values("response_format"))),
 }
 
 
@@ -197,9 +326,10 @@ VALID_CHAT = {
 
 
 @st.composite
-def bodies(draw, fields: dict, valid: dict, required: str):
-    """A dict body: all valid fields, all valid but one, or chaos; sometimes extra keys."""
-    mode = draw(st.sampled_from(["valid", "one off", "one off", "chaos"]))
+def bodies(draw, fields: dict, valid: dict, required: str, hostile: dict | None = None):
+    """A dict body: all valid fields, all valid but one, or chaos, or (given ``hostile``)
+    a valid body with a hostile patch; sometimes extra keys."""
+    mode = draw(st.sampled_from(["valid", "one off", "one off", "chaos"] + (["hostile"] if hostile else [])))
     if mode == "chaos":
         others = {k: either(v) for k, v in fields.items() if k != required}
         body = draw(st.fixed_dictionaries({}, optional={required: either(fields[required]), **others}))
@@ -213,6 +343,8 @@ def bodies(draw, fields: dict, valid: dict, required: str):
                 body.pop(name, None)
             else:
                 body[name] = draw(fields[name] if how == "plausible" else json_values)
+        elif mode == "hostile":
+            body.update(draw(st.sampled_from(list(hostile.values()))).patch)
     extra = draw(st.one_of(st.just({}), st.dictionaries(any_text, json_values, max_size=2)))
     return {**extra, **body}
 
@@ -227,18 +359,22 @@ content_types = st.sampled_from([
 
 
 def predict(raw: bytes, chat: bool, oracle) -> ApiError | None:
-    """What the router's validation says of these bytes: the ApiError, or None (accepted)."""
+    """What the router says of these bytes before admission (its validation, then its check
+    of an output constraint): the ApiError, or None (accepted)."""
     model, tokenizer = oracle
-    prepare = prepare_chat if chat else prepare_completions
     try:
-        prepare(parse_json(raw, MAX_BODY), model, tokenizer)
+        body = parse_json(raw, MAX_BODY)
+        batch = [prepare_chat(body, model, tokenizer)] if chat else prepare_completions(body, model, tokenizer)
+        for prepared in batch:
+            check_grammar(prepared)
     except ApiError as e:
         return e
     return None
 
 
 def cheap(body: dict, chat: bool, oracle) -> dict:
-    """The body with the served model's name in, and max_tokens CAP if the server would accept it."""
+    """The body with the served model's name in, and max_tokens CAP if the server would
+    accept it."""
     if isinstance(body, dict) and body.get("model") == SERVED:
         body = {**body, "model": oracle[0].name}
     if isinstance(body, dict) and predict(_dumps(body), chat, oracle) is None:
@@ -313,15 +449,74 @@ def check_body(http, oracle, body, content_type, chat: bool) -> None:
 
 
 @settings(FUZZ, max_examples=500)
-@given(body=bodies(COMPLETION, VALID_COMPLETION, "prompt"), content_type=content_types)
+@given(body=bodies(COMPLETION, VALID_COMPLETION, "prompt", HOSTILE_COMPLETION), content_type=content_types)
 def test_completions_bodies(http, oracle, body, content_type):
     check_body(http, oracle, body, content_type, chat=False)
 
 
 @settings(FUZZ, max_examples=500)
-@given(body=bodies(CHAT, VALID_CHAT, "messages"), content_type=content_types)
+@given(body=bodies(CHAT, VALID_CHAT, "messages", HOSTILE_CHAT), content_type=content_types)
 def test_chat_completions_bodies(http, oracle, body, content_type):
     check_body(http, oracle, body, content_type, chat=True)
+
+
+# Found by this fuzzer: where an output constraint and the token controls (allowed_token_ids,
+# bad_words) leave no token allowed, the engine draws one at logprob -inf, which JSON cannot
+# carry: with logprobs the whole response was a 500 (and a stream sent -Infinity). The
+# router floors logprobs at -9999.0, as vLLM does.
+NO_TOKEN_LEFT = {"prompt": "0", "max_tokens": 1, "logprobs": 0, "allowed_token_ids": [0], "guided_regex": ""}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_leaves_no_token_allowed_is_no_server_error(http, stream):
+    r = http.post("/v1/completions", json={**NO_TOKEN_LEFT, "stream": stream})
+    assert r.status_code == 200 and "Infinity" not in r.text and "NaN" not in r.text, r.text
+
+
+ANSWER_S = 2.0  # a refusal here takes milliseconds; unbounded, the grammar cases took 10 s to minutes
+SMALL_COMPLETION = {"prompt": "hi", "max_tokens": 1}
+SMALL_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def send_timed(http, oracle, body: dict, chat: bool, test: str) -> tuple[dict | None, ApiError | None]:
+    """Send ``body`` with the served model's name, judge the answer by the oracle, and
+    record its time; (the error JSON or None, the oracle's verdict)."""
+    raw = _dumps({**body, "model": oracle[0].name})
+    expected = predict(raw, chat, oracle)
+    start = time.monotonic()
+    r = post(http, "/v1/chat/completions" if chat else "/v1/completions", raw, "application/json")
+    ANSWERED_S[test] = time.monotonic() - start
+    check_response(r, expected, False, "hostile", raw)
+    return (r.json()["error"] if r.status_code != 200 else None), expected
+
+
+@pytest.mark.parametrize(("chat", "name"), [pytest.param(False, n, id=f"completions: {n}") for n in HOSTILE_COMPLETION]
+                         + [pytest.param(True, n, id=f"chat: {n}") for n in HOSTILE_CHAT])
+def test_each_hostile_body_gets_its_answer_at_once(http, oracle, chat, name):
+    """Each hostile body by itself: its status, param and named limit, within ANSWER_S."""
+    case = (HOSTILE_CHAT if chat else HOSTILE_COMPLETION)[name]
+    test = f"{'chat' if chat else 'completions'}: {name}"
+    error, expected = send_timed(http, oracle, {**(SMALL_CHAT if chat else SMALL_COMPLETION), **case.patch}, chat, test)
+    predicted = (200, None) if expected is None else (expected.status, expected.param)
+    assert predicted == (case.status, case.param), f"the oracle says {predicted}: {expected and expected.message}"
+    if error is not None:
+        assert case.says in error["message"], (case.says, error["message"])
+        assert ANSWERED_S[test] < ANSWER_S, f"answered in {ANSWERED_S[test]:.2f}s, over {ANSWER_S}s"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_prompt_past_the_character_bound_is_refused_before_tokenizing(http, oracle, chat):
+    """Text over (max_model_len - 1) * max_chars_per_token characters (the completion's one
+    past it; the chat's at it, before the template adds its own): a 400 counting characters."""
+    most = oracle[0].max_prompt_chars
+    assert most is not None, "the tiny model's tokenizer bounds the characters of a token"
+    body = {"messages": [{"role": "user", "content": "x" * most}]} if chat else {"prompt": "x" * (most + 1)}
+    test = f"{'chat' if chat else 'completions'}: a prompt past {most} characters"
+    error, expected = send_timed(http, oracle, body, chat, test)
+    assert expected is not None and error is not None, "refused"
+    assert error["param"] == ("messages" if chat else "prompt") and error["code"] == "context_length_exceeded", error
+    assert f"at most {most} characters" in error["message"], error["message"]
+    assert ANSWERED_S[test] < ANSWER_S, f"answered in {ANSWERED_S[test]:.2f}s, over {ANSWER_S}s"
 
 
 TOKENIZE = {

@@ -77,3 +77,20 @@ def test_echoed_prompt_logprobs_come_before_the_outputs_with_none_first():
     assert out["token_logprobs"] == [None, -1.5, -0.25, -0.1]
     assert out["top_logprobs"] == [None, {"<9>": -0.5, "<7>": -1.5}, {"<8>": -0.25, "<9>": -2.0}, {"<5>": -0.1}]
     assert out["text_offset"] == [0, 3, 6, 9]
+
+
+def test_a_logprob_of_minus_infinity_is_floored_so_the_json_stays_valid():
+    """A token drawn where its constraints allowed none has logprob -inf (or NaN): JSON has
+    neither, and a response carrying one was a 500 (or an SSE chunk no client parses)."""
+    import json
+
+    from engine.messages import StreamDelta
+
+    acc = Accumulator(_Tokens())
+    inf, nan = float("-inf"), float("nan")
+    lps = acc.add(StreamDelta("r", [0], "x", True, logprobs=[(0, inf, [(0, inf), (1, nan)])],
+                              prompt_logprobs=[None, (5, inf, 1, [(5, nan)])]))
+    env = Envelope("cmpl-0", "m", 0)
+    for body in (env.completion(acc), env.completion_chunk("x", lps, 0, "stop"), env.chat_chunk({}, lps, "stop")):
+        text = json.dumps(body, allow_nan=False)  # raises on -inf / NaN
+        assert "-9999.0" in text, "floored where vLLM floors them"
