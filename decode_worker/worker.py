@@ -28,9 +28,11 @@ A subscriber's lifecycle here, by the size of its outbox (outputs not yet sent):
                                                  its requests aborted, their blocks freed)
 
 The request id here is the router's attempt id. Each reservation has a hand-off record
-(``kv_transfer.handoff.Receiver``) that says which read may run, when the KV is whole
-and when the reserved blocks' pins come back; read threads and the step thread ask it
-under one lock.
+(``kv_transfer.handoff.Receiver``, which locks it for the reads and the step thread that
+both ask) that says which read may run, when the KV is whole and when the reserved
+blocks' pins come back. Receiving KV: ``receive_kv`` (or ``receive_kv_part``) ─▶
+``_read`` (the record allows it, ``_pull`` reads and checks it, the record hears how it
+ended) ─▶ ``_kv_arrived`` (the request runs) or ``_ended`` (pins back, failure policy).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 from contextlib import aclosing
 
@@ -49,7 +50,7 @@ from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
 from engine.sampling_params import SamplingParams
 from engine.token_channel import ChannelAddress, ChannelConfig, ChannelServer, Notice, NoticeKind
 from kv_transfer import TransferError, TransferMeta, checksum
-from kv_transfer.handoff import Ended, HandoffError, Receiver
+from kv_transfer.handoff import Ended, HandoffError, Read, Receiver
 from kv_transfer.worker import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,8 @@ class DecodeWorker(WorkerBase):
         self.stream_interval_s = stream_interval_s
         self.async_engine.add_periodic(self._expire_reservations)
         self.async_engine.add_periodic(self._cut_slow_subscribers)
-        # One hand-off record per reservation; read threads and the step thread both ask it.
-        self.handoff = Receiver()
-        self._handoff_lock = threading.Lock()
-        self.num_transfer_failures = 0
+        self.handoff: Receiver[list] = Receiver()  # one hand-off record per reservation, holding its pins
+        self.num_transfer_failures = 0  # requests whose KV did not come (the failure policy ran)
         self.async_engine.step_report = self._load  # rides on every step message (``subscribe``)
 
     # -- health and load -------------------------------------------------------
@@ -109,8 +108,7 @@ class DecodeWorker(WorkerBase):
         )
 
     async def stats(self) -> dict:
-        with self._handoff_lock:
-            records = {rid: r.state.name for rid, r in self.handoff.records.items()}
+        records = {rid: state.name for rid, state in self.handoff.states().items()}
         return {**await super().stats(), "transfer_failures": self.num_transfer_failures,
                 "streams": dict(self._streams), "subscribers_cut_off": self.num_cut_off, "handoffs": records}
 
@@ -149,8 +147,7 @@ class DecodeWorker(WorkerBase):
         # each keeps them out of the pool, whatever happens to the request, until the
         # hand-off record gives them back.
         pins = self.engine.pin_blocks(request_id)
-        with self._handoff_lock:
-            self.handoff.reserve(request_id, blocks, held, time.monotonic() + self.transfer.timeout_s, pins)
+        self.handoff.reserve(request_id, blocks, held, time.monotonic() + self.transfer.timeout_s, pins)
         return Reservation(request_id, blocks, self.layout, self._endpoint, time.time() + self.transfer.timeout_s, held)
 
     async def receive_kv(
@@ -187,49 +184,46 @@ class DecodeWorker(WorkerBase):
         try:
             if meta.layout != self.layout:
                 raise TransferError("layout", f"KV layout {meta.layout} does not match {self.layout}")
-            with self._handoff_lock:
-                receipt = self.handoff.get(rid)
-                start = receipt.landed if first is None and receipt is not None else first or 0
-                targets = self.handoff.begin_read(
-                    rid, start, meta.num_blocks, time.monotonic(), last=last, sender=meta.sender
-                )
-                time_left = receipt.deadline - time.monotonic()
+            read = self.handoff.next_read(rid, first, meta.num_blocks, time.monotonic(), last=last, sender=meta.sender)
         except (TransferError, HandoffError) as e:
             await self.backend.refuse_async(meta, payload)  # a push already on its way must end
-            await self.async_engine.call(self._transfer_failed, rid, self._failure_reason(e))
+            await self.async_engine.call(self._transfer_failed, rid, self._count_failure(e))
             return False
-        # The backend waits by this side's clock: the deadline the record keeps.
-        meta = dataclasses.replace(meta, deadline=time.time() + time_left)
-        error, stuck = "", False
-        try:
-            if meta.dst_blocks and tuple(targets) != meta.dst_blocks:
-                await self.backend.refuse_async(meta, payload)
-                raise TransferError("order", f"transfer {meta.transfer_id} offers blocks for another place "
-                                             f"in the reservation than block {start}")
-            t0 = time.perf_counter()
-            if targets:
-                await self.backend.pull_blocks_async(meta, payload, targets)
-            self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
-            if meta.checksums:
-                await self._check_sums(meta, targets)
-        except Exception as e:  # any failure ends this attempt; the policy decides what follows
-            error = self._failure_reason(e)
-            stuck = error == "stuck"
-            if stuck:  # it may still write into the blocks: they stay out of use until it settles
-                log.error("transfer %s: %s; its %d blocks stay out of use", meta.transfer_id, e, len(targets))
-                self._when_settled(e, rid)
-        with self._handoff_lock:
-            ended = self.handoff.end_read(rid, error, stuck=stuck)
+        failure = await self._pull(meta, payload, read)
+        error = "" if failure is None else self._count_failure(failure)
+        ended = self.handoff.end_read(rid, error, stuck=error == "stuck")
+        if failure is not None and error == "stuck":  # it may still write into the blocks: out of use until it settles
+            log.error("transfer %s: %s; its %d blocks stay out of use", meta.transfer_id, failure,
+                      len(read.block_ids))
+            self._when_settled(failure, rid)
         if ended is not None:
             await self.async_engine.call(self._ended, ended)
             return False
         return not error
 
-    async def _check_sums(self, meta: TransferMeta, targets: list[int]) -> None:
-        """The blocks read sum to what the sender sent (off the event loop)."""
-        k, v = self.engine.kv_cache.k, self.engine.kv_cache.v
-        got = await asyncio.get_running_loop().run_in_executor(None, checksum.block_checksums, k, v, targets)
-        checksum.check(meta, got)
+    async def _pull(self, meta: TransferMeta, payload, read: Read) -> Exception | None:
+        """Read the KV into the blocks the record allowed, by its deadline, and check the
+        blocks' sums; returns what failed (None: they landed whole)."""
+        # The backend waits by this side's clock: the deadline the record keeps.
+        meta = dataclasses.replace(meta, deadline=time.time() + read.time_left)
+        try:
+            if meta.dst_blocks and tuple(read.block_ids) != meta.dst_blocks:
+                await self.backend.refuse_async(meta, payload)
+                raise TransferError("order", f"transfer {meta.transfer_id} offers blocks for another place "
+                                             f"in the reservation than block {read.first}")
+            t0 = time.perf_counter()
+            if read.block_ids:
+                await self.backend.pull_blocks_async(meta, payload, read.block_ids)
+            self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
+            if meta.checksums:  # summed off the event loop
+                k, v = self.engine.kv_cache.k, self.engine.kv_cache.v
+                got = await asyncio.get_running_loop().run_in_executor(
+                    None, checksum.block_checksums, k, v, read.block_ids
+                )
+                checksum.check(meta, got)
+        except Exception as e:  # any failure ends this attempt; the policy decides what follows
+            return e
+        return None
 
     def _when_settled(self, error: BaseException, rid: str) -> None:
         """A stuck read's blocks come back once the read is known to have ended (a backend
@@ -239,9 +233,7 @@ class DecodeWorker(WorkerBase):
             settled.add_done_callback(lambda _: self.async_engine.submit(self._settle, rid))
 
     def _settle(self, rid: str) -> None:
-        with self._handoff_lock:
-            ended = self.handoff.settled(rid)
-        if ended is not None:
+        if (ended := self.handoff.settled(rid)) is not None:
             self._ended(ended)
 
     async def sender_gone(self, sender: str) -> None:
@@ -249,22 +241,13 @@ class DecodeWorker(WorkerBase):
         await self.async_engine.call(self._sender_gone, sender)
 
     def _sender_gone(self, sender: str) -> None:
-        with self._handoff_lock:
-            ended = self.handoff.sender_gone(sender)
-        for e in ended:
+        for e in self.handoff.sender_gone(sender):
             self._ended(e)
-
-    def _failure_reason(self, e: BaseException) -> str:
-        reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
-        self.backend.stats.failures[reason] += 1
-        self.metrics.on_transfer_failure(reason)
-        return reason
 
     def _kv_arrived(self, rid: str, first_token: int, first_logprobs, num_cached_tokens: int, prompt_logprobs) -> None:
         """On the step thread: the whole reservation has landed; the request runs."""
         try:
-            with self._handoff_lock:
-                ended = self.handoff.complete(rid)
+            ended = self.handoff.complete(rid)
         except HandoffError:
             return  # it ended meanwhile (aborted, expired): that end has been handled
         self._ended(ended)
@@ -292,9 +275,7 @@ class DecodeWorker(WorkerBase):
         await self.async_engine.call(self._transfer_failed, request_id, "sender")
 
     def _transfer_failed(self, request_id: str, reason: str) -> None:
-        with self._handoff_lock:
-            ended = self.handoff.fail(request_id, reason)
-        if ended is not None:
+        if (ended := self.handoff.fail(request_id, reason)) is not None:
             self._ended(ended)
 
     def _expire_reservations(self, now: float) -> None:
@@ -302,15 +283,9 @@ class DecodeWorker(WorkerBase):
         policy; those whose request ended some other way give their blocks back."""
         if not len(self.handoff):
             return
-        waiting = self.engine.is_waiting_for_kv
-        with self._handoff_lock:
-            ended = self.handoff.expire(now)
-            stale = [rid for rid, r in self.handoff.records.items() if r.state.live and not waiting(rid)]
-            ended += [e for e in map(self.handoff.abort, stale) if e is not None]
-        for e in ended:
+        for e in self.handoff.sweep(now, self.engine.is_waiting_for_kv):
             if e.reason == "timeout":
-                self.backend.stats.failures["timeout"] += 1
-                self.metrics.on_transfer_failure("timeout")
+                self._count_failure(e.reason)
             self._ended(e)
 
     async def _let_go(self) -> None:
@@ -320,13 +295,11 @@ class DecodeWorker(WorkerBase):
             self._channel.close()
 
     def _abort_everything(self) -> None:
-        for rid in {*self.engine.request_ids(), *self.handoff.records}:
+        for rid in {*self.engine.request_ids(), *self.handoff.states()}:
             self.abort_now(rid)
 
     def abort_now(self, request_id: str) -> None:
-        with self._handoff_lock:
-            ended = self.handoff.abort(request_id)
-        if ended is not None:
+        if (ended := self.handoff.abort(request_id)) is not None:
             self._ended(ended)
         super().abort_now(request_id)
 

@@ -1,5 +1,6 @@
 """What every worker actor shares: an engine stepping in its thread, its metrics, and
-a transfer backend, with the health and stats methods the cluster calls.
+a transfer backend, with the health and stats methods the cluster calls, and the one
+count of failed transfers (``_count_failure``: the backend's stats and the metrics).
 
 ``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It joins an
 engine to a transfer backend, so it sits above ``engine`` and ``kv_transfer`` (neither
@@ -8,6 +9,7 @@ knows the other's role in a worker) and below both worker packages.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import asdict
 
@@ -18,8 +20,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import request_of
 from engine.metrics import EngineMetrics
-from kv_transfer.base import KVLayout
+from kv_transfer.base import KVLayout, TransferError
 from kv_transfer.config import TransferConfig
+from kv_transfer.handoff import HandoffError
 from kv_transfer.packed import as_paged, reconfigure
 
 
@@ -111,6 +114,20 @@ class WorkerBase:
         stays; a transfer under way finishes under the settings it started with."""
         self.backend = reconfigure(self.backend, transfer)
         self.transfer = transfer
+
+    def _count_failure(self, failure: BaseException | str) -> str:
+        """Count one failed transfer, in the backend's stats and the metrics, by its
+        reason, which it returns: ``failure`` itself when it is one, else the error's
+        (a transfer or hand-off error's label, "timeout", or the error's type)."""
+        if isinstance(failure, str):
+            reason = failure
+        elif isinstance(failure, (TransferError, HandoffError)):
+            reason = failure.reason
+        else:
+            reason = "timeout" if isinstance(failure, asyncio.TimeoutError) else type(failure).__name__
+        self.backend.stats.failures[reason] += 1
+        self.metrics.on_transfer_failure(reason)
+        return reason
 
     async def load(self):
         """This worker's load for placement (each role's ``_load``, run on the step thread)."""

@@ -20,8 +20,9 @@ gathered when they are offered (``kv_transfer.packed``). With ``pipeline`` on, t
 blocks of every finished chunk are offered at once (``receive_kv_part``, pinned until
 read), so that the decode worker reads them while later chunks compute and only the
 last chunk's blocks wait for the first token. Each attempt has one hand-off record
-(``kv_transfer.handoff.Sender``): a second prefill of it is refused, and one past the
-reservation's deadline is dropped.
+(``kv_transfer.handoff.Sender``, which owns and locks it): a second prefill of it is
+refused, one past the reservation's deadline is dropped, and its transitions say which
+computed blocks are new (``offer_parts``) and whether a read may still be asked.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from engine.messages import PrefillLoad, PrefillResult, TransferState, request_o
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
-from kv_transfer.handoff import HandoffState, Sender
+from kv_transfer.handoff import OfferState, Sender
 from kv_transfer.worker import WorkerBase
 
 
@@ -51,7 +52,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self._transfer_ids = itertools.count()
         self._sending = 0
-        self.offers = Sender()  # one hand-off record per attempt being prefilled or sent
+        self.offers: Sender[_Parts] = Sender()  # one hand-off record per attempt being prefilled or sent
         self._reads: set[asyncio.Future] = set()  # receivers' answers awaited: reads that may touch blocks
         self._prefills: set[asyncio.Future] = set()  # the ``prefill`` calls running
         self.async_engine.add_periodic(self._tend_offers)
@@ -93,7 +94,7 @@ class PrefillWorker(WorkerBase):
         held = reservation.unsent_blocks  # cached on the decode side, or behind the window: never sent
         loop = asyncio.get_running_loop()
         parts = _Parts(loop, held) if self.transfer.pipeline else None
-        stop = loop.create_future()  # set by ``abort``: the send stops waiting
+        stop: asyncio.Future[str] = loop.create_future()  # set by ``abort``: the send stops waiting
         # The receiver's deadline on this side's clock: past it, the work is dropped.
         deadline = time.monotonic() + (reservation.deadline - time.time())
         self.offers.begin(request_id, held, parts, deadline, stop)  # refuses an attempt already here
@@ -125,17 +126,17 @@ class PrefillWorker(WorkerBase):
             error=error,
         )
 
-    def _end_offer(self, request_id: str, done: bool, decode_worker, stop: asyncio.Future) -> None:
+    def _end_offer(self, request_id: str, done: bool, decode_worker, stop: asyncio.Future[str]) -> None:
         """The attempt's hand-off ends here: its held blocks are released (they stayed
         held until the receiver answered), and a reader still waiting for KV that will
         not come, because this worker retires, is told so."""
-        if self.offers.end(request_id, HandoffState.COMPLETE if done else HandoffState.FAILED) is not None:
+        if self.offers.end(request_id, OfferState.COMPLETE if done else OfferState.FAILED) is not None:
             self.async_engine.submit(self.engine.release_held, request_id)
         if not done and self.offers.retiring and not _aborted(stop):
             decode_worker.transfer_failed.remote(request_id)
 
     @staticmethod
-    def _ended_early(request_id: str, final, stop: asyncio.Future, decode_worker) -> str | None:
+    def _ended_early(request_id: str, final, stop: asyncio.Future[str], decode_worker) -> str | None:
         """Why a prefill that ended has nothing to hand over, if so: aborted by the router
         (the abort's call, queued after the request's add, aborted it or released the
         blocks it held), or past its deadline (the decode worker is told)."""
@@ -172,7 +173,7 @@ class PrefillWorker(WorkerBase):
             sender=self.worker_id,
         )
 
-    async def _hand_over(self, meta: TransferMeta, decode_worker, final, landed: int | None, stop):
+    async def _hand_over(self, meta: TransferMeta, decode_worker, final, landed: int | None, stop: asyncio.Future[str]):
         """Send what the parts did not (``landed``: None once one failed) and the first token."""
         if landed is None:  # the decode side has applied its failure policy
             return TransferState.FAILED, "a pipelined part of the transfer failed"
@@ -194,7 +195,7 @@ class PrefillWorker(WorkerBase):
 
     async def abort_request(self, request_id: str) -> None:
         """Abort every attempt of the client's ``request_id`` here, hand-offs included."""
-        mine = [o.attempt_id for o in self.offers.offers() if request_of(o.attempt_id) == request_id]
+        mine = [aid for aid in self.offers.states() if request_of(aid) == request_id]
         ended = self._end_handoffs(mine)
         self.async_engine.submit(self._abort_attempts_and_release, request_id, ended)
 
@@ -204,7 +205,7 @@ class PrefillWorker(WorkerBase):
         so ``prefill`` does not free them again)."""
         ended = []
         for aid in attempt_ids:
-            offer = self.offers.end(aid, HandoffState.FAILED)
+            offer = self.offers.end(aid, OfferState.FAILED)
             if offer is not None:
                 _wake(offer.stop, ABORTED)
                 ended.append(aid)
@@ -217,8 +218,8 @@ class PrefillWorker(WorkerBase):
         self.offers.retire()
         if self._reads:
             await asyncio.wait(set(self._reads), timeout=self.transfer.lease_s)
-        for offer in self.offers.offers():
-            _wake(offer.stop, RETIRED)
+        for stop in self.offers.stops():
+            _wake(stop, RETIRED)
         await self.async_engine.call(self._abort_everything)
         if self._prefills:
             await asyncio.wait(set(self._prefills), timeout=self.transfer.op_timeout_s)
@@ -239,7 +240,7 @@ class PrefillWorker(WorkerBase):
 
     async def _compute(
         self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority, held: int,
-        stop,
+        stop: asyncio.Future[str],
     ):
         """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
         final output, how many leading blocks are on the decode side (the ``held`` ones,
@@ -262,35 +263,28 @@ class PrefillWorker(WorkerBase):
         finally:
             t_done = time.perf_counter()
             if parts is not None:
-                await self.async_engine.call(self._unwatch, rid)  # nothing is offered after this
+                await self.async_engine.call(self.offers.unwatch, rid)  # nothing is offered after this
                 parts.queue.put_nowait(None)
         return final, (await sender if parts is not None else held), t_done
 
     def _tend_offers(self, now: float) -> None:
         """On the step thread: drop prefills past their deadline, and hand each pipelined
         prefill's newly computed blocks, pinned until their read is answered, to its sender."""
-        for offer in self.offers.expire(now):
-            self.async_engine.abort_now(offer.attempt_id)
+        for aid in self.offers.expire(now):
+            self.async_engine.abort_now(aid)
         synced = False
-        for offer in self.offers.offers():
-            parts = offer.watch
-            if parts is None:
+        for aid, parts in self.offers.watched():
+            if (new := self.offers.offer_parts(aid, self.engine.computed_blocks(aid))) is None:
                 continue
-            blocks = self.engine.computed_blocks(offer.attempt_id)
-            if len(blocks) > offer.offered:
-                if not synced:  # counted computed is not yet written on a GPU: the step may still run
-                    self.engine.wait_for_device()
-                    synced = True
-                item = (offer.offered, blocks[offer.offered :], self.engine.pin_blocks(offer.attempt_id))
-                offer.offered = len(blocks)
-                parts.loop.call_soon_threadsafe(parts.queue.put_nowait, item)
+            if not synced:  # counted computed is not yet written on a GPU: the step may still run
+                self.engine.wait_for_device()
+                synced = True
+            first, block_ids = new
+            parts.put_threadsafe((first, block_ids, self.engine.pin_blocks(aid)))
 
-    def _unwatch(self, rid: str) -> None:
-        offer = self.offers.get(rid)
-        if offer is not None:
-            offer.watch = None
-
-    async def _send_parts(self, meta: TransferMeta, decode_worker, parts: _Parts, stop) -> int | None:
+    async def _send_parts(
+        self, meta: TransferMeta, decode_worker, parts: _Parts, stop: asyncio.Future[str]
+    ) -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
         blocks landed, or None once a part failed or the attempt was aborted (the rest
         are only unpinned)."""
@@ -310,7 +304,8 @@ class PrefillWorker(WorkerBase):
         return landed
 
     async def _send_part(
-        self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int, stop
+        self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int,
+        stop: asyncio.Future[str],
     ) -> bool:
         """Offer one stretch of finished blocks; whether it landed. Whatever fails (the
         checksums, the payload, the send, the answer) fails the part, never the sender."""
@@ -331,7 +326,7 @@ class PrefillWorker(WorkerBase):
             if payload is not None:
                 self.backend.release(meta, payload)
 
-    def _ask(self, request_id: str, stop: asyncio.Future, method, *args) -> asyncio.Future:
+    def _ask(self, request_id: str, stop: asyncio.Future[str], method, *args) -> asyncio.Future:
         """Ask the receiver to read (``method.remote(*args)``); its answer is counted among
         the reads that may touch the blocks until it comes. ``_Aborted`` once the attempt
         was aborted, ``_NotAsked`` once no read may be asked (the worker retires)."""
@@ -344,7 +339,7 @@ class PrefillWorker(WorkerBase):
         answer.add_done_callback(self._reads.discard)
         return answer
 
-    async def _send(self, meta: TransferMeta, decode_worker, final, landed: int, stop):
+    async def _send(self, meta: TransferMeta, decode_worker, final, landed: int, stop: asyncio.Future[str]):
         """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
@@ -381,13 +376,7 @@ class PrefillWorker(WorkerBase):
         sums = await asyncio.get_running_loop().run_in_executor(None, block_checksums, k, v, block_ids)
         return dataclasses.replace(meta, checksums=sums)
 
-    def _count_failure(self, e: BaseException) -> str:
-        reason = getattr(e, "reason", "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__)
-        self.backend.stats.failures[reason] += 1
-        self.metrics.on_transfer_failure(reason)
-        return reason
-
-    async def _answer(self, answer: asyncio.Future, stop: asyncio.Future) -> TransferState:
+    async def _answer(self, answer: asyncio.Future, stop: asyncio.Future[str]) -> TransferState:
         """The receiver's answer, waited for up to the lease; ``_Aborted`` as soon as the
         attempt is aborted here (a dead receiver's call may never answer)."""
         await asyncio.wait([answer, stop], timeout=self.transfer.lease_s, return_when=asyncio.FIRST_COMPLETED)
@@ -397,7 +386,7 @@ class PrefillWorker(WorkerBase):
         return TransferState(answer.result())
 
     async def _push_until_answered(
-        self, meta: TransferMeta, payload, ack: asyncio.Future, stop: asyncio.Future,
+        self, meta: TransferMeta, payload, ack: asyncio.Future, stop: asyncio.Future[str],
     ) -> None:
         """Push the bytes; stop early if the receiver answers that it will not take them,
         or the attempt is aborted. Nothing to do where the receiver reads them (no
@@ -444,12 +433,12 @@ ABORTED = "aborted"  # by the router: the reader is dead, or the client gone
 RETIRED = "the prefill worker left its role"
 
 
-def _wake(stop: asyncio.Future | None, why: str) -> None:
+def _wake(stop: asyncio.Future[str] | None, why: str) -> None:
     if stop is not None and not stop.done():
         stop.set_result(why)
 
 
-def _aborted(stop: asyncio.Future) -> bool:
+def _aborted(stop: asyncio.Future[str]) -> bool:
     return stop.done() and stop.result() == ABORTED
 
 
@@ -458,12 +447,20 @@ def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:
     return dataclasses.replace(meta, num_blocks=num_blocks, dst_blocks=meta.dst_blocks[first : first + num_blocks])
 
 
+_Part = tuple[int, list[int], list]  # (first block, block ids, their pins)
+
+
 class _Parts:
-    """A pipelined prefill's finished blocks on their way to its sender: (first block,
-    block ids, pins) in order, then None."""
+    """A pipelined prefill's finished blocks on their way to its sender: parts in order,
+    then None. The step thread puts them (``put_threadsafe``), the sender takes them on
+    the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, first: int = 0) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[_Part | None] = asyncio.Queue()
         self.first = first  # the blocks before it are on the decode side already (the offer counts on)
         self.abandoned = False  # the prefill failed: unpin what comes, send nothing
+
+    def put_threadsafe(self, part: _Part) -> None:
+        """From the step thread: queue one part for the sender, on its event loop."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, part)

@@ -129,6 +129,29 @@ def test_a_read_that_could_not_be_stopped_keeps_its_blocks_until_it_settles(tiny
     assert in_use == 0, f"{in_use} blocks still in use after the read settled"
 
 
+def test_a_reservation_whose_kv_never_comes_expires_on_the_sweep_counted_once(tiny_model):
+    """Past its deadline (an injected clock), the periodic sweep ends the reservation:
+    one "timeout" counted, the failure policy run once, its pins back."""
+    worker = _decode_worker(tiny_model)
+
+    async def main():
+        await worker.reserve("a", PROMPT, GREEDY, "sub")
+        before = (await worker.stats())["handoffs"]
+        await worker.async_engine.call(worker._expire_reservations, time.monotonic() + 3600)
+        await worker.async_engine.call(worker._expire_reservations, time.monotonic() + 7200)
+        after = (await worker.stats())["handoffs"]
+        await worker.abort("a")  # it recomputes; end it here
+        await worker.async_engine.call(lambda: None)
+        in_use = await _blocks_in_use(worker)
+        worker.async_engine.shutdown()
+        return before, after, in_use
+
+    before, after, in_use = asyncio.run(main())
+    assert before == {"a": "RESERVED"} and after == {}, (before, after)
+    assert worker.backend.stats.failures["timeout"] == 1 and worker.num_transfer_failures == 1
+    assert in_use == 0, f"{in_use} blocks still in use"
+
+
 def test_a_request_id_whose_blocks_are_still_held_for_a_transfer_is_refused(tiny_model):
     """A prefill engine holds a finished request's blocks until its reader is done; a
     second request under that id must not be let in (its block table would be appended
