@@ -25,12 +25,14 @@ from engine.grammar import GrammarLimits
 from engine.metrics import RouterMetrics
 from router.aborts import AbortBudget, AbortConfig
 from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, Rejection, Ticket
-from router.dispatch import Affinity, DispatchConfig, Dispatcher
+from router.dispatch import Dispatcher
+from router.dispatch_config import DispatchConfig
 from router.errors import ApiError
 from router.fanout import Fanout
 from router.grammar_check import GrammarChecker
 from router.latency import LatencyWindow
 from router.validation import Choice, PreparedRequest, ServedModel, check_api_key
+from router.worker_loads import Affinity
 
 log = logging.getLogger(__name__)
 

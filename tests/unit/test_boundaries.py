@@ -51,7 +51,7 @@ def test_the_pools_and_the_workers_import_nothing_of_the_router():
 @pytest.mark.parametrize(
     "module",
     ["engine.scheduler", "engine.request_queues", "engine.block_pool", "engine.block_hash", "engine.runner_input",
-     "router.placement",
+     "router.placement", "router.worker_loads", "router.dispatch_config",
      "router.admission", "router.aborts", "router.tool_parsers", "router.json_rewriter", "router.tool_calls", "engine.messages"],
 )
 def test_pure_parts_import_no_torch_ray_or_network_library(module):
