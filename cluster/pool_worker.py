@@ -2,12 +2,14 @@
 switch between the two without restarting its process or reloading its model.
 
 It holds the worker of its current role (a ``PrefillWorker`` or ``DecodeWorker``) and
-forwards every call to it. Each role it takes gets a new epoch (and a new worker id, so
-no router confuses the loads of its roles); a router's ``WorkerRef`` carries the epoch it
-saw, and every placement call (``prefill``, ``reserve``, ``submit``) and load poll says it
-(``WorkerRef.fence``). A call made by an older view, a call the current role does not
-answer, and any placement while the worker drains or switches are refused with
-``StalePlacement`` before anything is done: the router places the request elsewhere.
+forwards each of the roles' calls to it (each declared here, with the role's parameters
+and ``epoch``; a test keeps them equal to the roles' public methods). Each role it takes
+gets a new epoch (and a new worker id, so no router confuses the loads of its roles); a
+router's ``WorkerRef`` carries the epoch it saw, and every placement call (``prefill``,
+``reserve``, ``submit``) and load poll says it (``WorkerRef.fence``). A call made by an
+older view, a call the current role does not answer, and any placement while the worker
+drains or switches are refused with ``StalePlacement`` before anything is done: the router
+places the request elsewhere.
 
 A switch (``switch_role``), once the cluster has drained the worker::
 
@@ -26,11 +28,13 @@ endpoint) stay. Calls that arrive meanwhile wait for the switch (it takes millis
 from __future__ import annotations
 
 import asyncio
-import inspect
 
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.messages import StalePlacement
+from engine.messages import DecodeLoad, PrefillLoad, PrefillResult, Reservation, StalePlacement
+from engine.sampling_params import SamplingParams
+from engine.token_channel import ChannelAddress
+from kv_transfer import TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.worker import WorkerBase
 from prefill_worker.worker import PrefillWorker
@@ -114,23 +118,77 @@ class PoolWorker:
         async for message in (await self._role_method("subscribe", epoch))(subscriber):
             yield message
 
+    # -- the roles' calls: each is the current role's method of that name, refused
+    # (``StalePlacement``) when made for another epoch or when the role has none --------
 
-def _forwarder(name: str):
-    async def forward(self: PoolWorker, *args, epoch: int | None = None, **kwargs):
+    async def _call(self, name: str, epoch: int | None, *args, **kwargs):
         return await (await self._role_method(name, epoch))(*args, **kwargs)
 
-    forward.__name__ = forward.__qualname__ = name
-    forward.__doc__ = f"The current role's ``{name}`` (``epoch``: the caller's view of this worker)."
-    return forward
+    async def ready(self, epoch: int | None = None) -> dict:
+        """Start the role's step thread; who it is (``WorkerBase.ready``)."""
+        return await self._call("ready", epoch)
 
+    async def load(self, epoch: int | None = None) -> PrefillLoad | DecodeLoad:
+        """The role's load for placement."""
+        return await self._call("load", epoch)
 
-def _role_calls() -> set[str]:
-    """The public coroutine methods of every role: what a router or the cluster calls."""
-    return {
-        name for cls in ROLE_CLASSES.values() for name, fn in inspect.getmembers(cls, inspect.iscoroutinefunction)
-        if not name.startswith("_")
-    }
+    async def stats(self, epoch: int | None = None) -> dict:
+        return await self._call("stats", epoch)
 
+    async def abort(self, request_id: str, epoch: int | None = None) -> None:
+        await self._call("abort", epoch, request_id)
 
-for _name in sorted(_role_calls() - set(vars(PoolWorker))):
-    setattr(PoolWorker, _name, _forwarder(_name))
+    async def abort_request(self, request_id: str, epoch: int | None = None) -> None:
+        await self._call("abort_request", epoch, request_id)
+
+    async def set_transfer(self, transfer: TransferConfig, epoch: int | None = None) -> None:
+        await self._call("set_transfer", epoch, transfer)
+
+    async def record_steps(self, limit: int, epoch: int | None = None) -> None:
+        await self._call("record_steps", epoch, limit)
+
+    async def take_steps(self, epoch: int | None = None) -> list[dict]:
+        return await self._call("take_steps", epoch)
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, decode_worker, reservation,
+        resume_output: list[int] = (), priority: int = 0, epoch: int | None = None,
+    ) -> PrefillResult:
+        """``PrefillWorker.prefill``."""
+        return await self._call("prefill", epoch, request_id, prompt_token_ids, params, decode_worker, reservation,
+                                resume_output, priority)
+
+    async def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
+        resume_output: list[int] = (), priority: int = 0, epoch: int | None = None,
+    ) -> Reservation | None:
+        """``DecodeWorker.reserve``."""
+        return await self._call("reserve", epoch, request_id, prompt_token_ids, params, subscriber, resume_output,
+                                priority)
+
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
+        resume_output: list[int] = (), priority: int = 0, epoch: int | None = None,
+    ) -> None:
+        """``DecodeWorker.submit``."""
+        await self._call("submit", epoch, request_id, prompt_token_ids, params, subscriber, resume_output, priority)
+
+    async def receive_kv(
+        self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0,
+        prompt_logprobs=None, epoch: int | None = None,
+    ) -> int:
+        """``DecodeWorker.receive_kv``."""
+        return await self._call("receive_kv", epoch, meta, payload, first_token, first_logprobs, num_cached_tokens,
+                                prompt_logprobs)
+
+    async def receive_kv_part(self, meta: TransferMeta, payload, first_block: int, epoch: int | None = None) -> int:
+        return await self._call("receive_kv_part", epoch, meta, payload, first_block)
+
+    async def transfer_failed(self, request_id: str, epoch: int | None = None) -> None:
+        await self._call("transfer_failed", epoch, request_id)
+
+    async def sender_gone(self, sender: str, epoch: int | None = None) -> None:
+        await self._call("sender_gone", epoch, sender)
+
+    async def token_channel(self, epoch: int | None = None) -> ChannelAddress | None:
+        return await self._call("token_channel", epoch)

@@ -137,3 +137,25 @@ def test_a_call_during_a_switch_waits_until_the_new_role_is_ready(configs):
     answered_before_ready, info, load = asyncio.run(scenario())
     assert not answered_before_ready, "a call reached the new role before it was ready"
     assert info["epoch"] == 1 and isinstance(load, DecodeLoad)
+
+
+def test_every_call_of_each_role_is_declared_on_the_pool_worker_with_its_parameters_and_the_epoch():
+    """grep finds each call a router or the cluster makes on a pool worker, and a role's new
+    public method cannot be left unreachable: each is declared on ``PoolWorker`` with the
+    role's parameters, in order, and ``epoch`` last. ``retire`` is the switch's own."""
+    import inspect
+
+    from cluster.pool_worker import ROLE_CLASSES
+
+    calls = {name: fn for cls in ROLE_CLASSES.values()
+             for name, fn in inspect.getmembers(cls, inspect.iscoroutinefunction) if not name.startswith("_")}
+    internal = {"retire", "drain"}  # drain is the pool worker's own too (it fences placements first)
+    for name, fn in sorted(calls.items()):
+        if name in internal:
+            continue
+        declared = vars(PoolWorker).get(name)
+        assert declared is not None, f"PoolWorker does not declare the role call {name}"
+        role_params = list(inspect.signature(fn).parameters)[1:]
+        params = list(inspect.signature(declared).parameters)[1:]
+        assert params == [*role_params, "epoch"], f"{name}: {params} != the role's {role_params} + epoch"
+    assert "retire" not in vars(PoolWorker), "a caller must not retire a role but through switch_role"
