@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -55,7 +54,6 @@ from engine.block_hash import BlockHasher
 from engine.messages import ErrorKind, StalePlacement, StreamDelta, TransferState, WorkerRef, attempt_id
 from engine.sampling_params import SamplingParams
 from router.dispatch_config import DispatchConfig
-from router.placement import PrefixIndex
 from router.streams import CutOff, Inbox, Subscriptions, WorkerDied, unless_ended
 from router.worker_loads import Affinity, WorkerLoads
 
@@ -182,27 +180,6 @@ class Dispatcher:
         prompt's ``prefix_hashes`` when the caller has them already."""
         hashes = self.prefix_hashes(prompt) if hashes is None else hashes
         return self.loads.choose_prefill(self._prefill(), len(prompt), hashes, affinity, exclude)
-
-    # Tests stage placements through these: the state is ``self.loads``'s. A staged report
-    # is as old as none (``stale``), as one set before any poll.
-    @property
-    def _loads(self) -> dict[str, object]:
-        return self.loads.reports()
-
-    @_loads.setter
-    def _loads(self, reports: dict[str, object]) -> None:
-        for worker_id in self.loads.reports():
-            self.loads.forget(worker_id)
-        for worker_id, load in reports.items():
-            self.loads.note(worker_id, load, -math.inf)
-
-    @property
-    def _prefixes(self) -> PrefixIndex:
-        return self.loads.prefill_prefixes
-
-    @property
-    def _decode_prefixes(self) -> PrefixIndex:
-        return self.loads.decode_prefixes
 
     # -- requests --------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from unittest import mock
 
 import pytest
@@ -147,8 +148,8 @@ def test_a_prompt_is_hashed_once_for_both_placements():
     calls = dispatcher._hasher.hash_blocks.call_count
     assert calls == 1, f"the prompt should be hashed once for the decode and the prefill placement, not {calls} times"
     hashes = dispatcher.prefix_hashes(prompt)
-    assert dispatcher._prefixes.matched_blocks("prefill-0", hashes) == 2, "the prefill index records its 2 blocks"
-    assert dispatcher._decode_prefixes.matched_blocks("decode-0", hashes) == 2, "and so does the decode index"
+    assert dispatcher.loads.prefill_prefixes.matched_blocks("prefill-0", hashes) == 2, "the prefill index records its 2 blocks"
+    assert dispatcher.loads.decode_prefixes.matched_blocks("decode-0", hashes) == 2, "and so does the decode index"
 
 
 # -- token delivery over the per-worker subscription -------------------------------
@@ -249,6 +250,12 @@ async def _collect(dispatcher: Dispatcher, rid: str, out: dict, priority: int = 
 
 def _tokens_received(out: dict, rid: str) -> int:
     return sum(len(d.token_ids) for d in out.get(rid, ()))
+
+
+def _stage(dispatcher: Dispatcher, loads: dict) -> None:
+    """Loads as if the workers had reported them long ago (stale: the next placement polls)."""
+    for worker_id, load in loads.items():
+        dispatcher.loads.note(worker_id, load, -math.inf)
 
 
 async def _until(cond, what: str) -> None:
@@ -577,7 +584,7 @@ def test_requests_sharing_an_affinity_land_on_the_decode_worker_of_the_first():
 def test_an_affinity_sends_a_prompt_back_to_the_prefill_worker_that_computed_it():
     prefills = [WorkerRef(f"prefill-{i}", None) for i in range(2)]
     dispatcher = Dispatcher(lambda: prefills, lambda: [], DispatchConfig(placement="round_robin"))
-    dispatcher._loads = {w.worker_id: PrefillLoad(w.worker_id, 0, 0, 0, 0, 0) for w in prefills}
+    _stage(dispatcher, {w.worker_id: PrefillLoad(w.worker_id, 0, 0, 0, 0, 0) for w in prefills})
     plain = [dispatcher._choose_prefill([1] * 40).worker_id for _ in range(2)]
     assert plain == ["prefill-0", "prefill-1"], "round robin alternates without an affinity"
     affinity = Affinity()
@@ -752,7 +759,7 @@ def test_a_decode_worker_that_answers_no_load_poll_holds_placement_up_once_at_mo
             await task
         polls_while_frozen = frozen.polls
         frozen.thaw()  # its unanswered poll answers at last: it takes requests again
-        await _until(lambda: "decode-0" in dispatcher._loads, "the thawed worker's load")
+        await _until(lambda: "decode-0" in dispatcher.loads.reports(), "the thawed worker's load")
         dispatcher.close()
         return took, polls_while_frozen
 
@@ -802,11 +809,11 @@ def test_nothing_new_is_placed_on_a_draining_worker_even_with_an_affinity_or_a_p
     prefills = [WorkerRef("prefill-0", None, draining=True), WorkerRef("prefill-1", None)]
     decodes = [WorkerRef("decode-0", None, draining=True), WorkerRef("decode-1", None)]
     dispatcher = Dispatcher(lambda: prefills, lambda: decodes, DispatchConfig(placement=placement))
-    dispatcher._loads = {w.worker_id: PrefillLoad(w.worker_id, 0, 0, 0, 0, 0) for w in prefills}
-    dispatcher._loads |= {w.worker_id: DecodeLoad(w.worker_id, 100, 100, 0, 0, 0) for w in decodes}
+    _stage(dispatcher, {w.worker_id: PrefillLoad(w.worker_id, 0, 0, 0, 0, 0) for w in prefills})
+    _stage(dispatcher, {w.worker_id: DecodeLoad(w.worker_id, 100, 100, 0, 0, 0) for w in decodes})
     hashes = dispatcher.prefix_hashes(list(range(64)))
-    dispatcher._prefixes.record("prefill-0", hashes)
-    dispatcher._decode_prefixes.record("decode-0", hashes)
+    dispatcher.loads.prefill_prefixes.record("prefill-0", hashes)
+    dispatcher.loads.decode_prefixes.record("decode-0", hashes)
     for _ in range(4):
         affinity = Affinity(decode="decode-0", prefill="prefill-0")
         assert dispatcher._choose_decode(1, set(), affinity, hashes)[0].worker_id == "decode-1"
@@ -854,7 +861,7 @@ def _place(prompts: dict[str, list[int]], decode: _LocalDecode, prefill: _FakePr
         dispatcher = Dispatcher(lambda: [WorkerRef("prefill-0", prefill)], lambda: [WorkerRef("decode-0", decode)],
                                 DispatchConfig(**config))
         if cached:  # the decode worker ran (or received) this prompt before
-            dispatcher._decode_prefixes.record(WorkerRef("decode-0", decode).key, dispatcher.prefix_hashes(cached))
+            dispatcher.loads.decode_prefixes.record(WorkerRef("decode-0", decode).key, dispatcher.prefix_hashes(cached))
         for rid, prompt in prompts.items():
             async def consume():
                 async for _ in dispatcher.generate(prompt, SamplingParams(max_tokens=4), rid):
