@@ -34,6 +34,9 @@ MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 128  # characters
 MAX_STOP_TOKEN_IDS = 128  # vLLM's proposed VLLM_MAX_STOP_TOKEN_IDS; the scheduler scans them each token
+# Words to ban (vLLM's cap): the router tokenizes each twice (bare and after a space), and
+# the sampler checks every sequence against each step's tail.
+MAX_BAD_WORDS = 128
 
 # json: a JSON schema; json_object: any JSON object (spec unused); regex; choice: a JSON
 # list of the allowed strings; grammar: EBNF (GBNF dialect, start symbol ``root``).
@@ -158,6 +161,9 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
             for t in self.allowed_token_ids:
                 _check_int("allowed_token_ids", t, lo=0)
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:  # a word as written and after a space
+            raise ValueError(f"bad_words_token_ids has {len(self.bad_words_token_ids)} sequences, "
+                             f"over the limit of {2 * MAX_BAD_WORDS}")
         for word in self.bad_words_token_ids:
             if not word:
                 raise ValueError("bad_words_token_ids must hold non-empty token sequences")

@@ -43,7 +43,7 @@ from typing import Any
 
 import jinja2
 
-from engine.sampling_params import SamplingParams, StructuredOutput, check_stop_conditions
+from engine.sampling_params import MAX_BAD_WORDS, SamplingParams, StructuredOutput, check_stop_conditions
 from router.bodies import ChatBody, ChatMessage, CompletionBody, SamplingBody, check_text, parse_as
 from router.errors import ApiError
 from router.output_constraints import structured_output
@@ -317,12 +317,15 @@ def _stream_flags(b: SamplingBody) -> tuple[bool, bool]:
 
 def _parse_body(model_cls: type[SamplingBody], body: dict, model: ServedModel) -> Any:
     """Parse a body and check what every endpoint checks: the model's name, ``n``,
-    ``best_of``, ``priority`` and the stop conditions' limits."""
+    ``best_of``, ``priority``, the stop conditions' limits and the number of ``bad_words``."""
     b = parse_as(model_cls, body)
     model.check_name(b.model)
     _check_n(b)
     _check_priority(b, model)
     _check_stops(b)
+    if b.bad_words and len(b.bad_words) > MAX_BAD_WORDS:  # each would be tokenized twice
+        raise ApiError(400, f"bad_words has {len(b.bad_words)} words, over the limit of {MAX_BAD_WORDS}",
+                       param="bad_words")
     return b
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from engine.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, IntakeTicket, Rejection, Ticket
 from router.bodies import parse_json
 from router.errors import ApiError
@@ -539,3 +539,21 @@ def test_grpc_stop_conditions_past_their_limits_are_invalid_argument(fields, par
                                  stop_token_ids=fields.get("stop_token_ids", []))
     e = error_of(grpc_api.prepare, pb.GenerateRequest(text="hi", sampling=sampling), MODEL, FakeTokenizer())
     assert (e.param, grpc_api.status_code(e)) == (param, grpc.StatusCode.INVALID_ARGUMENT) and words in e.message
+
+
+def test_bad_words_past_their_limit_are_refused_before_any_is_tokenized():
+    """Each bad word is tokenized twice (as written and after a space): a list of them
+    past vLLM's cap is a 400 naming the field and the limit, before any encode."""
+    class CountingTokenizer(FakeTokenizer):
+        calls = 0
+
+        def encode(self, text, add_special_tokens=True):
+            CountingTokenizer.calls += 1
+            return super().encode(text, add_special_tokens)
+
+    body = {"prompt": "p", "bad_words": ["w"] * (MAX_BAD_WORDS + 1)}
+    e = error_of(prepare_completions, body, MODEL, CountingTokenizer())
+    assert (e.status, e.param, CountingTokenizer.calls) == (400, "bad_words", 0), e.message
+    assert f"over the limit of {MAX_BAD_WORDS}" in e.message
+    accepted = completion(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS)])
+    assert len(accepted.params.bad_words_token_ids) >= MAX_BAD_WORDS
