@@ -73,11 +73,16 @@ class _Slot:
     bundle: int = 0  # the bundle's index in ``pg``
     ref: WorkerRef | None = None
     pid: int | None = None  # set once the actor filling it answered ``ready``: listed from then on
+    node: str | None = None  # the host it runs on (a pod's name on Kubernetes), from the same answer
     starting: object = None  # a replacement's ``ready`` call, while it has not answered
 
     @property
     def listed(self) -> bool:
         return self.ref is not None and self.pid is not None
+
+    def answered(self, info: dict) -> None:
+        """The actor filling it answered ``ready`` (``WorkerBase.ready``): where it runs."""
+        self.pid, self.node = info["pid"], info.get("node")
 
 
 def _idle(stats: dict) -> bool:
@@ -199,7 +204,7 @@ class TandemCluster:
                 f"groups removed; the next start tries again"
             ) from None
         for slot, info in zip(self._slots, infos):
-            slot.pid = info["pid"]
+            slot.answered(info)
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -298,7 +303,7 @@ class TandemCluster:
         slot = _Slot(role, index, pg, bundle)
         try:
             slot.ref = self._spawn(slot)
-            slot.pid = ray.get(slot.ref.handle.ready.remote(), timeout=timeout_s)["pid"]
+            slot.answered(ray.get(slot.ref.handle.ready.remote(), timeout=timeout_s))
             with self._lock:
                 if self._stop.is_set():
                     raise RuntimeError("the pools are shutting down")
@@ -395,21 +400,22 @@ class TandemCluster:
 
     def status(self) -> dict[str, list[dict]]:
         """Every worker by role ("prefill", "decode" or "colocated"), draining ones too, with
-        its load as a dict (None: no answer within ``PING_TIMEOUT_S``); replacements not
-        ready yet come first, marked ``starting``."""
+        its process id, host and load as a dict (None: no answer within ``PING_TIMEOUT_S``);
+        replacements not ready yet come first, marked ``starting``."""
         with self._lock:
-            slots = [(s.role, s.ref) for s in self._slots if s.listed]
+            slots = [(s.role, s.ref, {"pid": s.pid, "node": s.node}) for s in self._slots if s.listed]
             starting = [(s.role, s.ref.worker_id) for s in self._slots if s.ref is not None and not s.listed]
-        calls = [(role, ref, ref.handle.load.remote()) for role, ref in slots]
+        calls = [(role, ref, where, ref.handle.load.remote()) for role, ref, where in slots]
         out: dict[str, list[dict]] = {}
         for role, worker_id in starting:
             out.setdefault(role, []).append({"worker_id": worker_id, "draining": False, "starting": True, "load": None})
-        for role, ref, load in calls:
+        for role, ref, where, load in calls:
             try:
                 answer = dataclasses.asdict(ray.get(load, timeout=PING_TIMEOUT_S))
             except (RayActorError, GetTimeoutError):
                 answer = None
-            out.setdefault(role, []).append({"worker_id": ref.worker_id, "draining": ref.draining, "load": answer})
+            out.setdefault(role, []).append(
+                {"worker_id": ref.worker_id, "draining": ref.draining, **where, "load": answer})
         return out
 
     def pool_state(self) -> dict[str, list[tuple[str, dict | None, object]]]:
@@ -514,7 +520,7 @@ class TandemCluster:
                 if call not in done or slot.starting is not call or self._stop.is_set():
                     continue  # still waiting (or changed meanwhile, or shutting down)
                 try:
-                    slot.pid = ray.get(call)["pid"]
+                    slot.answered(ray.get(call))
                 except RayActorError as e:
                     log.warning("the replacement for worker %s died before it was ready (%s); starting "
                                 "another", slot.ref.worker_id, type(e).__name__)

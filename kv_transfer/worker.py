@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from dataclasses import asdict
 
 import torch
@@ -76,7 +77,7 @@ class WorkerBase:
     async def ready(self) -> dict:
         """Start the step thread; answers health checks with who this is."""
         self.async_engine.start()
-        return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid()}
+        return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid(), "node": socket.gethostname()}
 
     async def drain(self) -> None:
         """This worker is leaving its pool: it finishes what it has and takes no new

@@ -183,7 +183,8 @@ def format_status(status: dict) -> str:
         for w in workers:
             name = w["worker_id"] + (" (draining)" if w["draining"] else "")
             load = "starting (waiting for room, or loading)" if w.get("starting") else _load_line(w["load"])
-            lines.append(f"  {name:24} {load}")
+            where = f"  [pid {w['pid']} on {w['node']}]" if w.get("pid") else ""
+            lines.append(f"  {name:24} {load}{where}")
     if "slo" in scaling:
         seen, slo = scaling.get("router_latency"), scaling["slo"]
         clients = "no requests lately" if seen is None else (

@@ -154,3 +154,22 @@ def test_a_removed_prefill_worker_is_gone_for_every_decode_worker(monkeypatch):
     assert [r.gone for r in readers] == [["prefill-0"], ["prefill-0"]]
     c.drain_worker("decode-1", timeout_s=0.0)  # a decode worker is no sender
     assert readers[0].gone == ["prefill-0"]
+
+
+def test_status_says_which_process_and_host_each_worker_is(monkeypatch):
+    """``tandem status`` tells an operator which process is which worker: every pool worker
+    is ``ray::PoolWorker`` in ``ps``, whatever its role."""
+    from engine.messages import DecodeLoad
+
+    class _Loaded(_Handle):
+        def __init__(self, worker: str) -> None:
+            super().__init__(worker)
+            self.load = self
+
+    c = pools.TandemCluster(ClusterConfig(prefill_workers=0, decode_workers=1))
+    slot = pools._Slot("colocated", 0, "pg", 0, WorkerRef("decode-0", _Loaded("decode-0")))
+    slot.answered({"worker_id": "decode-0", "role": "decode", "pid": 4242, "node": "host-a"})
+    c._slots = [slot]
+    monkeypatch.setattr(pools.ray, "get", lambda ref, timeout=None: DecodeLoad("decode-0", 10, 10, 0, 0, 0))
+    (worker,) = c.status()["colocated"]
+    assert (worker["pid"], worker["node"], worker["load"]["free_blocks"]) == (4242, "host-a", 10), worker

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.cli import format_status
 
-PREFILL = {"worker_id": "prefill-0", "draining": False, "load": {
+PREFILL = {"worker_id": "prefill-0", "draining": False, "pid": 4242, "node": "tandem-prefill-abc12", "load": {
     "worker_id": "prefill-0", "queued_prefill_tokens": 300, "running_chunks": 2, "waiting": 1,
     "prefix_cache_queries": 9, "prefix_cache_hits": 4, "sending": 1}}
 DECODE = {"worker_id": "decode-0", "draining": False, "load": {
@@ -17,7 +17,7 @@ def test_fixed_pools_list_each_worker_with_its_load_and_say_autoscaling_is_off()
     assert text.splitlines() == [
         "model m",
         "prefill: 1 worker",
-        "  prefill-0                300 prompt tokens queued, 2 prefilling, 1 sending",
+        "  prefill-0                300 prompt tokens queued, 2 prefilling, 1 sending  [pid 4242 on tandem-prefill-abc12]",
         "decode: 1 worker",
         "  decode-0                 3 running, 0 waiting, 1 waiting for KV, KV 24/1024 blocks",
         "autoscaling: off (pools of fixed size)",
