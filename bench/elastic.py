@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the figures as JSON")
     args = ap.parse_args(argv)
 
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
     from engine.tokenizer import Tokenizer
 
     vocab = workloads.sampleable_ids(Tokenizer.from_pretrained(args.model or str(ensure_default_model())))

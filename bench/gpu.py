@@ -144,7 +144,7 @@ def paged_layout(decode_lens: list[int], chunks: list[tuple[int, int]], block_si
     """A step on shuffled blocks: decode requests of ``decode_lens`` tokens (laid out
     shortest first, as the model runner lays them out), then prefill chunks of
     ``(start, num_tokens)``; returns the layout and the number of blocks it needs."""
-    from engine.step_layout import StepLayout
+    from engine.model.step_layout import StepLayout
 
     bs = block_size
     need = sum(-(-n // bs) for n in decode_lens) + sum(-(-(s + n) // bs) for s, n in chunks)
@@ -173,8 +173,8 @@ def bench_decode(
 ) -> dict:  # fmt: skip
     """The headline decode ``shape`` against the copy's bandwidth, then the ``sweep``'s
     (batch, context) pairs."""
-    from engine.attention import TorchAttention
-    from engine.triton_attention import TritonAttention, decode_attention
+    from engine.model.attention import TorchAttention
+    from engine.model.triton_attention import TritonAttention, decode_attention
 
     def one(batch: int, context: int, torch_too: bool = False) -> dict:
         c = {**shape, "batch": batch, "context": context}
@@ -228,7 +228,7 @@ def bench_prefill(
 ) -> dict:
     """Fresh chunks through the prefill kernel, in TFLOP/s: the headline ``shape``, then
     the ``sweep``'s (chunks, chunk_len) pairs."""
-    from engine.triton_attention import TritonAttention, prefill_attention
+    from engine.model.triton_attention import TritonAttention, prefill_attention
 
     def one(chunks: int, chunk_len: int) -> dict:
         c = {**shape, "chunks": chunks, "chunk_len": chunk_len}
@@ -262,7 +262,7 @@ def build_llama_05b(out_dir: Path, dtype: torch.dtype) -> Path:
     """A random-weight Llama checkpoint with the built-in model's tokenizer files."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
 
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA_05B, bos_token_id=None, eos_token_id=None)
@@ -369,7 +369,7 @@ def bench_transfer(
     """1P+1D on one device (``handoff``), checked against one engine's run; ``settings``
     override the engines' (``engine_settings``)."""
     from engine import LLM, LLMEngine, SamplingParams
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     m = ModelConfig.from_pretrained(model_dir)
     settings = {**engine_settings("triton", num_requests, 4 << 30, device), **settings}
@@ -461,7 +461,7 @@ def bench_batching(
     """Output tokens/s of continuous and of static batching on the same requests, prompt
     and output lengths drawn uniformly from ``prompt_lens`` and ``output_lens``."""
     from engine import LLM, SamplingParams
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     rng = random.Random(1)

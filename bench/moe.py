@@ -9,7 +9,7 @@ experts of ``--expert-size``, each token to ``--top-k`` of them) and a dense Qwe
 whose MLP is ``top-k x expert-size`` wide, so both compute the same multiply-adds per
 token. Three engines run decode steps at each batch size, taking turns so that a slow
 spell of the machine hits all of them: the MoE model as the engine runs it (experts
-grouped, ``engine/moe.py``), the same model with every sparse layer running
+grouped, ``engine/model/moe.py``), the same model with every sparse layer running
 ``SparseMoE.per_token_reference`` (one token and one expert at a time), and the dense
 model. Reported per batch: step times, ``per_token_over_grouped`` and
 ``grouped_over_dense``. The grouped and per-token engines must agree token for token in
@@ -34,7 +34,7 @@ import torch
 from bench.common import add_engine_arguments, engine_overrides
 from bench.steps import decode_kv_blocks, step_times
 from engine import LLMEngine, SamplingParams
-from engine.moe import SparseMoE
+from engine.model.moe import SparseMoE
 
 
 def build_checkpoints(out: Path, hidden: int, experts: int, top_k: int, expert_size: int, layers: int
@@ -42,7 +42,7 @@ def build_checkpoints(out: Path, hidden: int, experts: int, top_k: int, expert_s
     """(the MoE checkpoint, the dense one with the same active parameters)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
 
     tokenizer = ensure_default_model()
     vocab = json.loads((tokenizer / "config.json").read_text())["vocab_size"]

@@ -163,7 +163,7 @@ def compute_roofline(model_dir: str, prompts, outputs, seconds: float) -> dict:
     """The workload's FLOPs over this machine's fp32 GEMM rate (measured now, on the
     same threads): the least time it could take, and the share of it a run reached."""
     from bench.roofline import gemm_flops, workload_flops
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     flops = workload_flops(ModelConfig.from_pretrained(model_dir), [len(p) for p in prompts], outputs)
     rate = gemm_flops()
@@ -173,10 +173,10 @@ def compute_roofline(model_dir: str, prompts, outputs, seconds: float) -> dict:
 
 def time_schedule(num_running: int, iters: int = 200) -> dict:
     """Median and mean cost of schedule() with ``num_running`` requests decoding (no model)."""
-    from engine.block_pool import KVCacheManager
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.core.block_pool import KVCacheManager
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler, SchedulerConfig
+    from engine.wire.sampling_params import SamplingParams
 
     kv = KVCacheManager(num_blocks=num_running * 64, block_size=16)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=num_running), kv)
@@ -273,8 +273,8 @@ def _decode(args: argparse.Namespace, model_dir: str, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
-    from engine.model_config import ModelConfig
-    from engine.model_registry import resolve_model
+    from engine.model.model_config import ModelConfig
+    from engine.model.model_registry import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

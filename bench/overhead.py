@@ -472,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.num_requests, args.input_len, args.output_len, args.concurrency) < 1:
         raise SystemExit("--num-requests, --input-len, --output-len and --concurrency must be >= 1")
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
     from engine.tokenizer import Tokenizer
 
     load_before = os.getloadavg()

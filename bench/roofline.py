@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.model.model_config import ModelConfig
 
 
 def _best_of(fn, repeats: int) -> float:

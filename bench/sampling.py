@@ -1,7 +1,7 @@
 """The sampler's random draw against torch's own, on the same probabilities.
 
 Tandem's draws are reproducible per request: a token depends on the request's seed and
-its output index, never on the batch (``engine.sampler``: a hashed uniform per row, one
+its output index, never on the batch (``engine.model.sampler``: a hashed uniform per row, one
 inverse-CDF draw for the batch). ``torch.multinomial`` draws from one global generator,
 so a row's token depends on its batch mates; it is the baseline a batch-invariant draw
 has to stay near. Greedy (argmax) is the floor.
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from bench.common import write_result
-from engine.sampler import SampleRow, sample
-from engine.sampling_params import SamplingParams
+from engine.model.sampler import SampleRow, sample
+from engine.wire.sampling_params import SamplingParams
 
 
 def _best(fn: Callable[[], object], repeat: int, device: str) -> float:

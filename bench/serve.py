@@ -537,8 +537,8 @@ def _fill_defaults(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine.default_model import ensure_default_model
-    from engine.model_config import ModelConfig
+    from engine.model.default_model import ensure_default_model
+    from engine.model.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
 
     model_dir = args.model or str(ensure_default_model())

@@ -393,8 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rule = TrendRule(rss_growth_mb=args.rss_growth_mb, rss_growth_pct=args.rss_growth_pct,
                      blocks_growth_pct=args.blocks_growth_pct)
-    from engine.default_model import ensure_default_model
-    from engine.model_config import ModelConfig
+    from engine.model.default_model import ensure_default_model
+    from engine.model.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
 
     model_dir = args.model or str(ensure_default_model())

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from engine import LLM
-    from engine.sampling_params import StructuredOutput
+    from engine.wire.sampling_params import StructuredOutput
 
     llm = LLM(model=args.model, num_kv_blocks=args.num_kv_blocks)
     so = StructuredOutput.json_schema(schema_of(args.properties))

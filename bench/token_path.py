@@ -57,7 +57,7 @@ class StepWorker:
         self.subscribe = _Subscribe(self.queues)
 
     def _load(self):
-        from engine.messages import DecodeLoad
+        from engine.wire.messages import DecodeLoad
 
         return DecodeLoad("decode[0]", running=len(self.active), waiting=0, waiting_for_kv=0,
                           free_blocks=1 << 20, total_blocks=1 << 20)
@@ -168,7 +168,7 @@ async def run_once(router, worker: StepWorker, requests: int, prompt_len: int, c
 
 
 async def main_async(args) -> dict:
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
 
     worker = StepWorker(args.output_len)
     router = make_router(str(ensure_default_model()), worker)

@@ -27,7 +27,7 @@ def build_checkpoint(out: Path, window: int, context: int) -> Path:
     """A small Mistral-shaped checkpoint; ``window`` 0: every layer reads the whole context."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
 
     tokenizer = ensure_default_model()
     vocab = json.loads((tokenizer / "config.json").read_text())["vocab_size"]

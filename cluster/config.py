@@ -2,7 +2,7 @@
 
 Example YAML::
 
-    model: /models/llama-3-8b        # or a .gguf file, or a name (engine/model_registry.py);
+    model: /models/llama-3-8b        # or a .gguf file, or a name (engine/model/model_registry.py);
                                      # omitted: tandem-tiny-llama (`tandem up`: smollm2-135m-instruct)
     prefill_workers: 2
     decode_workers: 2                # prefill_workers: 0 runs colocated workers
@@ -14,7 +14,7 @@ Example YAML::
     stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)
     token_channel: tcp        # step messages to routers over TCP (ray: Ray streaming)
     token_channel_host: 0.0.0.0   # where it listens (default 127.0.0.1: routers on the same node)
-    channel: {heartbeat_s: 1, heartbeat_timeout_s: 10, reconnect_grace_s: 10}   # engine/token_channel.py
+    channel: {heartbeat_s: 1, heartbeat_timeout_s: 10, reconnect_grace_s: 10}   # engine/wire/token_channel.py
     start_timeout_s: 600      # placing the pools and loading the model, at most; then it fails
     autoscaling:              # omitted: the pools keep the sizes above (cluster/autoscaler.py)
       prefill: {min_workers: 1, max_workers: 4}
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from cluster.autoscaler import AutoscalingConfig
 from engine.config import EngineConfig, check_at_least
-from engine.token_channel import ChannelConfig
+from engine.wire.token_channel import ChannelConfig
 from kv_transfer.config import TransferConfig
 
 
@@ -83,7 +83,7 @@ class ClusterConfig:
     # over Ray about a millisecond), which on a few cores competes with the engine.
     stream_interval_s: float = 0.0
     # How decode workers stream step messages to routers: "tcp", each worker's token
-    # channel (engine/token_channel.py), about 1 ms of CPU less per message; "ray", Ray
+    # channel (engine/wire/token_channel.py), about 1 ms of CPU less per message; "ray", Ray
     # streaming generators. The channel listens on token_channel_host (any free port):
     # 127.0.0.1 serves routers on the worker's own node only; 0.0.0.0 (the Helm chart's
     # setting) serves any, advertising the node's IP. A router that cannot connect

@@ -35,7 +35,7 @@ from cluster.config import ClusterConfig
 from cluster.elastic import PoolScaler
 from cluster.metrics_server import NodeExporters
 from cluster.pools import TandemCluster
-from engine.metrics import PoolMetrics
+from engine.wire.metrics import PoolMetrics
 from kv_transfer.config import TransferConfig
 from router.latency import LatencyReport, merge
 
@@ -144,8 +144,8 @@ class ClusterController:
         return self._exporters.addresses() if self._exporters is not None else []
 
     def _read_model_info(self, cluster: TandemCluster) -> dict:
-        from engine.model_config import ModelConfig
-        from engine.model_registry import resolve_model
+        from engine.model.model_config import ModelConfig
+        from engine.model.model_registry import resolve_model
 
         engine = self.config.engine_config("decode")
         model = resolve_model(self.config.model)

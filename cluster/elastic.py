@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 class PoolScaler:
     """``cluster``: a ``TandemCluster`` (or anything with its ``pool_state``,
-    ``add_worker``, ``drain_worker`` and ``switch_worker``); ``metrics``: an ``engine.metrics.PoolMetrics``."""
+    ``add_worker``, ``drain_worker`` and ``switch_worker``); ``metrics``: an ``engine.wire.metrics.PoolMetrics``."""
 
     def __init__(self, cluster, config: AutoscalingConfig, metrics=None,
                  clock: Callable[[], float] = time.monotonic, latency: Callable[[], object] | None = None) -> None:

@@ -27,7 +27,7 @@ def process_metrics_dir(kind: str = "") -> str:
     ``$TANDEM_HOME/metrics`` (named by ``kind`` and the pid), made this process's. The
     folders of processes no longer running are swept first: one killed before its
     shutdown (``remove_metrics_dir``) leaves its folder behind."""
-    from engine.model_registry import tandem_home
+    from engine.model.model_registry import tandem_home
 
     parent = tandem_home() / "metrics"
     sweep_dead_metrics_dirs(parent)

@@ -31,9 +31,9 @@ import asyncio
 
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.messages import DecodeLoad, PrefillLoad, PrefillResult, Reservation, StalePlacement
-from engine.sampling_params import SamplingParams
-from engine.token_channel import ChannelAddress
+from engine.wire.messages import DecodeLoad, PrefillLoad, PrefillResult, Reservation, StalePlacement
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.token_channel import ChannelAddress
 from kv_transfer import TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.worker import WorkerBase

@@ -49,7 +49,7 @@ from cluster.config import ClusterConfig, Resources
 from cluster.metrics_server import ENV as METRICS_ENV
 from cluster.pool_worker import PoolWorker
 from decode_worker.worker import ColocatedWorker
-from engine.messages import WorkerRef
+from engine.wire.messages import WorkerRef
 from kv_transfer.config import TransferConfig
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ A disaggregated request's lifecycle here::
                         └─ policy fail ─▶ finished with an error
 
 Each router replica holds one stream per decode worker: the worker's token channel
-(``engine/token_channel.py``, a TCP connection) or the ``subscribe(subscriber)`` Ray
+(``engine/wire/token_channel.py``, a TCP connection) or the ``subscribe(subscriber)`` Ray
 streaming generator; ``reserve`` (disaggregated) or ``submit`` (colocated: the
 whole request runs here, no transfer) routes a request's deltas to it. The stream
 carries one message per engine step with the deltas of all that subscriber's requests
@@ -46,9 +46,9 @@ from contextlib import aclosing
 import ray
 
 from engine.async_engine import merge_outputs
-from engine.messages import DecodeLoad, ErrorKind, Reservation, TransferState
-from engine.sampling_params import SamplingParams
-from engine.token_channel import ChannelAddress, ChannelConfig, ChannelServer, Notice, NoticeKind
+from engine.wire.messages import DecodeLoad, ErrorKind, Reservation, TransferState
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.token_channel import ChannelAddress, ChannelConfig, ChannelServer, Notice, NoticeKind
 from kv_transfer import TransferError, TransferMeta, checksum
 from kv_transfer.handoff import Ended, HandoffError, Read, Receiver
 from kv_transfer.worker import WorkerBase

@@ -4,15 +4,15 @@ from importlib import import_module
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
 
-# Loaded on first use, so that importing a pure-Python submodule (``engine.scheduler``,
-# ``engine.block_pool``) does not pull in torch through the package.
+# Loaded on first use, so that importing a pure-Python submodule (``engine.core.scheduler``,
+# ``engine.core.block_pool``) does not pull in torch through the package.
 _EXPORTS = {
     "EngineConfig": "engine.config",
     "LLM": "engine.llm",
     "EngineStats": "engine.llm_engine",
     "LLMEngine": "engine.llm_engine",
     "RequestOutput": "engine.llm_engine",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "engine.wire.sampling_params",
 }
 
 

@@ -44,8 +44,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from engine.core.step_shape import StepShape, shape_of
 from engine.llm_engine import LLMEngine, RequestOutput
-from engine.step_shape import StepShape, shape_of
 
 _T = TypeVar("_T")
 
@@ -177,7 +177,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.25, metrics=None) -> None:
         self.engine = engine
-        self.metrics = metrics  # an ``engine.metrics.EngineMetrics``, or None
+        self.metrics = metrics  # an ``engine.wire.metrics.EngineMetrics``, or None
         self._calls: deque[tuple[Callable, tuple, dict, asyncio.Future | None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -230,7 +230,7 @@ class AsyncEngine:
         self._wake.set()
 
     def record_steps(self, limit: int) -> None:
-        """Keep the shape (``engine.step_shape``), start and wall time of each of the latest
+        """Keep the shape (``engine.core.step_shape``), start and wall time of each of the latest
         ``limit`` steps (0: stop keeping them). A step's time is its turn of the step
         thread: the queued calls run before it, the step, and handing its outputs on (what
         spaces one token of a busy worker's streams from the next). Its start is on

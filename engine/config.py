@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from engine.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
+from engine.core.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
+from engine.core.scheduler import SchedulerConfig, check_modes
 from engine.grammar import GrammarLimits
-from engine.scheduler import SchedulerConfig, check_modes
+from engine.model.step_layout import ATTENTION_BACKENDS
 
 GiB = 1 << 30
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def check_at_least(config: object, **minimums: int) -> None:
@@ -31,20 +31,20 @@ class EngineConfig:
     kernels, CUDA), or ``auto`` (triton on a CUDA device when triton imports; cpu for
     float32 on a CPU when the kernel builds; torch otherwise).
     ``pack_weights``: a float32 model on the CPU runs its layer projections on
-    oneDNN-packed weights (``engine.model.PackedLinear``); off, on plain ``nn.Linear``.
+    oneDNN-packed weights (``engine.model.model.PackedLinear``); off, on plain ``nn.Linear``.
     ``cuda_graphs``: on a CUDA device with the triton backend, steps replay CUDA graphs
-    of the forward captured at start-up (``engine.cuda_graphs``: whole per batch bucket
+    of the forward captured at start-up (``engine.model.cuda_graphs``: whole per batch bucket
     for decode steps, piecewise around the attention per token bucket for steps with
     prefill chunks); off, every step launches its kernels one by one.
     ``prefix_hash_algo`` (``blake2b`` | ``sha256``) and ``prefix_hash_seed`` (None: a
-    random seed per process) name prefix-cache blocks; see ``engine.block_hash``. The
+    random seed per process) name prefix-cache blocks; see ``engine.core.block_hash``. The
     router's placement index takes the decode engine's.
     ``grammar``: the bounds on a structured-output spec and the wall-clock limit on its
     compile (``engine.grammar.GrammarLimits``; a dict of its fields in a topology file).
     """
 
     model: str | None = None
-    dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere (engine.loader.resolve_dtype)
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere (engine.model.loader.resolve_dtype)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None

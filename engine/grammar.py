@@ -50,8 +50,8 @@ import json
 import re
 from dataclasses import dataclass, fields
 
-from engine.optional import optional_import
-from engine.sampling_params import StructuredOutput
+from engine.core.optional import optional_import
+from engine.wire.sampling_params import StructuredOutput
 
 # The request field each kind comes from, for error messages.
 FIELDS = {

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.wire.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

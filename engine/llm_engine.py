@@ -32,27 +32,27 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import create_attention_backend
-from engine.block_hash import BlockHasher
-from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.cuda_graphs import step_graphs_for
-from engine.gguf_checkpoint import is_gguf, open_gguf
+from engine.core.block_hash import BlockHasher
+from engine.core.block_pool import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerOutput
 from engine.grammar import precheck as precheck_structured_output
-from engine.kv_cache import KVCache, bytes_per_block
-from engine.loader import load_model, resolve_dtype
-from engine.model_config import ModelConfig
-from engine.model_registry import resolve_model
-from engine.model_runner import ModelRunner
+from engine.model.attention import create_attention_backend
+from engine.model.cuda_graphs import step_graphs_for
+from engine.model.gguf_checkpoint import is_gguf, open_gguf
+from engine.model.kv_cache import KVCache, bytes_per_block
+from engine.model.loader import load_model, resolve_dtype
+from engine.model.model_config import ModelConfig
+from engine.model.model_registry import resolve_model
+from engine.model.model_runner import ModelRunner
+from engine.model.runner_input import RunnerInputBuilder
+from engine.model.sampler import TokenLogprobs
 from engine.output_processor import OutputProcessor, RequestOutput, RequestTimes
 from engine.remote_kv import Arrival, RemoteKVIntake
-from engine.request import Request, RequestStatus
-from engine.runner_input import RunnerInputBuilder
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
+from engine.wire.sampling_params import SamplingParams
 
 __all__ = ["EngineLoad", "EngineStats", "LLMEngine", "RequestOutput", "RequestTimes"]
 

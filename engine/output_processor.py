@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.request import Request
-from engine.sampler import TokenLogprobs
+from engine.core.request import Request
+from engine.model.sampler import TokenLogprobs
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 

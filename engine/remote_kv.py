@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import KVBlock, KVCacheManager
-from engine.kv_cache import KVCache
-from engine.request import Request
-from engine.sampler import TokenLogprobs
-from engine.scheduler import Scheduler
+from engine.core.block_pool import KVBlock, KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.model.kv_cache import KVCache
+from engine.model.sampler import TokenLogprobs
 from engine.structured_output import StructuredOutputs
 
 

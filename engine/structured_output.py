@@ -57,7 +57,7 @@ from engine.grammar import (
     too_slow,
     xgrammar_package,
 )
-from engine.sampling_params import StructuredOutput
+from engine.wire.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -248,7 +248,7 @@ class Tokenizer:
 
         Raises FileNotFoundError if ``model_dir/tokenizer.json`` is missing.
         """
-        from engine.gguf_checkpoint import is_gguf, open_gguf
+        from engine.model.gguf_checkpoint import is_gguf, open_gguf
 
         if is_gguf(model_dir):
             return cls(**open_gguf(model_dir).tokenizer_parts())

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.messages import KVLayout, TransferState  # noqa: F401  (re-exported)
+from engine.wire.messages import KVLayout, TransferState  # noqa: F401  (re-exported)
 
 
 class TransferError(RuntimeError):

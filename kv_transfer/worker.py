@@ -19,8 +19,8 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.messages import request_of
-from engine.metrics import EngineMetrics
+from engine.wire.messages import request_of
+from engine.wire.metrics import EngineMetrics
 from kv_transfer.base import KVLayout, TransferError
 from kv_transfer.config import TransferConfig
 from kv_transfer.handoff import HandoffError

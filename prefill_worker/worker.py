@@ -32,8 +32,8 @@ import dataclasses
 import itertools
 import time
 
-from engine.messages import PrefillLoad, PrefillResult, TransferState, request_of
-from engine.sampling_params import SamplingParams
+from engine.wire.messages import PrefillLoad, PrefillResult, TransferState, request_of
+from engine.wire.sampling_params import SamplingParams
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import OfferState, Sender

@@ -22,7 +22,7 @@ from typing import TypeVar
 import ray
 
 from engine.grammar import GrammarLimits
-from engine.metrics import RouterMetrics
+from engine.wire.metrics import RouterMetrics
 from router.aborts import AbortBudget, AbortConfig
 from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, Rejection, Ticket
 from router.dispatch import Dispatcher

@@ -12,7 +12,7 @@ What it knows of each worker and the choices made from that are ``router.worker_
 polls only the workers this dispatcher hears nothing from, and only at placement.
 
 Each placement of a request is an attempt, which the workers know by its own id
-(``engine.messages.attempt_id``: the client's id, this dispatcher's tag and a count):
+(``engine.wire.messages.attempt_id``: the client's id, this dispatcher's tag and a count):
 nothing a worker still holds for an earlier attempt (a prefill finishing for a dead
 reader, blocks kept for its transfer) is ever mistaken for the next one's, and a
 dispatcher's aborts reach only its own attempts. A decode worker that cuts this
@@ -50,9 +50,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from ray.exceptions import RayActorError
 
-from engine.block_hash import BlockHasher
-from engine.messages import ErrorKind, StalePlacement, StreamDelta, TransferState, WorkerRef, attempt_id
-from engine.sampling_params import SamplingParams
+from engine.core.block_hash import BlockHasher
+from engine.wire.messages import ErrorKind, StalePlacement, StreamDelta, TransferState, WorkerRef, attempt_id
+from engine.wire.sampling_params import SamplingParams
 from router.dispatch_config import DispatchConfig
 from router.streams import CutOff, Inbox, Subscriptions, WorkerDied, unless_ended
 from router.worker_loads import Affinity, WorkerLoads
@@ -84,7 +84,7 @@ class Dispatcher:
         self._prefill = prefill_workers
         self._decode = decode_workers
         self.config = config or DispatchConfig()
-        self.metrics = metrics  # an ``engine.metrics.RouterMetrics``, or None
+        self.metrics = metrics  # an ``engine.wire.metrics.RouterMetrics``, or None
         self.num_migrations = 0
         self.num_stale_placements = 0  # placements and load polls refused by a worker that switched roles
         self.num_local_prefills: Counter = Counter()  # requests computed by their decode worker, by reason

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
-from engine.token_channel import ChannelConfig
+from engine.core.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
+from engine.wire.token_channel import ChannelConfig
 
 PLACEMENTS = ("load", "round_robin")
 
@@ -32,7 +32,7 @@ class DispatchConfig:
     local_prefill_tokens: int = 0
     # ...and so is any prompt while every prefill worker has this many tokens queued.
     local_prefill_backlog_tokens: int = 0
-    # The prompt hashes of the prefix indexes (engine.block_hash). They need not match
+    # The prompt hashes of the prefix indexes (engine.core.block_hash). They need not match
     # the engines' (each side compares only its own), but one setting names both.
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
     prefix_hash_seed: str | int | None = None  # None: a random one per dispatcher

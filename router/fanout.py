@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from engine.messages import StreamDelta
+from engine.wire.messages import StreamDelta
 from router.admission import Ticket
 from router.dispatch import Affinity
 from router.openai_api import Accumulator

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from engine.grammar import MAX_CACHED_GRAMMARS, GrammarLimits, message, precheck, problem, too_slow
-from engine.sampling_params import StructuredOutput
+from engine.wire.sampling_params import StructuredOutput
 
 Judge = Callable[[str, str], "str | None"]  # (kind, spec) -> why it does not parse, or None
 START_TIMEOUT_S = 120.0  # a helper's spawn and its import of xgrammar (torch, transformers): seconds

@@ -7,7 +7,7 @@ grammar engine run here; parsing the spec with xgrammar runs in the router's hel
 from __future__ import annotations
 
 from engine.grammar import precheck as precheck_grammar
-from engine.sampling_params import StructuredOutput
+from engine.wire.sampling_params import StructuredOutput
 from router.bodies import SamplingBody
 from router.errors import ApiError
 

@@ -5,7 +5,7 @@ below) and return an index into them, or None when no worker can take the reques
 
 - Prefill: fewest queued tokens, with prefix affinity. ``PrefixIndex`` is the router's
   picture of each prefill worker's prefix cache (the chained hashes of the full prompt
-  blocks it sent there, from ``engine.block_hash`` as the engines' own, least recently
+  blocks it sent there, from ``engine.core.block_hash`` as the engines' own, least recently
   used dropped first); a request goes to the worker holding its longest cached prefix
   unless that worker is much busier.
 - Decode: the least full worker, by whichever of its KV blocks and its running cap it
@@ -23,17 +23,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.block_hash import BlockHash
+from engine.core.block_hash import BlockHash
 
 
 class PrefillLoadLike(Protocol):
-    """What prefill placement reads of a load report (``engine.messages.PrefillLoad``)."""
+    """What prefill placement reads of a load report (``engine.wire.messages.PrefillLoad``)."""
 
     queued_prefill_tokens: int
 
 
 class DecodeLoadLike(Protocol):
-    """What decode placement reads of a load report (``engine.messages.DecodeLoad``)."""
+    """What decode placement reads of a load report (``engine.wire.messages.DecodeLoad``)."""
 
     free_blocks: int
     total_blocks: int

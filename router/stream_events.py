@@ -4,7 +4,7 @@ the echoed prompt, and a failed delta's HTTP error."""
 
 from __future__ import annotations
 
-from engine.messages import ErrorKind, StreamDelta
+from engine.wire.messages import ErrorKind, StreamDelta
 from router.errors import ApiError
 from router.openai_api import Accumulator, Envelope, echo_logprobs, prompt_logprobs_json, sse
 from router.tool_calls import ToolStream

@@ -33,9 +33,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
-from engine import token_channel
-from engine.messages import StreamDelta, WorkerRef
-from engine.token_channel import ChannelConfig, Notice, NoticeKind
+from engine.wire import token_channel
+from engine.wire.messages import StreamDelta, WorkerRef
+from engine.wire.token_channel import ChannelConfig, Notice, NoticeKind
 
 log = logging.getLogger(__name__)
 

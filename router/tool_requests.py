@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.sampling_params import StructuredOutput
+from engine.wire.sampling_params import StructuredOutput
 from router.bodies import ChatBody, ToolDef
 from router.errors import ApiError
 from router.output_constraints import structured_output

@@ -27,7 +27,7 @@ token ids, as strings, to biases in [-100, 100]), ``allowed_token_ids``, and
 
 Stop conditions are bounded before the prompt is tokenized: at most ``MAX_STOP_STRINGS``
 ``stop`` strings of at most ``MAX_STOP_STRING_LEN`` characters, and ``MAX_STOP_TOKEN_IDS``
-``stop_token_ids`` (``engine.sampling_params``' limits; the engine's own API keeps them too).
+``stop_token_ids`` (``engine.wire.sampling_params``' limits; the engine's own API keeps them too).
 
 ``priority`` (vLLM's): an integer, lower served first, that the workers' schedulers
 order by when they run the ``priority`` policy. Under ``fcfs`` (the default) only 0
@@ -43,7 +43,7 @@ from typing import Any
 
 import jinja2
 
-from engine.sampling_params import MAX_BAD_WORDS, SamplingParams, StructuredOutput, check_stop_conditions
+from engine.wire.sampling_params import MAX_BAD_WORDS, SamplingParams, StructuredOutput, check_stop_conditions
 from router.bodies import ChatBody, ChatMessage, CompletionBody, SamplingBody, check_text, parse_as
 from router.errors import ApiError
 from router.output_constraints import structured_output
@@ -170,7 +170,7 @@ def _check_n(b: SamplingBody) -> None:
 
 def _check_stops(b: SamplingBody) -> None:
     """``stop`` and ``stop_token_ids`` within the engine's limits (``MAX_STOP_*`` in
-    ``engine.sampling_params``), checked before the prompt is tokenized."""
+    ``engine.wire.sampling_params``), checked before the prompt is tokenized."""
     stop = (b.stop,) if isinstance(b.stop, str) else b.stop or ()
     try:
         check_stop_conditions(stop, b.stop_token_ids or ())

@@ -2,7 +2,7 @@
 
 Pure: no asyncio, no Ray, no clock (time comes in as ``now``); workers are anything with a
 ``worker_id``, a ``key`` (the incarnation: a replacement reuses the id, not the key) and a
-``draining`` flag, as ``engine.messages.WorkerRef``. The dispatcher (``router.dispatch``)
+``draining`` flag, as ``engine.wire.messages.WorkerRef``. The dispatcher (``router.dispatch``)
 keeps one and calls it around its Ray calls; the choices themselves are
 ``router.placement``'s policies.
 
@@ -38,7 +38,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, cast
 
-from engine.block_hash import BlockHash
+from engine.core.block_hash import BlockHash
 from router.dispatch_config import DispatchConfig
 from router.placement import (
     DecodeLoadLike,
@@ -54,7 +54,7 @@ from router.placement import (
 
 
 class WorkerLike(Protocol):
-    """What placement reads of a worker (``engine.messages.WorkerRef``)."""
+    """What placement reads of a worker (``engine.wire.messages.WorkerRef``)."""
 
     @property
     def worker_id(self) -> str: ...

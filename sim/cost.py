@@ -1,7 +1,7 @@
 """The cost model: how long a model step and a KV transfer take on a device kind.
 
 Pure (no torch, no clock). A step's work is read off the engine's own plan
-(``engine.scheduler.SchedulerOutput``) as a ``StepShape``: tokens computed, batch size,
+(``engine.core.scheduler.SchedulerOutput``) as a ``StepShape``: tokens computed, batch size,
 attention pairs (a prompt of L tokens computed whole has L(L+1)/2: the "sum of squared
 prompt lengths" term), KV tokens read, and tokens sampled. Its time is
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.step_shape import StepShape
+from engine.core.step_shape import StepShape
 from sim.contention import ANY_ROLE, NO_CONTENTION, Contention
 from sim.service_path import NO_DELAY, ServicePath
 
@@ -117,12 +117,12 @@ class ModelSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        """K and V of one block across all layers (``engine.kv_cache.bytes_per_block``)."""
+        """K and V of one block across all layers (``engine.model.kv_cache.bytes_per_block``)."""
         return block_size * self.kv_bytes_per_token(dtype_bytes)
 
     @classmethod
     def from_model_config(cls, name: str, config) -> ModelSpec:
-        """From an ``engine.model_config.ModelConfig`` (read, not imported: no torch)."""
+        """From an ``engine.model.model_config.ModelConfig`` (read, not imported: no torch)."""
         return cls(name, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                    config.head_dim, config.intermediate_size, config.vocab_size, config.tie_word_embeddings,
                    config.max_position_embeddings)
@@ -132,7 +132,7 @@ MODELS = {
     "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 8192),
     "qwen2.5-14b": ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, False, 8192),
     "smollm2-135m": ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 2048),
-    # The built-in test model (engine/default_model.py), as its config.json says.
+    # The built-in test model (engine/model/default_model.py), as its config.json says.
     "tandem-tiny-llama": ModelSpec("tandem-tiny-llama", 6, 384, 6, 2, 64, 1024, 4096, False, 2048),
 }
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from engine.block_hash import BlockHasher
 from engine.config import EngineConfig
+from engine.core.block_hash import BlockHasher
 from router.placement import PrefixIndex, decode_has_room, pick_decode, pick_prefill, prefill_here, round_robin
 from sim.topology import RouterSettings
 from sim.worker import SimWorker

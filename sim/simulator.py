@@ -3,11 +3,11 @@ simulated time, with the model and the KV transfers replaced by a cost model.
 
 Everything that decides is the project's own code, called with the simulated ``now``:
 
-- each worker's ``engine.scheduler.Scheduler`` and ``engine.block_pool.KVCacheManager``
+- each worker's ``engine.core.scheduler.Scheduler`` and ``engine.core.block_pool.KVCacheManager``
   (``sim.worker``), stepped one plan at a time;
 - the router's ``router.admission.Admission`` and ``router.placement`` (``pick_decode``,
   ``pick_prefill``, ``prefill_here``, ``round_robin``, ``PrefixIndex``), fed the
-  workers' load reports (``engine.messages.DecodeLoad`` / ``PrefillLoad``);
+  workers' load reports (``engine.wire.messages.DecodeLoad`` / ``PrefillLoad``);
 - with ``autoscaling``, the controller's ``cluster.elastic.PoolScaler.observe`` and
   ``cluster.autoscaler.Autoscaler.decide``.
 
@@ -52,9 +52,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from cluster.autoscaler import Decision
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.step_shape import shape_of
+from engine.core.request import Request
+from engine.core.step_shape import shape_of
+from engine.wire.sampling_params import SamplingParams
 from router.admission import Admission, Rejection, Ticket
 from sim.cost import CostModel
 from sim.router import SimRouter

@@ -1,7 +1,7 @@
 """One simulated worker: the engine's own scheduler and block manager, stepped on simulated time.
 
-``build_scheduler`` wires ``engine.block_pool.KVCacheManager`` and
-``engine.scheduler.Scheduler`` from an ``EngineConfig`` as ``LLMEngine._make_parts``
+``build_scheduler`` wires ``engine.core.block_pool.KVCacheManager`` and
+``engine.core.scheduler.Scheduler`` from an ``EngineConfig`` as ``LLMEngine._make_parts``
 does (the budget raised to the context without chunked prefill); nothing of them is
 copied. A step is the engine's: ``schedule()``, then, once the cost model's time has
 passed, ``update()`` with a sampled token for every request the plan samples. No model
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.block_hash import BlockHasher
-from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.messages import DecodeLoad, PrefillLoad
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.block_hash import BlockHasher
+from engine.core.block_pool import KVCacheManager
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.wire.messages import DecodeLoad, PrefillLoad
 
 SAMPLED_TOKEN = 3  # what every simulated step samples: never a stop token (ignore_eos)
 

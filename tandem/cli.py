@@ -10,7 +10,7 @@ import sys
 from cluster.autoscaler import decision_text
 from cluster.flags import GRPC_PORT, HTTP_PORT, LOCAL_URL, METRICS_PORT, add_service_flags
 from cluster.ingress import describe
-from engine.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
+from engine.model.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
 
 MODEL_HELP = (
     f"a named model ({', '.join(model_names())}), a Hugging Face checkpoint directory or a "
@@ -19,7 +19,7 @@ MODEL_HELP = (
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from engine.default_model import make_model
+    from engine.model.default_model import make_model
 
     path = make_model(args.dir, seed=args.seed)
     print(f"wrote {path}")
@@ -27,7 +27,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from engine.model_registry import pull
+    from engine.model.model_registry import pull
 
     print(pull(args.name))
     return 0
@@ -88,7 +88,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from cluster.local import local_ray
     from cluster.metrics_server import start_metrics_server
     from cluster.service import ServiceConfig, TandemService
-    from engine.model_registry import resolve_model
+    from engine.model.model_registry import resolve_model
 
     config = ServiceConfig.from_flags(args, api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None)
     config = dataclasses.replace(config, cluster=_serving_default(config.cluster))

@@ -67,7 +67,7 @@ def tandem_home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def default_model(tandem_home) -> Path:
-    from engine.default_model import ensure_default_model
+    from engine.model.default_model import ensure_default_model
 
     return ensure_default_model()
 

@@ -117,7 +117,7 @@ def assert_blocks_freed(service, within_s: float = PATIENCE_S) -> float:
 def random_step_layout(block_size: int, decode_lens: list[int], chunks: list[tuple[int, int]], rng, num_blocks: int):
     """One step's ``StepLayout`` at random: decode rows of the given context lengths, then
     (start, num_tokens) prefill chunks, each request on shuffled blocks (block 0 unused)."""
-    from engine.step_layout import StepLayout
+    from engine.model.step_layout import StepLayout
 
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -302,7 +302,7 @@ def _randomise_biases_and_norms(model) -> None:
 
 
 # HF tensor name pieces -> llama.cpp's, for writing test GGUF files (the inverse of
-# engine/gguf_checkpoint.py's tables, spelled out again so a mistake there shows here).
+# engine/model/gguf_checkpoint.py's tables, spelled out again so a mistake there shows here).
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

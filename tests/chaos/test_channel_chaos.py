@@ -175,7 +175,7 @@ def test_a_router_that_stops_reading_is_cut_off_and_its_blocks_freed_while_the_r
     streaming through the same worker, completes every request with the undisturbed text
     (its prompts go round until the cut lands, so its streams are running then)."""
     from engine import SamplingParams
-    from engine.token_channel import ChannelConfig, ChannelLost, Notice, NoticeKind, connect
+    from engine.wire.token_channel import ChannelConfig, ChannelLost, Notice, NoticeKind, connect
 
     n, concurrency = 10, 4
     prompts = _prompts(n, seed=5)

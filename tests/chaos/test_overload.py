@@ -42,7 +42,7 @@ MIB = 1 << 20
 # RSS growth allowed per process over 6 bursts, once both transports have been warmed up.
 # Measured on the tiny model (2 CPUs): +1 to +21 MiB per process, the most in the prefill
 # worker, whose oneDNN projections keep memory per row-count bucket they first meet
-# (engine.model.packed_rows); before row counts were bucketed it grew 30-48 MiB.
+# (engine.model.model.packed_rows); before row counts were bucketed it grew 30-48 MiB.
 RSS_GROWTH_BOUND = 48 * MIB
 REJECTION_P99_BOUND_S = 10.0  # generous: the 2-CPU machine also runs the admitted requests (measured: < 3 s)
 # Rejected at least: HTTP requests arrive within a few ms, so all but about K are turned

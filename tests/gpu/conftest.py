@@ -6,7 +6,7 @@ They run on CUDA at serving sizes, or, without CUDA (or with
 module imports triton. Tests that need CUDA itself (NCCL-free GPU transfers between Ray
 actors) skip on CPU, saying why.
 
-Nothing here imports ray, triton or ``engine.triton_attention`` at module level: the GPU
+Nothing here imports ray, triton or ``engine.model.triton_attention`` at module level: the GPU
 image has no ray, and the kernels must be decorated after TRITON_INTERPRET is chosen.
 """
 

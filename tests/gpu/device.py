@@ -7,7 +7,7 @@ in CI rather than first on a GPU. ``TANDEM_TEST_DEVICE=cuda`` on a machine witho
 is an error, not a quiet CPU run (``scripts/gpu-check`` sets it).
 
 TRITON_INTERPRET must be set before triton decorates the kernels, i.e. before
-``engine.triton_attention`` is first imported: the folder's conftest imports this module
+``engine.model.triton_attention`` is first imported: the folder's conftest imports this module
 first.
 """
 

@@ -2,7 +2,7 @@
 
 At module level because compiled Triton resolves a kernel's names (``tl``) in its
 module's globals, not in an enclosing function's locals (no ``from __future__``
-either, as in ``engine/triton_attention.py``); imported only after
+either, as in ``engine/model/triton_attention.py``); imported only after
 ``tests.gpu.device`` has chosen whether Triton interprets.
 """
 

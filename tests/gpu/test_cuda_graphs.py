@@ -1,4 +1,4 @@
-"""Steps replayed as CUDA graphs (``engine.cuda_graphs``: whole decode steps, and steps
+"""Steps replayed as CUDA graphs (``engine.model.cuda_graphs``: whole decode steps, and steps
 with prefill chunks piecewise) generate what eager steps do.
 
 On a GPU the engine captures its own graphs; on CPU the same padded, static-buffer
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLMEngine, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, batch_buckets, token_buckets
-from engine.step_layout import ChunkLayout, StepLayout
+from engine.model.cuda_graphs import DecodeGraphs, PiecewiseGraphs, batch_buckets, token_buckets
+from engine.model.step_layout import ChunkLayout, StepLayout
 from tests.gpu.device import DEVICE, ON_GPU
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
@@ -85,7 +85,7 @@ def test_a_capture_that_fails_leaves_every_later_step_eager(tiny_model, caplog):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
 
     graphs._capture = out_of_memory
-    with caplog.at_level("WARNING", logger="engine.cuda_graphs"):
+    with caplog.at_level("WARNING", logger="engine.model.cuda_graphs"):
         assert _generate(engine, prompts, lengths) == want
     assert calls == [4], "one failed capture, then no more tries"
     assert "out of memory" in graphs.failed and graphs.captured == []

@@ -26,7 +26,7 @@ import torch
 
 from bench.offline import explain_differences
 from engine import LLM, SamplingParams
-from engine.model_config import ModelConfig
+from engine.model.model_config import ModelConfig
 from tests.gpu.device import DEVICE, ON_GPU
 from tests.helpers import build_hf_checkpoint
 from tests.unit.test_hf_parity import (

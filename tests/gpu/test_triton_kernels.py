@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench.gpu import paged_layout, paged_tensors
-from engine.attention import TorchAttention
+from engine.model.attention import TorchAttention
 from tests.gpu.device import DEVICE, ON_GPU, sync
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the gpu extra)")
@@ -39,7 +39,7 @@ TOLERANCE = {torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(ato
 
 
 def _compare(dtype: torch.dtype, decode_lens: list[int], chunks: list[tuple[int, int]], window: int = 0) -> None:
-    from engine.triton_attention import TritonAttention
+    from engine.model.triton_attention import TritonAttention
 
     layout, num_blocks = paged_layout(decode_lens, chunks, BLOCK_SIZE, seed=0)
     heads = dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE)
@@ -83,13 +83,13 @@ def test_sliding_window_decode_and_prefill_match_torch(dtype):
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
 def test_fused_moe_experts_match_torch(dtype):
-    """The grouped-GEMM experts (``engine.triton_moe``) against the float32 torch experts
+    """The grouped-GEMM experts (``engine.model.triton_moe``) against the float32 torch experts
     on the CPU, at a Qwen3-MoE-like shape on a GPU (128 experts, top-8, 256 tokens)."""
     from torch.nn import functional as F
 
-    from engine.model_config import MoEConfig
-    from engine.moe import SparseMoE, route
-    from engine.triton_moe import fused_experts
+    from engine.model.model_config import MoEConfig
+    from engine.model.moe import SparseMoE, route
+    from engine.model.triton_moe import fused_experts
 
     hidden, inter, experts, top_k, tokens = (1024, 256, 128, 8, 256) if ON_GPU else (64, 32, 8, 2, 20)
     torch.manual_seed(0)

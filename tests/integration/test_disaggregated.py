@@ -13,8 +13,8 @@ import pytest
 
 from cluster.config import ClusterConfig
 from engine import LLM, SamplingParams
-from engine.messages import KVLayout
-from engine.model_config import ModelConfig
+from engine.model.model_config import ModelConfig
+from engine.wire.messages import KVLayout
 from kv_transfer.nixl import unavailable_reason
 from tests.helpers import DispatchedPools, assert_blocks_freed, build_hf_checkpoint
 

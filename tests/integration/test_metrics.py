@@ -106,7 +106,7 @@ def test_rejections_are_counted_by_reason(service, metrics_dir, tiny_model):
 def test_preemptions_move_their_counter(default_model):
     """In-process: the engine's recorder exports preemptions by mode."""
     from engine import LLMEngine, SamplingParams
-    from engine.metrics import NUM_PREEMPTIONS, EngineMetrics
+    from engine.wire.metrics import NUM_PREEMPTIONS, EngineMetrics
 
     engine = LLMEngine(model=str(default_model), num_kv_blocks=12, preemption_mode="recompute")
     metrics = EngineMetrics("m", "colocated", "preempt-test")

@@ -49,7 +49,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def smollm2(tandem_home) -> str:
-    from engine.model_registry import ModelFetchError, pull
+    from engine.model.model_registry import ModelFetchError, pull
 
     try:
         return str(pull(NAME))
@@ -81,7 +81,7 @@ def reference(smollm2, prompts) -> list[list[int]]:
     import gguf
     from transformers import AutoModelForCausalLM
 
-    from engine.gguf_checkpoint import fast_reader
+    from engine.model.gguf_checkpoint import fast_reader
 
     path = Path(smollm2)
     with pytest.MonkeyPatch.context() as mp:

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from tests.helpers import PATIENCE_S, async_wait_for
 
 

@@ -4,7 +4,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from engine.metrics import TOKEN_LATENCY_BUCKETS, BatchedObserver
+from engine.wire.metrics import TOKEN_LATENCY_BUCKETS, BatchedObserver
 
 
 def _samples(histogram: Histogram) -> dict:

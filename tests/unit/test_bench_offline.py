@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench.roofline import roofline_s, step_cost, workload_flops
-from engine.model_config import ModelConfig
+from engine.model.model_config import ModelConfig
 
 CFG = ModelConfig.from_dict({
     "architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,

@@ -1,4 +1,4 @@
-"""The prefix-block hash (engine/block_hash.py): chained, seeded, full-width digests,
+"""The prefix-block hash (engine/core/block_hash.py): chained, seeded, full-width digests,
 the same function for the engine's prefix cache and the router's placement index."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import struct
 import pytest
 
 from cluster import flags
-from engine.block_hash import HASH_ALGOS, BlockHasher
-from engine.block_pool import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.block_hash import HASH_ALGOS, BlockHasher
+from engine.core.block_pool import KVCacheManager
+from engine.core.request import Request
+from engine.wire.sampling_params import SamplingParams
 from router.dispatch import DispatchConfig, Dispatcher
 from tandem.cli import build_parser
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_hash import BlockHasher
-from engine.block_pool import NULL_BLOCK_ID, BlockPool, CpuBlockPool, KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.block_hash import BlockHasher
+from engine.core.block_pool import NULL_BLOCK_ID, BlockPool, CpuBlockPool, KVCacheManager
+from engine.core.request import Request
+from engine.wire.sampling_params import SamplingParams
 
 BS = 4  # block size used throughout
 

@@ -20,14 +20,17 @@ def _loaded_after(imports: list[str]) -> set[str]:
     return set(out.stdout.split())
 
 
-ROUTER_MODULES = [f"router.{m.name}" for m in pkgutil.iter_modules(router.__path__)] + ["engine.messages"]
+import engine.wire  # noqa: E402
+
+WIRE_MODULES = [f"engine.wire.{m.name}" for m in pkgutil.iter_modules(engine.wire.__path__)]
+ROUTER_MODULES = [f"router.{m.name}" for m in pkgutil.iter_modules(router.__path__)] + WIRE_MODULES
 WORKER_PACKAGES = ("decode_worker", "prefill_worker", "kv_transfer")
 
 
 def test_the_router_process_loads_no_torch_and_no_worker_code():
     assert {"router.server", "router.core", "router.dispatch"} <= set(ROUTER_MODULES), ROUTER_MODULES
     loaded = _loaded_after(ROUTER_MODULES)
-    assert "torch" not in loaded, "the router must not import torch (move cross-process types to engine.messages)"
+    assert "torch" not in loaded, "the router must not import torch (move cross-process types to engine.wire.messages)"
     workers = sorted(m for m in loaded if m.split(".")[0] in WORKER_PACKAGES)
     assert not workers, f"the router must not import worker code: {workers}"
 
@@ -50,9 +53,9 @@ def test_the_pools_and_the_workers_import_nothing_of_the_router():
 
 @pytest.mark.parametrize(
     "module",
-    ["engine.scheduler", "engine.request_queues", "engine.block_pool", "engine.block_hash", "engine.runner_input",
-     "router.placement", "router.worker_loads", "router.dispatch_config",
-     "router.admission", "router.aborts", "router.tool_parsers", "router.json_rewriter", "router.tool_calls", "engine.messages"],
+    ["engine.core.scheduler", "engine.core.request_queues", "engine.core.block_pool", "engine.core.block_hash",
+     "engine.core.step_shape", "engine.model.runner_input", "router.placement", "router.worker_loads", "router.dispatch_config",
+     "router.admission", "router.aborts", "router.tool_parsers", "router.json_rewriter", "router.tool_calls", "engine.wire.messages"],
 )
 def test_pure_parts_import_no_torch_ray_or_network_library(module):
     loaded = _loaded_after([module])
@@ -60,9 +63,45 @@ def test_pure_parts_import_no_torch_ray_or_network_library(module):
     assert not heavy, f"{module} must stay pure, but importing it loaded {heavy}"
 
 
+def test_the_wire_loads_nothing_else_of_the_engine():
+    loaded = _loaded_after(WIRE_MODULES)
+    assert {"engine.wire.messages", "engine.wire.worker_api", "engine.wire.token_channel"} <= loaded, WIRE_MODULES
+    other = sorted(m for m in loaded if m.startswith("engine.") and not m.startswith("engine.wire"))
+    assert not other, f"the router takes engine.wire alone; it must not load {other}"
+
+
+# The engine's rooms, each over the ones after it: a module imports its own room, the
+# rooms below it and nothing above (the top level is the engine's facade and text features).
+ENGINE_FLOORS = ("engine", "engine.model", "engine.core", "engine.wire")
+
+
+def _engine_room(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else "engine"
+
+
+def test_the_engines_rooms_import_only_downwards():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    up = []
+    for path in sorted((root / "engine").rglob("*.py")):
+        module = ".".join(path.relative_to(root).with_suffix("").parts)
+        floor = ENGINE_FLOORS.index(_engine_room(module))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("engine."):
+                target = node.module
+                if target in ("engine.core", "engine.model", "engine.wire"):  # from engine.wire import x
+                    target = f"{target}.{node.names[0].name}"
+                if ENGINE_FLOORS.index(_engine_room(target)) < floor:
+                    up.append(f"{path.relative_to(root)}:{node.lineno} imports {node.module}")
+    assert not up, f"imports pointing up the engine's rooms: {up}"
+
+
 def test_reading_gguf_metadata_and_resolving_model_names_load_no_torch():
     # The router builds its tokenizer from a GGUF file's metadata and may resolve names.
-    loaded = _loaded_after(["engine.tokenizer", "engine.gguf_checkpoint", "engine.model_registry"])
+    loaded = _loaded_after(["engine.tokenizer", "engine.model.gguf_checkpoint", "engine.model.model_registry"])
     heavy = sorted(m for m in ("torch", "transformers") if m in loaded)
     assert not heavy, f"GGUF metadata and model names must not need {heavy}"
 
@@ -70,9 +109,9 @@ def test_reading_gguf_metadata_and_resolving_model_names_load_no_torch():
 def test_attention_backends_share_the_step_layout_without_importing_each_other():
     # The reference backend picks the Triton one in its factory; the Triton backend must
     # not need the reference module back (the step's layout lives on its own).
-    loaded = _loaded_after(["engine.triton_attention"])
-    assert "engine.step_layout" in loaded
-    assert "engine.attention" not in loaded, "engine.triton_attention must not import engine.attention"
+    loaded = _loaded_after(["engine.model.triton_attention"])
+    assert "engine.model.step_layout" in loaded
+    assert "engine.model.attention" not in loaded, "engine.model.triton_attention must not import engine.model.attention"
 
 
 PROJECT_PACKAGES = ("bench", "cluster", "decode_worker", "engine", "kv_transfer", "prefill_worker", "router")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.messages import KVLayout
+from engine.wire.messages import KVLayout
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.checksum import block_checksums, check
 from kv_transfer.config import TransferConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from engine.messages import StreamDelta
+from engine.wire.messages import StreamDelta
 from router.fanout import Fanout
 from router.openai_api import Accumulator, Envelope
 from router.validation import MAX_N, MAX_PROMPTS, choices, prepare_chat, prepare_completions

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.messages import KVLayout
+from engine.wire.messages import KVLayout
 from kv_transfer import collective
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.collective import BlockPlan, CollectiveBackend

@@ -12,9 +12,9 @@ import re
 import pytest
 import torch
 
-from engine import cpu_attention
-from engine.attention import TorchAttention, create_attention_backend, resolve_attention_backend
-from engine.cpu_attention import CpuAttention, KernelUnavailable
+from engine.model import cpu_attention
+from engine.model.attention import TorchAttention, create_attention_backend, resolve_attention_backend
+from engine.model.cpu_attention import CpuAttention, KernelUnavailable
 from tests.helpers import random_step_layout
 
 NUM_BLOCKS = 160
@@ -122,7 +122,7 @@ def test_bench_steps_times_the_kernel_against_torch_attention(default_model, cap
 
 
 def test_tensors_the_kernel_cannot_read_are_refused_before_it_reads_them():
-    from engine.cpu_attention import PagedDecode, paged_decode
+    from engine.model.cpu_attention import PagedDecode, paged_decode
 
     cache = torch.zeros(4, 16, 2, 8)
     rows = PagedDecode(block_tables=torch.tensor([[1]]), context_lens=torch.tensor([3]))

@@ -1,4 +1,4 @@
-"""Tests for engine.default_model: the built-in tandem-tiny-llama checkpoint."""
+"""Tests for engine.model.default_model: the built-in tandem-tiny-llama checkpoint."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine.default_model as dm
-from engine.default_model import DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, make_model
+import engine.model.default_model as dm
+from engine.model.default_model import DEFAULT_MODEL_NAME, default_model_dir, ensure_default_model, make_model
 from engine.tokenizer import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_tokenizer_training_is_deterministic_across_processes(model_dir: Path) -
     # A fresh interpreter gets fresh hash seeds, and a different thread count
     # changes how the trainer splits work; neither may change the result.
     code = (
-        "import sys; from engine.default_model import train_tokenizer; "
+        "import sys; from engine.model.default_model import train_tokenizer; "
         "sys.stdout.write(train_tokenizer().to_str())"
     )
     env = {**os.environ, "RAYON_NUM_THREADS": "3", "PYTHONHASHSEED": "random"}

@@ -8,9 +8,17 @@ from unittest import mock
 
 import pytest
 
-from engine.messages import DecodeLoad, ErrorKind, PrefillLoad, PrefillResult, StalePlacement, TransferState, request_of
-from engine.sampling_params import SamplingParams
-from engine.token_channel import ChannelServer, Notice, NoticeKind
+from engine.wire.messages import (
+    DecodeLoad,
+    ErrorKind,
+    PrefillLoad,
+    PrefillResult,
+    StalePlacement,
+    TransferState,
+    request_of,
+)
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.token_channel import ChannelServer, Notice, NoticeKind
 from router.dispatch import Affinity, DispatchConfig, Dispatcher, WorkerRef
 from tests.helpers import PATIENCE_S, async_wait_for
 
@@ -469,7 +477,7 @@ def test_a_token_channel_the_router_cannot_reach_leaves_the_stream_on_ray():
 def test_a_stream_that_outlives_max_migrations_ends_with_an_error():
     from ray.exceptions import RayActorError
 
-    from engine.messages import ErrorKind
+    from engine.wire.messages import ErrorKind
 
     async def main():
         worker = _FakeColocated("decode-0")
@@ -524,7 +532,7 @@ def test_a_stream_closed_at_its_finished_delta_sends_no_abort():
 
 
 def test_placement_uses_the_load_on_step_messages_and_polls_only_workers_not_heard_from():
-    from engine.messages import ErrorKind
+    from engine.wire.messages import ErrorKind
 
     async def main():
         worker = _FakeColocated("decode-0")
@@ -741,7 +749,7 @@ class _FrozenColocated(_FakeColocated):
 
 
 def test_a_decode_worker_that_answers_no_load_poll_holds_placement_up_once_at_most():
-    from engine.token_channel import ChannelConfig
+    from engine.wire.token_channel import ChannelConfig
 
     async def main():
         frozen, live = _FrozenColocated("decode-0"), _FakeColocated("decode-1")

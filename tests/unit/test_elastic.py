@@ -6,7 +6,7 @@ import threading
 
 from cluster.autoscaler import SLO, AutoscalingConfig, PoolBounds
 from cluster.elastic import PoolScaler
-from engine.messages import DecodeLoad, PrefillLoad
+from engine.wire.messages import DecodeLoad, PrefillLoad
 
 CONFIG = AutoscalingConfig(prefill=PoolBounds(1, 2), decode=PoolBounds(1, 2), slo=SLO(ttft_ms=1000, itl_ms=50),
                            interval_s=5, scale_down_delay_s=10)  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import MAX_LOGPROBS
+from engine.wire.sampling_params import MAX_LOGPROBS
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "The cat sat on the", "Hello world, this is a longer prompt than the others"]

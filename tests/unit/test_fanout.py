@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from engine.messages import StreamDelta
+from engine.wire.messages import StreamDelta
 from router.fanout import Fanout
 
 

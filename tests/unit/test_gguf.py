@@ -17,8 +17,8 @@ import json
 import pytest
 import torch
 
-from engine.gguf_checkpoint import SUPPORTED_TYPES
-from engine.loader import load_model
+from engine.model.gguf_checkpoint import SUPPORTED_TYPES
+from engine.model.loader import load_model
 from tests.helpers import build_gguf, build_hf_checkpoint
 
 # Rows of 256 (the K-quants' block) so that every type can store every matrix.
@@ -94,7 +94,7 @@ def test_the_reader_sees_what_ggufs_own_reader_sees(tmp_path, hf_llama):
     import gguf
     import numpy as np
 
-    from engine.gguf_checkpoint import GGUFFile
+    from engine.model.gguf_checkpoint import GGUFFile
 
     path = build_gguf(tmp_path / "llama.gguf", hf_llama, "Q8_0")
     ours, theirs = GGUFFile(path)._reader, gguf.GGUFReader(path)
@@ -462,7 +462,7 @@ def test_unsupported_architectures_types_and_tokenizers_are_refused_naming_them(
     import gguf
     import numpy as np
 
-    from engine.gguf_checkpoint import GGUFFile
+    from engine.model.gguf_checkpoint import GGUFFile
 
     f32 = (np.zeros((2, 32), np.float32), gguf.GGMLQuantizationType.F32)
     for arch in ("gpt2", "gemma2"):

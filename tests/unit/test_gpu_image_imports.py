@@ -68,7 +68,7 @@ def test_the_image_refuses_what_it_lacks_and_imports_what_it_has():
 
 def test_every_module_bench_gpu_and_the_gpu_tests_import_loads_on_the_image():
     modules = sorted(set().union(*(_imported_modules(ROOT / p) for p in GPU_PATH if p not in NEEDS_RAY)))
-    assert "engine.triton_attention" in modules and "transformers" in modules, modules
+    assert "engine.model.triton_attention" in modules and "transformers" in modules, modules
     proc = _image_python("-c", "\n".join(f"import {m}" for m in modules))
     assert proc.returncode == 0, f"importing {modules} with only the GPU image's packages:\n" + _output(proc)
 
@@ -77,7 +77,7 @@ def test_missing_gguf_is_reported_by_name_when_a_gguf_file_is_opened(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF")
     check = (
-        "from engine.gguf_checkpoint import open_gguf\n"
+        "from engine.model.gguf_checkpoint import open_gguf\n"
         f"open_gguf({str(path)!r})\n"
     )
     proc = _image_python("-c", check)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine.grammar import GrammarLimits, precheck, regex_size
-from engine.sampling_params import StructuredOutput
+from engine.wire.sampling_params import StructuredOutput
 from router.bodies import MAX_JSON_DEPTH, parse_json
 from router.errors import ApiError
 from router.grammar_check import GrammarChecker

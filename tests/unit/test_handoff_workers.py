@@ -15,7 +15,7 @@ import pytest
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.messages import TransferState
+from engine.wire.messages import TransferState
 from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta
 from kv_transfer.config import TransferConfig
 from tests.helpers import PATIENCE_S, async_wait_for
@@ -234,7 +234,7 @@ def test_a_prefill_worker_refuses_a_moved_stream_that_outgrows_its_pool_before_c
     """Prompt plus the stream's output so far over the prefill worker's pool: refused at
     once (the decode worker, told, recomputes with the room it has), never computed in
     part and sent as if whole."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
     from prefill_worker.worker import PrefillWorker
 
     config = EngineConfig(model=tiny_model, num_kv_blocks=4, block_size=16)  # 3 usable blocks: 48 tokens
@@ -325,7 +325,7 @@ def test_pipelined_parts_are_offered_only_after_the_step_that_wrote_them_ran_on_
     """On a GPU a step that samples nothing returns before its kernels ran: a block it
     computed may be offered (and read by the decode worker) only once its step's event
     has completed. Events here complete only when waited for."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model, max_num_batched_tokens=16)  # a block per step
     events: list[_LateEvent] = []
@@ -397,7 +397,7 @@ def test_an_abort_frees_the_blocks_a_prefill_worker_holds_for_a_reader_that_neve
     until it is abandoned. The abort must end the hand-off at once: blocks free, the
     send no longer waiting, and the blocks released once (the prefill's own end
     releases nothing more)."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model, pipeline, backend)
     decode = _FakeDecodeHandle(answers=False)
@@ -430,7 +430,7 @@ def test_an_abort_while_computing_ends_the_attempt_without_a_hand_off(tiny_model
     """Aborted before its first token was handed over (the abort queues after the
     request's add: it aborts the request, or frees the blocks of one that just
     finished): nothing is offered and every block is freed."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model, pipeline=False)
     decode = _FakeDecodeHandle(answers=False)
@@ -455,7 +455,7 @@ def test_an_abort_while_computing_ends_the_attempt_without_a_hand_off(tiny_model
 def test_a_prefill_whose_reservation_expired_is_dropped_before_it_is_computed(tiny_model):
     """The decode worker has given up on a reservation past its deadline: computing its
     prompt would be work for nobody."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model)
     decode = _FakeDecodeHandle()
@@ -498,7 +498,7 @@ def test_a_retiring_prefill_worker_frees_no_block_a_reader_is_still_reading(tiny
     it reads must stay as they are until it answers (freed and reset onto another prompt,
     the reader would land that prompt's KV and stream it with no error). Then every block
     comes back, the worker retires idle, and a reader whose KV will not come is told."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model, pipeline, max_num_batched_tokens=16)  # a block a step
     decode = _FakeDecodeHandle()
@@ -539,7 +539,7 @@ def test_a_retiring_prefill_worker_frees_no_block_a_reader_is_still_reading(tiny
 def test_a_retiring_prefill_worker_tells_the_reader_of_a_prefill_it_drops(tiny_model):
     """A prefill still computing as its worker retires is dropped: its decode worker is
     told at once (it recomputes), not left to wait out the reservation's deadline."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model, pipeline=False, max_num_batched_tokens=16)
     decode = _FakeDecodeHandle()
@@ -566,7 +566,7 @@ def test_a_pipelined_part_that_raises_fails_its_attempt_and_unpins_every_part(ti
     """A part whose checksums, payload or send raises must fail only its attempt: the
     reader told, the later parts never sent but unpinned, every block back (pinned for
     good, they would keep the worker from ever draining)."""
-    from engine.messages import Reservation
+    from engine.wire.messages import Reservation
 
     worker = _prefill_worker(tiny_model, pipeline=True, max_num_batched_tokens=16)
     worker.transfer = dataclasses.replace(worker.transfer, checksums=True)

@@ -132,7 +132,7 @@ def _reference(family: str, tmp_path_factory, default_model) -> dict:
     model_dir = build_hf_checkpoint(
         tmp_path_factory.mktemp(family), family, default_model, **FAMILY_INIT.get(family, INIT)
     )
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     model = _hf_model(model_dir)
@@ -186,7 +186,7 @@ def test_other_families_match_hf_with_prefix_cache_hits(family_reference):
 
 
 def _check_schedule(reference: dict, setting: str) -> None:
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     prompts, lengths, want = reference["mixed"]
     got, stats = _run(reference["dir"], prompts, lengths, enable_prefix_caching=False, **SETTINGS[setting])
@@ -217,7 +217,7 @@ def test_other_families_write_what_a_json_schema_a_regex_and_a_tool_choice_allow
     own vocabulary width and sampler (Gemma's soft-capped logits, MoE routing, windows);
     a ``required`` tool choice's output (the router's schema) reads as calls that fit
     their functions' parameters."""
-    from engine.sampling_params import StructuredOutput
+    from engine.wire.sampling_params import StructuredOutput
     from tests.helpers import ENGINE_PROMPTS, assert_engine_idle
     from tests.unit.test_structured_output import NESTED, _assert_valid_json, _json_outputs
 

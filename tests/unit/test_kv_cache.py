@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
+from engine.model.kv_cache import KVCache
+from engine.model.model_config import ModelConfig
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 

@@ -10,7 +10,7 @@ import time
 
 from prometheus_client import REGISTRY
 
-from engine.messages import Reservation, TransferState
+from engine.wire.messages import Reservation, TransferState
 from tests.unit.test_handoff_workers import GREEDY, PROMPT, _decode_worker, _FakeDecodeHandle, _prefill_worker
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
-from engine.loader import load_model, resolve_dtype
+from engine.model.loader import load_model, resolve_dtype
 from tests.helpers import build_hf_checkpoint
 
 SMALL = dict(num_hidden_layers=1)
@@ -98,7 +98,7 @@ def test_biases_and_norm_weights_are_loaded_as_saved(tmp_path, default_model, ar
 def test_a_config_without_architectures_falls_back_on_model_type_as_transformers_does(tmp_path, default_model):
     import json
 
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     ckpt = build_hf_checkpoint(tmp_path, "qwen2", default_model, **SMALL)
     path = ckpt / "config.json"
@@ -110,7 +110,7 @@ def test_a_config_without_architectures_falls_back_on_model_type_as_transformers
 
 
 def test_an_unsupported_architecture_is_refused_naming_it():
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     with pytest.raises(ValueError, match="'gpt2'"):
         ModelConfig.from_dict({"model_type": "gpt2"})
@@ -150,7 +150,7 @@ def test_loading_imports_neither_dynamo_nor_sympy(tmp_path, default_model):
 
     ckpt = build_hf_checkpoint(tmp_path, "llama", default_model, **SMALL)
     code = (
-        "import sys; from engine.loader import load_model; "
+        "import sys; from engine.model.loader import load_model; "
         f"m = load_model({str(ckpt)!r}); "
         "assert m.embed_tokens.weight.device.type == 'cpu' and m.rotary.cos.device.type == 'cpu'; "
         "print(sorted(k for k in ('torch._dynamo', 'sympy') if k in sys.modules))"
@@ -166,7 +166,7 @@ def test_longrope_tables_are_transformers_short_and_long_ones_by_position(tmp_pa
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    from engine.model_config import ModelConfig
+    from engine.model.model_config import ModelConfig
 
     ckpt = build_hf_checkpoint(tmp_path, "phi3", default_model, **SMALL)
     model = load_model(ckpt, pack=False)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import engine.model_registry as registry
-from engine.model_registry import ModelFetchError, pull, resolve_model
+import engine.model.model_registry as registry
+from engine.model.model_registry import ModelFetchError, pull, resolve_model
 
 NAME = "fake-model"
 

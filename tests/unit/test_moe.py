@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from engine.model_config import MoEConfig
-from engine.moe import SparseMoE, route
+from engine.model.model_config import MoEConfig
+from engine.model.moe import SparseMoE, route
 from tests.helpers import build_hf_checkpoint
 
 HIDDEN, EXPERTS, TOP_K, INTER = 32, 8, 2, 16
@@ -62,7 +62,7 @@ def _moe(normalize: bool = True) -> SparseMoE:
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_grouped_experts_equal_a_per_token_loop(packed):
-    from engine.model import PackedLinear
+    from engine.model.model import PackedLinear
 
     moe = _moe()
     x = torch.randn(37, HIDDEN)
@@ -108,7 +108,7 @@ def test_experts_equal_transformers_sparse_block():
 def test_the_loader_stacks_each_experts_weights_in_order(tmp_path, default_model, family):
     from safetensors.torch import load_file
 
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     ckpt = build_hf_checkpoint(tmp_path, family, default_model)
     saved = load_file(ckpt / "model.safetensors")

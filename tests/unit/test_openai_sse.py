@@ -26,7 +26,7 @@ def test_fast_chat_chunk_equals_the_general_one(text, reason):
 
 
 def test_accumulator_counts_text_without_joining_it():
-    from engine.messages import StreamDelta
+    from engine.wire.messages import StreamDelta
 
     acc = Accumulator(tokenizer=None)
     for i, piece in enumerate(["ab", "", "c\u00e9", "d"]):
@@ -44,7 +44,7 @@ PROMPT_LPS = [None, (7, -1.5, 2, [(9, -0.5), (7, -1.5)]), (8, -0.25, 1, [(8, -0.
 
 
 def test_prompt_logprobs_take_vllms_shape_on_the_choice_and_on_a_chat():
-    from engine.messages import StreamDelta
+    from engine.wire.messages import StreamDelta
 
     acc = Accumulator(_Tokens())
     acc.add(StreamDelta("r", [5], "x", True, "length", 3, 1, prompt_logprobs=PROMPT_LPS))
@@ -65,7 +65,7 @@ def test_prompt_logprobs_take_vllms_shape_on_the_choice_and_on_a_chat():
 
 
 def test_echoed_prompt_logprobs_come_before_the_outputs_with_none_first():
-    from engine.messages import StreamDelta
+    from engine.wire.messages import StreamDelta
     from router.openai_api import completion_logprobs, echo_logprobs
 
     prompt = [6, 7, 8]
@@ -84,7 +84,7 @@ def test_a_logprob_of_minus_infinity_is_floored_so_the_json_stays_valid():
     neither, and a response carrying one was a 500 (or an SSE chunk no client parses)."""
     import json
 
-    from engine.messages import StreamDelta
+    from engine.wire.messages import StreamDelta
 
     acc = Accumulator(_Tokens())
     inf, nan = float("-inf"), float("nan")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.request import Request, RequestStatus
+from engine.model.sampler import TokenLogprobs
 from engine.output_processor import OutputProcessor
-from engine.request import Request, RequestStatus
-from engine.sampler import TokenLogprobs
-from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
+from engine.wire.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

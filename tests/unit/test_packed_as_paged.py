@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.messages import KVLayout
+from engine.wire.messages import KVLayout
 from kv_transfer.base import TransferMeta
 from kv_transfer.config import TransferConfig
 from kv_transfer.faults import FaultConfig, FaultyBackend

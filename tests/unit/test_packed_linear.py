@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.loader import load_model
-from engine.model import MAX_PACKED_ROWS, PackedLinear, packed_rows
+from engine.model.loader import load_model
+from engine.model.model import MAX_PACKED_ROWS, PackedLinear, packed_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.block_hash import BlockHasher
+from engine.core.block_hash import BlockHasher
 from router.placement import PrefixIndex, pick_affine, pick_decode, pick_prefill, round_robin
 
 
@@ -174,7 +174,7 @@ def test_an_affine_decode_choice_has_room_and_is_never_much_busier(workers, need
 
 
 def test_prefill_here_rules():
-    from engine.messages import DecodeLoad
+    from engine.wire.messages import DecodeLoad
     from router.placement import prefill_here
 
     idle, busy = DecodeLoad("d", 10, 10, 0, 0, 0), DecodeLoad("d", 10, 10, 2, 1, 0)

@@ -13,7 +13,7 @@ from cluster.pool_worker import PoolWorker
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.messages import DecodeLoad, PrefillLoad, StalePlacement
+from engine.wire.messages import DecodeLoad, PrefillLoad, StalePlacement
 from kv_transfer.config import TransferConfig
 from tests.helpers import PATIENCE_S
 

@@ -159,7 +159,7 @@ def test_a_removed_prefill_worker_is_gone_for_every_decode_worker(monkeypatch):
 def test_status_says_which_process_and_host_each_worker_is(monkeypatch):
     """``tandem status`` tells an operator which process is which worker: every pool worker
     is ``ray::PoolWorker`` in ``ps``, whatever its role."""
-    from engine.messages import DecodeLoad
+    from engine.wire.messages import DecodeLoad
 
     class _Loaded(_Handle):
         def __init__(self, worker: str) -> None:

@@ -127,7 +127,7 @@ def test_prompt_logprobs_travel_from_the_prefill_engine_to_the_decode_engines_fi
     """Disaggregated: the prefill engine computes them, the decode engine's first output
     (and its wire delta to the router) carries them."""
     from decode_worker.worker import _wire
-    from engine.messages import StreamDelta
+    from engine.wire.messages import StreamDelta
 
     prompt = _prompts(4096)[4]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import Request
-from engine.request_queues import FcfsQueue, PriorityQueue, SortedRequests, order_key, waiting_queue
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from engine.core.request_queues import FcfsQueue, PriorityQueue, SortedRequests, order_key, waiting_queue
+from engine.wire.sampling_params import SamplingParams
 
 
 def _requests(*priorities: int) -> list[Request]:

@@ -1,4 +1,4 @@
-"""The model runner's input as deltas (``engine.runner_input``), driven by the real scheduler
+"""The model runner's input as deltas (``engine.model.runner_input``), driven by the real scheduler
 without a model: whatever the scheduler does (chunked prefill, prefix hits, preemption by
 recompute or swap, a sliding window giving blocks back, aborts, KV from another worker), the
 runner's copy of every request it computes equals the scheduler's, and it holds nothing once
@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from engine.block_pool import NULL_BLOCK_ID, KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.runner_input import BlockTables, RunnerInputBuilder, RunnerRequests
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.core.block_pool import NULL_BLOCK_ID, KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.model.runner_input import BlockTables, RunnerInputBuilder, RunnerRequests
+from engine.wire.sampling_params import SamplingParams
 
 BS = 4
 EOS = 2

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from engine.sampler import (
+from engine.model.sampler import (
     SampleRow,
     apply_penalties,
     apply_token_controls,
@@ -18,7 +18,7 @@ from engine.sampler import (
     sample,
     uniform,
 )
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.wire.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 # The same distribution out of order, so a mask must map back through the sort.

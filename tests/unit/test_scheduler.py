@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.block_pool import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.wire.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BS = 4
@@ -77,7 +77,7 @@ def _assert_all_free(sched: Scheduler) -> None:
 
 
 def test_scheduler_and_block_pool_import_without_torch():
-    code = "import sys, engine.scheduler, engine.block_pool; assert 'torch' not in sys.modules"
+    code = "import sys, engine.core.scheduler, engine.core.block_pool; assert 'torch' not in sys.modules"
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
     )

@@ -15,11 +15,11 @@ import random
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from engine.block_hash import BlockHasher
-from engine.block_pool import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.core.block_hash import BlockHasher
+from engine.core.block_pool import KVCacheManager
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.wire.sampling_params import SamplingParams
 
 BS = 4
 TOKEN = 7

@@ -183,7 +183,7 @@ def test_configs_derived_from_others_default_to_what_they_are_derived_from():
     engine-facing fields: where they have defaults of their own (for tests and the
     simulator), those must be what the derivation gives."""
     from engine.config import EngineConfig
-    from engine.scheduler import SchedulerConfig
+    from engine.core.scheduler import SchedulerConfig
     from router.dispatch import DispatchConfig
 
     assert EngineConfig().scheduler_config(SchedulerConfig().max_model_len) == SchedulerConfig()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.step_shape import shape_of
+from engine.core.step_shape import shape_of
 from sim.contention import ANY_ROLE, Contention
 from sim.cost import (
     DEVICES,
@@ -87,10 +87,10 @@ def test_kv_blocks_fit_beside_the_weights_and_a_model_too_large_is_refused():
 
 
 def test_shape_of_reads_the_schedulers_plan():
-    from engine.block_pool import KVCacheManager
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.core.block_pool import KVCacheManager
+    from engine.core.request import Request
+    from engine.core.scheduler import Scheduler, SchedulerConfig
+    from engine.wire.sampling_params import SamplingParams
 
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=100), KVCacheManager(64, 16, enable_caching=False))
     sched.add_request(Request("a", list(range(60)), SamplingParams(max_tokens=4)))

@@ -3,8 +3,8 @@ scheduling decision in ``engine/`` changes what the simulator reports on a fixed
 
 from __future__ import annotations
 
-import engine.scheduler
-from engine.block_pool import KVCacheManager
+import engine.core.scheduler
+from engine.core.block_pool import KVCacheManager
 from sim.cost import DEVICES, CostModel, model_spec
 from sim.report import summary
 from sim.simulator import Simulator, run
@@ -28,7 +28,7 @@ def test_each_simulated_worker_holds_the_engines_scheduler_and_block_manager():
     workers = sim.pools["prefill"] + sim.pools["decode"]
     assert len(workers) == 3
     for w in workers:
-        assert type(w.scheduler) is engine.scheduler.Scheduler, f"{w.worker_id} runs {type(w.scheduler)}"
+        assert type(w.scheduler) is engine.core.scheduler.Scheduler, f"{w.worker_id} runs {type(w.scheduler)}"
         assert type(w.kv) is KVCacheManager and w.scheduler.kv_manager is w.kv
 
 
@@ -36,7 +36,7 @@ def test_a_scheduling_change_in_the_engine_changes_the_simulated_run(monkeypatch
     before = summary(run(_colocated(), COST, _trace()))
 
     # The engine's admission policy now lets waiting requests join only when nothing runs.
-    monkeypatch.setattr(engine.scheduler.ContinuousBatching, "admits",
+    monkeypatch.setattr(engine.core.scheduler.ContinuousBatching, "admits",
                         lambda self, num_running, num_swapped: num_running == 0)
     after = summary(run(_colocated(), COST, _trace()))
 
@@ -50,7 +50,7 @@ def test_a_scheduling_change_in_the_engine_changes_the_simulated_run(monkeypatch
 def test_the_engines_chunking_rule_decides_the_simulated_step_count(monkeypatch):
     chunked = summary(run(_colocated(), COST, _trace()))
     # All of a request's tokens or none in a step (as with chunked prefill off).
-    monkeypatch.setattr(engine.scheduler.Scheduler, "_tokens_now",
+    monkeypatch.setattr(engine.core.scheduler.Scheduler, "_tokens_now",
                         lambda self, num_tokens, budget: num_tokens if num_tokens <= budget else 0)
     whole = summary(run(_colocated(), COST, _trace()))
     assert whole["num_steps"] != chunked["num_steps"]

@@ -23,7 +23,7 @@ def test_the_simulator_imports_no_torch_ray_or_network_library():
     loaded = set(out.stdout.split())
     heavy = sorted(m for m in ("torch", "ray", "grpc", "fastapi", "httpx") if m in loaded)
     assert not heavy, f"the simulator must stay pure, but importing it loaded {heavy}"
-    assert {"engine.scheduler", "engine.block_pool", "router.placement", "router.admission",
+    assert {"engine.core.scheduler", "engine.core.block_pool", "router.placement", "router.admission",
             "cluster.autoscaler"} <= loaded
 
 

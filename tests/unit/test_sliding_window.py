@@ -18,8 +18,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.attention import TorchAttention  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
+from engine.model.attention import TorchAttention  # noqa: E402
+from engine.model.model_config import ModelConfig  # noqa: E402
 from tests.helpers import random_step_layout  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -45,7 +45,7 @@ def _step(seed: int = 0, device=CPU):
 def _written_out(layout, cache, q, k, v, window: int) -> torch.Tensor:
     """Each query row against its request's whole keys (read back through the block
     table after the step's write), masked to causal within ``window`` (0: none)."""
-    from engine.attention import write_kv
+    from engine.model.attention import write_kv
 
     k_cache, v_cache = (c.clone() for c in cache)
     write_kv(k_cache, v_cache, k, v, torch.tensor(layout.slots, device=q.device))
@@ -71,13 +71,13 @@ def _backend(name: str, device):
     if name == "torch":
         return TorchAttention(BLOCK, device)
     if name == "cpu":
-        from engine.cpu_attention import CpuAttention, kernel_available
+        from engine.model.cpu_attention import CpuAttention, kernel_available
 
         if not kernel_available():
             pytest.skip("the CPU attention kernel does not build here")
         return CpuAttention(BLOCK, device)
     pytest.importorskip("triton", reason="triton is not installed (it comes with the test and gpu extras)")
-    from engine.triton_attention import TritonAttention
+    from engine.model.triton_attention import TritonAttention
 
     return TritonAttention(BLOCK, device, HEAD_DIM, partition_size=32)
 

@@ -1,4 +1,4 @@
-"""Stop strings: the limits on them (``engine.sampling_params``, which the router's
+"""Stop strings: the limits on them (``engine.wire.sampling_params``, which the router's
 validation and the engine's own API share) and the automaton that finds them in a
 growing text (``engine.stop_strings``), which must find exactly what a ``str.find`` per
 stop string over the new text did."""
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from engine.stop_strings import StopMatcher
+from engine.wire.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 def _find_each(text: str, new_start: int, stops: list[str]) -> tuple[int, str] | None:

@@ -17,8 +17,8 @@ import torch
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.grammar import GrammarLimits, check
-from engine.sampler import apply_token_bitmask
-from engine.sampling_params import StructuredOutput
+from engine.model.sampler import apply_token_bitmask
+from engine.wire.sampling_params import StructuredOutput
 from tests.helpers import ENGINE_PROMPTS, assert_engine_idle, build_hf_checkpoint
 
 try:

@@ -14,7 +14,7 @@ from engine import SamplingParams
 from engine.async_engine import Outbox, merge_outputs
 from engine.config import EngineConfig
 from engine.llm_engine import RequestOutput
-from engine.token_channel import ChannelConfig, Notice, NoticeKind
+from engine.wire.token_channel import ChannelConfig, Notice, NoticeKind
 from kv_transfer.config import TransferConfig
 from tests.helpers import PATIENCE_S, async_wait_for
 

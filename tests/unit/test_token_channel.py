@@ -9,10 +9,10 @@ import struct
 import msgspec
 import pytest
 
-from engine import channel_wire as wire
-from engine import token_channel
-from engine.messages import DecodeLoad, StreamDelta
-from engine.token_channel import ChannelConfig, ChannelLost, ChannelServer, Notice, NoticeKind
+from engine.wire import channel_wire as wire
+from engine.wire import token_channel
+from engine.wire.messages import DecodeLoad, StreamDelta
+from engine.wire.token_channel import ChannelConfig, ChannelLost, ChannelServer, Notice, NoticeKind
 
 # Timings small enough for a test to see each deadline pass, large enough for a loaded machine.
 FAST = ChannelConfig(heartbeat_s=0.05, heartbeat_timeout_s=1.0, reconnect_grace_s=1.0)
@@ -448,8 +448,8 @@ def test_a_frame_altered_replayed_or_reordered_on_the_way_ends_the_stream_unread
 
 def test_every_message_kind_round_trips_the_wire_schema():
     from decode_worker.worker import _wire
+    from engine.model.sampler import TokenLogprobs
     from engine.output_processor import RequestOutput
-    from engine.sampler import TokenLogprobs
 
     lp = TokenLogprobs(7, -0.5, ((7, -0.5), (9, -1.25)))
     out = RequestOutput(request_id="r", prompt_token_ids=[1, 2], token_ids=[], text="", new_token_ids=[7],

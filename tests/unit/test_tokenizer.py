@@ -16,7 +16,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.default_model import make_model
+from engine.model.default_model import make_model
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ASCII_TEXTS = [

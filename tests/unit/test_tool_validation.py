@@ -8,8 +8,8 @@ import json
 import pytest
 import tokenizers
 
-from engine.messages import StreamDelta
 from engine.tokenizer import Tokenizer
+from engine.wire.messages import StreamDelta
 from router.errors import ApiError
 from router.openai_api import Accumulator, Envelope
 from router.tool_parsers import EMPTY_PARAMETERS, HermesParser, Llama3JsonParser, required_schema

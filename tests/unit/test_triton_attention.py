@@ -1,7 +1,7 @@
 """The Triton attention kernels agree with the torch reference backend.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors: TRITON_INTERPRET
-must be set before triton (and ``engine.triton_attention``, whose kernels are
+must be set before triton (and ``engine.model.triton_attention``, whose kernels are
 decorated on import) is first imported, so this module sets it at the top. It only
 matters on machines where compiled Triton kernels could not run anyway. With CUDA
 the same tests run the compiled kernels on the GPU.
@@ -25,10 +25,11 @@ pytest.importorskip(
     "triton", reason="triton is not installed (it comes with the test and gpu extras)"
 )
 
-from engine import LLM, SamplingParams, triton_attention  # noqa: E402
-from engine.attention import TorchAttention, resolve_attention_backend, write_kv  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.triton_attention import TritonAttention  # noqa: E402
+from engine.model import triton_attention  # noqa: E402
+from engine.model.attention import TorchAttention, resolve_attention_backend, write_kv  # noqa: E402
+from engine.model.triton_attention import TritonAttention  # noqa: E402
 from tests.helpers import build_hf_checkpoint, random_step_layout  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

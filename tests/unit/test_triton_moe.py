@@ -1,4 +1,4 @@
-"""The Triton grouped-GEMM experts agree with the torch ones (``engine.moe``).
+"""The Triton grouped-GEMM experts agree with the torch ones (``engine.model.moe``).
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors (float32): this
 module sets TRITON_INTERPRET before triton is first imported, as test_triton_attention
@@ -20,9 +20,9 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with the
 
 from torch.nn import functional as F  # noqa: E402
 
-from engine.model_config import MoEConfig  # noqa: E402
-from engine.moe import SparseMoE, route  # noqa: E402
-from engine.triton_moe import align, fused_experts  # noqa: E402
+from engine.model.model_config import MoEConfig  # noqa: E402
+from engine.model.moe import SparseMoE, route  # noqa: E402
+from engine.model.triton_moe import align, fused_experts  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 

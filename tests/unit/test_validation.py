@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from engine.wire.sampling_params import MAX_BAD_WORDS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, IntakeTicket, Rejection, Ticket
 from router.bodies import parse_json
 from router.errors import ApiError
@@ -362,7 +362,7 @@ def test_specs_xgrammar_cannot_parse_are_found_in_a_helper_process_without_torch
     import asyncio
     import sys
 
-    from engine.sampling_params import StructuredOutput
+    from engine.wire.sampling_params import StructuredOutput
     from router.grammar_check import GrammarChecker
 
     torch_before = "torch" in sys.modules

@@ -26,7 +26,7 @@ def test_the_service_exposes_generate_abort_and_model_info():
 
 def test_a_response_carries_its_choice_index_and_one_prompt_logprob_per_prompt_token():
     pytest.importorskip("grpc")
-    from engine.messages import StreamDelta
+    from engine.wire.messages import StreamDelta
     from router import grpc_api
 
     prompt = [11, 22, 33]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import NULL_BLOCK_ID, KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.block_pool import NULL_BLOCK_ID, KVCacheManager
+from engine.core.request import Request
+from engine.wire.sampling_params import SamplingParams
 
 BS, WINDOW = 4, 8
 

@@ -1,4 +1,4 @@
-"""The worker actors against their API (``router/worker_api.py``): the real classes, the
+"""The worker actors against their API (``engine/wire/worker_api.py``): the real classes, the
 pool worker that forwards to either, and the stand-ins the dispatcher's tests and the
 token-path benchmark use. A method the router calls that one of them lacks, or whose
 parameters differ by name, order or default, fails here."""
@@ -9,7 +9,7 @@ import inspect
 
 import pytest
 
-from router.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI
+from engine.wire.worker_api import DecodeWorkerAPI, PrefillWorkerAPI, WorkerAPI
 
 
 def _api_methods(protocol: type) -> dict[str, inspect.Signature]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.block_hash import BlockHasher
-from engine.messages import DecodeLoad, PrefillLoad, WorkerRef
+from engine.core.block_hash import BlockHasher
+from engine.wire.messages import DecodeLoad, PrefillLoad, WorkerRef
 from router.dispatch_config import DispatchConfig
 from router.worker_loads import Affinity, WorkerLoads
 

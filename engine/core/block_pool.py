@@ -1,0 +1,434 @@
+"""The paged KV block pool and the per-request block tables built on it.
+
+Pure Python: integers and small objects only, no torch. The tensors that hold the
+blocks' contents live in ``engine.model.kv_cache``; this module decides which block ids
+each request owns.
+
+Block lifecycle::
+
+    free (ref 0, maybe hashed) ──allocate/touch──▶ in use (ref >= 1) ──free──▶ free
+    a free block that still carries a hash is a prefix-cache entry until it is
+    evicted: ``allocate`` takes blocks from the head of the free queue, oldest first,
+    and drops their hash.
+
+Block 0 is the null block: never handed out, used to pad block tables.
+Full blocks are identified by a chained hash (the parent block's hash and this
+block's token ids: ``engine.core.block_hash``), so equal hashes mean equal prefixes, and a
+prefix hit is the longest run of leading blocks whose hashes are cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.core.block_hash import BlockHash, BlockHasher
+from engine.core.request import Request
+
+NULL_BLOCK_ID = 0  # never handed out; in a block table, the place of a block given back (release_outside_window)
+
+
+class KVBlock:
+    """One block of KV memory: an id, a reference count and an optional prefix hash."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        digest = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={digest})"
+
+
+class BlockPool:
+    """Ref-counted blocks, an eviction-ordered free queue and the prefix-cache index."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        # The blocks handed out so far, by id (the null block, then in the order first
+        # handed out: ids ascend). The free queue starts as every other id in order, and
+        # given-back blocks join its tail, so the ids never handed out are always its
+        # head: they are made on first use (a pool of 27k blocks per device took a
+        # simulated cluster seconds and gigabytes to build up front).
+        self.blocks = [KVBlock(NULL_BLOCK_ID)]
+        # Blocks given back, behind the never-used ones: insertion order is eviction order.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
+        self._cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free) + self.num_blocks - len(self.blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - 1 - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_usable_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that stand for a cached prefix (free or in use)."""
+        return len(self._cached)
+
+    def allocate(self, n: int) -> list[KVBlock] | None:
+        """Take ``n`` blocks from the head of the free queue, or None if there are fewer."""
+        blocks = self.blocks
+        fresh = min(n, self.num_blocks - len(blocks))  # never handed out: the head of the queue
+        if n - fresh > len(self._free):
+            return None
+        out = [KVBlock(i) for i in range(len(blocks), len(blocks) + fresh)]
+        for block in out:
+            block.ref_cnt = 1
+        blocks.extend(out)
+        for _ in range(n - fresh):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                # Evicting a cached block: it no longer stands for its prefix.
+                if self._cached.get(block.block_hash) is block:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference to each block (a prefix hit), pulling free ones out."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in eviction order (first freed, first evicted)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt < 0:
+                raise RuntimeError(f"double free of KV block {block.block_id}")
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its prefix hash (the first copy wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+
+class CpuBlockPool:
+    """Swap space: plain block ids, no sharing and no hashing."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return out
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        self._free.extend(block_ids)
+
+
+@dataclass
+class PrefixCacheStats:
+    """The prefix cache's counters since the manager was made, counted once a request is let in;
+    the engine reports them in its load and stats."""
+
+    queries: int = 0  # tokens of admitted requests looked up
+    hits: int = 0  # of those, tokens served from the cache
+
+
+class KVCacheManager:
+    """Owns each request's block table on top of a ``BlockPool`` (and a swap pool).
+
+    A block table is a list of block ids (what every step hands the runner); the pool's
+    ``blocks`` list turns an id back into its ``KVBlock`` when references change.
+    ``hasher`` names full blocks in the prefix cache; by default a ``BlockHasher`` of
+    the default algorithm with a random seed of its own.
+
+    ``window`` > 0: every layer attends to at most that many latest keys (a model whose
+    layers all slide), so a block whose tokens are all further back than that is never
+    read again: ``release_outside_window`` gives it back to the pool (still in the prefix
+    cache until evicted) and leaves ``NULL_BLOCK_ID`` in its place in the table, which keeps
+    its positions; the attention masks read nothing there.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        hasher: BlockHasher | None = None,
+        window: int = 0,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.window = window
+        self._released: dict[str, int] = {}  # request id -> leading table entries given back (NULL_BLOCK_ID)
+        self.num_released = 0  # blocks given back from behind the window, in all
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.enable_caching = enable_caching
+        self.hasher = hasher or BlockHasher()
+        self.stats = PrefixCacheStats()
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks already registered
+        self._cpu_blocks: dict[str, list[int]] = {}
+
+    # -- queries ---------------------------------------------------------------
+
+    def has_table(self, request_id: str) -> bool:
+        """The request holds blocks (on the device or in swap space)."""
+        return request_id in self._tables or request_id in self._cpu_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a copy), in token order."""
+        table = self._tables.get(request_id)
+        return table[:] if table else []
+
+    def num_table_blocks(self, request_id: str) -> int:
+        """Entries in the request's block table."""
+        return len(self._tables.get(request_id, ()))
+
+    def _held(self, table: Sequence[int]) -> list[KVBlock]:
+        blocks = self.pool.blocks
+        return [blocks[i] for i in table if i != NULL_BLOCK_ID]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def fits_in_pool(self, num_tokens: int) -> bool:
+        return self.num_blocks_needed(num_tokens) <= self.pool.num_usable_blocks
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Chained hashes of the request's full blocks, extended as tokens arrive."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        n_full = request.num_tokens // self.block_size
+        if len(hashes) < n_full:
+            tokens = request.token_slice(len(hashes) * self.block_size, n_full * self.block_size)
+            hashes.extend(
+                self.hasher.hash_blocks(tokens, self.block_size, hashes[-1] if hashes else None)
+            )
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of a new request, capped so one token is left to compute.
+
+        A lookup, not a use: ``count_prefix_lookup`` counts it once the request is let in.
+        A request that wants its prompt's logprobs computes every prompt token (a cached
+        token has no logits), as in vLLM; its blocks are still cached for others.
+        """
+        if (
+            not self.enable_caching
+            or request.num_computed_tokens > 0
+            or request.sampling_params.prompt_logprobs is not None
+        ):
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[KVBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit, len(hit) * self.block_size
+
+    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """A request was let in with ``num_hit`` of its ``num_tokens`` from the cache."""
+        if self.enable_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit
+
+    # -- allocation ------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVBlock] = (),
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't.
+
+        Returns the newly allocated blocks (none when the request's blocks had room).
+        """
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            table = self._tables[rid] = []
+        num_hit = len(new_computed_blocks)
+        num_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
+        need = -(-num_tokens // self.block_size) - len(table) - num_hit
+        if need <= 0 and not num_hit:
+            return []  # a decode step within its last block: the common case, kept cheap
+        # Cached blocks we are about to reuse may sit in the free queue: they stop
+        # being free, so they count against what is left.
+        reused_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reused_free:
+            return None
+        if num_hit:
+            self.pool.touch(new_computed_blocks)
+            table.extend(b.block_id for b in new_computed_blocks)
+            self._num_hashed[rid] = len(table)
+        new = self.pool.allocate(need) if need > 0 else []
+        assert new is not None  # there were enough free blocks
+        table.extend(b.block_id for b in new)
+        return new
+
+    def reserve_remote(self, request: Request, hit: Sequence[KVBlock]) -> int | None:
+        """Blocks for a prompt whose KV another worker sends (decode role); None, and no
+        change, when the pool has no room.
+
+        With a ``window``, the leading blocks wholly behind it at the prompt's end are read
+        by no later step: the table holds ``NULL_BLOCK_ID`` for them (no block is taken, a
+        cached one is not reused), then the cached ``hit`` blocks past them, then new ones.
+        Returns how many leading table entries need no transfer (cached or behind the window).
+        """
+        rid = request.request_id
+        if rid in self._tables:
+            raise ValueError(f"request {rid!r} holds blocks already")
+        num_blocks = -(-request.num_tokens // self.block_size)
+        behind = max(0, request.num_tokens - self.window) // self.block_size if self.window else 0
+        kept = list(hit[behind:])
+        not_sent = max(behind, len(hit))
+        need = num_blocks - not_sent
+        if need > self.pool.num_free_blocks - sum(1 for b in kept if b.ref_cnt == 0):
+            return None
+        self.pool.touch(kept)
+        new = self.pool.allocate(need)
+        assert new is not None  # there were enough free blocks
+        self._tables[rid] = [NULL_BLOCK_ID] * behind + [b.block_id for b in kept] + [b.block_id for b in new]
+        self._num_hashed[rid] = not_sent
+        if behind:
+            self._released[rid] = behind
+            self.num_released += behind
+        return not_sent
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        n_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        done = self._num_hashed.get(rid, 0)
+        if n_full <= done:
+            return
+        hashes = self._block_hashes(request)
+        table = self._tables[rid]
+        blocks = self.pool.blocks
+        for i in range(done, n_full):
+            if table[i] != NULL_BLOCK_ID:  # (given back, once back from swap space)
+                self.pool.cache(blocks[table[i]], hashes[i])
+        self._num_hashed[rid] = n_full
+
+    def release_outside_window(self, request: Request) -> int:
+        """Give back the request's blocks that no layer reads again (``window``): those
+        whose every token is more than ``window`` positions behind the next one to compute.
+        Returns how many were given back now."""
+        if not self.window:
+            return 0
+        rid = request.request_id
+        table = self._tables.get(rid)
+        done = self._released.get(rid, 0)
+        if table is None:
+            return 0
+        upto = min(len(table), max(0, request.num_computed_tokens - self.window) // self.block_size)
+        if upto <= done:
+            return 0
+        self.pool.free(self._held(table[done:upto]))
+        table[done:upto] = [NULL_BLOCK_ID] * (upto - done)
+        self._released[rid] = upto
+        self.num_released += upto - done
+        return upto - done
+
+    def free(self, request: Request) -> None:
+        """Return every block the request holds, on the GPU pool and in swap space."""
+        rid = request.request_id
+        self._released.pop(rid, None)
+        table = self._tables.pop(rid, None)
+        if table:
+            # Tail blocks first: they are the least likely to be shared prefixes.
+            self.pool.free(reversed(self._held(table)))
+        cpu = self._cpu_blocks.pop(rid, None)
+        if cpu:
+            self.cpu_pool.free(cpu)
+        self._hashes.pop(rid, None)
+        self._num_hashed.pop(rid, None)
+
+    def pin(self, request_id: str) -> list[KVBlock]:
+        """Take one more reference to each of the request's blocks; ``unpin`` drops them."""
+        blocks = self._held(self._tables.get(request_id, ()))
+        self.pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        self.pool.free(reversed(blocks))
+
+    # -- swapping --------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to swap space; returns (device, cpu) pairs to copy."""
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        kept = table[self._released.get(rid, 0):]  # the blocks given back stay so
+        cpu = self.cpu_pool.allocate(len(kept))
+        if cpu is None:
+            return None
+        self._tables.pop(rid, None)
+        self._num_hashed.pop(rid, None)
+        self._cpu_blocks[rid] = cpu
+        self.pool.free(reversed(self._held(kept)))
+        return list(zip(kept, cpu))
+
+    def num_swapped_blocks(self, request_id: str) -> int:
+        return len(self._cpu_blocks.get(request_id, ()))
+
+    def swap_in(self, request: Request, num_new_tokens: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back, with slots for ``num_new_tokens`` more tokens.
+
+        Returns (cpu, device) pairs to copy; None (and no change) if the pool is short.
+        """
+        rid = request.request_id
+        released = self._released.get(rid, 0)
+        need = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - released
+        new = self.pool.allocate(max(need, self.num_swapped_blocks(rid)))
+        if new is None:
+            return None
+        cpu = self._cpu_blocks.pop(rid)
+        self._tables[rid] = [NULL_BLOCK_ID] * released + [b.block_id for b in new]
+        self.cpu_pool.free(cpu)
+        return list(zip(cpu, (b.block_id for b in new)))
