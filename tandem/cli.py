@@ -265,7 +265,7 @@ def _add_generate(sub) -> None:
 def _add_up(sub) -> None:
     up = sub.add_parser("up", help="start Ray, the worker pools and the HTTP/gRPC router; Ctrl-C stops")
     add_service_flags(up, model_help=MODEL_HELP)
-    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see README)")
+    up.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC: see docs/serving.md)")
     up.add_argument("--http-port", type=int, default=HTTP_PORT)
     up.add_argument("--grpc-port", type=int, default=GRPC_PORT)
     up.add_argument("--metrics-port", type=int, default=METRICS_PORT, help="Prometheus scrape endpoint of this node")

@@ -1332,8 +1332,8 @@ def test_the_stated_kuberay_floor_knows_every_field_the_chart_renders(chart, ren
     assert _kuberay_needed(no_auth) == (1, 3)
     requires = yaml.safe_load((CHART / "Chart.yaml").read_text())["annotations"]["tandem.dev/requires"]
     assert "from 1.3, all that rayAuth.enabled=false needs" in requires
-    readme = (REPO / "README.md").read_text()
-    assert re.findall(r"KubeRay operator (\d+)\.(\d+) or newer", readme) == [tuple(map(str, floor))]
+    page = (REPO / "docs" / "kubernetes.md").read_text()
+    assert re.findall(r"KubeRay operator (\d+)\.(\d+) or newer", page) == [tuple(map(str, floor))]
 
 
 # ------------------------------------------------------- Ray's token auth, NetworkPolicy

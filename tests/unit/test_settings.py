@@ -205,9 +205,9 @@ def test_a_topology_files_router_section_sets_the_router_and_flags_override_it(t
         _service("--config", str(topology))
 
 
-def test_the_readmes_topology_example_is_valid_and_takes_every_router_setting(tmp_path):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    example = readme.split("## Topology", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+def test_the_docs_topology_example_is_valid_and_takes_every_router_setting(tmp_path):
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    example = page.split("```yaml", 1)[1].split("```", 1)[0]
     assert set(yaml.safe_load(example)["router"]) == set(ROUTER_SETTINGS)
     topology = tmp_path / "topology.yaml"
     topology.write_text(example)
