@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -338,35 +339,22 @@ class GGUFFile:
             "final_logit_softcapping": self._arch("final_logit_softcapping"),
         }
 
-    def tensors(self, dtype, num_heads: int, num_kv_heads: int) -> dict:
-        """Every weight under its Hugging Face name, dequantized into torch ``dtype``."""
-        import torch
-
+    def tensors(self, dtype, num_heads: int, num_kv_heads: int) -> GGUFTensors:
+        """Every weight under its Hugging Face name, dequantized into torch ``dtype`` as it
+        is read (``GGUFTensors``). Unsupported types and names are refused here, before
+        any tensor is read."""
         unsupported = sorted({t.tensor_type.name for t in self._reader.tensors} - SUPPORTED_TYPES)
         if unsupported:
             raise ValueError(
                 f"GGUF file {self.path.name}: unsupported tensor type(s) {unsupported}; "
                 f"supported: {sorted(SUPPORTED_TYPES)}"
             )
-        gguf = gguf_package()
         layer_tensors = {**_LAYER_TENSORS, **_FAMILY_TENSORS[self.hf_architecture]}
         in_config = set(_ROPE_FACTORS.values()) if self.architecture == "phi3" else set()
-        out: dict[str, torch.Tensor] = {}
-        for t in self._reader.tensors:
-            if t.name in in_config:
-                continue
-            name = _hf_name(t.name, layer_tensors, self.path.name)
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
-            values = values.reshape(tuple(int(d) for d in reversed(t.shape)))
-            if self.architecture in _PERMUTED_QK and ".q_proj." in name:
-                values = _unpermute(values, num_heads)
-            elif self.architecture in _PERMUTED_QK and ".k_proj." in name:
-                values = _unpermute(values, num_kv_heads)
-            elif self.architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
-                values = values - 1  # in float32, before the cast to dtype
-            # F32 comes back as a view of the read-only memory map: copy it out.
-            out[name] = torch.from_numpy(np.array(values, copy=not values.flags.writeable)).to(dtype)
-        return out
+        by_name = {
+            _hf_name(t.name, layer_tensors, self.path.name): t for t in self._reader.tensors if t.name not in in_config
+        }
+        return GGUFTensors(self.architecture, by_name, dtype, num_heads, num_kv_heads)
 
     def tokenizer_parts(self) -> dict[str, Any]:
         """The tokenizer and what ``engine.tokenizer.Tokenizer`` needs besides it."""
@@ -461,6 +449,64 @@ class GGUFFile:
             [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
         )
         return tok
+
+
+class GGUFTensors(Mapping):
+    """A GGUF file's weights under Hugging Face names, each dequantized when it is read.
+
+    The ``gguf`` package dequantizes a tensor whole (a quantized block spans many values
+    of a row), so a part of one (``read`` with an index: a tensor-parallel rank's slice)
+    is cut right after its tensor is dequantized, in float32, and copied out: a rank
+    holds at most one whole dequantized matrix beyond its own slices at any time, never
+    the whole model. The last tensor read is kept, so the three parts a rank reads of a
+    fused q/k/v matrix dequantize it once. Any part of any tensor can be cut this way;
+    what cannot split (heads, intermediate rows) is refused by ``Shard``, naming the limit.
+    """
+
+    def __init__(self, architecture: str, tensors: dict, dtype, num_heads: int, num_kv_heads: int) -> None:
+        self._architecture = architecture
+        self._tensors = tensors  # Hugging Face name -> gguf's ReaderTensor
+        self._dtype = dtype
+        self._heads = {".q_proj.": num_heads, ".k_proj.": num_kv_heads}
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def __getitem__(self, name: str):
+        return self.read(name)
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape, slowest dimension first (as torch has it)."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    def read(self, name: str, index: tuple[slice, ...] = ()):
+        """Tensor ``name`` in the serving dtype, or its ``index`` (a slice per leading
+        dimension), copied out of the whole dequantized tensor."""
+        import torch
+
+        values = self._dequantized(name)
+        if index:
+            values = np.array(values[index])
+        # F32 comes back as a view of the read-only memory map: copy it out.
+        return torch.from_numpy(np.array(values, copy=not values.flags.writeable)).to(self._dtype)
+
+    def _dequantized(self, name: str) -> np.ndarray:
+        """The whole of tensor ``name`` in float32, in Hugging Face's layout."""
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        t = self._tensors[name]
+        values = gguf_package().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+        heads = next((n for key, n in self._heads.items() if key in name), None)
+        if self._architecture in _PERMUTED_QK and heads is not None:
+            values = _unpermute(values, heads)
+        elif self._architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            values = values - 1  # in float32, before the cast to dtype
+        self._last = (name, values)
+        return values
 
 
 def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

@@ -3,7 +3,8 @@
 Layout: ``k`` and ``v`` are ``[num_layers, num_blocks, block_size, num_kv_heads,
 head_dim]``, so ``k[layer]`` is one layer's paged cache and ``k[:, ids]`` is all of a
 request's KV in one gather (what a transfer packs into a single message). The swap
-pool has the same layout in CPU memory (pinned when the cache is on a GPU).
+pool has the same layout in CPU memory (pinned when the cache is on a GPU). Under tensor
+parallelism a rank's cache holds only the KV heads its shard owns (``Shard.kv_heads``).
 
 Whole blocks move in and out only through ``gather`` and ``scatter`` (KV packed for a
 transfer or received from one, swap). The attention backends read and write ``k`` and
@@ -17,18 +18,25 @@ from collections.abc import Sequence
 import torch
 
 from engine.model.model_config import ModelConfig
+from engine.model.parallel import Shard, kv_head_range
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
+def kv_heads_per_rank(config: ModelConfig, tp_size: int = 1) -> int:
+    """The KV heads each rank of ``tp_size`` holds (every rank holds as many)."""
+    start, stop = kv_head_range(config.num_kv_heads, tp_size, 0)
+    return stop - start
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """K and V of one block across all layers, on each rank of ``tp_size``."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    return 2 * config.num_layers * block_size * kv_heads_per_rank(config, tp_size) * config.head_dim * elem
 
 
 class KVCache:
     """One engine's paged K and V tensors for every layer, and their CPU swap space; allocated when
     the engine is built and kept for its life. Which request owns which block is the block
-    manager's business (``engine.core.block_pool``)."""
+    manager's business (``engine.core.block_pool``). With ``tp``, only that shard's KV heads."""
 
     def __init__(
         self,
@@ -38,8 +46,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         num_cpu_blocks: int = 0,
+        tp: Shard | None = None,
     ) -> None:
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        heads = kv_heads_per_rank(config, 1 if tp is None else tp.size)
+        shape = (config.num_layers, num_blocks, block_size, heads, config.head_dim)
         # Zeros, not empty: padded attention multiplies masked V rows by 0, and a NaN
         # left in unused memory would turn that into NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)

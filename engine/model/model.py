@@ -11,6 +11,15 @@ transformers so that greedy decoding matches it token for token. Weights are loa
 ``engine.model.loader``; q/k/v and gate/up projections are fused there into single matrices
 so each layer runs four matmuls, and a float32 model on the CPU runs them on
 oneDNN-packed weights (``PackedLinear``).
+
+Tensor parallelism (``engine.model.parallel``): a model built for one rank of a group
+holds that rank's slices, Megatron's way. q/k/v and gate/up are column-parallel (the
+rank's heads and intermediate rows), o and down row-parallel (the matching input
+columns: each rank's product is partial, summed by an all-reduce, the bias added once
+after it), the embedding and the LM head vocab-parallel (the rank's rows of the padded
+vocabulary: the lookup is all-reduced, the logits all-gathered and cut to the real
+vocabulary). Norms, rotary tables and a mixture's router are whole on every rank. At
+one rank the plain modules are built, so a single-rank model runs no collective.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from torch import nn
 from engine.model.attention import StepAttention
 from engine.model.model_config import ModelConfig
 from engine.model.moe import SparseMoE
+from engine.model.parallel import SINGLE, TPGroup, shard_of
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -91,21 +101,65 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class RowParallelLinear(nn.Linear):
+    """A projection whose input columns are split over the ranks (Megatron's row-parallel
+    layer: o_proj, down_proj). Each rank's product is a partial sum, all-reduced; the
+    bias, whole on every rank, is added once after the sum (added before it, it would
+    count once per rank)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def row_parallel(in_features: int, out_features: int, bias: bool, tp: TPGroup) -> nn.Linear:
+    """A row-parallel projection over ``tp``; at one rank a plain ``nn.Linear`` (no reduce)."""
+    if tp.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The rank's rows of the embedding, ``[start, start + rows)`` of the vocabulary padded to
+    a multiple of the ranks: an id outside them looks up zeros, and the all-reduce over the
+    ranks leaves each token its one row."""
+
+    def __init__(self, rows: int, hidden_size: int, start: int, tp: TPGroup) -> None:
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
+        self.start = start
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
 class Attention(nn.Module):
     """One layer's grouped-query self-attention: the fused q/k/v projection, optional per-head q/k
     norms, the rotary, then the step's attention backend over the paged cache (within the layer's
-    sliding window, if it has one)."""
+    sliding window, if it has one). Under tensor parallelism, the rank's query heads and
+    KV heads (``Shard.kv_heads``: shared by several ranks when there are fewer KV heads
+    than ranks)."""
 
-    def __init__(self, config: ModelConfig, index: int = 0) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.window = config.layer_windows[index] if config.layer_windows else 0  # 0: the whole context
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        shard = shard_of(tp)
+        first, last = shard.split(config.num_heads, "num_attention_heads")
+        first_kv, last_kv = shard.kv_heads(config.num_kv_heads)
+        self.num_heads = last - first
+        self.num_kv_heads = last_kv - first_kv
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = row_parallel(self.q_size, config.hidden_size, config.o_bias, tp)
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset)
@@ -133,13 +187,15 @@ def activation(config: ModelConfig):
 
 class MLP(nn.Module):
     """The gated feed-forward block: act(gate) * up, then down, with gate and up fused into one
-    matrix at load (``engine.model.loader``); the activation is the config's ``hidden_act``."""
+    matrix at load (``engine.model.loader``); the activation is the config's ``hidden_act``.
+    Under tensor parallelism, the rank's 1/size of the intermediate rows."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
+        first, last = shard_of(tp).split(config.intermediate_size, "intermediate_size")
+        self.inter = last - first
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = row_parallel(self.inter, config.hidden_size, config.mlp_bias, tp)
         self.act = activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,19 +241,41 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x times the packed weight, plus ``bias`` unless None."""
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > MAX_PACKED_ROWS:
-            out = torch.cat([self._product(piece) for piece in rows.split(MAX_PACKED_ROWS)])
+            out = torch.cat([self._product(piece, bias) for piece in rows.split(MAX_PACKED_ROWS)])
         else:
-            out = self._product(rows)
+            out = self._product(rows, bias)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+    def _product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n = rows.shape[0]
         padding = packed_rows(n) - n
         rows = F.pad(rows, (0, 0, 0, padding)) if padding else rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
         return out[:n] if padding else out
+
+
+class PackedRowParallel(PackedLinear):
+    """A ``RowParallelLinear`` on oneDNN-packed weights: the partial product, the
+    all-reduce, then the bias."""
+
+    def __init__(self, linear: RowParallelLinear) -> None:
+        super().__init__(linear)
+        self.tp = linear.tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.project(x, None))
+        return out if self.bias is None else out + self.bias
+
+
+def packed(linear: nn.Linear) -> PackedLinear:
+    """``linear`` on packed weights, row-parallel if it was."""
+    return PackedRowParallel(linear) if isinstance(linear, RowParallelLinear) else PackedLinear(linear)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -210,20 +288,20 @@ class DecoderLayer(nn.Module):
     (Gemma 3) the attention's output is normed before it is added
     (``post_attention_layernorm``), and the MLP has a norm on each side."""
 
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)  # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, index)
+        self.self_attn = Attention(config, index, tp)
         self.post_attention_layernorm = norm()
         self.sandwich = config.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         moe = config.moe
         if moe is not None and index in moe.sparse_layers:
-            self.mlp = SparseMoE(config.hidden_size, moe, activation(config))
+            self.mlp = SparseMoE(config.hidden_size, moe, activation(config), tp)
         else:
-            self.mlp = MLP(config)
+            self.mlp = MLP(config, tp)
 
     def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
         h = self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, attn)
@@ -235,19 +313,18 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """The whole decoder: ``forward`` gives hidden states, ``logits`` projects chosen rows."""
+    """The whole decoder: ``forward`` gives hidden states, ``logits`` projects chosen rows.
+    Built for ``tp``'s own rank, it holds that rank's slices (module docstring); every
+    rank runs each forward and ``logits`` call together, on the same input."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        # Given its weight, the embedding skips its random init (``normal_`` on the meta
-        # device, where the loader builds the model, would import torch._dynamo too).
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.tp = tp
+        self.embed_tokens = _embedding(config, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.embed_tokens.num_embeddings, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config, config.max_position_embeddings)
@@ -290,13 +367,28 @@ class DecoderModel(nn.Module):
             else:
                 layer.mlp.pack(PackedLinear)
             for module, name in linears:
-                setattr(module, name, PackedLinear(getattr(module, name)))
+                setattr(module, name, packed(getattr(module, name)))
         self.lm_head = PackedLinear(self.lm_head)
 
     def weight_bytes(self) -> int:
-        """What the weights take in memory, packed projections included."""
+        """What the weights take in memory, packed projections included (this rank's)."""
         packed = [m.packed for m in self.modules() if isinstance(m, PackedLinear)]
         return sum(t.numel() * t.element_size() for t in [*self.parameters(), *packed])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Float32 logits over the whole vocabulary of ``hidden``'s rows ([N, vocab]): under
+        tensor parallelism every rank's part gathered, the padding rows' logits cut."""
+        if self.tp.size == 1:
+            return self.lm_head(hidden).float()
+        return self.tp.all_gather(self.lm_head(hidden), dim=-1)[..., : self.config.vocab_size].float()
+
+
+def _embedding(config: ModelConfig, tp: TPGroup) -> nn.Embedding:
+    """The token embedding: whole at one rank, else the rank's rows of the padded vocabulary.
+    Given its weight, it skips the random init (``normal_`` on the meta device, where the
+    loader builds the model, would import torch._dynamo too)."""
+    if tp.size == 1:
+        rows = config.vocab_size
+        return nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
+    start, stop = shard_of(tp).vocab(config.vocab_size)
+    return VocabParallelEmbedding(stop - start, config.hidden_size, start, tp)

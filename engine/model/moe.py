@@ -13,6 +13,11 @@ a GPU the same grouping runs as two Triton grouped GEMMs (``engine.model.triton_
 The experts' weights sit stacked, ``[experts, 2 * intermediate, hidden]`` for gate and
 up and ``[experts, hidden, intermediate]`` for down, as the loader builds them from
 per-expert checkpoint tensors.
+
+Tensor parallelism shards every expert, not the set of experts: each rank holds every
+expert's 1/size of the intermediate rows (gate/up rows, down columns) and the whole
+router, so each rank routes every token as the others do and its experts' sum is a
+partial one, all-reduced once per layer after the experts are combined.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.model_config import MoEConfig
+from engine.model.parallel import SINGLE, TPGroup, shard_of
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,12 +40,15 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
 
 
 class SparseMoE(nn.Module):
-    """The sparse MLP of one layer: ``gate`` (the router) and the stacked experts."""
+    """The sparse MLP of one layer: ``gate`` (the router) and the stacked experts (under
+    tensor parallelism, ``tp``'s rank's slice of each)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, act) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, act, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.normalize = moe.num_experts, moe.top_k, moe.normalize
-        self.inter = moe.intermediate_size
+        first, last = shard_of(tp).split(moe.intermediate_size, "moe_intermediate_size")
+        self.inter = last - first
+        self.tp = tp
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * self.inter, hidden_size))
         self.experts_down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, self.inter))
@@ -64,7 +73,12 @@ class SparseMoE(nn.Module):
         if x.is_cuda:  # two grouped GEMM launches, no host loop over experts
             from engine.model.triton_moe import fused_experts
 
-            return fused_experts(x, self.experts_gate_up, self.experts_down, weights, experts, self.act)
+            out = fused_experts(x, self.experts_gate_up, self.experts_down, weights, experts, self.act)
+        else:
+            out = self._grouped(x, weights, experts)
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         # (token, slot) pairs sorted by expert: each expert's rows are one stretch.
         flat = experts.reshape(-1)
@@ -99,4 +113,4 @@ class SparseMoE(nn.Module):
             for slot in range(self.top_k):
                 e = int(experts[t, slot])
                 out[t] += self._expert(e, x[t : t + 1])[0] * weights[t, slot].to(x.dtype)
-        return out
+        return out if self.tp.size == 1 else self.tp.all_reduce(out)

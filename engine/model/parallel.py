@@ -149,3 +149,8 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
         )
     head = rank // (size // num_kv_heads)
     return head, head + 1
+
+
+def shard_of(group: TPGroup) -> Shard:
+    """The part of the model ``group``'s own rank holds."""
+    return Shard(group.rank, group.size)
