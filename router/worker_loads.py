@@ -87,6 +87,7 @@ class WorkerLoads:
         self._reports: dict[str, LoadReport] = {}  # worker id -> its latest load report
         self._report_times: dict[str, float] = {}  # worker id -> ``now`` when it came
         self._pending_blocks: dict[str, int] = {}  # decode worker id -> blocks placed, not yet answered
+        self._blocks_pending = 0  # their sum over every decode worker
         self._pending_tokens: dict[str, int] = {}  # prefill worker id -> prompt tokens placed, not yet done
         self.prefill_prefixes = PrefixIndex()  # by worker id
         self.decode_prefixes = PrefixIndex()  # by key
@@ -138,6 +139,7 @@ class WorkerLoads:
         """The decode worker answered a placement of ``blocks`` (took it or not): from here its
         own reports count it."""
         self._pending_blocks[worker_id] = self.pending_blocks(worker_id) - blocks
+        self._blocks_pending -= blocks
 
     def prefill_ended(self, worker_id: str, tokens: int) -> None:
         """A prefill of ``tokens`` placed on the worker ended (done, failed or refused)."""
@@ -152,14 +154,21 @@ class WorkerLoads:
         with an ``affinity``, its worker first. ``hashes``: the prompt's block hashes, to prefer
         a worker whose prefix cache holds its start. Counts ``blocks`` pending there."""
         cfg = self.config
-        listed = [w for w in workers if w.worker_id in self._reports and w.key not in exclude and not w.draining]
-        loads = [cast(DecodeLoadLike, self._reports[w.worker_id]) for w in listed]
-        pending = [self.pending_blocks(w.worker_id) for w in listed]
-        room = [decode_has_room(load, blocks, cfg.max_running_per_decode, p) for load, p in zip(loads, pending)]
-        i = None if affinity is None else pick_affine([w.key for w in listed], affinity.decode, room)
-        if i is None and cfg.placement == "round_robin":
-            i = round_robin(len(listed), next(self._decode_ties), room)
-        elif i is None:
+        reports = self._reports
+        listed = [w for w in workers if w.worker_id in reports and not w.draining and w.key not in exclude]
+        loads = [cast(DecodeLoadLike, reports[w.worker_id]) for w in listed]
+        # Nothing pending anywhere (the usual case between placements): no list of zeros.
+        pending = [self.pending_blocks(w.worker_id) for w in listed] if self._blocks_pending else []
+        i = None
+        if affinity is not None or cfg.placement == "round_robin":
+            room = [decode_has_room(load, blocks, cfg.max_running_per_decode, pending[j] if pending else 0)
+                    for j, load in enumerate(loads)]
+            i = None if affinity is None else pick_affine([w.key for w in listed], affinity.decode, room)
+            if i is None and cfg.placement == "round_robin":
+                i = round_robin(len(listed), next(self._decode_ties), room)
+                if i is None:
+                    return None
+        if i is None:
             cached = [self.decode_prefixes.matched_blocks(w.key, hashes) for w in listed] if hashes else ()
             i = pick_decode(loads, blocks, cfg.max_running_per_decode, pending, next(self._decode_ties), cached,
                             cfg.max_imbalance_requests)
@@ -168,7 +177,8 @@ class WorkerLoads:
         chosen = listed[i]
         if affinity is not None and affinity.decode is None:
             affinity.decode = chosen.key
-        self._pending_blocks[chosen.worker_id] = pending[i] + blocks
+        self._pending_blocks[chosen.worker_id] = self.pending_blocks(chosen.worker_id) + blocks
+        self._blocks_pending += blocks
         held = self.decode_prefixes.matched_blocks(chosen.key, hashes) if hashes else 0
         if hashes:
             self.decode_prefixes.record(chosen.key, hashes)

@@ -201,6 +201,7 @@ class Simulator:
     def retire_worker(self, w: SimWorker) -> None:
         """A drained worker leaves its pool; its counters still count."""
         self.pools[w.role].remove(w)
+        self.router.gone(w)
         self._retired.append(w)
         self.note_devices()
 
@@ -253,13 +254,13 @@ class Simulator:
             self._cut(decode)
             if self.topology.colocated or local:
                 self.local_prefills += local is not None
+                self.router.placed_here(decode, request)
                 rec.decode = decode
                 decode.scheduler.add_request(request)
                 decode.prompt_tokens += req.prompt_tokens
                 decode.touch()
                 self.kick(decode)
                 return
-            self.router.pending(decode, request)
             self._on_step_thread(decode, self._reserve, (rec, decode, request))
             return
         self._place_later(rec)
@@ -285,10 +286,11 @@ class Simulator:
         self._start_prefill(rec, request.prompt_token_ids)
 
     def _start_prefill(self, rec: Record, prompt: list[int]) -> None:
-        prefill = self.router.choose_prefill(prompt)
+        prefill = self.router.choose_prefill(prompt, self.now)
         rec.prefill = prefill
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         prefill.scheduler.add_request(Request(str(rec.index), prompt, params, arrival_time=self.now, hold_kv=True))
+        self.router.prefill_queued(prefill, prompt)
         prefill.prompt_tokens += rec.req.prompt_tokens
         prefill.touch()
         self.kick(prefill)

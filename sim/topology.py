@@ -22,6 +22,7 @@ from pathlib import Path
 from cluster.autoscaler import AutoscalingConfig
 from engine.config import EngineConfig
 from router.admission import AdmissionConfig
+from router.dispatch_config import DispatchConfig
 from sim.cost import CostModel
 
 ROLES = ("prefill", "decode")
@@ -51,6 +52,16 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.placement not in ("load", "round_robin"):
             raise ValueError(f"placement must be 'load' or 'round_robin', got {self.placement!r}")
+
+    def dispatch_config(self, decode_engine: EngineConfig) -> DispatchConfig:
+        """The dispatcher's settings these stand for, with the decode engines' block size and cap."""
+        return DispatchConfig(
+            block_size=decode_engine.block_size, max_running_per_decode=decode_engine.max_num_seqs,
+            capacity_wait_s=self.capacity_wait_s, load_poll_s=self.load_poll_s, placement=self.placement,
+            prefix_affinity=self.prefix_affinity, max_imbalance_tokens=self.max_imbalance_tokens,
+            max_imbalance_requests=self.max_imbalance_requests, local_prefill_tokens=self.local_prefill_tokens,
+            local_prefill_backlog_tokens=self.local_prefill_backlog_tokens,
+        )
 
 
 @dataclass(frozen=True)

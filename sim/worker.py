@@ -112,10 +112,15 @@ class SimWorker:
         self.num_steps = 0
         self.run: DecodeRun | None = None
         self.calls: list = []  # (fn, arg) sent while a step was under way: run once it has ended
-        self.pending_blocks = 0  # placed here by the router, not yet reserved (the call waits for a step)
         self.load: DecodeLoad | None = None  # the last report, good until ``load_until``
         self.load_until = -math.inf  # (until the worker changes; in a run, until a step takes blocks)
         self._prefill_load: PrefillLoad | None = None
+
+    @property
+    def key(self) -> str:
+        """The incarnation placement tells apart (``WorkerRef.key``): a simulated worker's id
+        is never reused."""
+        return self.worker_id
 
     def touch(self) -> None:
         """The worker's state changed: its next load report is made anew."""

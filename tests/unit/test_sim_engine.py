@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import engine.core.scheduler
 from engine.core.block_pool import KVCacheManager
+from router.worker_loads import WorkerLoads
 from sim.cost import DEVICES, CostModel, model_spec
 from sim.report import summary
 from sim.simulator import Simulator, run
@@ -30,6 +31,21 @@ def test_each_simulated_worker_holds_the_engines_scheduler_and_block_manager():
     for w in workers:
         assert type(w.scheduler) is engine.core.scheduler.Scheduler, f"{w.worker_id} runs {type(w.scheduler)}"
         assert type(w.kv) is KVCacheManager and w.scheduler.kv_manager is w.kv
+
+
+def test_the_simulated_router_places_with_the_dispatchers_own_worker_loads(monkeypatch):
+    sim = Simulator(SimTopology(prefill_workers=1, decode_workers=2), COST, _trace())
+    assert type(sim.router.loads) is WorkerLoads
+    chosen = []
+    real = WorkerLoads.choose_decode
+
+    def spy(self, workers, blocks, *args, **kwargs):
+        chosen.append(blocks)
+        return real(self, workers, blocks, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerLoads, "choose_decode", spy)
+    summary(sim.run())
+    assert len(chosen) >= len(_trace()), "every request is placed through WorkerLoads.choose_decode"
 
 
 def test_a_scheduling_change_in_the_engine_changes_the_simulated_run(monkeypatch):
