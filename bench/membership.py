@@ -29,24 +29,25 @@ import ray
 
 from bench.common import init_local_ray, write_result
 from engine import SamplingParams
+from engine.wire.clients import DecodeClient, PrefillClient
 
 PROMPT_TOKENS = 256
 _ids = itertools.count()
 
 
 async def _transfer(prefill, decode, tag: str) -> float:
-    """One request's KV from ``prefill`` to ``decode``; returns the transfer's seconds."""
+    """One request's KV from ``prefill`` to ``decode`` (actor handles); returns the transfer's seconds."""
     rid = f"{tag}-{next(_ids)}"
     prompt = [(hash(rid) + j) % 4000 for j in range(PROMPT_TOKENS)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     # Nobody reads this subscriber's deltas: the request is aborted right after its transfer.
-    reservation = await decode.reserve.remote(rid, prompt, params, f"bench-{tag}")
+    reservation = await DecodeClient(decode).reserve(rid, prompt, params, subscriber=f"bench-{tag}")
     if reservation is None:
         raise RuntimeError(f"{tag}: the decode worker had no room")
-    result = await prefill.prefill.remote(rid, prompt, params, decode, reservation)
+    result = await PrefillClient(prefill).prefill(rid, prompt, params, decode_worker=decode, reservation=reservation)
     if result.error:
         raise RuntimeError(f"{tag}: transfer failed: {result.error}")
-    await decode.abort.remote(rid)  # the token is not wanted: free the blocks at once
+    await DecodeClient(decode).abort(rid)  # the token is not wanted: free the blocks at once
     return result.transfer_s
 
 

@@ -34,9 +34,9 @@ class _Call:
     def __init__(self, fn) -> None:
         self._fn = fn
 
-    def remote(self, *args):
+    def remote(self, *args, **kwargs):
         fut = asyncio.get_running_loop().create_future()
-        fut.set_result(self._fn(*args))
+        fut.set_result(self._fn(*args, **kwargs))
         return fut
 
     def options(self, **_):
@@ -55,6 +55,7 @@ class StepWorker:
         self.submit = _Call(self._submit)
         self.abort = _Call(lambda rid: self.active.pop(rid, None))
         self.subscribe = _Subscribe(self.queues)
+        self.token_channel = _Call(lambda: None)  # none: the stream comes over ``subscribe``
 
     def _load(self):
         from engine.wire.messages import DecodeLoad
@@ -62,7 +63,7 @@ class StepWorker:
         return DecodeLoad("decode[0]", running=len(self.active), waiting=0, waiting_for_kv=0,
                           free_blocks=1 << 20, total_blocks=1 << 20)
 
-    def _submit(self, rid, prompt, params, subscriber, resume=(), priority=0) -> None:
+    def _submit(self, rid, prompt, params, *, subscriber, resume_output=(), priority=0) -> None:
         self.active[rid] = [subscriber, len(prompt), 0]
 
     def step(self) -> None:

@@ -169,6 +169,7 @@ def ttft_breakdown(model: str | None, prompt_len: int = 512, chunk_tokens: int |
     from cluster.config import ClusterConfig
     from cluster.pools import TandemCluster
     from engine import SamplingParams
+    from engine.wire.clients import DecodeClient, PrefillClient
 
     engine = {"max_num_batched_tokens": chunk_tokens} if chunk_tokens else {}
     cluster = TandemCluster(ClusterConfig(
@@ -180,11 +181,11 @@ def ttft_breakdown(model: str | None, prompt_len: int = 512, chunk_tokens: int |
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         async def one(rid: str, i: int) -> dict:
             prompt = [(i * 7919 + j) % 4000 for j in range(prompt_len)]  # distinct: no prefix hits
-            stream = decode.subscribe.options(num_returns="streaming").remote(f"bench-{rid}")
+            stream = DecodeClient(decode).subscribe(f"bench-{rid}")
             t0 = time.perf_counter()
-            res = await decode.reserve.remote(rid, prompt, params, f"bench-{rid}")
+            res = await DecodeClient(decode).reserve(rid, prompt, params, subscriber=f"bench-{rid}")
             t_res = time.perf_counter()
-            pref = prefill.prefill.remote(rid, prompt, params, decode, res)
+            pref = PrefillClient(prefill).prefill(rid, prompt, params, decode_worker=decode, reservation=res)
             marks = []
             async for ref in stream:  # one message per step: this request's deltas
                 _, (delta,) = await ref

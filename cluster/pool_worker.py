@@ -28,6 +28,8 @@ endpoint) stay. Calls that arrive meanwhile wait for the switch (it takes millis
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
@@ -42,6 +44,8 @@ from prefill_worker.worker import PrefillWorker
 ROLE_CLASSES: dict[str, type[WorkerBase]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
 PLACEMENTS = frozenset({"prefill", "reserve", "submit"})  # refused while the worker drains or switches
 
+Role = TypeVar("Role", bound=WorkerBase)
+
 
 class PoolWorker:
     """The actor behind a prefill or decode slot when roles may switch (module docstring).
@@ -50,8 +54,8 @@ class PoolWorker:
     keyword arguments."""
 
     def __init__(
-        self, role: str, worker_id: str, engine_configs: dict[str, EngineConfig], transfer: TransferConfig,
-        torch_threads: int = 1, **decode_options,
+        self, role: str, worker_id: str, engine_configs: dict[str, EngineConfig], transfer: TransferConfig, *,
+        torch_threads: int = 1, **decode_options: Any,
     ) -> None:
         self._configs = engine_configs
         self._threads = torch_threads
@@ -61,25 +65,39 @@ class PoolWorker:
         self._settled = asyncio.Event()  # clear while a switch runs
         self._settled.set()
         self._fenced = False  # draining or switching: placements are refused
+        self._show_role()
 
-    def _make(self, role: str, worker_id: str, transfer: TransferConfig, previous: WorkerBase | None = None):
+    def _make(self, role: str, worker_id: str, transfer: TransferConfig, previous: WorkerBase | None = None
+              ) -> WorkerBase:
         options = self._decode_options if role == "decode" else {}
-        return ROLE_CLASSES[role](worker_id, self._configs[role], transfer, self._threads, previous=previous, **options)
+        return ROLE_CLASSES[role](
+            worker_id, self._configs[role], transfer, torch_threads=self._threads, previous=previous, **options)
 
-    async def _role_method(self, name: str, epoch: int | None):
-        """The current role's method ``name``, once no switch runs; ``StalePlacement``
-        when the caller's view of this worker is out of date."""
+    def _show_role(self) -> None:
+        """Name this process after its role and worker id in ``ps``: ``ray::decode-0:DecodeWorker``
+        (Ray's ``<name>:<class>``), not ``ray::PoolWorker`` whatever the role. Between calls Ray
+        titles an actor's process ``ray::<the actor's class name>``, read again after each call,
+        and the class is this process's own (Ray's subclass of ``PoolWorker``), so the title
+        follows from the next call on. In this process without Ray, nothing is renamed."""
+        actor_class = type(self)
+        if actor_class is not PoolWorker:
+            actor_class.__name__ = f"{self.worker.worker_id}:{type(self.worker).__name__}"
+
+    async def _role(self, role: type[Role], call: str, epoch: int | None) -> Role:
+        """The current role's worker, once no switch runs, for a call of ``role``'s;
+        ``StalePlacement`` when the worker has another role, or the caller's view of it
+        is out of date, or it drains and ``call`` is a placement."""
         await self._settled.wait()
-        method = getattr(self.worker, name, None)
+        worker = self.worker
         stale = epoch is not None and epoch != self.epoch
-        if method is None or stale or (self._fenced and name in PLACEMENTS):
+        if not isinstance(worker, role) or stale or (self._fenced and call in PLACEMENTS):
             raise StalePlacement(
-                f"worker {self.worker.worker_id} is a {self.worker.role} worker at epoch {self.epoch}"
-                f"{' and draining' if self._fenced else ''}; the call {name} was made for epoch {epoch}"
+                f"worker {worker.worker_id} is a {worker.role} worker at epoch {self.epoch}"
+                f"{' and draining' if self._fenced else ''}; the call {call} was made for epoch {epoch}"
             )
-        return method
+        return worker
 
-    async def switch_role(self, role: str, worker_id: str) -> dict:
+    async def switch_role(self, role: str, worker_id: str) -> dict[str, Any]:
         """Become a ``role`` worker named ``worker_id`` under the next epoch (the cluster
         calls this once the worker is drained). Returns the new role's ``ready`` answer and
         ``idle``: whether the old role ended with nothing left to abort. ``RuntimeError``
@@ -100,6 +118,7 @@ class PoolWorker:
             self.epoch += 1
             ready = await self.worker.ready()  # its step thread (and token channel) run before any call reaches it
             self._fenced = False
+            self._show_role()
         finally:
             self._settled.set()
         return {**ready, "epoch": self.epoch, "idle": was_idle}
@@ -109,86 +128,92 @@ class PoolWorker:
         self._fenced = True
         await self.worker.drain()
 
-    async def role(self) -> dict:
+    async def role(self) -> dict[str, Any]:
         """Which role this worker has now, under which id and epoch."""
         return {"role": self.worker.role, "worker_id": self.worker.worker_id, "epoch": self.epoch}
 
-    async def subscribe(self, subscriber: str, epoch: int | None = None):
-        """The decode role's ``subscribe`` stream."""
-        async for message in (await self._role_method("subscribe", epoch))(subscriber):
-            yield message
-
-    # -- the roles' calls: each is the current role's method of that name, refused
+    # -- the roles' calls: each goes to the current role's method of that name, refused
     # (``StalePlacement``) when made for another epoch or when the role has none --------
 
-    async def _call(self, name: str, epoch: int | None, *args, **kwargs):
-        return await (await self._role_method(name, epoch))(*args, **kwargs)
-
-    async def ready(self, epoch: int | None = None) -> dict:
+    async def ready(self, *, epoch: int | None = None) -> dict[str, Any]:
         """Start the role's step thread; who it is (``WorkerBase.ready``)."""
-        return await self._call("ready", epoch)
+        return await (await self._role(WorkerBase, "ready", epoch)).ready()
 
-    async def load(self, epoch: int | None = None) -> PrefillLoad | DecodeLoad:
+    async def load(self, *, epoch: int | None = None) -> PrefillLoad | DecodeLoad:
         """The role's load for placement."""
-        return await self._call("load", epoch)
+        load: PrefillLoad | DecodeLoad = await (await self._role(WorkerBase, "load", epoch)).load()
+        return load
 
-    async def stats(self, epoch: int | None = None) -> dict:
-        return await self._call("stats", epoch)
+    async def stats(self, *, epoch: int | None = None) -> dict[str, Any]:
+        return await (await self._role(WorkerBase, "stats", epoch)).stats()
 
-    async def abort(self, request_id: str, epoch: int | None = None) -> None:
-        await self._call("abort", epoch, request_id)
+    async def abort(self, request_id: str, *, epoch: int | None = None) -> None:
+        await (await self._role(WorkerBase, "abort", epoch)).abort(request_id)
 
-    async def abort_request(self, request_id: str, epoch: int | None = None) -> None:
-        await self._call("abort_request", epoch, request_id)
+    async def abort_request(self, request_id: str, *, epoch: int | None = None) -> None:
+        await (await self._role(WorkerBase, "abort_request", epoch)).abort_request(request_id)
 
-    async def set_transfer(self, transfer: TransferConfig, epoch: int | None = None) -> None:
-        await self._call("set_transfer", epoch, transfer)
+    async def set_transfer(self, transfer: TransferConfig, *, epoch: int | None = None) -> None:
+        await (await self._role(WorkerBase, "set_transfer", epoch)).set_transfer(transfer)
 
-    async def record_steps(self, limit: int, epoch: int | None = None) -> None:
-        await self._call("record_steps", epoch, limit)
+    async def record_steps(self, limit: int, *, epoch: int | None = None) -> None:
+        await (await self._role(WorkerBase, "record_steps", epoch)).record_steps(limit)
 
-    async def take_steps(self, epoch: int | None = None) -> list[dict]:
-        return await self._call("take_steps", epoch)
+    async def take_steps(self, *, epoch: int | None = None) -> list[dict[str, Any]]:
+        return await (await self._role(WorkerBase, "take_steps", epoch)).take_steps()
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, decode_worker, reservation,
-        resume_output: list[int] = (), priority: int = 0, epoch: int | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, decode_worker: Any,
+        reservation: Reservation, resume_output: Sequence[int] = (), priority: int = 0, epoch: int | None = None,
     ) -> PrefillResult:
         """``PrefillWorker.prefill``."""
-        return await self._call("prefill", epoch, request_id, prompt_token_ids, params, decode_worker, reservation,
-                                resume_output, priority)
+        prefill = await self._role(PrefillWorker, "prefill", epoch)
+        return await prefill.prefill(request_id, prompt_token_ids, params, decode_worker=decode_worker,
+                                     reservation=reservation, resume_output=resume_output, priority=priority)
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output: list[int] = (), priority: int = 0, epoch: int | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, subscriber: str,
+        resume_output: Sequence[int] = (), priority: int = 0, epoch: int | None = None,
     ) -> Reservation | None:
         """``DecodeWorker.reserve``."""
-        return await self._call("reserve", epoch, request_id, prompt_token_ids, params, subscriber, resume_output,
-                                priority)
+        decode = await self._role(DecodeWorker, "reserve", epoch)
+        return await decode.reserve(request_id, prompt_token_ids, params, subscriber=subscriber,
+                                    resume_output=resume_output, priority=priority)
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output: list[int] = (), priority: int = 0, epoch: int | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, subscriber: str,
+        resume_output: Sequence[int] = (), priority: int = 0, epoch: int | None = None,
     ) -> None:
         """``DecodeWorker.submit``."""
-        await self._call("submit", epoch, request_id, prompt_token_ids, params, subscriber, resume_output, priority)
+        decode = await self._role(DecodeWorker, "submit", epoch)
+        await decode.submit(request_id, prompt_token_ids, params, subscriber=subscriber,
+                            resume_output=resume_output, priority=priority)
+
+    async def subscribe(self, subscriber: str, *, epoch: int | None = None) -> AsyncIterator[Any]:
+        """``DecodeWorker.subscribe``."""
+        async for message in (await self._role(DecodeWorker, "subscribe", epoch)).subscribe(subscriber):
+            yield message
 
     async def receive_kv(
-        self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0,
-        prompt_logprobs=None, epoch: int | None = None,
+        self, meta: TransferMeta, payload: Any, *, first_token: int, first_logprobs: Any = None,
+        num_cached_tokens: int = 0, prompt_logprobs: Any = None, epoch: int | None = None,
     ) -> int:
         """``DecodeWorker.receive_kv``."""
-        return await self._call("receive_kv", epoch, meta, payload, first_token, first_logprobs, num_cached_tokens,
-                                prompt_logprobs)
+        decode = await self._role(DecodeWorker, "receive_kv", epoch)
+        return await decode.receive_kv(meta, payload, first_token=first_token, first_logprobs=first_logprobs,
+                                       num_cached_tokens=num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
-    async def receive_kv_part(self, meta: TransferMeta, payload, first_block: int, epoch: int | None = None) -> int:
-        return await self._call("receive_kv_part", epoch, meta, payload, first_block)
+    async def receive_kv_part(
+        self, meta: TransferMeta, payload: Any, *, first_block: int, epoch: int | None = None,
+    ) -> int:
+        decode = await self._role(DecodeWorker, "receive_kv_part", epoch)
+        return await decode.receive_kv_part(meta, payload, first_block=first_block)
 
-    async def transfer_failed(self, request_id: str, epoch: int | None = None) -> None:
-        await self._call("transfer_failed", epoch, request_id)
+    async def transfer_failed(self, request_id: str, *, epoch: int | None = None) -> None:
+        await (await self._role(DecodeWorker, "transfer_failed", epoch)).transfer_failed(request_id)
 
-    async def sender_gone(self, sender: str, epoch: int | None = None) -> None:
-        await self._call("sender_gone", epoch, sender)
+    async def sender_gone(self, sender: str, *, epoch: int | None = None) -> None:
+        await (await self._role(DecodeWorker, "sender_gone", epoch)).sender_gone(sender)
 
-    async def token_channel(self, epoch: int | None = None) -> ChannelAddress | None:
-        return await self._call("token_channel", epoch)
+    async def token_channel(self, *, epoch: int | None = None) -> ChannelAddress | None:
+        return await (await self._role(DecodeWorker, "token_channel", epoch)).token_channel()

@@ -256,7 +256,7 @@ class TandemCluster:
                     placement_group=slot.pg, placement_group_bundle_index=slot.bundle
                 ),
             )
-            .remote(*args, cfg.transfer, cfg.torch_threads, **decode_options)
+            .remote(*args, cfg.transfer, torch_threads=cfg.torch_threads, **decode_options)
         )
         return WorkerRef(worker_id, handle, incarnation=name, epoch=None if slot.role == "colocated" else 0)
 

@@ -41,14 +41,18 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
+from typing import Any, cast
 
 import ray
 
 from engine.async_engine import merge_outputs
-from engine.wire.messages import DecodeLoad, ErrorKind, Reservation, TransferState
+from engine.output_processor import RequestOutput
+from engine.wire.channel_wire import Notice, NoticeKind
+from engine.wire.messages import DecodeLoad, ErrorKind, Reservation, StepMessage, TransferState
 from engine.wire.sampling_params import SamplingParams
-from engine.wire.token_channel import ChannelAddress, ChannelConfig, ChannelServer, Notice, NoticeKind
+from engine.wire.token_channel import ChannelAddress, ChannelConfig, ChannelServer
 from kv_transfer import TransferError, TransferMeta, checksum
 from kv_transfer.handoff import Ended, HandoffError, Read, Receiver
 from kv_transfer.worker import WorkerBase
@@ -64,8 +68,8 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(
-        self, *args, stream_interval_s: float = 0.0, token_channel_host: str | None = None,
-        channel: ChannelConfig | None = None, **kwargs
+        self, *args: Any, stream_interval_s: float = 0.0, token_channel_host: str | None = None,
+        channel: ChannelConfig | None = None, **kwargs: Any,
     ) -> None:
         """``WorkerBase``'s arguments; ``stream_interval_s``: at most one message per stream
         per interval; ``token_channel_host``: where the token channel listens (None: none,
@@ -83,16 +87,17 @@ class DecodeWorker(WorkerBase):
         self.stream_interval_s = stream_interval_s
         self.async_engine.add_periodic(self._expire_reservations)
         self.async_engine.add_periodic(self._cut_slow_subscribers)
-        self.handoff: Receiver[list] = Receiver()  # one hand-off record per reservation, holding its pins
+        self.handoff: Receiver[list[Any]] = Receiver()  # one hand-off record per reservation, holding its pins
         self.num_transfer_failures = 0  # requests whose KV did not come (the failure policy ran)
         self.async_engine.step_report = self._load  # rides on every step message (``subscribe``)
 
     # -- health and load -------------------------------------------------------
 
-    async def ready(self) -> dict:
-        if self._channel is not None:  # on the actor's event loop, where its outboxes live
+    async def ready(self) -> dict[str, Any]:
+        # On the actor's event loop, where its outboxes live.
+        if self._channel is not None and self._channel_host is not None:
             wildcard = self._channel_host in ("0.0.0.0", "::", "")
-            node_ip = ray.util.get_node_ip_address() if wildcard else None
+            node_ip = ray.util.get_node_ip_address() if wildcard else None  # type: ignore[no-untyped-call]
             await self._channel.start(self._channel_host, advertise=node_ip)
         return {**await super().ready(), "layout": self.layout}
 
@@ -107,7 +112,7 @@ class DecodeWorker(WorkerBase):
             waiting_for_kv=load.num_waiting_for_kv,
         )
 
-    async def stats(self) -> dict:
+    async def stats(self) -> dict[str, Any]:
         records = {rid: state.name for rid, state in self.handoff.states().items()}
         return {**await super().stats(), "transfer_failures": self.num_transfer_failures,
                 "streams": dict(self._streams), "subscribers_cut_off": self.num_cut_off, "handoffs": records}
@@ -115,8 +120,8 @@ class DecodeWorker(WorkerBase):
     # -- disaggregated requests ------------------------------------------------
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output: list[int] = (), priority: int = 0,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, subscriber: str,
+        resume_output: Sequence[int] = (), priority: int = 0,
     ) -> Reservation | None:
         """Reserve blocks for the prompt's KV; None when this worker has no room now.
 
@@ -124,13 +129,14 @@ class DecodeWorker(WorkerBase):
         ``resume_output``: a migrated stream's tokens so far, whose KV comes with the prompt's.
         ``priority``: the request's place in the scheduler's order (lower goes first).
         """
-        return await self.async_engine.call(
+        reservation: Reservation | None = await self.async_engine.call(
             self._reserve, request_id, prompt_token_ids, params, subscriber, resume_output, priority
         )
+        return reservation
 
     def _reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output=(), priority: int = 0,
+        resume_output: Sequence[int], priority: int,
     ) -> Reservation | None:
         if request_id in self.handoff:  # a quarantined read may outlive its request
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -151,8 +157,8 @@ class DecodeWorker(WorkerBase):
         return Reservation(request_id, blocks, self.layout, self._endpoint, time.time() + self.transfer.timeout_s, held)
 
     async def receive_kv(
-        self, meta: TransferMeta, payload, first_token: int, first_logprobs=None, num_cached_tokens: int = 0,
-        prompt_logprobs=None,
+        self, meta: TransferMeta, payload: Any, *, first_token: int, first_logprobs: Any = None,
+        num_cached_tokens: int = 0, prompt_logprobs: Any = None,
     ) -> int:
         """Read the rest of the prompt's KV into the reserved blocks and start decoding;
         returns the TransferState. The read must end at the reservation's last block.
@@ -168,7 +174,7 @@ class DecodeWorker(WorkerBase):
         )
         return int(TransferState.DONE)
 
-    async def receive_kv_part(self, meta: TransferMeta, payload, first_block: int) -> int:
+    async def receive_kv_part(self, meta: TransferMeta, payload: Any, *, first_block: int) -> int:
         """Pipelined prefill: read blocks whose KV a prefill still running
         has finished, from the ``first_block``-th of the reservation on, while its next
         chunks compute. Parts come in order; ``receive_kv`` brings the rest and the first
@@ -176,7 +182,7 @@ class DecodeWorker(WorkerBase):
         ok = await self._read(meta, payload, first_block, last=False)
         return int(TransferState.DONE if ok else TransferState.FAILED)
 
-    async def _read(self, meta: TransferMeta, payload, first: int | None, last: bool) -> bool:
+    async def _read(self, meta: TransferMeta, payload: Any, first: int | None, last: bool) -> bool:
         """Read ``meta.num_blocks`` blocks of the reservation from ``first`` on (None:
         where the last part ended), as its hand-off record allows; whether they landed.
         On failure the record has ended and the failure policy has run."""
@@ -201,7 +207,7 @@ class DecodeWorker(WorkerBase):
             return False
         return not error
 
-    async def _pull(self, meta: TransferMeta, payload, read: Read) -> Exception | None:
+    async def _pull(self, meta: TransferMeta, payload: Any, read: Read) -> Exception | None:
         """Read the KV into the blocks the record allowed, by its deadline, and check the
         blocks' sums; returns what failed (None: they landed whole)."""
         # The backend waits by this side's clock: the deadline the record keeps.
@@ -244,7 +250,9 @@ class DecodeWorker(WorkerBase):
         for e in self.handoff.sender_gone(sender):
             self._ended(e)
 
-    def _kv_arrived(self, rid: str, first_token: int, first_logprobs, num_cached_tokens: int, prompt_logprobs) -> None:
+    def _kv_arrived(
+        self, rid: str, first_token: int, first_logprobs: Any, num_cached_tokens: int, prompt_logprobs: Any,
+    ) -> None:
         """On the step thread: the whole reservation has landed; the request runs."""
         try:
             ended = self.handoff.complete(rid)
@@ -257,7 +265,7 @@ class DecodeWorker(WorkerBase):
         if out is not None:
             self.async_engine.deliver(out)
 
-    def _ended(self, ended: Ended) -> None:
+    def _ended(self, ended: Ended[list[Any]]) -> None:
         """On the step thread: a hand-off record ended; give its blocks back, and apply
         the failure policy if the KV will not come."""
         if ended.pins is not None:
@@ -305,7 +313,7 @@ class DecodeWorker(WorkerBase):
 
     # -- streaming -------------------------------------------------------------
 
-    async def subscribe(self, subscriber: str):
+    async def subscribe(self, subscriber: str) -> AsyncGenerator[StepMessage | Notice, None]:
         """Stream, per engine step, the deltas of every request routed to ``subscriber``.
 
         One message (a ``StepMessage``: this worker's load after the step, and a list of
@@ -323,13 +331,13 @@ class DecodeWorker(WorkerBase):
         """Where this worker's token channel listens (None: only ``subscribe``)."""
         return None if self._channel is None else self._channel.address
 
-    async def _serve_channel(self, subscriber: str, send) -> None:
+    async def _serve_channel(self, subscriber: str, send: Callable[[object], Awaitable[None]]) -> None:
         self._streams["channel"] += 1
         async with aclosing(self._step_messages(subscriber)) as messages:
             async for message in messages:
                 await send(message)
 
-    async def _step_messages(self, subscriber: str):
+    async def _step_messages(self, subscriber: str) -> AsyncGenerator[StepMessage | Notice, None]:
         outbox = await self.async_engine.call(self.async_engine.open_outbox, subscriber)
         reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
         limit = self.channel_config.max_pending_outputs
@@ -367,8 +375,8 @@ class DecodeWorker(WorkerBase):
                 self._drop_subscriber(subscriber, outbox.reader)
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
-        resume_output: list[int] = (), priority: int = 0,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, subscriber: str,
+        resume_output: Sequence[int] = (), priority: int = 0,
     ) -> None:
         """Run the whole request here (colocated mode, or a stream migrated from a dead
         worker, ``resume_output`` being the tokens it had sent); deltas go to ``subscriber``.
@@ -377,7 +385,10 @@ class DecodeWorker(WorkerBase):
             self._submit, request_id, prompt_token_ids, params, subscriber, resume_output, priority
         )
 
-    def _submit(self, request_id, prompt_token_ids, params, subscriber: str, resume_output, priority: int) -> None:
+    def _submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, subscriber: str,
+        resume_output: Sequence[int], priority: int,
+    ) -> None:
         # Added before it is routed: a refused id must not take over the route of the
         # request that holds it. (On the step thread: no step runs in between.)
         self.engine.add_request(
@@ -395,23 +406,23 @@ class ColocatedWorker(DecodeWorker):
 TRANSFER_FAILED_MESSAGE = "the KV transfer failed and transfer.failure_policy is 'fail'"
 
 
-def _wire(rid: str, items: list) -> tuple:
+def _wire(rid: str, items: list[RequestOutput | BaseException]) -> tuple[Any, ...]:
     """A request's outputs since its last message as one ``StreamDelta`` tuple."""
     for item in items:
         if isinstance(item, BaseException):
             return (rid, [], "", True, "error", 0, 0, 0, None,
                     f"the decode worker failed: {item}", ErrorKind.WORKER_FAILED.value, None)
-    out = merge_outputs(items)
-    lps = out.new_logprobs
-    if lps is not None:
-        lps = [(lp.token_id, lp.logprob, list(lp.top)) for lp in lps]
+    out = merge_outputs(cast(list[RequestOutput], items))  # none is an error
+    lps = None
+    if out.new_logprobs is not None:
+        lps = [(lp.token_id, lp.logprob, list(lp.top)) for lp in out.new_logprobs]
     error = kind = None
     if out.finish_reason == "error":
         error, kind = TRANSFER_FAILED_MESSAGE, ErrorKind.TRANSFER_FAILED.value
-    prompt_lps = out.prompt_logprobs
-    if prompt_lps is not None:
+    prompt_lps = None
+    if out.prompt_logprobs is not None:
         prompt_lps = [
-            None if lp is None else (lp.token_id, lp.logprob, lp.rank, list(lp.top)) for lp in prompt_lps
+            None if lp is None else (lp.token_id, lp.logprob, lp.rank, list(lp.top)) for lp in out.prompt_logprobs
         ]
     return (rid, out.new_token_ids, out.new_text, out.finished, out.finish_reason, out.num_prompt_tokens,
             out.num_output_tokens, out.num_cached_tokens, lps, error, kind, prompt_lps)

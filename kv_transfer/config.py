@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kv_transfer.faults import FaultConfig
+
+if TYPE_CHECKING:
+    from kv_transfer.base import KVTransferBackend
 
 FAILURE_POLICIES = ("recompute", "fail")
 # How much longer a sender keeps what it offered than a receiver may take to read it: a
@@ -71,7 +75,7 @@ class TransferConfig:
         except TypeError as e:
             raise ValueError(f"unknown transfer setting: {e}") from e
 
-    def make_backend(self):
+    def make_backend(self) -> KVTransferBackend:
         from kv_transfer import make_backend
 
         return self.configure(make_backend(self.backend))

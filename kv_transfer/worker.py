@@ -13,15 +13,16 @@ import asyncio
 import os
 import socket
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.wire.messages import request_of
+from engine.wire.messages import DecodeLoad, KVLayout, PrefillLoad, request_of
 from engine.wire.metrics import EngineMetrics
-from kv_transfer.base import KVLayout, TransferError
+from kv_transfer.base import TransferError
 from kv_transfer.config import TransferConfig
 from kv_transfer.handoff import HandoffError
 from kv_transfer.packed import as_paged, reconfigure
@@ -52,6 +53,7 @@ class WorkerBase:
         worker_id: str,
         engine_config: EngineConfig,
         transfer: TransferConfig,
+        *,
         torch_threads: int = 1,
         previous: WorkerBase | None = None,
     ) -> None:
@@ -74,7 +76,7 @@ class WorkerBase:
         self.layout = kv_layout(self.engine)
         self.draining = False  # leaving its pool (``drain``)
 
-    async def ready(self) -> dict:
+    async def ready(self) -> dict[str, Any]:
         """Start the step thread; answers health checks with who this is."""
         self.async_engine.start()
         return {"worker_id": self.worker_id, "role": self.role, "pid": os.getpid(), "node": socket.gethostname()}
@@ -130,15 +132,20 @@ class WorkerBase:
         self.metrics.on_transfer_failure(reason)
         return reason
 
-    async def load(self):
+    async def load(self) -> PrefillLoad | DecodeLoad:
         """This worker's load for placement (each role's ``_load``, run on the step thread)."""
-        return await self.async_engine.call(self._load)
+        load: PrefillLoad | DecodeLoad = await self.async_engine.call(self._load)
+        return load
 
-    async def stats(self) -> dict:
-        def engine_stats() -> dict:  # one call on the step thread
+    def _load(self) -> PrefillLoad | DecodeLoad:
+        """On the step thread: this role's load report."""
+        raise NotImplementedError(f"a {self.role} worker reports no load")
+
+    async def stats(self) -> dict[str, Any]:
+        def engine_stats() -> dict[str, Any]:  # one call on the step thread
             return {**self.engine.stats().__dict__, "held": sorted(self.engine.scheduler.held)}  # held: for a reader
 
-        stats = await self.async_engine.call(engine_stats)
+        stats: dict[str, Any] = await self.async_engine.call(engine_stats)
         stats["transfer"] = self.backend.stats.as_dict()
         return stats
 
@@ -147,7 +154,7 @@ class WorkerBase:
         timed inside the serving worker, under its load (``AsyncEngine.record_steps``)."""
         self.async_engine.record_steps(limit)
 
-    async def take_steps(self) -> list[dict]:
+    async def take_steps(self) -> list[dict[str, Any]]:
         """The steps kept since the last call, as rows of ``StepShape`` fields, ``step_ms``
         (the simulator's profile rows) and ``start_s`` (``time.monotonic()``)."""
         return [{**asdict(shape), "step_ms": 1e3 * seconds, "start_s": start}

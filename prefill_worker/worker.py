@@ -31,13 +31,22 @@ import asyncio
 import dataclasses
 import itertools
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from engine.wire.messages import PrefillLoad, PrefillResult, TransferState, request_of
+from engine.wire.clients import DecodeClient
+from engine.wire.messages import PrefillLoad, PrefillResult, Reservation, TransferState, request_of
 from engine.wire.sampling_params import SamplingParams
 from kv_transfer import TransferMeta
 from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import OfferState, Sender
 from kv_transfer.worker import WorkerBase
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.output_processor import RequestOutput
 
 
 class PrefillWorker(WorkerBase):
@@ -47,14 +56,14 @@ class PrefillWorker(WorkerBase):
 
     role = "prefill"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         """``WorkerBase``'s arguments."""
         super().__init__(*args, **kwargs)
         self._transfer_ids = itertools.count()
         self._sending = 0
         self.offers: Sender[_Parts] = Sender()  # one hand-off record per attempt being prefilled or sent
-        self._reads: set[asyncio.Future] = set()  # receivers' answers awaited: reads that may touch blocks
-        self._prefills: set[asyncio.Future] = set()  # the ``prefill`` calls running
+        self._reads: set[asyncio.Future[int]] = set()  # receivers' answers awaited: reads that may touch blocks
+        self._prefills: set[asyncio.Task[Any]] = set()  # the ``prefill`` calls running
         self.async_engine.add_periodic(self._tend_offers)
 
     def _load(self) -> PrefillLoad:
@@ -74,9 +83,10 @@ class PrefillWorker(WorkerBase):
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        decode_worker,
-        reservation,
-        resume_output: list[int] = (),
+        *,
+        decode_worker: Any,
+        reservation: Reservation,
+        resume_output: Sequence[int] = (),
         priority: int = 0,
     ) -> PrefillResult:
         """Prefill the prompt, sample its first token, and push its KV to ``decode_worker``.
@@ -89,6 +99,7 @@ class PrefillWorker(WorkerBase):
         ``priority``: the request's place in the scheduler's order (lower goes first).
         """
         t0 = time.perf_counter()
+        decode = DecodeClient(decode_worker)
         num_tokens = len(prompt_token_ids) + len(resume_output)
         meta = self._transfer_meta(request_id, reservation, num_tokens)
         held = reservation.unsent_blocks  # cached on the decode side, or behind the window: never sent
@@ -98,21 +109,23 @@ class PrefillWorker(WorkerBase):
         # The receiver's deadline on this side's clock: past it, the work is dropped.
         deadline = time.monotonic() + (reservation.deadline - time.time())
         self.offers.begin(request_id, held, parts, deadline, stop)  # refuses an attempt already here
-        self._prefills.add(this := asyncio.current_task())
+        this = asyncio.current_task()
+        assert this is not None  # a coroutine runs in a task
+        self._prefills.add(this)
         state = TransferState.FAILED
         try:
             if (refusal := self._refusal(num_tokens, deadline)) is not None:
-                decode_worker.transfer_failed.remote(request_id)  # it recomputes (or fails) at once
+                decode.transfer_failed(request_id)  # it recomputes (or fails) at once
                 return _failed(request_id, refusal)
             final, landed, t_done = await self._compute(
-                meta, prompt_token_ids, params, resume_output, decode_worker, parts, priority, held, stop
+                meta, prompt_token_ids, params, resume_output, decode, parts, priority, held, stop
             )
-            if (why := self._ended_early(request_id, final, stop, decode_worker)) is not None:
+            if (why := self._ended_early(request_id, final, stop, decode)) is not None:
                 return _failed(request_id, why)
             self.offers.computed(request_id)
-            state, error = await self._hand_over(meta, decode_worker, final, landed, stop)
+            state, error = await self._hand_over(meta, decode, final, landed, stop)
         finally:
-            self._end_offer(request_id, state == TransferState.DONE, decode_worker, stop)
+            self._end_offer(request_id, state == TransferState.DONE, decode, stop)
             self._prefills.discard(this)
         return PrefillResult(
             request_id=request_id,
@@ -122,28 +135,30 @@ class PrefillWorker(WorkerBase):
             queue_s=0.0,
             prefill_s=t_done - t0,
             transfer_s=time.perf_counter() - t_done,
-            kv_bytes=self.layout.nbytes(len(final.kv_blocks) - held),
+            kv_bytes=self.layout.nbytes(len(_kv_blocks(final)) - held),
             error=error,
         )
 
-    def _end_offer(self, request_id: str, done: bool, decode_worker, stop: asyncio.Future[str]) -> None:
+    def _end_offer(self, request_id: str, done: bool, decode: DecodeClient, stop: asyncio.Future[str]) -> None:
         """The attempt's hand-off ends here: its held blocks are released (they stayed
         held until the receiver answered), and a reader still waiting for KV that will
         not come, because this worker retires, is told so."""
         if self.offers.end(request_id, OfferState.COMPLETE if done else OfferState.FAILED) is not None:
             self.async_engine.submit(self.engine.release_held, request_id)
         if not done and self.offers.retiring and not _aborted(stop):
-            decode_worker.transfer_failed.remote(request_id)
+            decode.transfer_failed(request_id)
 
     @staticmethod
-    def _ended_early(request_id: str, final, stop: asyncio.Future[str], decode_worker) -> str | None:
+    def _ended_early(
+        request_id: str, final: RequestOutput, stop: asyncio.Future[str], decode: DecodeClient,
+    ) -> str | None:
         """Why a prefill that ended has nothing to hand over, if so: aborted by the router
         (the abort's call, queued after the request's add, aborted it or released the
         blocks it held), or past its deadline (the decode worker is told)."""
         if stop.done():
             return stop.result()
         if final.finish_reason == "abort":
-            decode_worker.transfer_failed.remote(request_id)
+            decode.transfer_failed(request_id)
             return "the prefill was aborted past the reservation's deadline"
         return None
 
@@ -159,7 +174,7 @@ class PrefillWorker(WorkerBase):
             return "the reservation's deadline passed before the prefill began"
         return None
 
-    def _transfer_meta(self, request_id: str, reservation, num_tokens: int) -> TransferMeta:
+    def _transfer_meta(self, request_id: str, reservation: Reservation, num_tokens: int) -> TransferMeta:
         """The whole transfer of one attempt; each send takes its stretch (``_stretch``)."""
         return TransferMeta(
             transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
@@ -173,13 +188,16 @@ class PrefillWorker(WorkerBase):
             sender=self.worker_id,
         )
 
-    async def _hand_over(self, meta: TransferMeta, decode_worker, final, landed: int | None, stop: asyncio.Future[str]):
+    async def _hand_over(
+        self, meta: TransferMeta, decode: DecodeClient, final: RequestOutput, landed: int | None,
+        stop: asyncio.Future[str],
+    ) -> tuple[TransferState, str | None]:
         """Send what the parts did not (``landed``: None once one failed) and the first token."""
         if landed is None:  # the decode side has applied its failure policy
             return TransferState.FAILED, "a pipelined part of the transfer failed"
         self._sending += 1
         try:
-            return await self._send(meta, decode_worker, final, landed, stop)
+            return await self._send(meta, decode, final, landed, stop)
         except _Aborted:
             return TransferState.FAILED, stop.result()
         finally:
@@ -239,16 +257,16 @@ class PrefillWorker(WorkerBase):
             self.engine.release_held(aid)
 
     async def _compute(
-        self, meta: TransferMeta, prompt, params, resume_output, decode_worker, parts, priority, held: int,
-        stop: asyncio.Future[str],
-    ):
+        self, meta: TransferMeta, prompt: list[int], params: SamplingParams, resume_output: Sequence[int],
+        decode: DecodeClient, parts: _Parts | None, priority: int, held: int, stop: asyncio.Future[str],
+    ) -> tuple[RequestOutput, int | None, float]:
         """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
         final output, how many leading blocks are on the decode side (the ``held`` ones,
         and those the parts landed; None: a part failed) and when the prefill itself ended."""
         first_params = dataclasses.replace(params, max_tokens=len(resume_output) + 1, min_tokens=0, stop=())
         rid = meta.request_id
         if parts is not None:
-            sender = asyncio.ensure_future(self._send_parts(meta, decode_worker, parts, stop))
+            sender = asyncio.ensure_future(self._send_parts(meta, decode, parts, stop))
         final = None
         try:
             async for out in self.async_engine.generate(
@@ -265,6 +283,7 @@ class PrefillWorker(WorkerBase):
             if parts is not None:
                 await self.async_engine.call(self.offers.unwatch, rid)  # nothing is offered after this
                 parts.queue.put_nowait(None)
+        assert final is not None, "a request's stream yields at least its last output"
         return final, (await sender if parts is not None else held), t_done
 
     def _tend_offers(self, now: float) -> None:
@@ -283,7 +302,7 @@ class PrefillWorker(WorkerBase):
             parts.put_threadsafe((first, block_ids, self.engine.pin_blocks(aid)))
 
     async def _send_parts(
-        self, meta: TransferMeta, decode_worker, parts: _Parts, stop: asyncio.Future[str]
+        self, meta: TransferMeta, decode: DecodeClient, parts: _Parts, stop: asyncio.Future[str]
     ) -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
         blocks landed, or None once a part failed or the attempt was aborted (the rest
@@ -297,14 +316,14 @@ class PrefillWorker(WorkerBase):
                         _stretch(meta, first, len(block_ids)), transfer_id=f"{meta.transfer_id}.{first}",
                         num_tokens=len(block_ids) * self.layout.block_size,
                     )
-                    ok = await self._send_part(part, decode_worker, block_ids, first, stop)
+                    ok = await self._send_part(part, decode, block_ids, first, stop)
                     landed = first + len(block_ids) if ok else None
             finally:
                 self.async_engine.submit(self.engine.unpin_blocks, pins)
         return landed
 
     async def _send_part(
-        self, meta: TransferMeta, decode_worker, block_ids: list[int], first: int,
+        self, meta: TransferMeta, decode: DecodeClient, block_ids: list[int], first: int,
         stop: asyncio.Future[str],
     ) -> bool:
         """Offer one stretch of finished blocks; whether it landed. Whatever fails (the
@@ -313,45 +332,49 @@ class PrefillWorker(WorkerBase):
         try:
             meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, block_ids)
             payload = self.backend.prepare_blocks(meta, block_ids)
-            answer = self._ask(meta.request_id, stop, decode_worker.receive_kv_part, meta, payload, first)
+            answer = self._ask(meta.request_id, stop, partial(decode.receive_kv_part, meta, payload, first_block=first))
             await self._push_until_answered(meta, payload, answer, stop)
             return await self._answer(answer, stop) == TransferState.DONE
         except (_Aborted, _NotAsked):
             return False  # the router knows, or ``prefill`` tells the reader as the worker retires
         except Exception as e:  # the decode worker died or never answered, or the blocks could not be offered
             self._count_failure(e)
-            decode_worker.transfer_failed.remote(meta.request_id)
+            decode.transfer_failed(meta.request_id)
             return False
         finally:
             if payload is not None:
                 self.backend.release(meta, payload)
 
-    def _ask(self, request_id: str, stop: asyncio.Future[str], method, *args) -> asyncio.Future:
-        """Ask the receiver to read (``method.remote(*args)``); its answer is counted among
+    def _ask(
+        self, request_id: str, stop: asyncio.Future[str], read: Callable[[], Awaitable[int]],
+    ) -> asyncio.Future[int]:
+        """Ask the receiver to read (``read()`` makes the call); its answer is counted among
         the reads that may touch the blocks until it comes. ``_Aborted`` once the attempt
         was aborted, ``_NotAsked`` once no read may be asked (the worker retires)."""
         if stop.done():
             raise _Aborted()
         if not self.offers.ask_read(request_id):
             raise _NotAsked()
-        answer = asyncio.ensure_future(method.remote(*args))
+        answer = asyncio.ensure_future(read())
         self._reads.add(answer)
         answer.add_done_callback(self._reads.discard)
         return answer
 
-    async def _send(self, meta: TransferMeta, decode_worker, final, landed: int, stop: asyncio.Future[str]):
+    async def _send(
+        self, meta: TransferMeta, decode: DecodeClient, final: RequestOutput, landed: int, stop: asyncio.Future[str],
+    ) -> tuple[TransferState, str | None]:
         """The KV (its blocks from ``landed`` on, when parts went ahead) and the first token."""
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
         try:
-            blocks = final.kv_blocks[landed:]
+            blocks = _kv_blocks(final)[landed:]
             meta = _stretch(meta, landed, len(blocks))
             meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, blocks)
             payload = self.backend.prepare_blocks(meta, blocks)
-            ack = self._ask(
-                meta.request_id, stop, decode_worker.receive_kv,
-                meta, payload, final.token_ids[-1], lp, final.num_cached_tokens, final.prompt_logprobs,
-            )
+            ack = self._ask(meta.request_id, stop, partial(
+                decode.receive_kv, meta, payload, first_token=final.token_ids[-1], first_logprobs=lp,
+                num_cached_tokens=final.num_cached_tokens, prompt_logprobs=final.prompt_logprobs,
+            ))
             await self._push_until_answered(meta, payload, ack, stop)
             state = await self._answer(ack, stop)
             return state, None if state == TransferState.DONE else "receiver reported failure"
@@ -362,13 +385,13 @@ class PrefillWorker(WorkerBase):
         except Exception as e:  # any failure ends this transfer; the decode side recovers
             reason = self._count_failure(e)
             # Tell the decode side at once instead of letting it wait for the deadline.
-            decode_worker.transfer_failed.remote(meta.request_id)
+            decode.transfer_failed(meta.request_id)
             return TransferState.FAILED, f"{reason}: {e}"
         finally:
             if payload is not None:
                 self.backend.release(meta, payload)
 
-    async def _summed(self, meta: TransferMeta, k, v, block_ids: list[int]) -> TransferMeta:
+    async def _summed(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> TransferMeta:
         """``meta`` with its blocks' checksums, when the setting asks for them (summed off
         the event loop; the blocks are held or pinned, so nothing writes into them)."""
         if not self.transfer.checksums:
@@ -376,25 +399,28 @@ class PrefillWorker(WorkerBase):
         sums = await asyncio.get_running_loop().run_in_executor(None, block_checksums, k, v, block_ids)
         return dataclasses.replace(meta, checksums=sums)
 
-    async def _answer(self, answer: asyncio.Future, stop: asyncio.Future[str]) -> TransferState:
+    async def _answer(self, answer: asyncio.Future[int], stop: asyncio.Future[str]) -> TransferState:
         """The receiver's answer, waited for up to the lease; ``_Aborted`` as soon as the
         attempt is aborted here (a dead receiver's call may never answer)."""
-        await asyncio.wait([answer, stop], timeout=self.transfer.lease_s, return_when=asyncio.FIRST_COMPLETED)
+        either: list[asyncio.Future[Any]] = [answer, stop]
+        await asyncio.wait(either, timeout=self.transfer.lease_s, return_when=asyncio.FIRST_COMPLETED)
         if not answer.done():
             answer.cancel()
             raise _Aborted() if stop.done() else asyncio.TimeoutError()
         return TransferState(answer.result())
 
     async def _push_until_answered(
-        self, meta: TransferMeta, payload, ack: asyncio.Future, stop: asyncio.Future[str],
+        self, meta: TransferMeta, payload: Any, ack: asyncio.Future[int], stop: asyncio.Future[str],
     ) -> None:
         """Push the bytes; stop early if the receiver answers that it will not take them,
         or the attempt is aborted. Nothing to do where the receiver reads them (no
         transfer thread is taken)."""
         if not self.backend.sends:
             return
-        push = asyncio.ensure_future(self.backend.push_async(meta, None, None, payload))
-        await asyncio.wait([ack, push, stop], return_when=asyncio.FIRST_COMPLETED)
+        # A paged backend's push sends the payload's blocks: no packed K and V.
+        push = asyncio.ensure_future(self.backend.push_async(meta, None, None, payload))  # type: ignore[arg-type]
+        first: list[asyncio.Future[Any]] = [ack, push, stop]
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         refused = ack.done() and (ack.exception() is not None or ack.result() != TransferState.DONE)
         if not push.done() and (refused or stop.done()):
             # Refused, gave up or aborted: without this the push waits for a receive that
@@ -442,12 +468,18 @@ def _aborted(stop: asyncio.Future[str]) -> bool:
     return stop.done() and stop.result() == ABORTED
 
 
+def _kv_blocks(out: RequestOutput) -> list[int]:
+    """The blocks a prefill's output holds for its hand-off (``hold_kv``: its outputs name them)."""
+    assert out.kv_blocks is not None, "a prefill's output names the blocks it holds"
+    return out.kv_blocks
+
+
 def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:
     """The transfer of the reservation's blocks ``first`` to ``first + num_blocks``."""
     return dataclasses.replace(meta, num_blocks=num_blocks, dst_blocks=meta.dst_blocks[first : first + num_blocks])
 
 
-_Part = tuple[int, list[int], list]  # (first block, block ids, their pins)
+_Part = tuple[int, list[int], list[Any]]  # (first block, block ids, their pins)
 
 
 class _Parts:

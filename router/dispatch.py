@@ -47,21 +47,34 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import ParamSpec
 
 from ray.exceptions import RayActorError
 
 from engine.core.block_hash import BlockHasher
-from engine.wire.messages import ErrorKind, StalePlacement, StreamDelta, TransferState, WorkerRef, attempt_id
+from engine.wire.clients import DecodeClient, PrefillClient, WorkerClient
+from engine.wire.messages import (
+    DecodeLoad,
+    ErrorKind,
+    PrefillLoad,
+    Reservation,
+    StalePlacement,
+    StreamDelta,
+    TransferState,
+    WorkerRef,
+    attempt_id,
+)
+from engine.wire.metrics import RouterMetrics
 from engine.wire.sampling_params import SamplingParams
 from router.dispatch_config import DispatchConfig
-from router.streams import CutOff, Inbox, Subscriptions, WorkerDied, unless_ended
+from router.streams import Abort, CutOff, Inbox, Subscriptions, WorkerDied, unless_ended
 from router.worker_loads import Affinity, WorkerLoads
 
 __all__ = ["Affinity", "DispatchConfig", "Dispatcher", "NoCapacityError", "WorkerRef", "aborted_delta"]
 
 log = logging.getLogger(__name__)
 
-_ABORTED = object()  # the inbox item ``abort`` puts: the request's task aborts it everywhere
+P = ParamSpec("P")
 
 
 class NoCapacityError(RuntimeError):
@@ -79,19 +92,19 @@ class Dispatcher:
         prefill_workers: Callable[[], Sequence[WorkerRef]],
         decode_workers: Callable[[], Sequence[WorkerRef]],
         config: DispatchConfig | None = None,
-        metrics=None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._prefill = prefill_workers
         self._decode = decode_workers
         self.config = config or DispatchConfig()
-        self.metrics = metrics  # an ``engine.wire.metrics.RouterMetrics``, or None
+        self.metrics = metrics
         self.num_migrations = 0
         self.num_stale_placements = 0  # placements and load polls refused by a worker that switched roles
-        self.num_local_prefills: Counter = Counter()  # requests computed by their decode worker, by reason
+        self.num_local_prefills: Counter[str] = Counter()  # requests computed by their decode worker, by reason
         self.loads = WorkerLoads(self.config)  # reports, pending placements, prefix indexes; event-loop time
-        self._polls: dict[str, asyncio.Future] = {}  # worker key -> its latest load poll
+        self._polls: dict[str, asyncio.Future[None]] = {}  # worker key -> its latest load poll
         self._ids = itertools.count()
-        self._refreshing: asyncio.Future | None = None
+        self._refreshing: asyncio.Future[None] | None = None
         self._inflight: dict[str, Inbox] = {}  # request id -> where its deltas (and abort) arrive
         self._hasher = BlockHasher(self.config.prefix_hash_algo, self.config.prefix_hash_seed)
         self._tag = uuid.uuid4().hex[:12]  # in every attempt id: unique to this dispatcher
@@ -122,7 +135,7 @@ class Dispatcher:
             if poll in unanswered:
                 self.loads.forget(w.worker_id)
 
-    def _poll(self, worker: WorkerRef) -> asyncio.Future:
+    def _poll(self, worker: WorkerRef) -> asyncio.Future[None]:
         poll = self._polls.get(worker.key)
         if poll is None or poll.done():
             poll = self._polls[worker.key] = asyncio.ensure_future(self._ask_load(worker))
@@ -130,7 +143,7 @@ class Dispatcher:
 
     async def _ask_load(self, worker: WorkerRef) -> None:
         try:
-            load = await worker.handle.load.remote(**worker.fence())
+            load = await WorkerClient.of(worker).load()
         except StalePlacement as e:  # it switched roles: nothing goes there by this list
             self._stale(worker, e)
         except Exception:  # gone or broken: not placeable for now
@@ -138,7 +151,7 @@ class Dispatcher:
         else:
             self._note_load(worker.worker_id, load)
 
-    def _note_load(self, worker_id: str, load) -> None:
+    def _note_load(self, worker_id: str, load: PrefillLoad | DecodeLoad) -> None:
         self.loads.note(worker_id, load, asyncio.get_running_loop().time())
 
     async def _fresh_loads(self) -> None:
@@ -154,6 +167,7 @@ class Dispatcher:
             await self.refresh_loads(stale)
 
     def close(self) -> None:
+        """Stop reading the decode workers' streams."""
         self.subscriptions.stop()
 
     # -- placement -------------------------------------------------------------
@@ -205,6 +219,7 @@ class Dispatcher:
             del self._inflight[rid]
 
     def in_flight(self, request_id: str) -> bool:
+        """Whether ``request_id`` runs on this dispatcher now."""
         return request_id in self._inflight
 
     def abort(self, request_id: str) -> bool:
@@ -216,17 +231,18 @@ class Dispatcher:
         if inbox is None:
             # Not ours (another router replica runs it): every attempt of that id, anywhere.
             for w in [*self._prefill(), *self._decode()]:
-                _quietly(w.handle.abort_request.remote, request_id)
+                _quietly(WorkerClient.of(w).abort_request, request_id)
         else:
-            inbox.put(_ABORTED)  # its stream's task aborts it everywhere
+            inbox.put(Abort.REQUESTED)  # its stream's task aborts it everywhere
         return inbox is not None
 
     async def _run(
-        self, rid, prompt, params, inbox: Inbox, affinity: Affinity | None, priority: int
+        self, rid: str, prompt: list[int], params: SamplingParams, inbox: Inbox, affinity: Affinity | None,
+        priority: int,
     ) -> AsyncIterator[StreamDelta]:
         sent: list[int] = []  # tokens that reached the client
         failed: set[str] = set()  # worker keys this request died on
-        tries = Counter()  # "reruns" (died before any token) and "migrations" (after)
+        tries: Counter[str] = Counter()  # "reruns" (died before any token) and "migrations" (after)
         while True:
             blocks = -(-(len(prompt) + len(sent) + 1) // self.config.block_size)
             aid = attempt_id(rid, self._tag, next(self._attempts))  # what the workers call it
@@ -242,7 +258,7 @@ class Dispatcher:
             try:
                 while True:
                     item = await inbox.get()
-                    if item is _ABORTED:
+                    if item is Abort.REQUESTED:
                         self._abort_everywhere(aid)
                         yield aborted_delta(rid, len(prompt), len(sent))
                         return
@@ -261,7 +277,7 @@ class Dispatcher:
                 # Its prefill may still run or hold blocks for the dead reader: end it
                 # now, rather than when its transfer fails.
                 for w in self._prefill():
-                    _quietly(w.handle.abort.remote, aid)
+                    _quietly(WorkerClient.of(w).abort, aid)
             except BaseException:
                 # Cancelled (client gone) or failed: free the request's blocks everywhere.
                 self._abort_everywhere(aid)
@@ -282,7 +298,7 @@ class Dispatcher:
         exclude.add(decode.key)
         self.loads.decode_gone(decode)
 
-    def _next_attempt(self, rid: str, decode: WorkerRef, sent: list[int], tries: Counter) -> StreamDelta | None:
+    def _next_attempt(self, rid: str, decode: WorkerRef, sent: list[int], tries: Counter[str]) -> StreamDelta | None:
         """After ``decode`` died under the request: count a migration (tokens had reached
         the client) or a re-run; the request's failure once past its bound, else None."""
         if sent:
@@ -307,8 +323,8 @@ class Dispatcher:
         return None
 
     async def _start(
-        self, aid, prompt, params, blocks, exclude, inbox: Inbox, resume: list[int], affinity: Affinity | None,
-        priority: int,
+        self, aid: str, prompt: list[int], params: SamplingParams, blocks: int, exclude: set[str], inbox: Inbox,
+        resume: list[int], affinity: Affinity | None, priority: int,
     ) -> WorkerRef:
         """Place attempt ``aid`` of a request on a decode worker, its deltas routed to ``inbox``.
 
@@ -329,15 +345,15 @@ class Dispatcher:
                 decode, held = chosen
                 local = None if resume else self._prefill_here(prompt, held, decode)
                 subscriber = self.subscriptions.open(decode, aid, inbox)
-                reading = self.subscriptions.reader(decode)
+                client = DecodeClient.of(decode)
                 try:
                     if not self._prefill() or local:
-                        await unless_ended(reading, decode.handle.submit.remote(
-                            aid, prompt, params, subscriber, list(resume), priority, **decode.fence()))
+                        await unless_ended(self.subscriptions.reader(decode), client.submit(
+                            aid, prompt, params, subscriber=subscriber, resume_output=list(resume), priority=priority))
                         self._count_local(local)
                         return decode
-                    reservation = await unless_ended(reading, decode.handle.reserve.remote(
-                        aid, prompt, params, subscriber, list(resume), priority, **decode.fence()))
+                    reservation = await unless_ended(self.subscriptions.reader(decode), client.reserve(
+                        aid, prompt, params, subscriber=subscriber, resume_output=list(resume), priority=priority))
                 except StalePlacement as e:  # it switched roles since our list was made: nothing was taken
                     self._stale(decode, e, aid, exclude)
                     continue
@@ -347,7 +363,7 @@ class Dispatcher:
                     self.subscriptions.close(decode, aid)
                     inbox.drop_ended_streams()
                     self._decode_died(decode, exclude)
-                    _quietly(decode.handle.abort.remote, aid)
+                    _quietly(client.abort, aid)
                     continue
                 except BaseException:
                     self.subscriptions.close(decode, aid)
@@ -377,7 +393,9 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.on_local_prefill(reason)
 
-    def _stale(self, worker: WorkerRef, e: StalePlacement, aid: str | None = None, exclude: set | None = None) -> None:
+    def _stale(
+        self, worker: WorkerRef, e: StalePlacement, aid: str | None = None, exclude: set[str] | None = None,
+    ) -> None:
         """``worker`` refused a placement as stale: count it and forget its load until the
         next worker list says what it is now; a decode worker's refusal of attempt ``aid``
         also closes its route there and keeps the attempt's next choice off it (``exclude``)."""
@@ -386,18 +404,24 @@ class Dispatcher:
         self.loads.forget(worker.worker_id)
         if aid is not None:
             self.subscriptions.close(worker, aid)
+        if exclude is not None:
             exclude.add(worker.key)
 
     def _start_prefill(
-        self, aid, prompt, params, decode: WorkerRef, reservation, resume: list[int], affinity: Affinity | None,
-        priority: int, hashes: Sequence[bytes] | None = None, exclude: frozenset[str] = frozenset(),
+        self, aid: str, prompt: list[int], params: SamplingParams, decode: WorkerRef, reservation: Reservation,
+        resume: list[int], affinity: Affinity | None, priority: int, hashes: Sequence[bytes] | None = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> None:
+        """Prefill attempt ``aid`` on a prefill worker, its KV to go to ``decode``'s
+        ``reservation``; the task watching it tells ``decode`` at once if the KV will not come."""
         prefill = self._choose_prefill(prompt + resume, affinity, hashes, exclude)
+        reader = DecodeClient.of(decode)
         if prefill is None:
-            decode.handle.transfer_failed.remote(aid)  # no prefill worker: policy decides
+            reader.transfer_failed(aid)  # no prefill worker: policy decides
             return
-        ref = prefill.handle.prefill.remote(
-            aid, prompt, params, decode.handle, reservation, resume, priority, **prefill.fence())
+        ref = PrefillClient.of(prefill).prefill(
+            aid, prompt, params, decode_worker=decode.handle, reservation=reservation, resume_output=resume,
+            priority=priority)
 
         async def watch() -> None:
             try:
@@ -409,12 +433,12 @@ class Dispatcher:
             except Exception as e:
                 # The prefill worker died or broke: don't make the decode side wait out the deadline.
                 self.loads.prefill_gone(prefill.worker_id)
-                decode.handle.transfer_failed.remote(aid)
+                reader.transfer_failed(aid)
                 if isinstance(e, RayActorError):  # its memory is gone: no read from it can still land
-                    _quietly(lambda: decode.handle.sender_gone.remote(prefill.worker_id))
+                    _quietly(reader.sender_gone, prefill.worker_id)
             else:
                 if result.state != TransferState.DONE:  # the KV will not come: its reader need not wait for it
-                    decode.handle.transfer_failed.remote(aid)  # (told twice, it ignores the second)
+                    reader.transfer_failed(aid)  # (told twice, it ignores the second)
             finally:
                 self.loads.prefill_ended(prefill.worker_id, len(prompt) + len(resume))
 
@@ -423,12 +447,13 @@ class Dispatcher:
     def _abort_everywhere(self, aid: str) -> None:
         """Abort attempt ``aid`` on every worker."""
         for w in [*self._prefill(), *self._decode()]:
-            _quietly(w.handle.abort.remote, aid)
+            _quietly(WorkerClient.of(w).abort, aid)
 
 
-def _quietly(call, *args) -> None:
+def _quietly(call: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> None:
+    """Make a fire-and-forget call whose failure changes nothing."""
     try:
-        call(*args)
+        call(*args, **kwargs)
     except Exception:  # a dead worker has nothing left to free
         pass
 

@@ -27,19 +27,27 @@ from engine.core.block_hash import BlockHash
 
 
 class PrefillLoadLike(Protocol):
-    """What prefill placement reads of a load report (``engine.wire.messages.PrefillLoad``)."""
+    """What prefill placement reads of a load report (``engine.wire.messages.PrefillLoad``;
+    read-only, as that frozen dataclass's fields are)."""
 
-    queued_prefill_tokens: int
+    @property
+    def queued_prefill_tokens(self) -> int: ...
 
 
 class DecodeLoadLike(Protocol):
-    """What decode placement reads of a load report (``engine.wire.messages.DecodeLoad``)."""
+    """What decode placement reads of a load report (``engine.wire.messages.DecodeLoad``;
+    read-only, as that frozen dataclass's fields are)."""
 
-    free_blocks: int
-    total_blocks: int
-    running: int
-    waiting: int
-    waiting_for_kv: int
+    @property
+    def free_blocks(self) -> int: ...
+    @property
+    def total_blocks(self) -> int: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def waiting_for_kv(self) -> int: ...
 
 
 def _rotated(n: int, start: int) -> list[int]:

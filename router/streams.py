@@ -27,17 +27,23 @@ dispatcher too slow to read its stream tells it (logged, counted), then cuts it 
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
+from typing import TypeVar
 
 from engine.wire import token_channel
-from engine.wire.messages import StreamDelta, WorkerRef
-from engine.wire.token_channel import ChannelConfig, Notice, NoticeKind
+from engine.wire.channel_wire import Notice, NoticeKind
+from engine.wire.clients import DecodeClient
+from engine.wire.messages import DecodeLoad, StepMessage, StreamDelta, WorkerRef
+from engine.wire.token_channel import ChannelConfig
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WorkerDied(RuntimeError):
@@ -49,6 +55,17 @@ class CutOff(RuntimeError):
     requests there were aborted."""
 
 
+class Abort(enum.Enum):
+    """What ``Dispatcher.abort`` puts in a request's inbox: the request's own task aborts it
+    everywhere."""
+
+    REQUESTED = enum.auto()
+
+
+# What a request's inbox holds: its deltas, the end of its worker's stream, or an abort.
+InboxItem = StreamDelta | WorkerDied | CutOff | Abort
+
+
 class Inbox:
     """One request's deltas as the subscription delivers them (a minimal async queue).
 
@@ -58,11 +75,12 @@ class Inbox:
     __slots__ = ("_items", "_waiter", "request_id")
 
     def __init__(self, request_id: str = "") -> None:
-        self._items: deque = deque()
-        self._waiter: asyncio.Future | None = None
+        self._items: deque[InboxItem] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self.request_id = request_id
 
-    def put(self, item) -> None:
+    def put(self, item: InboxItem) -> None:
+        """Deliver ``item`` to the request's task."""
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -73,7 +91,8 @@ class Inbox:
         request was being placed on a worker it then left, so they do not end the next attempt."""
         self._items = deque(i for i in self._items if not isinstance(i, (WorkerDied, CutOff)))
 
-    async def get(self):
+    async def get(self) -> InboxItem:
+        """The next item, once there is one."""
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -94,7 +113,7 @@ class Subscriptions:
     """
 
     def __init__(
-        self, name: str, on_load: Callable[[str, object], None] = lambda worker_id, load: None,
+        self, name: str, on_load: Callable[[str, DecodeLoad], None] = lambda worker_id, load: None,
         channel: ChannelConfig | None = None, on_event: Callable[[str], None] = lambda event: None,
     ) -> None:
         self.name = name
@@ -103,7 +122,7 @@ class Subscriptions:
         self._on_event = on_event  # a ``NoticeKind`` value, for each ``Notice`` a stream brings
         self._streams = itertools.count()
         self._inboxes: dict[str, dict[str, Inbox]] = {}  # worker key -> request id -> inbox
-        self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # worker key -> (reader, subscriber)
+        self._readers: dict[str, tuple[asyncio.Task[None], str]] = {}  # worker key -> (reader, subscriber)
 
     def open(self, worker: WorkerRef, request_id: str, inbox: Inbox) -> str:
         """Register a request (by the id the worker knows it by: its attempt's) before it
@@ -119,11 +138,12 @@ class Subscriptions:
             reader = self._readers[worker.key] = (task, subscriber)
         return reader[1]
 
-    def reader(self, worker: WorkerRef) -> asyncio.Task:
+    def reader(self, worker: WorkerRef) -> asyncio.Task[None]:
         """The task reading ``worker``'s stream (``open`` started it): done when the stream ended."""
         return self._readers[worker.key][0]
 
     def close(self, worker: WorkerRef, request_id: str) -> None:
+        """The request's attempt on ``worker`` is over: its deltas go nowhere any more."""
         inboxes = self._inboxes.get(worker.key)
         if inboxes is not None:
             inboxes.pop(request_id, None)
@@ -131,11 +151,11 @@ class Subscriptions:
     async def _read(self, worker: WorkerRef, subscriber: str) -> None:
         inboxes = self._inboxes[worker.key]
         make = StreamDelta._make
-        error: BaseException = WorkerDied(f"decode worker {worker.worker_id} ended its stream")
+        error: WorkerDied | CutOff = WorkerDied(f"decode worker {worker.worker_id} ended its stream")
         try:
             async with aclosing(self._messages(worker, subscriber)) as messages:
                 async for message in messages:
-                    if type(message) is Notice:
+                    if isinstance(message, Notice):
                         if self._noticed(worker, message):
                             error = CutOff(message.detail)
                             break
@@ -166,12 +186,12 @@ class Subscriptions:
             log.warning("decode worker %s: %s", worker.worker_id, notice.detail)
         return notice.kind is NoticeKind.CUT
 
-    async def _messages(self, worker: WorkerRef, subscriber: str) -> AsyncIterator:
+    async def _messages(self, worker: WorkerRef, subscriber: str) -> AsyncGenerator[StepMessage | Notice, None]:
         """The worker's step messages for ``subscriber``: over its token channel when it
         has one this process can reach, else over Ray (``subscribe``)."""
-        ask = getattr(worker.handle, "token_channel", None)
+        client = DecodeClient(worker.handle)
         # A worker that does not answer within the channel's deadline is hung: its stream ends.
-        address = None if ask is None else await asyncio.wait_for(ask.remote(), self.channel.heartbeat_timeout_s)
+        address = await asyncio.wait_for(client.token_channel(), self.channel.heartbeat_timeout_s)
         if address is not None:
             try:
                 messages = await token_channel.connect(address, subscriber, self.channel)
@@ -183,22 +203,24 @@ class Subscriptions:
                     async for message in messages:
                         yield message
                 return
-        async for ref in worker.handle.subscribe.options(num_returns="streaming").remote(subscriber):
+        async for ref in client.subscribe(subscriber):
             yield await ref
 
     def stop(self) -> None:
+        """Stop reading every stream."""
         for task, _ in self._readers.values():
             task.cancel()
 
 
-async def unless_ended(reading: asyncio.Task, call):
+async def unless_ended(reading: asyncio.Task[None], call: Awaitable[T]) -> T:
     """``call``'s result, or ``WorkerDied`` should the worker's stream (``reading``) end
     first: a worker that is alive to Ray but hung never answers (the call is left to land,
     or not)."""
-    call = asyncio.ensure_future(call)
-    if not call.done():
-        await asyncio.wait((call, reading), return_when=asyncio.FIRST_COMPLETED)
-    if not call.done():
-        call.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it now
+    answer = asyncio.ensure_future(call)
+    if not answer.done():
+        either: tuple[asyncio.Future[T] | asyncio.Future[None], ...] = (answer, reading)
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    if not answer.done():
+        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waits for it now
         raise WorkerDied("the decode worker's stream ended before it took the request")
-    return call.result()
+    return answer.result()

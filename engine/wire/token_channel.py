@@ -68,11 +68,12 @@ import logging
 import secrets
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, fields
 
 from engine.wire import channel_wire as wire
 from engine.wire.channel_wire import END, FrameRefused, HeartbeatFrame, Notice, NoticeFrame, NoticeKind, Seal
+from engine.wire.messages import StepMessage
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +428,9 @@ class _Link:
         self.writer.close()
 
 
-async def connect(address: ChannelAddress, subscriber: str, config: ChannelConfig | None = None) -> AsyncIterator:
+async def connect(
+    address: ChannelAddress, subscriber: str, config: ChannelConfig | None = None,
+) -> AsyncGenerator[StepMessage | Notice, None]:
     """The router's side: connect and subscribe (an ``OSError`` when it cannot: nothing
     listens, no answer, or ``ChannelLost`` when the peer does not prove that it holds the
     secret); returns the worker's messages for ``subscriber`` (and ``Notice``s),
@@ -446,7 +449,9 @@ async def connect(address: ChannelAddress, subscriber: str, config: ChannelConfi
     return _messages(address, subscriber, config, link)
 
 
-async def _messages(address: ChannelAddress, subscriber: str, config: ChannelConfig, link: _Link) -> AsyncIterator:
+async def _messages(
+    address: ChannelAddress, subscriber: str, config: ChannelConfig, link: _Link,
+) -> AsyncGenerator[StepMessage | Notice, None]:
     got = 0
     try:
         while True:

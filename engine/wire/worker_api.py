@@ -5,9 +5,15 @@ forwards to either) and every stand-in the tests and benchmarks use are checked 
 (``tests/unit/test_worker_api.py``): a call the router makes that a worker lacks, or
 whose parameters drifted, fails a test rather than a request.
 
-Torch-free, like the rest of what the router imports. Through Ray each method is called
-as ``handle.<name>.remote(...)``; the ``epoch`` keyword of a pool worker's placement
-calls and load polls (``WorkerRef.fence``) is not part of a role's own API.
+A call with more than the one or two arguments its name implies takes the rest by
+keyword (``reserve(attempt, prompt, params, subscriber=...)``), so that no argument
+lands in another's place across a process boundary, where nothing checks types.
+Callers go through ``engine.wire.clients``, whose methods repeat these parameters for a
+type checker to see past Ray's ``handle.<name>.remote(...)``; the ``epoch`` keyword of a
+pool worker's placement calls and load polls (``WorkerRef.fence``) is not part of a
+role's own API.
+
+Torch-free, like the rest of what the router imports.
 """
 
 from __future__ import annotations
@@ -16,17 +22,19 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from engine.wire.messages import DecodeLoad, PrefillLoad, PrefillResult, Reservation
+from engine.wire.sampling_params import SamplingParams
+from engine.wire.token_channel import ChannelAddress
 
 
 @runtime_checkable
 class WorkerAPI(Protocol):
     """What the cluster and the router ask of any worker."""
 
-    async def ready(self) -> dict: ...
+    async def ready(self) -> dict[str, Any]: ...
 
     async def drain(self) -> None: ...
 
-    async def stats(self) -> dict: ...
+    async def stats(self) -> dict[str, Any]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -35,13 +43,14 @@ class WorkerAPI(Protocol):
 
 @runtime_checkable
 class PrefillWorkerAPI(WorkerAPI, Protocol):
-    """A prefill worker: the router places prompts on it."""
+    """A prefill worker: the router places prompts on it, naming the decode worker (its
+    actor handle) that reserved their blocks."""
 
     async def load(self) -> PrefillLoad: ...
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, decode_worker: Any, reservation: Any,
-        resume_output: Sequence[int] = (), priority: int = 0,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, decode_worker: Any,
+        reservation: Reservation, resume_output: Sequence[int] = (), priority: int = 0,
     ) -> PrefillResult: ...
 
 
@@ -53,25 +62,25 @@ class DecodeWorkerAPI(WorkerAPI, Protocol):
     async def load(self) -> DecodeLoad: ...
 
     async def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, subscriber: str,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, subscriber: str,
         resume_output: Sequence[int] = (), priority: int = 0,
     ) -> Reservation | None: ...
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, subscriber: str,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, subscriber: str,
         resume_output: Sequence[int] = (), priority: int = 0,
     ) -> None: ...
 
     def subscribe(self, subscriber: str) -> AsyncIterator[Any]: ...
 
-    async def token_channel(self) -> Any: ...
+    async def token_channel(self) -> ChannelAddress | None: ...
 
     async def receive_kv(
-        self, meta: Any, payload: Any, first_token: int, first_logprobs: Any = None, num_cached_tokens: int = 0,
+        self, meta: Any, payload: Any, *, first_token: int, first_logprobs: Any = None, num_cached_tokens: int = 0,
         prompt_logprobs: Any = None,
     ) -> int: ...
 
-    async def receive_kv_part(self, meta: Any, payload: Any, first_block: int) -> int: ...
+    async def receive_kv_part(self, meta: Any, payload: Any, *, first_block: int) -> int: ...
 
     async def transfer_failed(self, request_id: str) -> None: ...
 

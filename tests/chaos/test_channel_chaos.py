@@ -18,6 +18,7 @@ import time
 import httpx
 import ray
 
+from engine.wire.clients import DecodeClient
 from tests.chaos.streams import Outcome, blocks_after, difference, model_name, one_stream, workers
 from tests.helpers import PATIENCE_S, async_wait_for, running_service
 
@@ -228,7 +229,7 @@ def test_a_router_that_stops_reading_is_cut_off_and_its_blocks_freed_while_the_r
                                      ChannelConfig(heartbeat_s=0.2, heartbeat_timeout_s=PATIENCE_S))
             params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
             for rid, ids in stalled.items():
-                await decode.handle.submit.remote(rid, ids, params, "stalled-router")
+                await DecodeClient(decode.handle).submit(rid, ids, params, subscriber="stalled-router")
             reader = asyncio.create_task(stalled_router(messages))
             try:
                 outcomes = await _stream_all(svc.http_url, model_name(tiny_model), prompts, lengths,

@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from engine.model.model_config import ModelConfig
 from engine.wire.messages import KVLayout
 from kv_transfer.nixl import unavailable_reason
-from tests.helpers import DispatchedPools, assert_blocks_freed, build_hf_checkpoint
+from tests.helpers import PATIENCE_S, DispatchedPools, assert_blocks_freed, build_hf_checkpoint, wait_for
 
 NUM_REQUESTS = 32
 NEEDS_NIXL = pytest.mark.skipif(unavailable_reason() is not None, reason=f"nixl unavailable: {unavailable_reason()}")
@@ -201,6 +201,25 @@ def test_prefill_prefix_cache_hits_are_counted(pair):
 
 async def _load(ref):
     return await ref.handle.load.remote()
+
+
+def test_ps_shows_each_pool_worker_by_its_id_and_role(pair):
+    """Between calls Ray titles an actor's process ``ray::<its class>``: a pool worker's
+    reads ``ray::<worker id>:<role's class>`` (``ray::decode-0:DecodeWorker``), not
+    ``ray::PoolWorker`` whatever its role, and its answers say which process it is."""
+    import psutil
+
+    classes = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
+    workers = [(w["worker_id"], classes[role], w["pid"]) for role, ws in pair.status().items() for w in ws]
+    assert sorted(w[0] for w in workers) == ["decode-0", "prefill-0"], workers
+
+    def title(pid: int) -> str:
+        return " ".join(psutil.Process(pid).cmdline()).rstrip()  # (padded with spaces to its first length)
+
+    for worker_id, cls, pid in workers:
+        want = f"ray::{worker_id}:{cls}"
+        # (While a call runs the title is ``ray::PoolWorker.<call>``: a health ping may be one.)
+        wait_for(lambda: title(pid) == want, PATIENCE_S, lambda: f"{want}, not {title(pid)!r}")
 
 
 def test_injected_transfer_failure_recomputes_same_tokens(ray_cluster, tiny_model, reference):

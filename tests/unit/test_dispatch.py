@@ -36,6 +36,11 @@ class _Method:
         return self
 
 
+async def _no_token_channel() -> None:
+    """A stand-in's ``token_channel``: it has none (its stream comes over ``subscribe``)."""
+    return None
+
+
 # The fakes record requests by the client's id (``request_of`` the attempt id they get).
 
 
@@ -54,11 +59,12 @@ class _FakeDecode:
         self.reserve = _Method(self._reserve)
         self.abort = _Method(self._abort)
         self.subscribe = _StreamingMethod(lambda subscriber: _Stream(asyncio.Queue()))
+        self.token_channel = _Method(_no_token_channel)
 
     async def _load(self):
         return DecodeLoad("decode-0", free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0):
+    async def _reserve(self, rid, prompt, params, *, subscriber, resume_output=(), priority=0):
         self.reserve_started.set()
         await self.release_reserve.wait()
         self.reserved.add(request_of(rid))
@@ -78,7 +84,7 @@ class _FakePrefill:
         self.prefill = _Method(self._prefill)
         self.abort = _Method(self._abort)
 
-    async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0):
+    async def _prefill(self, rid, prompt, params, *, decode_worker, reservation, resume_output=(), priority=0):
         self.prefilled[request_of(rid)] = (reservation, priority)
         return PrefillResult(rid, 4, 0, int(self.state), 0.0, 0.0, 0.0, 0)
 
@@ -211,6 +217,7 @@ class _FakeColocated:
         self.submit = _Method(self._submit)
         self.abort = _Method(self._abort)
         self.subscribe = _StreamingMethod(self._subscribe)
+        self.token_channel = _Method(_no_token_channel)
 
     def _subscribe(self, subscriber):
         self.subscribers.append(subscriber)
@@ -223,7 +230,7 @@ class _FakeColocated:
     def report(self, free_blocks: int) -> DecodeLoad:
         return DecodeLoad(self.worker_id, free_blocks=free_blocks, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
+    async def _submit(self, rid, prompt, params, *, subscriber, resume_output=(), priority=0):
         self.submitted.append(request_of(rid))
         self.attempts.append(rid)
         self.resumed.append(list(resume_output))
@@ -642,9 +649,9 @@ class _DyingDecode(_FakeDecode):
         self.subscribe = _StreamingMethod(lambda subscriber: _Stream(self.messages))
         self.transfer_failed = _Method(self._noop)
 
-    async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0):
+    async def _reserve(self, rid, prompt, params, **kwargs):
         self.attempts.append(rid)
-        return await super()._reserve(rid, prompt, params, subscriber, resume, priority)
+        return await super()._reserve(rid, prompt, params, **kwargs)
 
     async def _load(self):
         return DecodeLoad(self.worker_id, free_blocks=100, total_blocks=100, running=0, waiting=0, waiting_for_kv=0)
@@ -659,9 +666,9 @@ class _AttemptPrefill(_FakePrefill):
         self.attempts: list[str] = []  # ids prefilled, and aborted, as the worker sees them
         self.aborted_attempts: list[str] = []
 
-    async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0):
+    async def _prefill(self, rid, prompt, params, **kwargs):
         self.attempts.append(rid)
-        await super()._prefill(rid, prompt, params, decode_worker, reservation, resume, priority)
+        await super()._prefill(rid, prompt, params, **kwargs)
         await asyncio.Event().wait()  # still prefilling (or holding blocks) when its reader dies
 
     async def _abort(self, rid):
@@ -785,7 +792,7 @@ class _HungColocated(_FakeColocated):
         self.polls += 1
         return self.report(free_blocks=100)
 
-    async def _submit(self, rid, prompt, params, subscriber, resume_output=(), priority=0):
+    async def _submit(self, rid, prompt, params, *, subscriber, resume_output=(), priority=0):
         self.submitted.append(request_of(rid))
         self.messages.put_nowait(ConnectionError("silent past the deadline"))
         await asyncio.Event().wait()
@@ -848,7 +855,7 @@ class _LocalDecode(_FakeDecode):
         return DecodeLoad("decode-0", free_blocks=100, total_blocks=100, running=0, waiting=self.waiting,
                           waiting_for_kv=0)
 
-    async def _submit(self, rid, prompt, params, subscriber, resume=(), priority=0):
+    async def _submit(self, rid, prompt, params, *, subscriber, resume_output=(), priority=0):
         self.submitted.append(request_of(rid))
 
 
@@ -929,10 +936,10 @@ class _SwitchedDecode(_FakeDecode):
     async def _load(self, epoch=None):
         return DecodeLoad("decode-x", free_blocks=self.free, total_blocks=200, running=0, waiting=0, waiting_for_kv=0)
 
-    async def _reserve(self, rid, prompt, params, subscriber, resume=(), priority=0, epoch=None):
+    async def _reserve(self, rid, prompt, params, *, epoch=None, **kwargs):
         if epoch != self.epoch:
             raise StalePlacement(f"placed for epoch {epoch}, the worker is at {self.epoch}")
-        return await super()._reserve(rid, prompt, params, subscriber, resume, priority)
+        return await super()._reserve(rid, prompt, params, **kwargs)
 
 
 class _SwitchedPrefill(_FakePrefill):
@@ -943,11 +950,11 @@ class _SwitchedPrefill(_FakePrefill):
     async def _load(self, epoch=None):
         return PrefillLoad("prefill-x", self.queued, 0, 0, 0, 0)
 
-    async def _prefill(self, rid, prompt, params, decode_worker, reservation, resume=(), priority=0, epoch=None):
+    async def _prefill(self, rid, prompt, params, *, epoch=None, **kwargs):
         if epoch != self.epoch:
             self.refused += 1
             raise StalePlacement(f"placed for epoch {epoch}, the worker is at {self.epoch}")
-        await super()._prefill(rid, prompt, params, decode_worker, reservation, resume, priority)
+        await super()._prefill(rid, prompt, params, **kwargs)
 
 
 def test_placements_refused_as_stale_by_switched_workers_go_to_the_next_worker_of_each_role():

@@ -85,7 +85,7 @@ def test_a_final_transfer_short_of_its_reservation_is_refused_and_the_prompt_rec
     worker = _decode_worker(tiny_model, policy="fail")
 
     async def main():
-        reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
+        reservation = await worker.reserve("a", PROMPT, GREEDY, subscriber="sub")
         assert len(reservation.block_ids) == 3
         state = await worker.receive_kv(_meta(worker, reservation, 0, 2), None, first_token=7)
         running = await worker.async_engine.call(lambda: "a" in worker.engine.scheduler.requests)
@@ -110,7 +110,7 @@ def test_a_read_that_could_not_be_stopped_keeps_its_blocks_until_it_settles(tiny
     worker.backend.error = error
 
     async def main():
-        reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
+        reservation = await worker.reserve("a", PROMPT, GREEDY, subscriber="sub")
         state = await worker.receive_kv(_meta(worker, reservation, 0, 3), None, first_token=7)
         await worker.abort("a")  # the request ends (it was recomputing)
         await worker.async_engine.call(lambda: None)
@@ -135,7 +135,7 @@ def test_a_reservation_whose_kv_never_comes_expires_on_the_sweep_counted_once(ti
     worker = _decode_worker(tiny_model)
 
     async def main():
-        await worker.reserve("a", PROMPT, GREEDY, "sub")
+        await worker.reserve("a", PROMPT, GREEDY, subscriber="sub")
         before = (await worker.stats())["handoffs"]
         await worker.async_engine.call(worker._expire_reservations, time.monotonic() + 3600)
         await worker.async_engine.call(worker._expire_reservations, time.monotonic() + 7200)
@@ -207,8 +207,8 @@ class _Recorder:
         self.calls: list[tuple] = []
         self.result = result
 
-    def remote(self, *args):
-        self.calls.append(args)
+    def remote(self, *args, **kwargs):
+        self.calls.append(args)  # (the arguments by position: what identifies a call here)
         future = asyncio.get_running_loop().create_future()
         future.set_result(self.result)
         return future
@@ -217,7 +217,7 @@ class _Recorder:
 class _NeverAnswers(_Recorder):
     """A Ray method of a dead actor whose call hangs (a receiver that never answers)."""
 
-    def remote(self, *args):
+    def remote(self, *args, **kwargs):
         self.calls.append(args)
         return asyncio.get_running_loop().create_future()
 
@@ -244,7 +244,7 @@ def test_a_prefill_worker_refuses_a_moved_stream_that_outgrows_its_pool_before_c
 
     async def main():
         reservation = Reservation("a", [1, 2, 3, 4], worker.layout, "", time.time() + 3600)
-        result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation, resume)
+        result = await worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation, resume_output=resume)
         steps = await worker.async_engine.call(lambda: worker.engine.stats().num_steps)
         in_use = await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
         worker.async_engine.shutdown()
@@ -293,7 +293,7 @@ def test_a_block_that_does_not_sum_to_what_was_sent_fails_its_transfer(tiny_mode
         for rid, corrupt in (("good", False), ("bad", True)):
             worker.backend.write = land(corrupt)
             prompt = PROMPT if rid == "good" else [t + 100 for t in PROMPT]  # no prefix hit
-            reservation = await worker.reserve(rid, prompt, GREEDY, "sub")
+            reservation = await worker.reserve(rid, prompt, GREEDY, subscriber="sub")
             meta = dataclasses.replace(_meta(worker, reservation, 0, 3), checksums=sums)
             states.append(await worker.receive_kv(meta, None, first_token=7))
         await worker.abort("good")
@@ -343,7 +343,7 @@ def test_pipelined_parts_are_offered_only_after_the_step_that_wrote_them_ran_on_
 
     async def main():
         reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 60)
-        result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation)
+        result = await worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation)
         in_use = await worker.async_engine.call(lambda: worker.engine.stats().num_blocks_in_use)
         worker.async_engine.shutdown()
         return result, in_use
@@ -404,7 +404,7 @@ def test_an_abort_frees_the_blocks_a_prefill_worker_holds_for_a_reader_that_neve
 
     async def main():
         reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() + 3600)
-        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation))
         try:
             await async_wait_for(lambda: decode.receive_kv.calls, PATIENCE_S, "the final offer to be sent")
             held = await _blocks_in_use(worker)
@@ -437,7 +437,7 @@ def test_an_abort_while_computing_ends_the_attempt_without_a_hand_off(tiny_model
 
     async def main():
         reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() + 3600)
-        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation))
         await asyncio.sleep(0)  # the prefill begins and queues its request, then waits
         assert "a" in worker.offers
         await worker.abort("a")
@@ -462,7 +462,7 @@ def test_a_prefill_whose_reservation_expired_is_dropped_before_it_is_computed(ti
 
     async def main():
         reservation = Reservation("a", [1, 2, 3], worker.layout, "", time.time() - 1)
-        result = await worker.prefill("a", PROMPT, GREEDY, decode, reservation)
+        result = await worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation)
         steps = await worker.async_engine.call(lambda: worker.engine.stats().num_steps)
         worker.async_engine.shutdown()
         return result, steps
@@ -480,7 +480,7 @@ class _Answers(_Recorder):
         super().__init__()
         self.answers: list[asyncio.Future] = []
 
-    def remote(self, *args):
+    def remote(self, *args, **kwargs):
         self.calls.append(args)
         self.answers.append(asyncio.get_running_loop().create_future())
         return self.answers[-1]
@@ -508,7 +508,7 @@ def test_a_retiring_prefill_worker_frees_no_block_a_reader_is_still_reading(tiny
 
     async def main():
         reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 3600)
-        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation))
         await async_wait_for(lambda: reads.calls, PATIENCE_S, "the first read to be asked")
         being_read = list(reads.calls[0][1])  # the payload: the sender's blocks the reader reads
         retire = asyncio.ensure_future(worker.retire())
@@ -546,7 +546,7 @@ def test_a_retiring_prefill_worker_tells_the_reader_of_a_prefill_it_drops(tiny_m
 
     async def main():
         reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 3600)
-        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode, reservation))
+        prefill = asyncio.ensure_future(worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation))
         await asyncio.sleep(0)  # the prefill begins and queues its request
         idle = await asyncio.wait_for(worker.retire(), PATIENCE_S)
         return idle, await asyncio.wait_for(prefill, PATIENCE_S)
@@ -580,7 +580,7 @@ def test_a_pipelined_part_that_raises_fails_its_attempt_and_unpins_every_part(ti
 
     async def main():
         reservation = Reservation("a", RESERVED, worker.layout, "", time.time() + 3600)
-        result = await asyncio.wait_for(worker.prefill("a", PROMPT, GREEDY, decode, reservation), PATIENCE_S)
+        result = await asyncio.wait_for(worker.prefill("a", PROMPT, GREEDY, decode_worker=decode, reservation=reservation), PATIENCE_S)
         in_use = await _blocks_in_use(worker)
         worker.async_engine.shutdown()
         return result, in_use

@@ -37,7 +37,7 @@ def test_a_prefill_workers_gauge_is_zero_once_its_last_hand_off_released_its_blo
         for i in range(3):
             prompt = [100 + i] + PROMPT[1:]  # a prompt each, so each fills blocks of its own
             reservation = Reservation(f"a{i}", [1, 2, 3], worker.layout, "", time.time() + 3600)
-            result = await worker.prefill(f"a{i}", prompt, GREEDY, decode, reservation)
+            result = await worker.prefill(f"a{i}", prompt, GREEDY, decode_worker=decode, reservation=reservation)
             in_use, usage = await _pool_usage(worker)  # queued after the release: it has run
             seen.append((result.state, in_use, usage, _exported_usage(worker)))
         cached = await worker.async_engine.call(lambda: len(worker.engine.kv_manager.pool._cached))
@@ -58,7 +58,7 @@ def test_a_decode_workers_gauge_follows_a_reservation_and_its_abort_with_no_step
     worker = _decode_worker(tiny_model)
 
     async def main():
-        reservation = await worker.reserve("a", PROMPT, GREEDY, "sub")
+        reservation = await worker.reserve("a", PROMPT, GREEDY, subscriber="sub")
         reserved = await _pool_usage(worker), _exported_usage(worker)
         await worker.abort("a")
         aborted = await _pool_usage(worker), _exported_usage(worker)

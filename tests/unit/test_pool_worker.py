@@ -42,7 +42,7 @@ async def _run(worker: PoolWorker, rid: str, params: SamplingParams, epoch: int,
     """Submit a whole request and read its tokens from the worker's stream; with
     ``stop_after``, return (the tokens so far, the stream) after that many messages."""
     stream = worker.subscribe(f"router-{rid}")
-    await worker.submit(rid, PROMPT, params, f"router-{rid}", epoch=epoch)
+    await worker.submit(rid, PROMPT, params, subscriber=f"router-{rid}", epoch=epoch)
     tokens, finished = [], False
     async for _, deltas in stream:
         for delta in deltas:
@@ -57,16 +57,19 @@ async def _run(worker: PoolWorker, rid: str, params: SamplingParams, epoch: int,
 
 
 def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_older_view(configs, reference):
+    actor_class = type("PoolWorker", (PoolWorker,), {})  # Ray's subclass in the actor's process, its own
+
     async def scenario():
-        worker = PoolWorker("decode", "decode-0", configs, TransferConfig(backend="inprocess"))
+        worker = actor_class("decode", "decode-0", configs, TransferConfig(backend="inprocess"))
         await worker.ready()
+        assert type(worker).__name__ == "decode-0:DecodeWorker", "ps shows ray::<its class name> between calls"
         engine, model = worker.worker.engine, worker.worker.engine.model
         assert isinstance(await worker.load(epoch=0), DecodeLoad)
         assert (await _run(worker, "a", SHORT, epoch=0))[0] == reference
         with pytest.raises(StalePlacement, match="decode worker at epoch 0"):
-            await worker.prefill("p", PROMPT, SHORT, None, None, epoch=0)  # not a prefill worker
+            await worker.prefill("p", PROMPT, SHORT, decode_worker=None, reservation=None, epoch=0)  # not a prefill worker
         with pytest.raises(StalePlacement, match="made for epoch 3"):
-            await worker.reserve("r", PROMPT, SHORT, "router-r", epoch=3)
+            await worker.reserve("r", PROMPT, SHORT, subscriber="router-r", epoch=3)
 
         # Switched while a long request streams (its drain ran out): the stream ends, the
         # request is aborted, and every block comes back before the engine resets.
@@ -74,6 +77,7 @@ def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_olde
         assert 0 < len(partial) < LONG.max_tokens
         info = await worker.switch_role("prefill", "prefill-1")
         assert info["epoch"] == 1 and info["worker_id"] == "prefill-1" and not info["idle"]
+        assert type(worker).__name__ == "prefill-1:PrefillWorker" and PoolWorker.__name__ == "PoolWorker"
         assert [m async for m in stream] == [], "the old role's stream ends once it has retired"
         assert worker.worker.engine is engine and engine.model is model, "nothing is reloaded"
         assert engine.kv_manager.pool.num_used_blocks == 0 and engine.kv_manager.pool.num_cached_blocks == 0
@@ -82,7 +86,7 @@ def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_olde
         with pytest.raises(StalePlacement):
             await worker.load(epoch=0)  # a router's poll by its old view: no decode load from a prefill worker
         with pytest.raises(StalePlacement):
-            await worker.submit("c", PROMPT, SHORT, "router-c", epoch=1)  # no such call for prefill
+            await worker.submit("c", PROMPT, SHORT, subscriber="router-c", epoch=1)  # no such call for prefill
 
         # And back: the same greedy tokens, from an empty prefix cache.
         assert (await worker.switch_role("decode", "decode-2"))["epoch"] == 2
@@ -91,7 +95,7 @@ def test_a_worker_switches_roles_in_place_and_refuses_what_was_placed_by_an_olde
 
         await worker.drain()  # leaving its pool: placements are refused, polls answered
         with pytest.raises(StalePlacement, match="draining"):
-            await worker.submit("e", PROMPT, SHORT, "router-e", epoch=2)
+            await worker.submit("e", PROMPT, SHORT, subscriber="router-e", epoch=2)
         assert isinstance(await worker.load(epoch=2), DecodeLoad)
         assert (await worker.stats())["num_blocks_in_use"] == 0
         await worker.worker.async_engine.stop()
@@ -142,21 +146,26 @@ def test_a_call_during_a_switch_waits_until_the_new_role_is_ready(configs):
 def test_every_call_of_each_role_is_declared_on_the_pool_worker_with_its_parameters_and_the_epoch():
     """grep finds each call a router or the cluster makes on a pool worker, and a role's new
     public method cannot be left unreachable: each is declared on ``PoolWorker`` with the
-    role's parameters, in order, and ``epoch`` last. ``retire`` is the switch's own."""
+    role's parameters, in order, of the same kind (keyword-only where the role's are) and
+    default, and a keyword-only ``epoch`` last. ``retire`` is the switch's own."""
     import inspect
 
     from cluster.pool_worker import ROLE_CLASSES
 
+    def parameters(fn) -> list[tuple[str, object, object]]:
+        # (Ray's tracing adds a _ray_trace_ctx parameter to actor classes' methods in place.)
+        return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[1:]
+                if not p.name.startswith("_ray")]
+
     calls = {name: fn for cls in ROLE_CLASSES.values()
              for name, fn in inspect.getmembers(cls, inspect.iscoroutinefunction) if not name.startswith("_")}
     internal = {"retire", "drain"}  # drain is the pool worker's own too (it fences placements first)
+    epoch = ("epoch", inspect.Parameter.KEYWORD_ONLY, None)
     for name, fn in sorted(calls.items()):
         if name in internal:
             continue
         declared = vars(PoolWorker).get(name)
         assert declared is not None, f"PoolWorker does not declare the role call {name}"
-        # (Ray's tracing adds a _ray_trace_ctx parameter to actor classes' methods in place.)
-        role_params = [p for p in list(inspect.signature(fn).parameters)[1:] if not p.startswith("_ray")]
-        params = [p for p in list(inspect.signature(declared).parameters)[1:] if not p.startswith("_ray")]
-        assert params == [*role_params, "epoch"], f"{name}: {params} != the role's {role_params} + epoch"
+        assert parameters(declared) == [*parameters(fn), epoch], (
+            f"{name}: {parameters(declared)} != the role's {parameters(fn)} + {epoch}")
     assert "retire" not in vars(PoolWorker), "a caller must not retire a role but through switch_role"

@@ -157,8 +157,8 @@ def test_a_removed_prefill_worker_is_gone_for_every_decode_worker(monkeypatch):
 
 
 def test_status_says_which_process_and_host_each_worker_is(monkeypatch):
-    """``tandem status`` tells an operator which process is which worker: every pool worker
-    is ``ray::PoolWorker`` in ``ps``, whatever its role."""
+    """``tandem status`` tells an operator which process is which worker (``ps`` names a
+    pool worker by its id and role only between calls: during one it is ``ray::PoolWorker.<call>``)."""
     from engine.wire.messages import DecodeLoad
 
     class _Loaded(_Handle):

@@ -90,7 +90,7 @@ def test_a_stalled_subscriber_is_cut_off_and_its_requests_aborted(tiny_model):
         messages = worker._step_messages("sub")
         first = asyncio.create_task(anext(messages))
         for rid in ("a", "b"):
-            await worker.submit(rid, PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), "sub")
+            await worker.submit(rid, PROMPT, SamplingParams(max_tokens=200, ignore_eos=True), subscriber="sub")
         got = [await first]  # and then the reader stalls
         await async_wait_for(lambda: worker.num_cut_off == 1, PATIENCE_S, "the stalled subscriber to be cut off")
         left = await worker.async_engine.call(lambda: sorted(worker.engine.scheduler.requests))
@@ -110,7 +110,7 @@ def test_a_subscriber_whose_backlog_passed_the_bound_is_told_with_its_next_messa
     worker = _worker(tiny_model, max_pending_outputs=4, slow_subscriber_s=60.0)
 
     async def main():
-        await worker.submit("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), "sub")
+        await worker.submit("a", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), subscriber="sub")
         await async_wait_for(lambda: worker.async_engine.call(lambda: "a" not in worker.engine.scheduler.requests),
                              PATIENCE_S, "the request to finish with nobody reading")
         messages = worker._step_messages("sub")

@@ -33,11 +33,11 @@ def test_submit_and_reserve_hand_the_priority_to_the_scheduler_which_runs_the_lo
         return await worker.async_engine.call(lambda: worker.engine.load().num_running)
 
     async def main():
-        await worker.submit("first", PROMPT, long, "sub", (), 9)
+        await worker.submit("first", PROMPT, long, subscriber="sub", priority=9)
         await async_wait_for(running, PATIENCE_S, "the first request to run")  # one at a time: the rest wait
         for rid, priority in (("a", 0), ("b", 5), ("c", -1)):
-            await worker.submit(rid, PROMPT, short, "sub", (), priority)
-        await worker.reserve("remote", PROMPT, short, "sub", (), -3)
+            await worker.submit(rid, PROMPT, short, subscriber="sub", priority=priority)
+        await worker.reserve("remote", PROMPT, short, subscriber="sub", priority=-3)
         seen = await worker.async_engine.call(_scheduled, worker)
         for rid in ("first", "a", "b", "c", "remote"):
             await worker.abort(rid)
