@@ -41,6 +41,9 @@ class EngineConfig:
     router's placement index takes the decode engine's.
     ``grammar``: the bounds on a structured-output spec and the wall-clock limit on its
     compile (``engine.grammar.GrammarLimits``; a dict of its fields in a topology file).
+    ``tensor_parallel_size``: the ranks one engine's model is split over (``engine.ranks``):
+    each holds 1/N of the weights and of the KV heads, so ``kv_cache_memory`` and
+    ``swap_space`` are per rank. Above 1, steps run eagerly (no CUDA graphs).
     """
 
     model: str | None = None
@@ -65,6 +68,7 @@ class EngineConfig:
     prefix_hash_algo: str = DEFAULT_HASH_ALGO
     prefix_hash_seed: str | int | None = None
     grammar: GrammarLimits = GrammarLimits()
+    tensor_parallel_size: int = 1
 
     # What an engine can change without reloading its model or reallocating its KV cache
     # (``LLMEngine.reset``, a worker's role switch): the scheduler's and prefix cache's settings.
@@ -103,7 +107,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
-        check_at_least(self, max_num_batched_tokens=1, max_num_seqs=1)
+        check_at_least(self, max_num_batched_tokens=1, max_num_seqs=1, tensor_parallel_size=1)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_modes(self.preemption_mode, self.policy, self.batching)

@@ -15,12 +15,25 @@ class LLM:
     """Offline generation over the engine's continuous batching.
 
     ``LLM(model=None)`` uses the built-in default model; keyword arguments are
-    ``EngineConfig`` fields.
+    ``EngineConfig`` fields. With ``tensor_parallel_size=N`` above 1 it starts N - 1 rank
+    processes on this host (``engine.ranks``); ``close()``, or leaving a ``with LLM(...)``
+    block, stops them (else they are stopped when the ``LLM`` is collected or the
+    interpreter exits).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if it has any. Idempotent."""
+        self.engine.close()
 
     def generate(
         self,
@@ -54,4 +67,5 @@ class LLM:
         return [final[i] for i in ids]
 
     def stats(self) -> EngineStats:
+        """The engine's load and running totals (``LLMEngine.stats``)."""
         return self.engine.stats()

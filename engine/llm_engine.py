@@ -49,6 +49,7 @@ from engine.model.model_runner import ModelRunner
 from engine.model.runner_input import RunnerInputBuilder
 from engine.model.sampler import TokenLogprobs
 from engine.output_processor import OutputProcessor, RequestOutput, RequestTimes
+from engine.ranks import TensorParallel, start_ranks
 from engine.remote_kv import Arrival, RemoteKVIntake
 from engine.structured_output import StructuredOutputs
 from engine.tokenizer import Tokenizer
@@ -104,7 +105,12 @@ class LLMEngine:
     intake. A worker (``WorkerBase``), ``LLM`` or a benchmark builds it; it is not thread-safe: in
     a worker only ``AsyncEngine``'s step thread calls it."""
 
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, tensor_parallel: TensorParallel | None = None, **overrides
+    ) -> None:
+        """``tensor_parallel``: rank 0's side of ranks the caller started (``engine.ranks``);
+        None starts ``config.tensor_parallel_size - 1`` rank processes on this host (none at 1),
+        which ``close`` stops."""
         config = config or EngineConfig(**overrides)
         self.config = config
         resolved = resolve_model(config.model)
@@ -115,18 +121,39 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(source)
         self.tokenizer = Tokenizer.from_pretrained(source)
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
+        # The ranks start first: they load their shards while this one loads its own.
+        self.tensor_parallel = tensor_parallel or start_ranks(config)
+        if self.tensor_parallel.size != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size is {config.tensor_parallel_size} but the ranks given "
+                             f"are {self.tensor_parallel.size}")
+        try:
+            self._build(config, source)
+        except BaseException:
+            self.tensor_parallel.close()
+            raise
+
+    def _load_shard(self, config: EngineConfig, source) -> tuple[int, int]:
+        """This rank's model, KV cache and attention backend; the cache's size, sized from one
+        rank's bytes per block, goes to the other ranks. Returns (device, swap) blocks."""
+        tp = self.tensor_parallel
         device = torch.device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(source, dtype, device, pack=config.pack_weights)
-        per_block = bytes_per_block(self.model_config, config.block_size, dtype)
+        self.model = load_model(source, dtype, device, pack=config.pack_weights, tp=tp.group)
+        per_block = bytes_per_block(self.model_config, config.block_size, dtype, tp_size=tp.size)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
         num_cpu_blocks = config.swap_space // per_block
+        tp.start(num_blocks, num_cpu_blocks)
         self.kv_cache = KVCache(
-            self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks
+            self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks, tp=tp.shard
         )
         self.attention = create_attention_backend(
             config.attention_backend, device, config.block_size, self.model_config.head_dim, dtype
         )
+        return num_blocks, num_cpu_blocks
+
+    def _build(self, config: EngineConfig, source) -> None:
+        """Everything past the tokenizer: the shard, the runner, the scheduler and its helpers."""
+        num_blocks, num_cpu_blocks = self._load_shard(config, source)
         # The logits' width, not the tokenizer's size: ids past the tokenizer are masked too.
         self.structured = StructuredOutputs(
             self.tokenizer,
@@ -134,9 +161,11 @@ class LLMEngine:
             self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
             config.grammar,
         )
+        # Above one rank steps run eagerly: a captured step would have to replay its collectives
+        # in step with the other ranks' graphs, which nothing captures yet.
         graphs = step_graphs_for(
             self.model, self.kv_cache, self.attention, config.max_num_seqs, self.max_model_len,
-            config.max_num_batched_tokens, config.cuda_graphs,
+            config.max_num_batched_tokens, config.cuda_graphs and self.tensor_parallel.size == 1,
         )  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured, graphs)
         for g in graphs:  # every bucket now, so that no step waits on a capture
@@ -477,7 +506,8 @@ class LLMEngine:
             if item.request.first_scheduled_time is None:
                 item.request.first_scheduled_time = now
         wall, cpu = time.perf_counter(), time.thread_time()
-        result = self.runner.execute(self.runner_inputs.build(sched))
+        # Every rank runs the same input on its own shard; rank 0 samples from the full logits.
+        result = self.tensor_parallel.execute(self.runner, self.runner_inputs.build(sched))
         self._forward_s += time.perf_counter() - wall
         self._forward_cpu_s += time.thread_time() - cpu
         if result.prompt_logprobs:
@@ -513,6 +543,11 @@ class LLMEngine:
             self.wait_for_device()  # another process reads them next
         self._forget(rid)
         return out
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine this engine started (at one rank
+        there are none); such an engine cannot step after. Idempotent."""
+        self.tensor_parallel.close()
 
     # -- introspection ---------------------------------------------------------
 

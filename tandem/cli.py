@@ -36,19 +36,20 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
     )
-    prompt = args.prompt
-    if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    (out,) = llm.generate([prompt], params)
+    with LLM(model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+             tensor_parallel_size=args.tensor_parallel_size) as llm:
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        (out,) = llm.generate([prompt], params)
+        stats = llm.stats()
     print(out.text)
-    stats = llm.stats()
     print(
         f"[{out.num_prompt_tokens} prompt tokens, {len(out.token_ids)} generated, "
         f"finish_reason={out.finish_reason}, blocks in use after: {stats.num_blocks_in_use}]",
@@ -232,6 +233,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from bench.overhead import main as overhead_main
 
         return overhead_main(args.rest)
+    if args.bench == "tp":
+        from bench.tp import main as tp_main
+
+        return tp_main(args.rest)
     raise SystemExit(f"unknown benchmark {args.bench!r}")
 
 
@@ -258,6 +263,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 elsewhere")
     gen.add_argument("--num-kv-blocks", type=int, default=None)
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="split the model over this many ranks (processes on this host)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)
 
@@ -295,8 +302,8 @@ def _add_status(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead)")
-    bench.add_argument("bench", choices=["offline", "serve", "report", "overhead"])
+    bench = sub.add_parser("bench", help="run a benchmark program (offline, serve, report, overhead, tp)")
+    bench.add_argument("bench", choices=["offline", "serve", "report", "overhead", "tp"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
 
