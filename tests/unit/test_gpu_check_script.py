@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["preflight", "kernels", "parity", "transfer", "bench"]
+STEPS = ["preflight", "kernels", "parity", "nccl", "transfer", "bench"]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "fake-python $*"

@@ -48,7 +48,7 @@ def test_cpu_dockerfile_takes_its_base_as_a_build_arg_defaulting_to_python_slim(
 
 
 @pytest.mark.parametrize(
-    ("flavour", "default"), [("cpu", CPU_INDEX), ("gpu", "https://download.pytorch.org/whl/cu128")]
+    ("flavour", "default"), [("cpu", CPU_INDEX), ("gpu", "https://download.pytorch.org/whl/cu130")]
 )
 def test_torch_index_defaults_to_pytorchs_and_an_empty_one_leaves_pip_its_settings(flavour, default):
     text = (DOCKER / f"Dockerfile.{flavour}").read_text()
