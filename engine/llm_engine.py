@@ -51,7 +51,7 @@ from engine.model.sampler import TokenLogprobs
 from engine.output_processor import OutputProcessor, RequestOutput, RequestTimes
 from engine.ranks import TensorParallel, start_ranks
 from engine.remote_kv import Arrival, RemoteKVIntake
-from engine.structured_output import StructuredOutputs
+from engine.structured_output import GrammarPen, StructuredOutputs
 from engine.tokenizer import Tokenizer
 from engine.wire.sampling_params import SamplingParams
 
@@ -174,9 +174,9 @@ class LLMEngine:
         # request the step after it ends, so this outlives a reset).
         self.runner_inputs = RunnerInputBuilder()
         self.outputs = OutputProcessor(self.tokenizer, self.structured)
+        # Constrained requests waiting out their grammar's compile, new or arrived (outside the scheduler).
+        self.pen = GrammarPen(self.structured)
         self._make_parts(config, num_blocks, num_cpu_blocks)
-        # Constrained requests whose grammar is still compiling (outside the scheduler).
-        self._compiling: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self._prompt_tokens = 0
@@ -193,7 +193,7 @@ class LLMEngine:
             BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed), window=self.model_config.kv_window,
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_manager)
-        self.remote_kv = RemoteKVIntake(self.scheduler, self.kv_manager, self.kv_cache, self.structured)
+        self.remote_kv = RemoteKVIntake(self.scheduler, self.kv_manager, self.kv_cache, self.pen)
 
     def reset(self, config: EngineConfig) -> None:
         """Start over under ``config`` on the same model and KV cache (a worker switching
@@ -270,8 +270,8 @@ class LLMEngine:
         request.output_token_ids = list(resume_output)
         self._track(request, resume_output)
         rid = request.request_id
-        if rid in self.structured and (not self.structured.is_ready(rid) or self.structured.error(rid)):
-            self._compiling[rid] = request
+        if self.pen.must_wait(rid):
+            self.pen.hold(rid, request)
         else:
             self.scheduler.add_request(request)
         return request.request_id
@@ -430,8 +430,8 @@ class LLMEngine:
             request_ids = [request_ids]
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
-            request = self._compiling.pop(rid, None)
-            if request is not None:
+            request = self.pen.pop(rid)  # an arrival held there ended with its request above
+            if isinstance(request, Request):
                 request.status = RequestStatus.FINISHED_ABORTED
                 finished.append(request)
         return [self._finish_output(r) for r in finished]
@@ -460,45 +460,44 @@ class LLMEngine:
 
     def request_ids(self) -> list[str]:
         """Every request the engine holds (scheduled or waiting for its grammar)."""
-        return [*self.scheduler.requests, *self._compiling]
+        return [*self.scheduler.requests, *self.pen.held(Request)]
 
     # -- stepping --------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._compiling)
+        return self.scheduler.has_work() or bool(self.pen)
 
     def has_schedulable_work(self) -> bool:
         """A step can do something now (requests waiting for remote KV or for their
         grammar cannot be stepped until it has arrived)."""
         if self.scheduler.has_schedulable_work():
             return True
-        ready = self.structured.is_ready
-        return (any(ready(rid) for rid in self._compiling) or self.remote_kv.has_ready()
-                or self.structured.overdue(time.monotonic()))
+        return self.pen.has_ready() or self.structured.overdue(time.monotonic())
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Hand requests whose grammar is now ready to the scheduler; a grammar that
-        failed to compile (or ran past its time limit) ends its request with an error."""
+        """Take the requests whose grammar is now ready out of the pen: a new one goes to the
+        scheduler, an arrived one joins the batch with its first token; a grammar that failed
+        to compile (or ran past its time limit) ends its request with an error."""
         outputs = []
-        for rid in [r for r in self._compiling if self.structured.is_ready(r)]:
-            request = self._compiling.pop(rid)
-            error = self.structured.error(rid)
-            if error is None:
-                self.scheduler.add_request(request)
+        for rid, held, error in self.pen.take_ready():
+            if isinstance(held, Request) and error is None:
+                self.scheduler.add_request(held)
+            elif isinstance(held, Request):
+                held.status, held.stop_reason = RequestStatus.FINISHED_ERROR, f"grammar: {error}"
+                outputs.append(self._finish_output(held))
+            elif error is None:  # an Arrival: its KV landed while the grammar compiled
+                request = self.remote_kv.commit(rid, held)
+                outputs += [] if request is None else [self._first_output(request, held)]
             else:
-                request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, f"grammar: {error}"
-                outputs.append(self._finish_output(request))
-        committed, failed = self.remote_kv.take_ready()
-        outputs += [self._first_output(request, arrival) for request, arrival in committed]
-        ended = self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ERROR)  # the grammar did not compile
-        outputs += [self._finish_output(r) for r in ended]
+                ended = self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+                outputs += [self._finish_output(r) for r in ended]
         return outputs
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of the requests that produced tokens."""
         self.structured.expire(time.monotonic())  # a compile past its limit: its requests end below
-        admitted = self._admit_compiled() if self._compiling or self.remote_kv.has_held_back else []
-        if not self.scheduler.has_schedulable_work() and self._compiling and not admitted:
+        admitted = self._admit_compiled() if self.pen else []
+        if not self.scheduler.has_schedulable_work() and self.pen and not admitted:
             self.structured.wait_any(0.05)  # offline loops: nothing else to do meanwhile
         sched = self.last_plan = self.scheduler.schedule()
         now = time.monotonic()
@@ -557,7 +556,7 @@ class LLMEngine:
         pool = self.kv_manager.pool
         return EngineLoad(
             num_running=len(s.running),
-            num_waiting=s.num_waiting + len(self._compiling),
+            num_waiting=s.num_waiting + len(self.pen.held(Request)),
             num_swapped=len(s.swapped),
             num_waiting_for_kv=self.remote_kv.num_waiting,
             num_free_blocks=pool.num_free_blocks,

@@ -6,8 +6,8 @@ What it owns: reserving a request's blocks in the scheduler (the request waits i
 may write into them, landing a packed copy of the KV into them (a paged transfer writes
 in place and lands nothing), committing the request into the batch with the first token
 the prefill worker sampled, or failing it (recompute here, or an error). An arrival whose
-grammar is still compiling is held back here: the grammar must see the first token
-before the request joins the batch.
+grammar is still compiling waits in the engine's ``GrammarPen`` (the one new requests
+wait in): the grammar must see the first token before the request joins the batch.
 
 A request's lifecycle here::
 
@@ -33,7 +33,7 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.model.kv_cache import KVCache
 from engine.model.sampler import TokenLogprobs
-from engine.structured_output import StructuredOutputs
+from engine.structured_output import GrammarPen
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,12 @@ class RemoteKVIntake:
     matchers, and makes it anew when it resets."""
 
     def __init__(
-        self, scheduler: Scheduler, kv_manager: KVCacheManager, kv_cache: KVCache, structured: StructuredOutputs
+        self, scheduler: Scheduler, kv_manager: KVCacheManager, kv_cache: KVCache, pen: GrammarPen
     ) -> None:
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.kv_cache = kv_cache
-        self.structured = structured
-        self._held_back: dict[str, Arrival] = {}  # landed; the grammar is still compiling
+        self.pen = pen  # the engine's: an arrival whose grammar still compiles waits there
 
     def reserve(self, request: Request) -> tuple[list[int], int] | None:
         """Reserve blocks for the request's prompt (and a migrated stream's output); returns
@@ -106,51 +105,28 @@ class RemoteKVIntake:
     def commit(self, request_id: str, arrival: Arrival) -> Request | None:
         """The request's KV has landed: it joins the batch with ``arrival``'s first token (and
         may finish at once: a stop token, ``max_tokens`` of 1). None when it does not wait
-        here, or when its grammar is still compiling or failed (held back: ``take_ready``
-        commits it, or ends it with an error)."""
+        here, or when its grammar is still compiling or failed: the arrival waits in the
+        engine's ``GrammarPen``, which commits it here once ready, or ends it with an error."""
         if request_id not in self.scheduler.remote:
             return None
-        structured = self.structured
-        if request_id in structured and (not structured.is_ready(request_id) or structured.error(request_id)):
-            self._held_back[request_id] = arrival
+        if self.pen.must_wait(request_id):
+            self.pen.hold(request_id, arrival)
             return None
         request = self.scheduler.remote_arrived(request_id, arrival.first_token)
         if request is not None:
             request.num_cached_tokens = arrival.num_cached_tokens
         return request
 
-    def has_ready(self) -> bool:
-        """An arrival held back for its grammar can be committed now."""
-        return any(self.structured.is_ready(rid) for rid in self._held_back)
-
-    def take_ready(self) -> tuple[list[tuple[Request, Arrival]], list[str]]:
-        """Commit the held-back arrivals whose grammar is now ready; returns them, and the
-        ids of those whose grammar failed to compile (the caller ends them with an error)."""
-        committed, failed = [], []
-        for rid in [r for r in self._held_back if self.structured.is_ready(r)]:
-            arrival = self._held_back.pop(rid)
-            if self.structured.error(rid) is not None:
-                failed.append(rid)
-                continue
-            request = self.commit(rid, arrival)
-            if request is not None:
-                committed.append((request, arrival))
-        return committed, failed
-
-    @property
-    def has_held_back(self) -> bool:
-        return bool(self._held_back)
-
     def fail(self, request_id: str, recompute: bool) -> Request | None:
         """The KV will not come: queue the request to prefill here (``recompute``) or finish
         it with an error (also when its grammar failed: nothing could be sampled). None when it
         does not wait here."""
-        self._held_back.pop(request_id, None)
-        structured = self.structured
+        self.pen.pop(request_id)
+        structured = self.pen.structured
         if request_id in structured and structured.is_ready(request_id) and structured.error(request_id):
             recompute = False
         return self.scheduler.remote_failed(request_id, recompute)
 
     def forget(self, request_id: str) -> None:
-        """The request ended (aborted, finished): drop an arrival held back for it."""
-        self._held_back.pop(request_id, None)
+        """The request ended (aborted, finished): drop an arrival held for it."""
+        self.pen.pop(request_id)

@@ -319,3 +319,56 @@ class StructuredOutputs:
             self.sync(rid, outputs[i])
             self._requests[rid].matcher.fill_next_token_bitmask(bitmask, i)
         return bitmask, rows
+
+
+class GrammarPen:
+    """Where requests wait out their grammar's compile, off the scheduler: a new request
+    (held as its ``Request``) and a decode worker's request whose KV has landed (held as
+    its ``Arrival``: it joins the batch with the first token, which the grammar must see
+    first). One pen for both, so one place decides what is held and when it goes::
+
+        held ─▶ its grammar ready ─▶ taken (``take_ready``): admitted, or ended with its error
+          └─ aborted, its KV failed, or ended otherwise ─▶ dropped (``pop``)
+    """
+
+    def __init__(self, structured: StructuredOutputs) -> None:
+        self.structured = structured
+        self._held: dict[str, object] = {}
+
+    def must_wait(self, request_id: str) -> bool:
+        """The request is constrained and its grammar is compiling, or failed (an error
+        is handed out by ``take_ready``, in step order, not where the request came in)."""
+        s = self.structured
+        return request_id in s and (not s.is_ready(request_id) or s.error(request_id) is not None)
+
+    def hold(self, request_id: str, item: object) -> None:
+        """Keep ``item`` (the ``Request``, or the ``Arrival``) until the grammar is ready."""
+        self._held[request_id] = item
+
+    def pop(self, request_id: str) -> object | None:
+        """Drop what is held for the request (it ended otherwise); None when nothing is."""
+        return self._held.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def held(self, kind: type) -> list[str]:
+        """The ids of the held requests whose item is a ``kind`` (new ones: ``Request``)."""
+        return [rid for rid, item in self._held.items() if isinstance(item, kind)]
+
+    def has_ready(self) -> bool:
+        """Some held request's grammar is ready (compiled or failed)."""
+        return any(self.structured.is_ready(rid) for rid in self._held)
+
+    def take_ready(self) -> list[tuple[str, object, BaseException | None]]:
+        """The held requests whose grammar is ready, taken out of the pen in the order they
+        came in: each id, what was held, and the compile's error (None: it compiled)."""
+        s = self.structured
+        ready = [rid for rid in self._held if s.is_ready(rid)]
+        return [(rid, self._held.pop(rid), s.error(rid)) for rid in ready]
