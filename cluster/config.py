@@ -11,6 +11,8 @@ Example YAML::
     transfer: {backend: nixl, timeout_s: 30, failure_policy: recompute}   # default: nixl where installed
     engine: {dtype: bfloat16, max_num_batched_tokens: 4096}   # both roles
     decode_engine: {kv_cache_memory: 40000000000}            # one role only
+                              # tensor_parallel_size: N splits each worker over N ranks, one
+                              # bundle (one GPU) each on one node; colocated only for now
     stream_interval_s: 0.05   # a stream sends at most one message per 50 ms (0: one per step)
     token_channel: tcp        # step messages to routers over TCP (ray: Ray streaming)
     token_channel_host: 0.0.0.0   # where it listens (default 127.0.0.1: routers on the same node)
@@ -60,6 +62,11 @@ class Resources:
         if self.num_gpus:
             b["GPU"] = self.num_gpus
         return b
+
+    def rank_bundle(self) -> dict[str, float]:
+        """The bundle of a tensor-parallel rank past rank 0: the worker's CPUs and GPUs, not
+        its custom resources (those count workers on a node, and the ranks share rank 0's)."""
+        return {k: v for k, v in self.bundle().items() if k in ("CPU", "GPU")}
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,38 @@ class ClusterConfig:
         # Build both engine configs now so that bad settings fail here, not in an actor.
         self.engine_config("prefill")
         self.engine_config("decode")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """Above one rank: colocated only (the KV transfer between workers moves one rank's
+        KV heads today), and on GPUs one GPU a rank."""
+        for role in ["decode"] if self.colocated else ["prefill", "decode"]:
+            size = self.tensor_parallel_size(role)
+            if size == 1:
+                continue
+            if not self.colocated:
+                raise ValueError(
+                    f"{role} engine: tensor_parallel_size {size} needs a colocated service (prefill_workers: 0, "
+                    f"got {self.prefill_workers}): the KV transfer between prefill and decode workers runs at "
+                    f"tensor_parallel_size 1 only, so both roles must be at 1 when there is a prefill pool")
+            gpus = self.resources(role).num_gpus
+            if gpus not in (0, 1):
+                raise ValueError(f"{role}_resources.num_gpus is {gpus}: at tensor_parallel_size {size} each rank "
+                                 f"takes one bundle of the worker's resources, so 0 or 1 GPU a rank")
+
+    def resources(self, role: str) -> Resources:
+        """What each worker of ``role`` (``prefill``, ``decode`` or ``colocated``) asks for."""
+        return self.prefill_resources if role == "prefill" else self.decode_resources
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The ranks each worker of ``role`` is split over (its engine's ``tensor_parallel_size``)."""
+        return self.engine_config(role).tensor_parallel_size
+
+    def worker_bundles(self, role: str) -> list[dict[str, float]]:
+        """The placement-group bundles of one worker of ``role``: its own, then one per other
+        rank (all on one node: ``STRICT_PACK`` above one rank)."""
+        resources = self.resources(role)
+        return [resources.bundle()] + [resources.rank_bundle()] * (self.tensor_parallel_size(role) - 1)
 
     def _check_autoscaling(self, a: AutoscalingConfig) -> None:
         pools = [("decode", self.decode_workers)] + ([] if self.colocated else [("prefill", self.prefill_workers)])

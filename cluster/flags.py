@@ -58,6 +58,11 @@ def add_service_flags(
         parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--prefill-workers", type=int, default=None, help="0 runs colocated workers")
     parser.add_argument("--decode-workers", type=int, default=None)
+    parser.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                        help="tensor_parallel_size of each prefill worker: its ranks, one GPU each (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                        help="tensor_parallel_size of each decode (or colocated) worker; above 1 the service "
+                             "must be colocated (--prefill-workers 0) for now (default 1)")
     backend = defaults.get("kv_transfer_backend") or "nixl where installed, else collective"
     parser.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS, help=f"default: {backend}")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
@@ -100,8 +105,9 @@ def topology_file(path: str) -> dict:
 
 def cluster_config(args: argparse.Namespace):
     """The pools' ``ClusterConfig``: the topology file's settings, the flags over them
-    (``--kv-transfer-backend``, ``--num-kv-blocks`` and ``--engine`` refine the file's
-    ``transfer`` and ``engine`` sections rather than replace them)."""
+    (``--kv-transfer-backend``, ``--num-kv-blocks``, ``--engine`` and ``--prefill-tp`` /
+    ``--decode-tp`` refine the file's ``transfer``, ``engine``, ``prefill_engine`` and
+    ``decode_engine`` sections rather than replace them)."""
     from cluster.config import ClusterConfig
 
     engine = dict(getattr(args, "engine", None) or [])
@@ -116,10 +122,13 @@ def cluster_config(args: argparse.Namespace):
         "transfer": {"backend": args.kv_transfer_backend} if args.kv_transfer_backend is not None else None,
         "engine": engine or None,
     }
+    for role in ("prefill", "decode"):
+        size = getattr(args, f"{role}_tp", None)
+        overrides[f"{role}_engine"] = {"tensor_parallel_size": size} if size is not None else None
     data = {}
     if getattr(args, "config", None):
         data = {k: v for k, v in topology_file(args.config).items() if k not in SERVICE_KEYS}
-    for key in ("transfer", "engine"):
+    for key in ("transfer", "engine", "prefill_engine", "decode_engine"):
         if overrides[key] is not None and isinstance(data.get(key), dict):
             overrides[key] = {**data[key], **overrides[key]}
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -38,7 +38,7 @@ from engine.wire.sampling_params import SamplingParams
 from engine.wire.token_channel import ChannelAddress
 from kv_transfer import TransferMeta
 from kv_transfer.config import TransferConfig
-from kv_transfer.worker import WorkerBase
+from kv_transfer.worker import RankStarter, WorkerBase
 from prefill_worker.worker import PrefillWorker
 
 ROLE_CLASSES: dict[str, type[WorkerBase]] = {"prefill": PrefillWorker, "decode": DecodeWorker}
@@ -51,14 +51,16 @@ class PoolWorker:
     """The actor behind a prefill or decode slot when roles may switch (module docstring).
     ``engine_configs``: each role's engine settings (they may differ only in what an engine
     reset changes, ``EngineConfig.RESETTABLE``); ``decode_options``: ``DecodeWorker``'s own
-    keyword arguments."""
+    keyword arguments; ``ranks``: what starts its engine's other tensor-parallel ranks (the
+    first role's engine only: a switch keeps the engine and its ranks)."""
 
     def __init__(
         self, role: str, worker_id: str, engine_configs: dict[str, EngineConfig], transfer: TransferConfig, *,
-        torch_threads: int = 1, **decode_options: Any,
+        torch_threads: int = 1, ranks: RankStarter | None = None, **decode_options: Any,
     ) -> None:
         self._configs = engine_configs
         self._threads = torch_threads
+        self._ranks = ranks
         self._decode_options = decode_options
         self.epoch = 0
         self.worker = self._make(role, worker_id, transfer)
@@ -71,7 +73,8 @@ class PoolWorker:
               ) -> WorkerBase:
         options = self._decode_options if role == "decode" else {}
         return ROLE_CLASSES[role](
-            worker_id, self._configs[role], transfer, torch_threads=self._threads, previous=previous, **options)
+            worker_id, self._configs[role], transfer, torch_threads=self._threads, previous=previous,
+            ranks=self._ranks if previous is None else None, **options)
 
     def _show_role(self) -> None:
         """Name this process after its role and worker id in ``ps``: ``ray::decode-0:DecodeWorker``

@@ -8,6 +8,12 @@ bundle, and the routers re-run or fail the requests that were on it. KV transfer
 per prefill-decode pair and made on first use, so a replacement needs nothing from
 the other workers.
 
+A worker at ``tensor_parallel_size`` N is N Ray actors: its own (rank 0) and a rank actor
+per other rank (``cluster.rank_actors``), which it starts and owns. Each such worker has a
+placement group of its own, N bundles on one node (``STRICT_PACK``), and lives and dies
+whole: a rank that fails ends the worker, which is replaced like any dead one, in its
+group, with new ranks.
+
 Pools change size while serving: ``add_worker`` starts one more worker of a role (in a
 bundle a removed worker left in its pool's group, else in a placement group of its
 own) and lists it once it is ready; ``drain_worker`` takes one out without losing a
@@ -48,6 +54,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import ClusterConfig, Resources
 from cluster.metrics_server import ENV as METRICS_ENV
 from cluster.pool_worker import PoolWorker
+from cluster.rank_actors import RayRankGroup
 from decode_worker.worker import ColocatedWorker
 from engine.wire.messages import WorkerRef
 from kv_transfer.config import TransferConfig
@@ -169,26 +176,45 @@ class TandemCluster:
         return self
 
     def _place_pools(self, deadline: float) -> None:
-        """One placement group per pool, one bundle per worker, each kept in ``_pgs`` as
-        soon as it exists, so that a failure while waiting for it removes it."""
+        """One placement group per pool, one bundle per worker; above one rank, one group per
+        worker instead (``_worker_group``). Each is kept in ``_pgs`` or ``_own_pgs`` as soon as
+        it exists, so that a failure while waiting for it removes it."""
         cfg = self.config
-        roles = [("decode" if not cfg.colocated else "colocated", cfg.decode_workers, cfg.decode_resources)]
+        roles = ["decode" if not cfg.colocated else "colocated"]
         if not cfg.colocated:
-            roles.insert(0, ("prefill", cfg.prefill_workers, cfg.prefill_resources))
-        for role, count, resources in roles:
-            bundle = resources.bundle()
-            pg = self._pgs[role] = placement_group([bundle] * count, strategy=cfg.placement_strategy)
-            if not pg.wait(max(0.0, deadline - time.monotonic())):
-                total = ray.cluster_resources()
-                offered = {k: total.get(k, 0) for k in bundle}
-                raise StartTimeout(
-                    f"{role} pool: {count} worker(s) asking {bundle} each were not placed within "
-                    f"start_timeout_s={cfg.start_timeout_s:g} s; the Ray cluster's nodes offer {offered} "
-                    f"in all (are the worker pods scheduled and joined?). The start's placement "
-                    f"groups are removed; the next start tries again"
-                )
-            self._slots.extend(_Slot(role, i, pg, i) for i in range(count))
+            roles.insert(0, "prefill")
+        for role in roles:
+            count = cfg.prefill_workers if role == "prefill" else cfg.decode_workers
+            if cfg.tensor_parallel_size(role) == 1:
+                bundle = cfg.resources(role).bundle()
+                pg = self._pgs[role] = placement_group([bundle] * count, strategy=cfg.placement_strategy)
+                self._wait_placed(pg, role, f"{count} worker(s) asking {bundle} each", deadline)
+                self._slots.extend(_Slot(role, i, pg, i) for i in range(count))
+            else:
+                bundles, strategy = self._worker_group(role)
+                pgs = [placement_group(bundles, strategy=strategy) for _ in range(count)]
+                self._own_pgs.extend(pgs)
+                for pg in pgs:
+                    self._wait_placed(pg, role, f"{count} worker(s) asking {bundles} each, on one node", deadline)
+                self._slots.extend(_Slot(role, i, pg, 0) for i, pg in enumerate(pgs))
             self._indices[role] = itertools.count(count)
+
+    def _wait_placed(self, pg, role: str, asks: str, deadline: float) -> None:
+        """Wait for ``pg`` until ``deadline``; past it, ``StartTimeout`` says what ``role``'s pool asked."""
+        if not pg.wait(max(0.0, deadline - time.monotonic())):
+            total = ray.cluster_resources()
+            offered = {k: total.get(k, 0) for k in pg.bundle_specs[0]}
+            raise StartTimeout(
+                f"{role} pool: {asks} were not placed within start_timeout_s={self.config.start_timeout_s:g} s; "
+                f"the Ray cluster's nodes offer {offered} in all (are the worker pods scheduled and joined?). "
+                f"The start's placement groups are removed; the next start tries again"
+            )
+
+    def _worker_group(self, role: str) -> tuple[list[dict[str, float]], str]:
+        """The bundles and strategy of a placement group for one ``role`` worker: a bundle per
+        tensor-parallel rank (rank 0, the worker's actor, in the first), all on one node."""
+        bundles = self.config.worker_bundles(role)
+        return bundles, "STRICT_PACK" if len(bundles) > 1 else "PACK"
 
     def _start_workers(self, deadline: float) -> None:
         for slot in self._slots:
@@ -230,14 +256,17 @@ class TandemCluster:
         """Start the actor for ``slot``: a ``PoolWorker`` in its role (one that can switch
         roles later) in a prefill or decode pool, a ``ColocatedWorker`` otherwise."""
         cfg = self.config
-        resources: Resources = cfg.prefill_resources if slot.role == "prefill" else cfg.decode_resources
+        resources: Resources = cfg.resources(slot.role)
         worker_id = f"{slot.role}-{slot.index}"
         name = f"{cfg.name}-{worker_id}-{next(self._names)}"
-        decode_options = {
+        options: dict = {  # the decode role's own, and the other ranks'
             "stream_interval_s": cfg.stream_interval_s,
             "token_channel_host": cfg.token_channel_host if cfg.token_channel == "tcp" else None,
             "channel": cfg.channel,
         }
+        if (size := cfg.tensor_parallel_size(slot.role)) > 1:
+            # Its other ranks, in the next bundles of its group: the actor starts them (and owns them).
+            options["ranks"] = RayRankGroup(size, slot.pg, slot.bundle, resources.num_cpus, resources.num_gpus, name)
         if slot.role == "colocated":
             cls, args = ColocatedWorker, (worker_id, cfg.engine_config("decode"))
         else:
@@ -256,7 +285,7 @@ class TandemCluster:
                     placement_group=slot.pg, placement_group_bundle_index=slot.bundle
                 ),
             )
-            .remote(*args, cfg.transfer, torch_threads=cfg.torch_threads, **decode_options)
+            .remote(*args, cfg.transfer, torch_threads=cfg.torch_threads, **options)
         )
         return WorkerRef(worker_id, handle, incarnation=name, epoch=None if slot.role == "colocated" else 0)
 
@@ -286,18 +315,17 @@ class TandemCluster:
         Its bundle is one a removed worker left in the pool's group, else a group of its
         own (``TimeoutError`` when the cluster cannot place it within ``timeout_s``)."""
         role = self._role_of(role)
-        cfg = self.config
         with self._lock:
             free = self._free.get(role)
             pg, bundle = free.pop() if free else (None, 0)
             index = next(self._indices.setdefault(role, itertools.count()))
         if pg is None:
-            resources = cfg.prefill_resources if role == "prefill" else cfg.decode_resources
-            pg = placement_group([resources.bundle()])
+            bundles, strategy = self._worker_group(role)
+            pg = placement_group(bundles, strategy=strategy)
             if not pg.wait(timeout_s):
                 remove_placement_group(pg)
-                raise TimeoutError(f"no room for one more {role} worker ({resources.bundle()}) "
-                                   f"within {timeout_s:g} s")
+                asks = bundles[0] if len(bundles) == 1 else bundles
+                raise TimeoutError(f"no room for one more {role} worker ({asks}) within {timeout_s:g} s")
             with self._lock:
                 self._own_pgs.append(pg)
         slot = _Slot(role, index, pg, bundle)

@@ -264,8 +264,8 @@ def start_ranks(config: EngineConfig) -> TensorParallel:
 TRANSPORTS = ("auto", "gloo")  # a CPU group's: auto is shared memory where it runs
 
 
-def _make_group(store, rank: int, size: int, device: str, timeout_s: float, peers_alive,
-                transport: str = "auto") -> TPGroup:
+def make_group(store, rank: int, size: int, device: str, timeout_s: float, peers_alive,
+               transport: str = "auto") -> TPGroup:
     """The ranks' group: NCCL between GPUs; between CPU processes shared memory where the
     processor allows it (``engine.model.shm_group``: every rank on this host) unless
     ``transport`` is gloo, else gloo."""
@@ -300,7 +300,7 @@ def rank_main(
         store.set(_checked_in(rank), "1")
         device = rank_device(config.device, rank)
         parent = os.getppid()  # rank 0: gone if this process is handed to another parent
-        group = _make_group(store, rank, size, device, IDLE_TIMEOUT_S, lambda: os.getppid() == parent, transport)
+        group = make_group(store, rank, size, device, IDLE_TIMEOUT_S, lambda: os.getppid() == parent, transport)
         RankLoop(config, group, device).run()
     except BaseException:
         with contextlib.suppress(Exception):  # rank 0 (the store's host) may be gone
@@ -365,7 +365,7 @@ class LocalRanks:
                 p.start()
             self._wait_checked_in()
             processes = self.processes
-            self.group = _make_group(self.store, 0, self.size, config.device, COLLECTIVE_TIMEOUT_S,
+            self.group = make_group(self.store, 0, self.size, config.device, COLLECTIVE_TIMEOUT_S,
                                      lambda: all(p.is_alive() for p in processes), transport)
         except BaseException:
             self.stop(graceful=False)

@@ -13,13 +13,14 @@ import asyncio
 import os
 import socket
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.ranks import TensorParallel
 from engine.wire.messages import DecodeLoad, KVLayout, PrefillLoad, request_of
 from engine.wire.metrics import EngineMetrics
 from kv_transfer.base import TransferError
@@ -41,6 +42,13 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
     )
 
 
+class RankStarter(Protocol):
+    """Starts a worker's tensor-parallel ranks past rank 0 (``cluster.rank_actors.RayRankGroup``:
+    Ray actors in the worker's placement group) and returns rank 0's side of their group."""
+
+    def start(self, config: EngineConfig) -> TensorParallel: ...
+
+
 class WorkerBase:
     """The base of both worker actors: loads the engine, attaches the transfer backend to its cache
     and answers the cluster's health, load, stats, drain and abort calls. Built in a Ray actor
@@ -56,15 +64,19 @@ class WorkerBase:
         *,
         torch_threads: int = 1,
         previous: WorkerBase | None = None,
+        ranks: RankStarter | None = None,
     ) -> None:
         """``previous``: the retired worker (``retire``) of another role in this process
         whose model, KV cache and transfer backend this one takes over (a role switch:
-        its engine is reset to ``engine_config``, nothing is reloaded)."""
+        its engine is reset to ``engine_config``, nothing is reloaded, its ranks stay).
+        ``ranks``: what starts the engine's other ranks at ``tensor_parallel_size`` > 1
+        (None: processes of this host, ``engine.ranks.LocalRanks``)."""
         torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.transfer = transfer
         if previous is None:
-            self.engine = LLMEngine(engine_config)
+            tensor_parallel = ranks.start(engine_config) if ranks is not None else None
+            self.engine = LLMEngine(engine_config, tensor_parallel=tensor_parallel)
             # Transfers read and write the paged cache: packed backends through an adapter.
             self.backend = as_paged(transfer.make_backend())
             self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)

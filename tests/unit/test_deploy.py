@@ -1707,7 +1707,7 @@ def test_dockerfiles_copy_every_package_and_run_as_non_root(flavour):
         assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
         assert 'pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in text
     else:
-        assert 'pip install ".[gpu]"' in text and "nvidia/cuda:12" in text
+        assert 'pip install ".[gpu]"' in text and "nvidia/cuda:13" in text
 
 
 def test_autoscaling_values_become_the_topologys_section_and_the_groups_bounds(chart):

@@ -40,6 +40,9 @@ FLAG_FIELDS = {
     "--model": ("/models/m", "cluster.model", "/models/m"),
     "--prefill-workers": ("3", "cluster.prefill_workers", 3),
     "--decode-workers": ("2", "cluster.decode_workers", 2),
+    # (Above 1 the service must be colocated: test_tensor_parallel_flags_need_a_colocated_service.)
+    "--prefill-tp": ("1", "cluster.prefill_engine", {"tensor_parallel_size": 1}),
+    "--decode-tp": ("1", "cluster.decode_engine", {"tensor_parallel_size": 1}),
     "--kv-transfer-backend": ("object_store", "cluster.transfer.backend", "object_store"),
     "--num-kv-blocks": ("64", "cluster.engine", {"num_kv_blocks": 64}),
     "--engine": ("max_num_seqs=8", "cluster.engine", {"max_num_seqs": 8}),
@@ -166,6 +169,32 @@ def test_the_charts_values_are_the_schemas_defaults_or_say_why_not():
     assert chart_auto["scaleDownDelaySeconds"] == auto.scale_down_delay_s
     assert chart_auto["drainTimeoutSeconds"] == auto.drain_timeout_s
     assert chart_auto["allowRoleSwitch"] == auto.allow_role_switch
+
+
+# The worker groups' values that are service settings: each sets its role's engine setting.
+CHART_GROUP_FIELDS = {
+    "prefill.tensorParallelSize": ("prefill", "tensor_parallel_size"),
+    "decode.tensorParallelSize": ("decode", "tensor_parallel_size"),
+}
+
+
+def test_the_worker_groups_engine_values_default_to_the_schemas():
+    leaves = _leaves(yaml.safe_load(CHART_VALUES.read_text()))
+    config = ClusterConfig()
+    for value, (role, name) in CHART_GROUP_FIELDS.items():
+        assert leaves[value] == getattr(config.engine_config(role), name), f"{value} != the {role} engine's {name}"
+
+
+def test_tensor_parallel_flags_need_a_colocated_service(tmp_path):
+    colocated = _service("--prefill-workers", "0", "--decode-tp", "2")
+    assert colocated.cluster.tensor_parallel_size("colocated") == 2
+    for flag in ("--decode-tp", "--prefill-tp"):
+        with pytest.raises(ValueError, match="needs a colocated service"):
+            _service(flag, "2")
+    topology = tmp_path / "topology.yaml"
+    topology.write_text("prefill_workers: 0\ndecode_engine: {max_num_seqs: 8}\n")
+    service = _service("--config", str(topology), "--decode-tp", "2")
+    assert service.cluster.decode_engine == {"max_num_seqs": 8, "tensor_parallel_size": 2}, "the flag refines the file"
 
 
 def test_the_charts_router_settings_are_the_flags_names():

@@ -337,6 +337,33 @@ The router's settings and startTimeoutSeconds are left out: they apply in place.
 {{- end }}
 
 {{/*
+Each group's tensorParallelSize as its role's engine setting (decode_engine.tensor_parallel_size;
+set only above 1, so a topology at one rank renders as it always did), into `topo`. It has
+this one home: serve.topology's engine sections may not name it. Above one rank the
+topology must be colocated (prefill_workers 0): the KV transfer between prefill and decode
+workers runs at one rank only.
+*/}}
+{{- define "tandem.tensorParallel" -}}
+{{- $topo := .topo -}}
+{{- range $section := list "engine" "prefill_engine" "decode_engine" }}
+{{- if hasKey (default dict (index $topo $section)) "tensor_parallel_size" }}
+{{- fail (printf "serve.topology.%s.tensor_parallel_size: set prefill.tensorParallelSize or decode.tensorParallelSize instead (the chart checks the groups' GPUs against it)" $section) }}
+{{- end }}
+{{- end }}
+{{- $colocated := and (hasKey $topo "prefill_workers") (eq (int $topo.prefill_workers) 0) -}}
+{{- range $role := list "prefill" "decode" }}
+{{- $size := int (default 1 (index $.root.Values $role).tensorParallelSize) -}}
+{{- if gt $size 1 }}
+{{- if or (eq $role "prefill") (not $colocated) }}
+{{- fail (printf "%s.tensorParallelSize %d: above one rank a topology must be colocated (serve.topology.prefill_workers: 0, its workers split by decode.tensorParallelSize): the KV transfer between prefill and decode workers runs at one rank only" $role $size) }}
+{{- end }}
+{{- $key := printf "%s_engine" $role -}}
+{{- $_ := set $topo $key (merge (dict "tensor_parallel_size" $size) (default dict (index $topo $key))) -}}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 The topology the app runs (JSON): serve.topology and, with `autoscaling.enabled`, its
 `autoscaling` section from the chart's values: each pool between its worker group's
 minReplicas and maxReplicas workers (one worker per pod; a pod that fits more still
@@ -346,6 +373,7 @@ unless both roles ask the same resources).
 */}}
 {{- define "tandem.topology" -}}
 {{- $topo := deepCopy .Values.serve.topology -}}
+{{- include "tandem.tensorParallel" (dict "root" . "topo" $topo) -}}
 {{- $a := .Values.autoscaling -}}
 {{- if $a.enabled }}
 {{- $section := dict "slo" (dict "ttft_ms" $a.slo.ttftMs "itl_ms" $a.slo.itlMs) "interval_s" $a.intervalSeconds "scale_down_delay_s" $a.scaleDownDelaySeconds "scale_up_share" $a.scaleUpShare "drain_timeout_s" $a.drainTimeoutSeconds -}}
@@ -483,7 +511,8 @@ would render twice, and one of the two would be dropped without a word: refuse i
 
 {{/*
 The pools must fit their worker groups: each role's workers (serve.topology) ask for
-num_gpus and the role's custom resources (serve.workerResources); the group's pods
+num_gpus (times the group's tensorParallelSize: a bundle a rank, all on one pod) and the
+role's custom resources (serve.workerResources); the group's pods
 (replicas, or maxReplicas with autoscaling) offer `gpus` and `rayResources` each. A pool
 that does not fit never starts (the app waits for actors Ray cannot place).
 */}}
@@ -496,7 +525,8 @@ that does not fit never starts (the app waits for actors Ray cannot place).
 {{- if hasKey $topo (printf "%s_workers" $role) }}{{ $workers = int (index $topo (printf "%s_workers" $role)) }}{{ end -}}
 {{- $res := default dict (index $topo (printf "%s_resources" $role)) -}}
 {{- $asks := dict -}}
-{{- $gpusEach := float64 (default 0 $res.num_gpus) -}}
+{{- /* a worker at tensor_parallel_size N: N bundles of num_gpus, on one pod */}}
+{{- $gpusEach := mulf (float64 (default 0 $res.num_gpus)) (float64 (default 1 $g.tensorParallelSize)) -}}
 {{- if gt $gpusEach 0.0 }}{{ $_ := set $asks "GPU" (list $gpusEach (float64 $g.gpus) (printf "%s.gpus" $role)) }}{{ end -}}
 {{- range $name, $units := (index (default dict $.Values.serve.workerResources) $role) }}
 {{- $_ := set $asks $name (list (float64 $units) (float64 (default 0 (index (default dict $g.rayResources) $name))) (printf "%s.rayResources.%s" $role $name)) -}}
