@@ -52,6 +52,18 @@ def assert_engine_idle(llm) -> None:
 # -- waiting ---------------------------------------------------------------------------
 
 
+def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """An ``LLMEngine``'s greedy tokens for each prompt, stepping until every request finishes."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(engine.encode_prompt(p), params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while len(done) < len(ids):
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
 def _describe(what: str | Callable[[], str]) -> str:
     return what() if callable(what) else what
 

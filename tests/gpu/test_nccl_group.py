@@ -28,6 +28,7 @@ import torch
 from torch.distributed import HashStore
 
 from tests.gpu.device import ON_GPU
+from tests.helpers import engine_greedy
 
 needs_gpu = pytest.mark.skipif(
     not ON_GPU,
@@ -192,18 +193,6 @@ def _prompts(model_dir) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 12, 19, 26, 33, 40, 51, 64)]
 
 
-def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """The engine's greedy tokens for each prompt, stepping until every request finishes."""
-    from engine import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(engine.encode_prompt(p), params) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while len(done) < len(ids):
-        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
-    return [done[i] for i in ids]
-
-
 # No graph capture: it takes seconds of the step's limit and checks nothing of the group.
 ENGINE = dict(device="cuda", dtype="float32", cuda_graphs=False, kv_cache_memory=256 << 20)
 
@@ -223,7 +212,7 @@ def test_a_tp1_engine_over_a_one_rank_nccl_group_matches_hf_greedy(default_model
     engine = LLMEngine(config, tensor_parallel=TensorParallel(group))
     prompts = _prompts(default_model)
     try:
-        got = _greedy(engine, prompts, 8)
+        got = engine_greedy(engine, prompts, 8)
         assert engine.stats().num_blocks_in_use == 0, "KV blocks leaked"
     finally:
         engine.close()
@@ -241,9 +230,9 @@ def test_a_tp2_engine_over_nccl_gives_the_tp1_greedy_tokens(default_model):
 
     prompts = _prompts(default_model)
     with LLM(model=str(default_model), tensor_parallel_size=1, **ENGINE) as tp1:
-        want = _greedy(tp1.engine, prompts, 8)
+        want = engine_greedy(tp1.engine, prompts, 8)
     with LLM(model=str(default_model), tensor_parallel_size=2, **ENGINE) as tp2:
-        got = _greedy(tp2.engine, prompts, 8)
+        got = engine_greedy(tp2.engine, prompts, 8)
         assert type(tp2.engine.tensor_parallel.group).__name__ == "NcclGroup"
     # Where the ranks' other summation order breaks a float32 tie, HF's logits show the tie.
     _assert_same_but_near_ties(_hf_model(str(default_model), torch.float32, "cuda"), prompts, got, want)

@@ -35,6 +35,7 @@ from engine.model.nccl import (
     load_nccl,
     nccl_dtypes,
 )
+from tests.helpers import engine_greedy
 
 
 def _memory(ptr: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -319,12 +320,12 @@ def test_a_tp2_engine_over_the_group_gives_the_tp1_tokens(fake_nccl, default_mod
     )
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (5, 17, 30)]
-    want = _greedy(LLMEngine(dataclasses.replace(config, tensor_parallel_size=1)), prompts)
+    want = engine_greedy(LLMEngine(dataclasses.replace(config, tensor_parallel_size=1)), prompts, 6)
     groups = _groups(2)
     with ThreadPoolExecutor(1) as pool:
         rank_1 = pool.submit(lambda: RankLoop(config, groups[1], "cpu").run())
         engine = LLMEngine(config, tensor_parallel=TensorParallel(groups[0]))
-        got = _greedy(engine, prompts)
+        got = engine_greedy(engine, prompts, 6)
         engine.close()
         assert rank_1.result(timeout=60) > 0, "rank 1 ran the steps"
     assert got == want, "the model split over two ranks, through the group, gives the one-rank tokens"
@@ -332,12 +333,3 @@ def test_a_tp2_engine_over_the_group_gives_the_tp1_tokens(fake_nccl, default_mod
     assert ops == {"allReduce", "allGather"}, f"the forward's collectives went through NCCL: {ops}"
 
 
-def _greedy(engine, prompts: list[list[int]], max_tokens: int = 6) -> list[list[int]]:
-    from engine import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(engine.encode_prompt(p), params) for p in prompts]
-    done: dict[str, list[int]] = {}
-    while len(done) < len(ids):
-        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
-    return [done[i] for i in ids]
