@@ -47,6 +47,7 @@ from typing import Any, cast
 
 import ray
 
+from decode_worker.outbox import Subscribers
 from engine.async_engine import merge_outputs
 from engine.output_processor import RequestOutput
 from engine.wire.channel_wire import Notice, NoticeKind
@@ -89,7 +90,10 @@ class DecodeWorker(WorkerBase):
         self.async_engine.add_periodic(self._cut_slow_subscribers)
         self.handoff: Receiver[list[Any]] = Receiver()  # one hand-off record per reservation, holding its pins
         self.num_transfer_failures = 0  # requests whose KV did not come (the failure policy ran)
-        self.async_engine.step_report = self._load  # rides on every step message (``subscribe``)
+        # Each subscriber's outbox, and the subscriber each request's outputs go to; the
+        # load after each step rides on every step message (``subscribe``).
+        self.subscribers = Subscribers(self.async_engine, report=self._load)
+        self.async_engine.sink = self.subscribers
 
     # -- health and load -------------------------------------------------------
 
@@ -148,7 +152,7 @@ class DecodeWorker(WorkerBase):
         if reserved is None:
             return None
         blocks, held = reserved
-        self.async_engine.route(request_id, subscriber)
+        self.subscribers.route(request_id, subscriber)
         # Transfers write into the reserved blocks from a reader thread: one more reference
         # each keeps them out of the pool, whatever happens to the request, until the
         # hand-off record gives them back.
@@ -222,7 +226,7 @@ class DecodeWorker(WorkerBase):
                 await self.backend.pull_blocks_async(meta, payload, read.block_ids)
             self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
             if meta.checksums:  # summed off the event loop
-                k, v = self.engine.kv_cache.k, self.engine.kv_cache.v
+                k, v = self.engine.kv_tensors()
                 got = await asyncio.get_running_loop().run_in_executor(
                     None, checksum.block_checksums, k, v, read.block_ids
                 )
@@ -297,7 +301,7 @@ class DecodeWorker(WorkerBase):
             self._ended(e)
 
     async def _let_go(self) -> None:
-        for _, outbox in await self.async_engine.call(self.async_engine.outboxes):
+        for _, outbox in await self.async_engine.call(self.subscribers.outboxes):
             outbox.claim()  # its reader's stream ends: the router moves on as from a gone worker
         if self._channel is not None:
             self._channel.close()
@@ -338,7 +342,7 @@ class DecodeWorker(WorkerBase):
                 await send(message)
 
     async def _step_messages(self, subscriber: str) -> AsyncGenerator[StepMessage | Notice, None]:
-        outbox = await self.async_engine.call(self.async_engine.open_outbox, subscriber)
+        outbox = await self.async_engine.call(self.subscribers.open, subscriber)
         reader = outbox.claim()  # a re-subscription (new event loop, say) replaces the old stream
         limit = self.channel_config.max_pending_outputs
         try:
@@ -358,14 +362,14 @@ class DecodeWorker(WorkerBase):
             self.async_engine.submit(self._drop_subscriber, subscriber, reader)
 
     def _drop_subscriber(self, subscriber: str, reader: int) -> None:
-        for rid in self.async_engine.close_outbox(subscriber, reader):
+        for rid in self.subscribers.close(subscriber, reader):
             self.abort_now(rid)
 
     def _cut_slow_subscribers(self, now: float) -> None:
         """Periodic, on the step thread: a subscriber whose outbox has stayed past the
         bound is cut off, its requests aborted, whether or not its reader is stuck."""
         cfg = self.channel_config
-        for subscriber, outbox in self.async_engine.outboxes():
+        for subscriber, outbox in self.subscribers.outboxes():
             if outbox.backlog(now, cfg.max_pending_outputs, cfg.slow_subscriber_s):
                 log.warning("decode worker %s: cutting off subscriber %s, too far behind",
                             self.worker_id, subscriber)
@@ -394,7 +398,7 @@ class DecodeWorker(WorkerBase):
         self.engine.add_request(
             prompt_token_ids, params, request_id=request_id, priority=priority, resume_output=resume_output
         )
-        self.async_engine.route(request_id, subscriber)
+        self.subscribers.route(request_id, subscriber)
 
 
 class ColocatedWorker(DecodeWorker):

@@ -17,21 +17,11 @@ not one per token.
 A stream's lifecycle: ``open_stream`` (before or after the request is added), outputs
 arrive from the step thread, the stream ends with a finished output or ``close``.
 
-Requests can instead be routed to an ``Outbox`` (``route``): one per subscriber (a
-router replica), shared by all of that subscriber's requests. The step thread adds a
-step's outputs to the outboxes and wakes each touched outbox once, so the cost of
-handing a step to the event loop, and the number of messages a worker sends, follow
-the number of subscribers, not the batch size. An outbox's lifecycle: ``open_outbox``
-(by its reader or by the first request routed to it), filled per step, read by one
-consumer with ``take``, ``close_outbox`` when the reader goes (its requests are
-returned so the caller can abort them). An outbox holds deltas only: the full-text
-snapshot of each output is dropped as it comes in (the wire carries ``new_text``), so a
-stalled reader's backlog grows with the tokens it has not taken, not with their square.
-Its size is counted (``backlog``), so its owner can bound it: ``cut_off`` ends a reader
-that lets it grow too far (``take`` returns None) and drops what it held. With a
-``step_report`` (the worker's load),
-each step that touches outboxes also leaves the report on them, computed once on the
-step thread, so the messages that carry the tokens carry the load too.
+An ``OutputSink`` (``sink``) may take outputs before the streams do: the step thread
+hands it each step's outputs as one list, and it returns those it did not keep, which
+go to their streams. The decode worker's sink (``decode_worker.outbox.Subscribers``)
+routes requests to one outbox per router replica, so that the cost of handing a step
+to the event loop follows the number of replicas, not the batch size.
 """
 
 from __future__ import annotations
@@ -42,12 +32,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
 from engine.core.step_shape import StepShape, shape_of
 from engine.llm_engine import LLMEngine, RequestOutput
-
-_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -94,82 +82,24 @@ class RequestStream:
         return out
 
 
-class Outbox:
-    """One subscriber's pending outputs: filled by the step thread, taken by one reader."""
+class OutputSink(Protocol):
+    """Where requests' outputs go instead of their ``RequestStream``: what a worker that
+    routes outputs its own way (``decode_worker.outbox.Subscribers``) gives ``AsyncEngine``.
+    Called on the step thread only."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._pending: dict[str, list[RequestOutput | BaseException]] = {}
-        self._ready = asyncio.Event()
-        self._signalled = False
-        self.reader = 0  # the current reader's token; a new reader supersedes the old one
-        self.report = None  # the step thread's latest ``step_report`` with these outputs
-        self._count = 0  # outputs pending
-        self._over_since: float | None = None  # since when ``_count`` has been past the bound
-        self.taken = 0  # how many outputs the last ``take`` returned
-        self.cut = False  # cut off: ``take`` returns None from now on
+    def deliver(self, outputs: list[RequestOutput], *, after_step: bool) -> list[RequestOutput]:
+        """Keep the outputs of the requests it routes; return the others (in order).
+        ``after_step``: the outputs of one engine step, handed over together (else an
+        output made between steps: an abort, a request that joined with its first token)."""
+        ...
 
-    def claim(self) -> int:
-        """Become the outbox's only reader; an earlier reader's ``take`` returns None."""
-        self.reader += 1
-        self._ready.set()  # wake the old reader so it can leave
-        return self.reader
+    def fail_all(self, error: BaseException) -> None:
+        """The engine failed: every request it routes ends with ``error``."""
+        ...
 
-    def add(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        """Step thread: queue an output (or an error) without waking the reader yet."""
-        if isinstance(item, RequestOutput):
-            item.text = ""  # the full text so far: one snapshot per pending output would grow quadratically
-        with self._lock:
-            if self.cut:
-                return
-            self._count += 1
-            items = self._pending.get(request_id)
-            if items is None:
-                self._pending[request_id] = [item]
-            else:
-                items.append(item)
-
-    def signal(self) -> None:
-        """Step thread: wake the reader, once however many outputs were added."""
-        with self._lock:
-            if self._signalled:
-                return
-            self._signalled = True
-        self._loop.call_soon_threadsafe(self._ready.set)
-
-    async def take(self, reader: int) -> dict[str, list[RequestOutput | BaseException]] | None:
-        """Everything added since the previous call, by request (waits for something);
-        None once another reader has claimed the outbox."""
-        while True:
-            await self._ready.wait()
-            if reader != self.reader or self.cut:
-                return None  # the event stays set: the new reader may have work waiting
-            self._ready.clear()
-            with self._lock:
-                pending, self._pending = self._pending, {}
-                self.taken, self._count, self._over_since = self._count, 0, None
-                self._signalled = False
-            if pending:
-                return pending
-
-    def backlog(self, now: float, limit: int, patience_s: float) -> bool:
-        """Step thread: whether the outputs pending have stayed past ``limit`` for
-        ``patience_s`` (or passed twice it): the reader is too slow to keep."""
-        with self._lock:
-            if self._count <= limit:
-                self._over_since = None
-                return False
-            if self._over_since is None:
-                self._over_since = now
-            return self._count > 2 * limit or now - self._over_since >= patience_s
-
-    def cut_off(self) -> None:
-        """Step thread: drop what is pending and end the reader (``take`` returns None)."""
-        with self._lock:
-            self.cut = True
-            self._pending, self._count = {}, 0
-        self._loop.call_soon_threadsafe(self._ready.set)
+    def forget(self, request_id: str) -> None:
+        """The request was aborted: drop its route, if it has one."""
+        ...
 
 
 class AsyncEngine:
@@ -182,17 +112,15 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, RequestStream] = {}
-        self._outboxes: dict[str, Outbox] = {}  # subscriber -> its outbox
-        self._routes: dict[str, Outbox] = {}  # request id -> the outbox its outputs go to
+        self.sink: OutputSink | None = None  # takes outputs before the streams do
         self._idle_poll_s = idle_poll_s
         self._periodic: list[Callable[[float], None]] = []
-        self.step_report: Callable[[], Any] | None = None  # run after each step that feeds outboxes
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.step_error: BaseException | None = None
         self._step_log: deque[tuple[StepShape, float, float]] | None = None  # ``record_steps``
         # A grammar compiled off the step thread wakes it, if it sleeps.
-        engine.structured.on_ready = self.wake
+        engine.on_grammar_ready(self.wake)
 
     def start(self) -> None:
         if self._thread is None:
@@ -271,88 +199,49 @@ class AsyncEngine:
     def wake(self) -> None:
         self._wake.set()
 
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The callers' event loop, where outputs are read: the running one when the step
+        thread has not started yet (it starts now), as for a stream or an outbox opened
+        before any call."""
+        self.start()
+        assert self._loop is not None  # ``start`` set it
+        return self._loop
+
     # -- streams ---------------------------------------------------------------
 
     def open_stream(self, request_id: str) -> RequestStream:
-        return self._open(self._streams, request_id, RequestStream)
-
-    def open_outbox(self, subscriber: str) -> Outbox:
-        return self._open(self._outboxes, subscriber, Outbox)
-
-    def _open(
-        self, table: dict[str, _T], key: str, make: Callable[[asyncio.AbstractEventLoop], _T]
-    ) -> _T:
-        """``table[key]``, made on this loop first if it is not there yet."""
-        self.start()
-        item = table.get(key)
-        if item is None:
-            item = table[key] = make(self._loop)
-        return item
-
-    def outboxes(self) -> list[tuple[str, Outbox]]:
-        """Step thread: every subscriber's outbox."""
-        return list(self._outboxes.items())
-
-    def route(self, request_id: str, subscriber: str) -> None:
-        """Send the request's outputs to ``subscriber``'s outbox (before it can produce any)."""
-        self._routes[request_id] = self.open_outbox(subscriber)
-
-    def unroute(self, request_id: str) -> None:
-        self._routes.pop(request_id, None)
-
-    def close_outbox(self, subscriber: str, reader: int) -> list[str]:
-        """The subscriber's reader went away: forget its outbox (unless a newer reader
-        holds it); returns its unfinished requests."""
-        outbox = self._outboxes.get(subscriber)
-        if outbox is None or outbox.reader != reader:
-            return []
-        del self._outboxes[subscriber]
-        orphans = [rid for rid, ob in self._routes.items() if ob is outbox]
-        for rid in orphans:
-            del self._routes[rid]
-        return orphans
+        """The request's stream, made first if it has none yet (before or after the add)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            stream = self._streams[request_id] = RequestStream(self.event_loop())
+        return stream
 
     def deliver(self, out: RequestOutput) -> None:
-        outbox = self._put(out)
-        if outbox is not None:
-            outbox.signal()
+        """Step thread: one output made between steps (an abort, a request that joined
+        with its first token)."""
+        self._hand_on([out], after_step=False)
 
     def deliver_all(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs: each touched outbox is woken once."""
-        touched = {}
-        for out in outputs:
-            outbox = self._put(out)
-            if outbox is not None:
-                touched[id(outbox)] = outbox
-        if touched and self.step_report is not None:
-            report = self.step_report()
-            for outbox in touched.values():
-                outbox.report = report
-        for outbox in touched.values():
-            outbox.signal()
+        """Step thread: a step's outputs, handed to the sink together."""
+        self._hand_on(outputs, after_step=True)
 
-    def _put(self, out: RequestOutput) -> Outbox | None:
-        if out.finished and out.times is not None and self.metrics is not None:
-            self.metrics.on_finished(out.times)
-        rid = out.request_id
-        outbox = self._routes.get(rid)
-        if outbox is not None:
-            outbox.add(rid, out)
+    def _hand_on(self, outputs: list[RequestOutput], after_step: bool) -> None:
+        if self.metrics is not None:
+            for out in outputs:
+                if out.finished and out.times is not None:
+                    self.metrics.on_finished(out.times)
+        if self.sink is not None:
+            outputs = self.sink.deliver(outputs, after_step=after_step)
+        for out in outputs:
+            rid = out.request_id
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(out)
             if out.finished:
-                del self._routes[rid]
-            return outbox
-        stream = self._streams.get(rid)
-        if stream is not None:
-            stream.put(out)
-        if out.finished:
-            self._streams.pop(rid, None)
-        return None
+                self._streams.pop(rid, None)
 
     def fail(self, request_id: str, error: BaseException) -> None:
-        outbox = self._routes.pop(request_id, None)
-        if outbox is not None:
-            outbox.add(request_id, error)
-            outbox.signal()
+        """Step thread: the request's stream ends with ``error``."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put(error)
@@ -362,7 +251,7 @@ class AsyncEngine:
 
         An id that already has a stream here is refused (ValueError) and that stream
         left alone."""
-        if request_id in self._streams or request_id in self._routes:
+        if request_id in self._streams:  # the engine refuses an id it holds
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = self.open_stream(request_id)
         try:
@@ -394,7 +283,8 @@ class AsyncEngine:
         for out in self.engine.abort(request_id):
             self.deliver(out)
         self._streams.pop(request_id, None)
-        self._routes.pop(request_id, None)
+        if self.sink is not None:
+            self.sink.forget(request_id)
 
     # -- the step thread -------------------------------------------------------
 
@@ -402,8 +292,10 @@ class AsyncEngine:
         """Every request in the engine ends with ``error``; their blocks are freed."""
         self.step_error = error
         self.engine.abort(self.engine.request_ids())
-        for rid in [*self._streams, *self._routes]:
+        for rid in list(self._streams):
             self.fail(rid, error)
+        if self.sink is not None:
+            self.sink.fail_all(error)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -446,6 +446,13 @@ class LLMEngine:
         """``num_tokens`` tokens' KV fits this engine's pool when it holds nothing else."""
         return self.kv_manager.fits_in_pool(num_tokens)
 
+    @property
+    def num_kv_blocks(self) -> int:
+        """The blocks of the pool a request's KV can use (all but the null block). Fixed
+        for the engine's life, so, like ``fits``, safe to read off the step thread (a
+        worker's refusal says it)."""
+        return self.kv_manager.pool.num_usable_blocks
+
     def holds(self, request_id: str) -> bool:
         """Anything here still goes by ``request_id``: a request queued, running or
         compiling its grammar, one finished whose blocks are held for a transfer, or a
@@ -462,7 +469,25 @@ class LLMEngine:
         """Every request the engine holds (scheduled or waiting for its grammar)."""
         return [*self.scheduler.requests, *self.pen.held(Request)]
 
+    def held_request_ids(self) -> list[str]:
+        """Requests finished with ``hold_kv`` whose blocks are still held, until
+        ``release_held`` (their KV is being read): not in ``request_ids``, yet a worker
+        holding any is not idle, and its stats list them."""
+        return list(self.scheduler.held)
+
+    def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paged cache's K and V tensors, [layers, blocks, block, Hkv, D] each, fixed
+        for the engine's life: a worker attaches its transfer backend to them (transfers
+        read and write blocks in place) and sums blocks of them for a transfer's checksums.
+        Nothing else of the cache is the workers'."""
+        return self.kv_cache.k, self.kv_cache.v
+
     # -- stepping --------------------------------------------------------------
+
+    def on_grammar_ready(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (on the compile thread) whenever a grammar finishes compiling, or
+        fails: a step loop asleep for want of schedulable work has requests to admit."""
+        self.structured.on_ready = wake
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self.pen)

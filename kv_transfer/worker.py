@@ -37,7 +37,7 @@ def kv_layout(engine: LLMEngine) -> KVLayout:
         block_size=engine.config.block_size,
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
-        dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
+        dtype=str(engine.kv_tensors()[0].dtype).removeprefix("torch."),
         layer_windows=tuple(c.layer_windows) if any(c.layer_windows) else (),
     )
 
@@ -79,7 +79,7 @@ class WorkerBase:
             self.engine = LLMEngine(engine_config, tensor_parallel=tensor_parallel)
             # Transfers read and write the paged cache: packed backends through an adapter.
             self.backend = as_paged(transfer.make_backend())
-            self.backend.attach_cache(self.engine.kv_cache.k, self.engine.kv_cache.v)
+            self.backend.attach_cache(*self.engine.kv_tensors())
         else:
             self.engine, self.backend = previous.engine, previous.backend
             self.engine.reset(engine_config)
@@ -100,8 +100,8 @@ class WorkerBase:
 
     def idle(self) -> bool:
         """Step thread (or none running): nothing here holds a request or a block."""
-        return not (self.engine.request_ids() or self.engine.scheduler.held
-                    or self.engine.kv_manager.pool.num_used_blocks)
+        return not (self.engine.request_ids() or self.engine.held_request_ids()
+                    or self.engine.stats().num_blocks_in_use)
 
     async def retire(self) -> bool:
         """Leave this role, for a worker of another role to take over the engine: end
@@ -155,7 +155,7 @@ class WorkerBase:
 
     async def stats(self) -> dict[str, Any]:
         def engine_stats() -> dict[str, Any]:  # one call on the step thread
-            return {**self.engine.stats().__dict__, "held": sorted(self.engine.scheduler.held)}  # held: for a reader
+            return {**self.engine.stats().__dict__, "held": sorted(self.engine.held_request_ids())}  # for a reader
 
         stats: dict[str, Any] = await self.async_engine.call(engine_stats)
         stats["transfer"] = self.backend.stats.as_dict()

@@ -167,7 +167,7 @@ class PrefillWorker(WorkerBase):
         if not self.engine.fits(num_tokens + 1):
             # A migrated stream's prompt and output may outgrow this pool, not the decode
             # worker's: recomputed there, the text is the same.
-            pool = self.engine.kv_manager.pool.num_usable_blocks
+            pool = self.engine.num_kv_blocks
             return (f"{num_tokens} tokens do not fit this prefill worker's KV cache "
                     f"({pool} blocks of {self.engine.config.block_size})")
         if time.monotonic() > deadline:
@@ -330,7 +330,7 @@ class PrefillWorker(WorkerBase):
         checksums, the payload, the send, the answer) fails the part, never the sender."""
         payload = None
         try:
-            meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, block_ids)
+            meta = await self._summed(meta, *self.engine.kv_tensors(), block_ids)
             payload = self.backend.prepare_blocks(meta, block_ids)
             answer = self._ask(meta.request_id, stop, partial(decode.receive_kv_part, meta, payload, first_block=first))
             await self._push_until_answered(meta, payload, answer, stop)
@@ -369,7 +369,7 @@ class PrefillWorker(WorkerBase):
         try:
             blocks = _kv_blocks(final)[landed:]
             meta = _stretch(meta, landed, len(blocks))
-            meta = await self._summed(meta, self.engine.kv_cache.k, self.engine.kv_cache.v, blocks)
+            meta = await self._summed(meta, *self.engine.kv_tensors(), blocks)
             payload = self.backend.prepare_blocks(meta, blocks)
             ack = self._ask(meta.request_id, stop, partial(
                 decode.receive_kv, meta, payload, first_token=final.token_ids[-1], first_logprobs=lp,

@@ -33,7 +33,7 @@ the last number it got, and the worker sends again everything after it (the rout
 drops a number it has had, should one come twice). Unacknowledged bytes are bounded
 (``max_unacked_bytes``): past it the worker's sending waits, and the subscriber's
 outputs wait in its outbox, whose own bound (``max_pending_outputs``) decides when a
-router is too slow (``engine/async_engine.py``, ``decode_worker/worker.py``).
+router is too slow (``decode_worker/outbox.py``, ``decode_worker/worker.py``).
 
 Liveness, both ways: each side sends something at least every ``heartbeat_s`` (the
 worker a heartbeat frame when it had nothing to send; the router its acknowledgement

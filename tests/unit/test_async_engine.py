@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from decode_worker.outbox import Subscribers
 from engine import LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.core.request import RequestStatus
@@ -120,7 +121,8 @@ def test_a_step_report_is_made_once_per_step_and_left_on_every_outbox_the_step_f
     steps, reports = [], []
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
-    runtime.step_report = lambda: reports.append(engine.load().num_running) or len(reports)
+    subscribers = Subscribers(runtime, report=lambda: reports.append(engine.load().num_running) or len(reports))
+    runtime.sink = subscribers
 
     async def drain(box, reader) -> list[int]:
         """The report seen with each take, until the box's request finished."""
@@ -132,10 +134,10 @@ def test_a_step_report_is_made_once_per_step_and_left_on_every_outbox_the_step_f
                 return seen
 
     async def main():
-        boxes = [runtime.open_outbox(name) for name in ("a", "b")]
+        boxes = [subscribers.open(name) for name in ("a", "b")]
         readers = [box.claim() for box in boxes]
         for rid, name in (("x", "a"), ("y", "b")):
-            runtime.route(rid, name)
+            subscribers.route(rid, name)
         await runtime.call(lambda: [engine.add_request([5, 6, 7], _params(4), rid) for rid in ("x", "y")])
         return await asyncio.wait_for(
             asyncio.gather(*(drain(box, r) for box, r in zip(boxes, readers))), PATIENCE_S
@@ -147,6 +149,38 @@ def test_a_step_report_is_made_once_per_step_and_left_on_every_outbox_the_step_f
     assert reports[0] == 2, "the report is made after the step, on the engine's state then"
     assert seen_a[-1] == seen_b[-1] == len(reports), "each outbox holds the latest report"
     assert engine.stats().num_blocks_in_use == 0
+
+
+def test_a_failing_step_ends_every_routed_request_with_the_error_in_its_outbox(engine, monkeypatch):
+    """The sink hears a broken step too: a subscriber's requests end with the error, not a hang."""
+    runtime = AsyncEngine(engine)
+    subscribers = Subscribers(runtime)
+    runtime.sink = subscribers
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+
+    async def main():
+        box = subscribers.open("a")
+        reader = box.claim()
+        for rid in ("fx", "fy"):
+            subscribers.route(rid, "a")
+        await runtime.call(lambda: [engine.add_request([5, 6, 7], _params(4), rid) for rid in ("fx", "fy")])
+        got = {}
+        while len(got) < 2:
+            got.update(await asyncio.wait_for(box.take(reader), PATIENCE_S))
+        return got, await runtime.call(subscribers.close, "a", reader)
+
+    got, orphans = asyncio.run(main())
+    runtime.shutdown()
+    monkeypatch.undo()
+    assert sorted(got) == ["fx", "fy"] and all(
+        len(items) == 1 and isinstance(items[0], RuntimeError) for items in got.values()
+    ), got
+    assert orphans == [], "a failed request is no longer routed"
+    assert not engine.scheduler.requests and engine.stats().num_blocks_in_use == 0
 
 
 def test_a_periodic_function_that_fails_once_does_not_stop_the_step_thread(engine):

@@ -163,3 +163,41 @@ def test_no_two_packages_import_each_other_and_nothing_imports_the_command():
     assert not cycles, f"packages that import each other: {cycles}"
     above = sorted(f"{a} ({where})" for (a, b), where in edges.items() if b == "tandem")
     assert not above, f"the tandem command is the top: nothing imports it, but {above}"
+
+
+# The parts behind the engine's door (``LLMEngine``'s own methods are the door).
+ENGINE_INSIDES = {"scheduler", "kv_manager", "kv_cache", "remote_kv", "runner", "pen", "structured", "outputs"}
+
+
+def _reaches_into_an_engine(source: str) -> list[tuple[int, str]]:
+    """(line, expression) of each ``engine.<part>`` or ``<x>.engine.<part>`` whose part is one
+    of the engine's insides or private (an alias of the engine escapes this rule)."""
+    import ast
+
+    reaches = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        through = node.value
+        via_engine = (isinstance(through, ast.Name) and through.id == "engine") or (
+            isinstance(through, ast.Attribute) and through.attr == "engine")
+        if via_engine and (node.attr in ENGINE_INSIDES or node.attr.startswith("_")):
+            reaches.append((node.lineno, ast.unparse(node)))
+    return reaches
+
+
+def test_the_workers_reach_the_engine_only_through_its_door():
+    """The workers call ``LLMEngine``'s methods; they never touch its scheduler, block
+    manager, cache tensors, runner or other parts (docs/DESIGN.md, Engine rules)."""
+    from pathlib import Path
+
+    planted = "def f(self, engine):\n    self.engine.scheduler.held\n    engine.kv_cache.k\n    self.engine.load()\n"
+    assert _reaches_into_an_engine(planted) == [(2, "self.engine.scheduler"), (3, "engine.kv_cache")]
+    root = Path(__file__).resolve().parents[2]
+    found = [
+        f"{path.relative_to(root)}:{line} {expr}"
+        for package in ("kv_transfer", "decode_worker", "prefill_worker", "cluster")
+        for path in sorted((root / package).rglob("*.py"))
+        for line, expr in _reaches_into_an_engine(path.read_text())
+    ]
+    assert not found, f"workers reaching past the engine's methods into its parts: {found}"

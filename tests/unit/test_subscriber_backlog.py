@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
+from decode_worker.outbox import Outbox
 from engine import SamplingParams
-from engine.async_engine import Outbox, merge_outputs
+from engine.async_engine import merge_outputs
 from engine.config import EngineConfig
 from engine.llm_engine import RequestOutput
 from engine.wire.token_channel import ChannelConfig, Notice, NoticeKind
