@@ -132,21 +132,21 @@ class ClusterConfig:
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
-        """Above one rank: colocated only (the KV transfer between workers moves one rank's
-        KV heads today), and on GPUs one GPU a rank."""
-        for role in ["decode"] if self.colocated else ["prefill", "decode"]:
-            size = self.tensor_parallel_size(role)
-            if size == 1:
-                continue
-            if not self.colocated:
-                raise ValueError(
-                    f"{role} engine: tensor_parallel_size {size} needs a colocated service (prefill_workers: 0, "
-                    f"got {self.prefill_workers}): the KV transfer between prefill and decode workers runs at "
-                    f"tensor_parallel_size 1 only, so both roles must be at 1 when there is a prefill pool")
+        """Above one rank: KV moves between the pools over nixl only (each rank reads its share
+        of a block in place, ``kv_transfer.sharded``), and on GPUs one GPU a rank."""
+        roles = ["decode"] if self.colocated else ["prefill", "decode"]
+        sharded = [r for r in roles if self.tensor_parallel_size(r) > 1]
+        if sharded and not self.colocated and self.transfer.backend != "nixl":
+            sizes = ", ".join(f"{r} {self.tensor_parallel_size(r)}" for r in roles)
+            raise ValueError(
+                f"tensor_parallel_size {sizes} with a prefill pool needs transfer.backend nixl, got "
+                f"{self.transfer.backend!r}: only nixl reads each rank's share of a block's KV heads in place")
+        for role in sharded:
             gpus = self.resources(role).num_gpus
             if gpus not in (0, 1):
-                raise ValueError(f"{role}_resources.num_gpus is {gpus}: at tensor_parallel_size {size} each rank "
-                                 f"takes one bundle of the worker's resources, so 0 or 1 GPU a rank")
+                raise ValueError(f"{role}_resources.num_gpus is {gpus}: at tensor_parallel_size "
+                                 f"{self.tensor_parallel_size(role)} each rank takes one bundle of the "
+                                 f"worker's resources, so 0 or 1 GPU a rank")
 
     def resources(self, role: str) -> Resources:
         """What each worker of ``role`` (``prefill``, ``decode`` or ``colocated``) asks for."""

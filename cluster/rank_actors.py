@@ -23,6 +23,7 @@ it whole, in its placement group, with a new rank group.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
@@ -31,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import ray
 import torch
@@ -49,11 +51,18 @@ from engine.ranks import (
     TensorParallel,
     make_group,
 )
+from kv_transfer import make_backend
+from kv_transfer.base import TransferError, TransferMeta
+from kv_transfer.checksum import block_checksums
 from kv_transfer.collective import advertised_host
+from kv_transfer.config import TransferConfig
+from kv_transfer.nixl import STUCK_GRACE_S
+from kv_transfer.sharded import Heads
 
 log = logging.getLogger(__name__)
 
 RANK_FAILURE_EXIT = 70  # the exit status of a worker whose ranks failed (EX_SOFTWARE)
+RANK_THREADS = 64  # a rank actor's threads: one follows the steps, the rest serve transfers' reads and sums
 
 
 def _checked_in(rank: int) -> str:
@@ -61,10 +70,18 @@ def _checked_in(rank: int) -> str:
 
 
 class RankActor:
-    """Rank ``r`` > 0 of one worker: ``run`` joins rank 0's group and follows it until ``Stop``."""
+    """Rank ``r`` > 0 of one worker: ``run`` joins rank 0's group and follows it until ``Stop``.
+
+    The rank is also its worker's transfer endpoint for its heads (``kv_transfer.sharded``):
+    rank 0 calls ``attach_transfer`` once, then ``pull_heads`` and ``checksums`` for each
+    transfer, on the actor's other threads while ``run`` follows the steps (the reads write
+    only into blocks reserved for them, which no step touches)."""
 
     def __init__(self) -> None:
         torch.set_num_threads(1)  # the ranks meet at every collective: more threads only wait
+        self.loop: RankLoop | None = None
+        self._loop_made = threading.Event()
+        self.backend = None
 
     def run(self, rank: int, size: int, store_host: str, store_port: int, config: EngineConfig) -> int:
         """Check in at rank 0's store, join the group, load this rank's shard and follow rank 0
@@ -76,7 +93,75 @@ class RankActor:
         # Rank 0 gone, Ray ends this actor (its owner): the group's wait needs no check of its own.
         # On GPUs Ray shows each rank actor its own GPU only: config.device is that one.
         group = make_group(store, rank, size, config.device, IDLE_TIMEOUT_S, lambda: True)
-        return RankLoop(config, group, config.device).run()
+        self.loop = RankLoop(config, group, config.device)
+        self._loop_made.set()
+        return self.loop.run()
+
+    def attach_transfer(self, transfer: TransferConfig) -> Any:
+        """Register this rank's KV cache with a backend of ``transfer``'s kind (once the cache
+        is allocated) and return its offer with no blocks; None where the backend cannot
+        offer a rank's share (only nixl reads one in place)."""
+        if not (self._loop_made.wait(START_TIMEOUT_S) and self.loop is not None
+                and self.loop.allocated.wait(START_TIMEOUT_S)):
+            raise RuntimeError("this rank's KV cache was not allocated in time")
+        backend = make_backend(transfer.backend)
+        if not hasattr(backend, "offer"):
+            return None
+        backend.attach_cache(*self.loop.kv_tensors())
+        self.backend = backend
+        return backend.offer()
+
+    def pull_heads(self, meta: TransferMeta, reads: list[tuple[Any, Heads, Heads]],
+                   block_ids: list[int]) -> tuple[str, str] | None:
+        """Read each (payload, src, dst) into ``block_ids``; None, or the failure's (reason, message)."""
+        try:
+            for payload, src, dst in reads:
+                self.backend.pull_heads(meta, payload, block_ids, src, dst)
+        except TransferError as e:
+            return e.reason, str(e)
+        return None
+
+    def checksums(self, block_ids: list[int], heads: tuple[int, int]) -> tuple[int, ...]:
+        """This rank's sums of ``block_ids`` (``heads``: its first KV head and the model's count)."""
+        return block_checksums(*self.loop.kv_tensors(), block_ids, heads)
+
+    def transfer_stats(self) -> dict[str, Any]:
+        return self.backend.stats.as_dict() if self.backend is not None else {}
+
+
+class RayRankPeer:
+    """A rank actor as rank 0's transfers see it (``kv_transfer.sharded.RankPeer``)."""
+
+    def __init__(self, actor, rank: int, transfer: TransferConfig) -> None:
+        self.actor, self.rank, self.transfer = actor, rank, transfer
+
+    def offer(self) -> Any:
+        return ray.get(self.actor.attach_transfer.remote(self.transfer), timeout=2 * START_TIMEOUT_S)
+
+    async def pull_heads(self, meta: TransferMeta, reads: list[tuple[Any, Heads, Heads]], block_ids: list[int]) -> None:
+        """The rank's reads, waited for until they end: past the deadline by ``STUCK_GRACE_S``
+        a read is "stuck" (its blocks wait until the call returns: the error's ``settled``)."""
+        call = asyncio.wrap_future(self.actor.pull_heads.remote(meta, reads, block_ids).future())
+        timeout = max(meta.time_left(), 0.0) + STUCK_GRACE_S if meta.deadline else None
+        try:
+            failure = await asyncio.wait_for(asyncio.shield(call), timeout=timeout)
+        except asyncio.TimeoutError:
+            error = TransferError("stuck", f"transfer {meta.transfer_id}: rank {self.rank}'s read is stuck "
+                                           "past its deadline")
+            error.settled = call  # type: ignore[attr-defined]
+            raise error from None
+        except RayActorError as e:
+            raise TransferError("rank_lost", f"transfer {meta.transfer_id}: rank {self.rank} is gone ({e})") from e
+        if failure is not None:
+            raise TransferError(*failure)
+
+    async def checksums(self, block_ids: list[int], heads: tuple[int, int]) -> tuple[int, ...]:
+        sums: tuple[int, ...] = await self.actor.checksums.remote(block_ids, heads)
+        return sums
+
+    async def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = await self.actor.transfer_stats.remote()
+        return stats
 
 
 def end_worker(reason: str) -> None:
@@ -167,6 +252,10 @@ class WorkerTensorParallel(TensorParallel):
             self.on_failure(str(e))
             raise
 
+    def transfer_peers(self, transfer: TransferConfig) -> list[RayRankPeer]:
+        """Ranks 1..N-1 as the worker's transfers see them (``kv_transfer.sharded``)."""
+        return [RayRankPeer(actor, rank, transfer) for rank, actor in enumerate(self.processes.actors, start=1)]
+
 
 @dataclass(frozen=True)
 class RayRankGroup:
@@ -215,6 +304,7 @@ class RayRankGroup:
                 num_cpus=self.num_cpus,
                 num_gpus=self.num_gpus,
                 max_restarts=0,
+                max_concurrency=RANK_THREADS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=self.first_bundle + rank,
                 ),

@@ -222,15 +222,11 @@ class DecodeWorker(WorkerBase):
                 raise TransferError("order", f"transfer {meta.transfer_id} offers blocks for another place "
                                              f"in the reservation than block {read.first}")
             t0 = time.perf_counter()
-            if read.block_ids:
-                await self.backend.pull_blocks_async(meta, payload, read.block_ids)
+            if read.block_ids:  # every rank reads its heads (``kv_transfer.sharded``)
+                await self.kv_ranks.read(self.backend, meta, payload, read.block_ids)
             self.metrics.on_transfer(time.perf_counter() - t0, self.layout.nbytes(meta.num_blocks))
-            if meta.checksums:  # summed off the event loop
-                k, v = self.engine.kv_tensors()
-                got = await asyncio.get_running_loop().run_in_executor(
-                    None, checksum.block_checksums, k, v, read.block_ids
-                )
-                checksum.check(meta, got)
+            if meta.checksums:  # summed off the event loop, each rank its heads
+                checksum.check(meta, await self.kv_ranks.checksums(read.block_ids))
         except Exception as e:  # any failure ends this attempt; the policy decides what follows
             return e
         return None

@@ -40,6 +40,7 @@ import datetime
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 import weakref
@@ -219,6 +220,7 @@ class RankLoop:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(source, self.dtype, self.device, pack=config.pack_weights, tp=group)
         self.runner: ModelRunner | None = None
+        self.allocated = threading.Event()  # set once the KV cache is (``kv_tensors``)
         self.num_steps = 0
 
     def run(self) -> int:
@@ -250,6 +252,14 @@ class RankLoop:
             config.attention_backend, self.device, config.block_size, self.model_config.head_dim, self.dtype
         )
         self.runner = ModelRunner(self.model, kv_cache, attention)
+        self.allocated.set()
+
+    def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's paged K and V (its heads of every block), once ``allocated``: what
+        the rank's own transfer endpoint reads into and offers (``kv_transfer.sharded``)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.group.rank}'s KV cache is not allocated yet")
+        return self.runner.kv_cache.k, self.runner.kv_cache.v
 
 
 def start_ranks(config: EngineConfig) -> TensorParallel:

@@ -190,6 +190,15 @@ class KVTransferBackend(ABC):
         """Receiver: ``pull_blocks`` off the event loop, failing with "timeout" at the deadline."""
         await self._by_deadline(meta, self.pull_blocks, meta, payload, block_ids)
 
+    async def pull_heads_async(
+        self, meta: TransferMeta, payload: Any, block_ids: list[int], src: tuple[int, int], dst: tuple[int, int],
+    ) -> None:
+        """Receiver: read KV heads ``src`` of the sender's blocks into heads ``dst`` of
+        ``block_ids`` (a tensor-parallel rank's share, ``kv_transfer.sharded``), failing
+        with "timeout" at the deadline. Only a backend that reads in place can."""
+        raise TransferError("layout", f"the {self.name} backend cannot read a share of a block's KV heads: "
+                                      "KV moves between tensor-parallel workers over nixl only")
+
     def release(self, meta: TransferMeta, payload: Any) -> None:
         """Sender: drop its copy of the KV (on acknowledgement or lease expiry)."""
 
@@ -264,6 +273,11 @@ class WrappedBackend(KVTransferBackend):
 
     async def pull_blocks_async(self, meta: TransferMeta, payload: Any, block_ids: list[int]) -> None:
         await self.inner.pull_blocks_async(meta, payload, block_ids)  # the inner backend's deadline rules
+
+    async def pull_heads_async(
+        self, meta: TransferMeta, payload: Any, block_ids: list[int], src: tuple[int, int], dst: tuple[int, int],
+    ) -> None:
+        await self.inner.pull_heads_async(meta, payload, block_ids, src, dst)
 
     def release(self, meta: TransferMeta, payload: Any) -> None:
         self.inner.release(meta, payload)

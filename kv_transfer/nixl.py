@@ -61,6 +61,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -123,6 +124,7 @@ class PagedPayload:
     num_blocks: int  # blocks per layer in the sender's cache: the layer stride
     device: int  # the cache's device index (0 for host memory)
     block_ids: tuple[int, ...]  # the prompt's blocks, in prompt order
+    heads: int = 0  # KV heads a token holds in the sender's cache (a rank's share at tensor_parallel_size > 1)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,23 @@ def block_descs(base: tuple[int, int], num_blocks: int, layers: int, block_bytes
     for addr in base:
         rows.append(np.stack([addr + starts, lengths, np.full_like(starts, device)], axis=-1).reshape(-1, 3))
     return np.concatenate(rows)
+
+
+def head_descs(base: tuple[int, int], num_blocks: int, layers: int, block_size: int, heads: int, head_bytes: int,
+               device: int, block_ids: Sequence[int], head_range: tuple[int, int]) -> np.ndarray:
+    """Nx3 (address, length, device) rows for heads ``head_range`` of every token of
+    ``block_ids`` in every layer of K then V, in (K/V, layer, block, token) order. A token of
+    block ``b`` in layer ``l`` starts at ``((l * num_blocks + b) * block_size + t) * heads *
+    head_bytes`` past the base; its heads lie one after another."""
+    token_bytes = heads * head_bytes
+    layer = np.arange(layers, dtype=np.int64)[:, None, None]
+    block = np.asarray(block_ids, dtype=np.int64)[None, :, None]
+    token = np.arange(block_size, dtype=np.int64)[None, None, :]
+    starts = ((layer * num_blocks + block) * block_size + token) * token_bytes + head_range[0] * head_bytes
+    length = (head_range[1] - head_range[0]) * head_bytes
+    rows = [np.stack([addr + starts, np.full_like(starts, length), np.full_like(starts, device)], axis=-1)
+            for addr in base]
+    return np.concatenate([r.reshape(-1, 3) for r in rows])
 
 
 @dataclass
@@ -256,6 +275,13 @@ class NixlBackend(KVTransferBackend):
         self._drain_notifications(self._agent())
         self.stats.sent += 1
         self.stats.bytes_sent += 2 * len(block_ids) * cache.k.shape[0] * cache.block_bytes
+        return self.offer(block_ids)
+
+    def offer(self, block_ids: Sequence[int] = ()) -> PagedPayload:
+        """The payload that lets a receiver read ``block_ids`` of the attached cache: all
+        but the ids is the same every time (a tensor-parallel worker's rank 0 keeps its other
+        ranks' once, and offers their blocks with its own)."""
+        cache = self._attached()
         return PagedPayload(
             agent=self._agent().name,
             metadata=cache.metadata,
@@ -263,6 +289,7 @@ class NixlBackend(KVTransferBackend):
             num_blocks=cache.k.shape[1],
             device=cache.device,
             block_ids=tuple(block_ids),
+            heads=cache.k.shape[3],
         )
 
     def _attached(self) -> _Cache:
@@ -324,6 +351,9 @@ class NixlBackend(KVTransferBackend):
         self.check_deadline(meta)
         cache = self._attached()
         self._check_blocks(meta, payload, block_ids, cache)
+        if payload.heads and payload.heads != cache.k.shape[3]:
+            raise TransferError("layout", f"transfer {meta.transfer_id}: the sender's blocks hold {payload.heads} "
+                                          f"KV heads, this cache's {cache.k.shape[3]} (read a share: pull_heads)")
         agent = self._agent()
         src_runs, dst_runs = contiguous_runs(list(payload.block_ids), block_ids)
         layers, nbytes = cache.k.shape[0], cache.block_bytes
@@ -335,6 +365,11 @@ class NixlBackend(KVTransferBackend):
                         dst_runs),
             cache.mem_type,
         )
+        self._read_into_blocks(agent, meta, payload, local, remote, block_ids, 2 * len(block_ids) * layers * nbytes)
+
+    def _read_into_blocks(self, agent, meta: TransferMeta, payload, local, remote, block_ids: list[int],
+                          nbytes: int) -> None:
+        """READ ``remote`` into ``local`` (descriptors of ``block_ids`` here) and count it."""
         t0 = time.perf_counter()
 
         def unfinished():
@@ -344,13 +379,50 @@ class NixlBackend(KVTransferBackend):
         self._read(agent, meta, payload, local, remote, unfinished)
         with self._lock:
             self.stats.received += 1
-            self.stats.bytes_received += 2 * len(block_ids) * layers * nbytes
+            self.stats.bytes_received += nbytes
             self.stats.seconds_receiving += time.perf_counter() - t0
 
     async def pull_blocks_async(self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int]) -> None:
         """``pull_blocks`` off the event loop, awaited until it ends (see ``pull_async``):
         the caller may reuse the blocks only once no read can write into them."""
         await self._until_ended(meta, self.pull_blocks, meta, payload, block_ids)
+
+    def pull_heads(
+        self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int], src: tuple[int, int],
+        dst: tuple[int, int],
+    ) -> None:
+        """Read KV heads ``src`` (a [start, stop) of the sender's cache's heads) of the
+        sender's blocks into heads ``dst`` of ``block_ids`` here: a tensor-parallel rank's
+        share of a worker of another size. A head's row of a token is the longest stretch
+        alike on both sides (``[block, token, heads, dim]``), so it is one descriptor a
+        token, layer and K or V; all the heads of both sides go as whole blocks."""
+        cache = self._attached()
+        self._check_blocks(meta, payload, block_ids, cache)
+        heads = cache.k.shape[3]
+        n = src[1] - src[0]
+        if not (0 <= src[0] < src[1] <= payload.heads and 0 <= dst[0] and dst[0] + n == dst[1] <= heads):
+            raise TransferError("layout", f"transfer {meta.transfer_id}: heads {src} of the sender's "
+                                          f"{payload.heads} do not fit heads {dst} of this cache's {heads}")
+        if n == payload.heads == heads:
+            return self.pull_blocks(meta, payload, block_ids)
+        self.check_deadline(meta)
+        agent = self._agent()
+        layers, block_size, head_bytes = cache.k.shape[0], cache.k.shape[2], cache.k[0, 0, 0, 0].nbytes
+        remote = agent.get_xfer_descs(head_descs(
+            payload.base, payload.num_blocks, layers, block_size, payload.heads, head_bytes, payload.device,
+            payload.block_ids, src), cache.mem_type)
+        local = agent.get_xfer_descs(head_descs(
+            (cache.k.data_ptr(), cache.v.data_ptr()), cache.k.shape[1], layers, block_size, heads, head_bytes,
+            cache.device, block_ids, dst), cache.mem_type)
+        nbytes = 2 * len(block_ids) * layers * block_size * n * head_bytes
+        self._read_into_blocks(agent, meta, payload, local, remote, block_ids, nbytes)
+
+    async def pull_heads_async(
+        self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int], src: tuple[int, int],
+        dst: tuple[int, int],
+    ) -> None:
+        """``pull_heads`` off the event loop, awaited until it ends (as ``pull_blocks_async``)."""
+        await self._until_ended(meta, self.pull_heads, meta, payload, block_ids, src, dst)
 
     @staticmethod
     def _check_blocks(meta: TransferMeta, payload, block_ids: list[int], cache: _Cache) -> None:

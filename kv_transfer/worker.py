@@ -2,7 +2,9 @@
 a transfer backend, with the health and stats methods the cluster calls, and the one
 count of failed transfers (``_count_failure``: the backend's stats and the metrics).
 
-``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It joins an
+At ``tensor_parallel_size`` above one its transfers go through every rank
+(``kv_ranks``, ``kv_transfer.sharded``): each rank offers, reads and sums the KV heads it
+holds. ``PrefillWorker`` and ``DecodeWorker`` build their roles on top of it. It joins an
 engine to a transfer backend, so it sits above ``engine`` and ``kv_transfer`` (neither
 knows the other's role in a worker) and below both worker packages.
 """
@@ -27,6 +29,7 @@ from kv_transfer.base import TransferError
 from kv_transfer.config import TransferConfig
 from kv_transfer.handoff import HandoffError
 from kv_transfer.packed import as_paged, reconfigure
+from kv_transfer.sharded import HasRankPeers, KVRanks, RankPeer
 
 
 def kv_layout(engine: LLMEngine) -> KVLayout:
@@ -80,8 +83,12 @@ class WorkerBase:
             # Transfers read and write the paged cache: packed backends through an adapter.
             self.backend = as_paged(transfer.make_backend())
             self.backend.attach_cache(*self.engine.kv_tensors())
+            peers: list[RankPeer] = (
+                tensor_parallel.transfer_peers(transfer) if isinstance(tensor_parallel, HasRankPeers) else [])
+            self.kv_ranks = KVRanks(*self.engine.kv_tensors(), self.engine.model_config.num_kv_heads,
+                                    engine_config.tensor_parallel_size, peers)
         else:
-            self.engine, self.backend = previous.engine, previous.backend
+            self.engine, self.backend, self.kv_ranks = previous.engine, previous.backend, previous.kv_ranks
             self.engine.reset(engine_config)
         self.metrics = EngineMetrics(self.engine.model_name, self.role, worker_id)
         self.async_engine = AsyncEngine(self.engine, metrics=self.metrics)
@@ -159,6 +166,8 @@ class WorkerBase:
 
         stats: dict[str, Any] = await self.async_engine.call(engine_stats)
         stats["transfer"] = self.backend.stats.as_dict()
+        if self.kv_ranks.peers:  # every rank's own counters, rank 0's first
+            stats["transfer"]["ranks"] = [self.backend.stats.as_dict(), *await self.kv_ranks.stats()]
         return stats
 
     async def record_steps(self, limit: int) -> None:

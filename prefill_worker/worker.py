@@ -39,12 +39,10 @@ from engine.wire.clients import DecodeClient
 from engine.wire.messages import PrefillLoad, PrefillResult, Reservation, TransferState, request_of
 from engine.wire.sampling_params import SamplingParams
 from kv_transfer import TransferMeta
-from kv_transfer.checksum import block_checksums
 from kv_transfer.handoff import OfferState, Sender
 from kv_transfer.worker import WorkerBase
 
 if TYPE_CHECKING:
-    import torch
 
     from engine.output_processor import RequestOutput
 
@@ -330,8 +328,8 @@ class PrefillWorker(WorkerBase):
         checksums, the payload, the send, the answer) fails the part, never the sender."""
         payload = None
         try:
-            meta = await self._summed(meta, *self.engine.kv_tensors(), block_ids)
-            payload = self.backend.prepare_blocks(meta, block_ids)
+            meta = await self._summed(meta, block_ids)
+            payload = self.kv_ranks.offer(self.backend, meta, block_ids)
             answer = self._ask(meta.request_id, stop, partial(decode.receive_kv_part, meta, payload, first_block=first))
             await self._push_until_answered(meta, payload, answer, stop)
             return await self._answer(answer, stop) == TransferState.DONE
@@ -369,8 +367,8 @@ class PrefillWorker(WorkerBase):
         try:
             blocks = _kv_blocks(final)[landed:]
             meta = _stretch(meta, landed, len(blocks))
-            meta = await self._summed(meta, *self.engine.kv_tensors(), blocks)
-            payload = self.backend.prepare_blocks(meta, blocks)
+            meta = await self._summed(meta, blocks)
+            payload = self.kv_ranks.offer(self.backend, meta, blocks)
             ack = self._ask(meta.request_id, stop, partial(
                 decode.receive_kv, meta, payload, first_token=final.token_ids[-1], first_logprobs=lp,
                 num_cached_tokens=final.num_cached_tokens, prompt_logprobs=final.prompt_logprobs,
@@ -391,13 +389,13 @@ class PrefillWorker(WorkerBase):
             if payload is not None:
                 self.backend.release(meta, payload)
 
-    async def _summed(self, meta: TransferMeta, k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> TransferMeta:
+    async def _summed(self, meta: TransferMeta, block_ids: list[int]) -> TransferMeta:
         """``meta`` with its blocks' checksums, when the setting asks for them (summed off
-        the event loop; the blocks are held or pinned, so nothing writes into them)."""
+        the event loop, each rank its heads; the blocks are held or pinned, so nothing
+        writes into them)."""
         if not self.transfer.checksums:
             return meta
-        sums = await asyncio.get_running_loop().run_in_executor(None, block_checksums, k, v, block_ids)
-        return dataclasses.replace(meta, checksums=sums)
+        return dataclasses.replace(meta, checksums=await self.kv_ranks.checksums(block_ids))
 
     async def _answer(self, answer: asyncio.Future[int], stop: asyncio.Future[str]) -> TransferState:
         """The receiver's answer, waited for up to the lease; ``_Aborted`` as soon as the

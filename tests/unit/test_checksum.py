@@ -34,16 +34,17 @@ def test_scattered_blocks_gathered_in_pieces_sum_as_when_read_in_place(monkeypat
     k, _ = _cache(torch.bfloat16, blocks=12)
     ids = [7, 2, 3, 11, 0, 5, 6]
     runs, _ = contiguous_runs(ids, range(len(ids)))
-    words = k[0, 0].numel() * k.element_size() // 4
-    in_place = checksum._sums_by_runs(k, runs, words)
-    assert in_place.shape == (3, len(ids), checksum.SEGMENTS)
+    in_place = checksum._sums_by_runs(k, runs)
+    assert in_place.shape == (3, len(ids), 4, 2)
     block_bytes = k[:, 0].numel() * k.element_size()
     for piece in (1, 2, 100):  # blocks per gathered piece
         monkeypatch.setattr(checksum, "GATHER_BYTES", piece * block_bytes)
-        assert torch.equal(checksum._gathered_sums(k, ids, words), in_place)
+        assert torch.equal(checksum._gathered_sums(k, ids), in_place)
 
 
-@pytest.mark.parametrize("change", ["word", "layers swapped", "stretches swapped", "k and v swapped", "other block"])
+@pytest.mark.parametrize(
+    "change", ["word", "layers swapped", "tokens swapped", "heads swapped", "k and v swapped", "other block"]
+)
 def test_what_a_transfer_can_get_wrong_changes_the_block_sum(change):
     k, v = _cache()
     before = block_checksums(k, v, [3])
@@ -52,16 +53,31 @@ def test_what_a_transfer_can_get_wrong_changes_the_block_sum(change):
         k2[2, 3, 1, 0, 4] += 1e-6
     elif change == "layers swapped":
         k2[0, 3], k2[1, 3] = k[1, 3].clone(), k[0, 3].clone()
-    elif change == "stretches swapped":  # the first and last of the block's 16 stretches
-        flat = k2[1, 3].view(-1)
-        n = flat.numel() // 16
-        head, tail = flat[:n].clone(), flat[-n:].clone()
-        flat[:n], flat[-n:] = tail, head
+    elif change == "tokens swapped":
+        k2[1, 3, 0], k2[1, 3, 3] = k[1, 3, 3].clone(), k[1, 3, 0].clone()
+    elif change == "heads swapped":
+        k2[1, 3, :, 0], k2[1, 3, :, 1] = k[1, 3, :, 1].clone(), k[1, 3, :, 0].clone()
     elif change == "k and v swapped":
         k2[:, 3], v2[:, 3] = v[:, 3].clone(), k[:, 3].clone()
     else:
         k2[:, 3], v2[:, 3] = k[:, 4], v[:, 4]
     assert block_checksums(k2, v2, [3]) != before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cuts", [(0, 4), (0, 2, 4), (0, 1, 2, 3, 4), (0, 1, 4)])
+def test_the_sums_of_a_blocks_heads_in_any_split_add_up_to_the_blocks_sum(dtype, cuts):
+    """Tensor-parallel ranks each sum the KV heads they hold: a sender and a receiver that
+    split the heads differently still compare one number a block."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 6, 4, 4, 8, generator=g).to(dtype) for _ in range(2))
+    ids = [4, 0, 5]
+    whole = block_checksums(k, v, ids)
+    parts = [block_checksums(k[:, :, :, a:b].contiguous(), v[:, :, :, a:b].contiguous(), ids, heads=(a, 4))
+             for a, b in zip(cuts, cuts[1:])]
+    assert tuple(sum(col) & 0xFFFFFFFF for col in zip(*parts)) == whole
+    with pytest.raises(ValueError, match="not within the model's 4"):
+        block_checksums(k[:, :, :, :2].contiguous(), v[:, :, :, :2].contiguous(), ids, heads=(3, 4))
 
 
 def test_check_names_the_blocks_that_differ():

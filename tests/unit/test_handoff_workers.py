@@ -572,7 +572,7 @@ def test_a_pipelined_part_that_raises_fails_its_attempt_and_unpins_every_part(ti
     worker.transfer = dataclasses.replace(worker.transfer, checksums=True)
     decode = _FakeDecodeHandle()
     if step == "checksum":
-        monkeypatch.setattr("prefill_worker.worker.block_checksums", _raises)
+        monkeypatch.setattr("kv_transfer.sharded.block_checksums", _raises)
     elif step == "prepare":
         worker.backend.prepare_blocks = _raises
     else:

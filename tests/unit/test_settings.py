@@ -185,12 +185,14 @@ def test_the_worker_groups_engine_values_default_to_the_schemas():
         assert leaves[value] == getattr(config.engine_config(role), name), f"{value} != the {role} engine's {name}"
 
 
-def test_tensor_parallel_flags_need_a_colocated_service(tmp_path):
+def test_tensor_parallel_flags_set_each_roles_size(tmp_path):
     colocated = _service("--prefill-workers", "0", "--decode-tp", "2")
     assert colocated.cluster.tensor_parallel_size("colocated") == 2
-    for flag in ("--decode-tp", "--prefill-tp"):
-        with pytest.raises(ValueError, match="needs a colocated service"):
-            _service(flag, "2")
+    for flag, role in (("--decode-tp", "decode"), ("--prefill-tp", "prefill")):
+        with pytest.raises(ValueError, match="needs transfer.backend nixl"):
+            _service(flag, "2", "--kv-transfer-backend", "collective")
+        service = _service(flag, "2", "--kv-transfer-backend", "nixl")
+        assert service.cluster.tensor_parallel_size(role) == 2
     topology = tmp_path / "topology.yaml"
     topology.write_text("prefill_workers: 0\ndecode_engine: {max_num_seqs: 8}\n")
     service = _service("--config", str(topology), "--decode-tp", "2")

@@ -19,6 +19,7 @@ import yaml
 import cluster.pools as pools
 from cluster.config import ClusterConfig, Resources
 from cluster.rank_actors import RayRankGroup
+from kv_transfer.config import TransferConfig
 
 TP2 = {"tensor_parallel_size": 2}
 
@@ -28,9 +29,12 @@ TP2 = {"tensor_parallel_size": 2}
     dict(prefill_engine=TP2),
     dict(engine=TP2),
 ], ids=["decode", "prefill", "both"])
-def test_a_disaggregated_service_above_one_rank_is_refused_naming_the_limit(settings):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs a colocated service \(prefill_workers: 0"):
-        ClusterConfig(prefill_workers=1, **settings)
+def test_a_disaggregated_service_above_one_rank_needs_nixl_naming_the_limit(settings):
+    """Only nixl reads a rank's share of a block in place (``kv_transfer.sharded``)."""
+    with pytest.raises(ValueError, match=r"tensor_parallel_size .* needs transfer.backend nixl, got 'collective'"):
+        ClusterConfig(prefill_workers=1, transfer=TransferConfig(backend="collective"), **settings)
+    config = ClusterConfig(prefill_workers=1, transfer=TransferConfig(backend="nixl"), **settings)
+    assert {config.tensor_parallel_size("prefill"), config.tensor_parallel_size("decode")} >= {2}
 
 
 def test_a_colocated_service_takes_tensor_parallel_workers_one_gpu_a_rank():
