@@ -54,7 +54,8 @@ class FaultyBackend(WrappedBackend):
             raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
         return self.inner.pull(meta, payload)
 
-    # -- paged backends: the same faults around a read into reserved blocks ----------
+    # -- paged backends: the same faults around a read into reserved blocks (or a rank's
+    # share of them: rank 0's own, at tensor_parallel_size above one) ----------------
 
     def pull_blocks(self, meta, payload, block_ids) -> None:
         if self.faults.delay_s:
@@ -69,5 +70,13 @@ class FaultyBackend(WrappedBackend):
             await asyncio.sleep(self.faults.delay_s)
         drop = self._rng.random() < self.faults.drop_rate
         await self.inner.pull_blocks_async(meta, payload, block_ids)  # the inner backend's deadline rules
+        if drop:
+            raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
+
+    async def pull_heads_async(self, meta, payload, block_ids, src, dst) -> None:
+        if self.faults.delay_s:
+            await asyncio.sleep(self.faults.delay_s)
+        drop = self._rng.random() < self.faults.drop_rate
+        await self.inner.pull_heads_async(meta, payload, block_ids, src, dst)  # read anyway, as above
         if drop:
             raise TransferError("injected", f"transfer {meta.transfer_id} dropped by fault injection")
