@@ -62,6 +62,7 @@ from kv_transfer.sharded import Heads
 log = logging.getLogger(__name__)
 
 RANK_FAILURE_EXIT = 70  # the exit status of a worker whose ranks failed (EX_SOFTWARE)
+NOTIFICATIONS_EVERY_S = 1.0  # how often a rank's agent drops the notifications of reads of its blocks
 RANK_THREADS = 64  # a rank actor's threads: one follows the steps, the rest serve transfers' reads and sums
 
 
@@ -109,7 +110,16 @@ class RankActor:
             return None
         backend.attach_cache(*self.loop.kv_tensors())
         self.backend = backend
+        threading.Thread(target=self._drain, args=(backend,), name="kv-notifications", daemon=True).start()
         return backend.offer()
+
+    @staticmethod
+    def _drain(backend) -> None:
+        """Take the notifications readers leave with this rank's agent (one a read of its
+        blocks), which nothing else here asks for, so they do not pile up."""
+        while True:
+            time.sleep(NOTIFICATIONS_EVERY_S)
+            backend.reads_confirmed()
 
     def pull_heads(self, meta: TransferMeta, reads: list[tuple[Any, Heads, Heads]],
                    block_ids: list[int]) -> tuple[str, str] | None:
@@ -136,7 +146,8 @@ class RayRankPeer:
         self.actor, self.rank, self.transfer = actor, rank, transfer
 
     def offer(self) -> Any:
-        return ray.get(self.actor.attach_transfer.remote(self.transfer), timeout=2 * START_TIMEOUT_S)
+        # Its future rather than ray.get, which warns in an asyncio actor (the worker's, starting).
+        return self.actor.attach_transfer.remote(self.transfer).future().result(timeout=2 * START_TIMEOUT_S)
 
     async def pull_heads(self, meta: TransferMeta, reads: list[tuple[Any, Heads, Heads]], block_ids: list[int]) -> None:
         """The rank's reads, waited for until they end: past the deadline by ``STUCK_GRACE_S``

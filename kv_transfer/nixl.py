@@ -367,15 +367,44 @@ class NixlBackend(KVTransferBackend):
         )
         self._read_into_blocks(agent, meta, payload, local, remote, block_ids, 2 * len(block_ids) * layers * nbytes)
 
+    def _pull_staged(self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int], dst: tuple[int, int],
+                     cache: _Cache) -> None:
+        """Every head of the sender's blocks, which this side needs all of, into a registered
+        staging buffer a stretch of blocks a descriptor (as between equal sizes), then copied
+        into heads ``dst`` of ``block_ids``: a descriptor a token would cost more than the copy.
+        A read that cannot be cancelled keeps only the staging buffer out of use."""
+        agent = self._agent()
+        layers, block_size, head_dim = cache.k.shape[0], cache.k.shape[2], cache.k.shape[4]
+        block_bytes = block_size * payload.heads * head_dim * cache.k.element_size()
+        src_runs, _ = contiguous_runs(list(payload.block_ids), list(range(len(block_ids))))
+        remote_rows = block_descs(payload.base, payload.num_blocks, layers, block_bytes, payload.device, src_runs)
+        nbytes = int(remote_rows[:, 1].sum())
+        staging = self._staging.take(nbytes)
+        starts = staging.data_ptr() + np.concatenate([[0], np.cumsum(remote_rows[:-1, 1])])
+        local_rows = np.stack([starts, remote_rows[:, 1], np.zeros_like(starts)], axis=-1)
+        try:  # a quarantined buffer is not given back
+            self._read_counted(agent, meta, payload, agent.get_xfer_descs(local_rows, "DRAM"),
+                               agent.get_xfer_descs(remote_rows, "DRAM"), nbytes,
+                               lambda: self._staging.quarantine(staging))
+            both = staging.view(cache.k.dtype).view(2, layers, len(block_ids), block_size, payload.heads, head_dim)
+            index = torch.as_tensor(block_ids, dtype=torch.long)
+            cache.k[:, index, :, dst[0] : dst[1]] = both[0]
+            cache.v[:, index, :, dst[0] : dst[1]] = both[1]
+        finally:
+            self._staging.give(staging)
+
     def _read_into_blocks(self, agent, meta: TransferMeta, payload, local, remote, block_ids: list[int],
                           nbytes: int) -> None:
         """READ ``remote`` into ``local`` (descriptors of ``block_ids`` here) and count it."""
-        t0 = time.perf_counter()
-
         def unfinished():
             raise TransferError("stuck", f"transfer {meta.transfer_id}: a read into blocks {block_ids} "
                                          "could not be cancelled; they must not be reused")
 
+        self._read_counted(agent, meta, payload, local, remote, nbytes, unfinished)
+
+    def _read_counted(self, agent, meta: TransferMeta, payload, local, remote, nbytes: int, unfinished) -> None:
+        """``_read``, and count it."""
+        t0 = time.perf_counter()
         self._read(agent, meta, payload, local, remote, unfinished)
         with self._lock:
             self.stats.received += 1
@@ -393,9 +422,10 @@ class NixlBackend(KVTransferBackend):
     ) -> None:
         """Read KV heads ``src`` (a [start, stop) of the sender's cache's heads) of the
         sender's blocks into heads ``dst`` of ``block_ids`` here: a tensor-parallel rank's
-        share of a worker of another size. A head's row of a token is the longest stretch
-        alike on both sides (``[block, token, heads, dim]``), so it is one descriptor a
-        token, layer and K or V; all the heads of both sides go as whole blocks."""
+        share of a worker of another size. All the heads of both sides go as whole blocks;
+        all the sender's into some of this side's, staged (``_pull_staged``, host memory);
+        else a head's row of a token is the longest stretch alike on both sides (``[block,
+        token, heads, dim]``), so one descriptor a token, layer and K or V."""
         cache = self._attached()
         self._check_blocks(meta, payload, block_ids, cache)
         heads = cache.k.shape[3]
@@ -406,6 +436,8 @@ class NixlBackend(KVTransferBackend):
         if n == payload.heads == heads:
             return self.pull_blocks(meta, payload, block_ids)
         self.check_deadline(meta)
+        if n == payload.heads and cache.mem_type == "DRAM":
+            return self._pull_staged(meta, payload, block_ids, dst, cache)
         agent = self._agent()
         layers, block_size, head_bytes = cache.k.shape[0], cache.k.shape[2], cache.k[0, 0, 0, 0].nbytes
         remote = agent.get_xfer_descs(head_descs(

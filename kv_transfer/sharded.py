@@ -21,10 +21,14 @@ cancelled holds the blocks until it settles, as at one rank). Each rank sums the
 so one checksum a block covers every rank's share on both sides, and ranks holding the same
 head must agree.
 
-A head's row of a token is the longest stretch alike on both sides of a transfer between
-different sizes, so such a read takes a descriptor per token (``NixlBackend.pull_heads``);
-between equal sizes each rank pair moves whole blocks. No rank reads a head it does not hold,
-so a transfer between different sizes moves no more bytes than one between equal sizes.
+Between equal sizes each rank pair moves whole blocks. Between different sizes
+(``NixlBackend.pull_heads``): a reader that needs every head a sender rank holds (a prefill
+worker wider than the decode worker) reads that rank's whole blocks into a registered
+staging buffer and copies them into its heads; one that needs some of them (a decode worker
+wider) reads a head's row of each token, the longest stretch alike on both sides of the
+``[block, token, heads, dim]`` layout, so a descriptor a token (on GPUs, where staging sits
+in host memory, both ways). No rank reads a head it does not hold, so a transfer between
+different sizes moves no more bytes than one between equal sizes.
 
 Only nixl reads a share of a block in place; the service refuses other backends for workers
 above one rank when it has a prefill pool (``cluster.config``).
@@ -207,6 +211,32 @@ class KVRanks:
     async def stats(self) -> list[dict[str, Any]]:
         """Every other rank's transfer counters, in rank order (rank 0's are the worker's own)."""
         return list(await asyncio.gather(*(peer.stats() for peer in self.peers)))
+
+
+class InProcessPeer:
+    """Rank r > 0 living in this process, served as a rank actor serves its rank (a worker's
+    ranks are Ray actors, ``cluster.rank_actors``; benchmarks and tests put a worker's ranks
+    in one process, each with its own backend over its own share of a cache). ``fail``: what
+    its next reads raise instead of reading."""
+
+    def __init__(self, backend: KVTransferBackend, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.backend, self.k, self.v = backend, k, v
+        self.fail: BaseException | None = None
+
+    def offer(self) -> Any:
+        return getattr(self.backend, "offer", lambda: None)()
+
+    async def pull_heads(self, meta: TransferMeta, reads: list[tuple[Any, Heads, Heads]], block_ids: list[int]) -> None:
+        if self.fail is not None:
+            raise self.fail
+        for payload, src, dst in reads:
+            await self.backend.pull_heads_async(meta, payload, block_ids, src, dst)
+
+    async def checksums(self, block_ids: list[int], heads: tuple[int, int]) -> tuple[int, ...]:
+        return block_checksums(self.k, self.v, block_ids, heads)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.backend.stats.as_dict()
 
 
 def worst(errors: Sequence[BaseException]) -> BaseException:

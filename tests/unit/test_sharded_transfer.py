@@ -15,12 +15,13 @@ import time
 import pytest
 import torch
 
+from bench.tp_transfer import InProcessWorker
 from engine.model.parallel import kv_head_range
 from engine.wire.messages import KVLayout
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.checksum import block_checksums
 from kv_transfer.nixl import unavailable_reason
-from kv_transfer.sharded import KVRanks, RankShare, ShardedPayload, read_plan
+from kv_transfer.sharded import RankShare, ShardedPayload, read_plan
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 2, 12, 4, 8
 SIZES = [1, 2, 4]
@@ -64,52 +65,8 @@ NIXL_MISSING = unavailable_reason()
 needs_nixl = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl unavailable: {NIXL_MISSING}")
 
 
-class _LocalPeer:
-    """Rank r > 0 in this process, served as its rank actor serves it (``RankActor``)."""
-
-    def __init__(self, backend, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.backend, self.k, self.v = backend, k, v
-        self.fail: TransferError | None = None
-
-    def offer(self):
-        return self.backend.offer()
-
-    async def pull_heads(self, meta, reads, block_ids):
-        if self.fail is not None:
-            raise self.fail
-        for payload, src, dst in reads:
-            await self.backend.pull_heads_async(meta, payload, block_ids, src, dst)
-
-    async def checksums(self, block_ids, heads):
-        return block_checksums(self.k, self.v, block_ids, heads)
-
-    async def stats(self):
-        return self.backend.stats.as_dict()
-
-
-class _Worker:
-    """A worker at ``size`` ranks: each rank's share of a paged cache, its own nixl agent."""
-
-    def __init__(self, size: int, heads: int, full: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        from kv_transfer.nixl import NixlBackend
-
-        self.caches, self.backends = [], []
-        for rank in range(size):
-            lo, hi = kv_head_range(heads, size, rank)
-            if full is None:
-                k, v = (torch.zeros(LAYERS, BLOCKS, BLOCK_SIZE, hi - lo, HEAD_DIM) for _ in range(2))
-            else:
-                k, v = (t[:, :, :, lo:hi].contiguous() for t in full)
-            backend = NixlBackend()
-            backend.attach_cache(k, v)
-            self.caches.append((k, v))
-            self.backends.append(backend)
-        self.peers = [_LocalPeer(b, *c) for b, c in zip(self.backends[1:], self.caches[1:])]
-        self.ranks = KVRanks(*self.caches[0], heads, size, self.peers)
-
-    def close(self) -> None:
-        for backend in self.backends:
-            backend.close()
+def _worker(size: int, heads: int, full=None) -> InProcessWorker:
+    return InProcessWorker(size, (LAYERS, BLOCKS, BLOCK_SIZE, heads, HEAD_DIM), full)
 
 
 def _meta(heads: int, n: int) -> TransferMeta:
@@ -130,7 +87,7 @@ SRC, DST = [3, 4, 5, 9, 1], [7, 8, 0, 2, 11]  # a stretch, then scattered
                                                (1, 1, 4)])
 def test_each_decode_rank_gets_exactly_its_heads_of_the_senders_blocks(a, b, heads):
     full = _full(heads)
-    prefill, decode = _Worker(a, heads, full), _Worker(b, heads)
+    prefill, decode = _worker(a, heads, full), _worker(b, heads)
     try:
         meta = _meta(heads, len(SRC))
         sums = asyncio.run(prefill.ranks.checksums(SRC))
@@ -148,6 +105,7 @@ def test_each_decode_rank_gets_exactly_its_heads_of_the_senders_blocks(a, b, hea
             stats = decode.backends[rank].stats
             assert stats.bytes_received == share, f"rank {rank} receives its share's bytes, no more"
         assert asyncio.run(decode.ranks.checksums(DST)) == sums, "the reader's sums, rank by rank, match"
+        assert all(b.staging_in_use == 0 for b in decode.backends), "every staging buffer is back"
     finally:
         prefill.close()
         decode.close()
@@ -156,7 +114,7 @@ def test_each_decode_rank_gets_exactly_its_heads_of_the_senders_blocks(a, b, hea
 @pytest.fixture
 def tp2_pair():
     """A prefill and a decode worker at TP 2 (4 KV heads), and an offer of two blocks."""
-    prefill, decode = _Worker(2, 4, _full(4)), _Worker(2, 4)
+    prefill, decode = _worker(2, 4, _full(4)), _worker(2, 4)
     meta = _meta(4, 2)
     yield prefill, decode, meta, prefill.ranks.offer(prefill.backends[0], meta, SRC[:2])
     prefill.close()

@@ -139,10 +139,18 @@ def test_the_decode_groups_tensor_parallel_size_reaches_a_colocated_topology(cha
     assert "decode_engine" not in _topology(chart, {}), "one rank renders the topology as it always did"
 
 
+def test_each_groups_tensor_parallel_size_reaches_a_disaggregated_topology_over_nixl(chart):
+    topology = _topology(chart, {"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 1}})
+    assert topology["transfer"]["backend"] == "nixl", "the chart's default transfer reads each rank's share"
+    config = ClusterConfig.from_dict(topology)
+    assert (config.tensor_parallel_size("prefill"), config.tensor_parallel_size("decode")) == (2, 1)
+
+
 @pytest.mark.parametrize("values, message", [
-    ({"decode": {"tensorParallelSize": 2}}, "decode.tensorParallelSize 2: above one rank a topology must be colocated"),
+    ({"decode": {"tensorParallelSize": 2}, "serve": {"topology": {"transfer": {"backend": "collective"}}}},
+     "decode.tensorParallelSize 2: with a prefill pool, above one rank needs serve.topology.transfer.backend nixl"),
     ({"prefill": {"tensorParallelSize": 2}, "serve": {"topology": {"prefill_workers": 0}}},
-     "prefill.tensorParallelSize 2: above one rank"),
+     "prefill.tensorParallelSize 2: a colocated topology"),
     ({"serve": {"topology": {"engine": TP2}}}, "serve.topology.engine.tensor_parallel_size: set prefill."),
 ])
 def test_tensor_parallel_values_the_app_would_refuse_fail_to_render(chart, values, message):

@@ -339,9 +339,9 @@ The router's settings and startTimeoutSeconds are left out: they apply in place.
 {{/*
 Each group's tensorParallelSize as its role's engine setting (decode_engine.tensor_parallel_size;
 set only above 1, so a topology at one rank renders as it always did), into `topo`. It has
-this one home: serve.topology's engine sections may not name it. Above one rank the
-topology must be colocated (prefill_workers 0): the KV transfer between prefill and decode
-workers runs at one rank only.
+this one home: serve.topology's engine sections may not name it. Above one rank with a
+prefill pool, the transfer must be nixl: only nixl reads each rank's share of a block's KV
+heads in place (a colocated topology, prefill_workers 0, has no prefill group to split).
 */}}
 {{- define "tandem.tensorParallel" -}}
 {{- $topo := .topo -}}
@@ -354,8 +354,12 @@ workers runs at one rank only.
 {{- range $role := list "prefill" "decode" }}
 {{- $size := int (default 1 (index $.root.Values $role).tensorParallelSize) -}}
 {{- if gt $size 1 }}
-{{- if or (eq $role "prefill") (not $colocated) }}
-{{- fail (printf "%s.tensorParallelSize %d: above one rank a topology must be colocated (serve.topology.prefill_workers: 0, its workers split by decode.tensorParallelSize): the KV transfer between prefill and decode workers runs at one rank only" $role $size) }}
+{{- if and (eq $role "prefill") $colocated }}
+{{- fail (printf "prefill.tensorParallelSize %d: a colocated topology (serve.topology.prefill_workers: 0) has no prefill workers; its workers take decode.tensorParallelSize" $size) }}
+{{- end }}
+{{- $backend := (default dict $topo.transfer).backend | default "nixl" -}}
+{{- if and (not $colocated) (ne $backend "nixl") }}
+{{- fail (printf "%s.tensorParallelSize %d: with a prefill pool, above one rank needs serve.topology.transfer.backend nixl (got %s): only nixl reads each rank's share of a block's KV heads in place" $role $size $backend) }}
 {{- end }}
 {{- $key := printf "%s_engine" $role -}}
 {{- $_ := set $topo $key (merge (dict "tensor_parallel_size" $size) (default dict (index $topo $key))) -}}
