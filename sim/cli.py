@@ -108,6 +108,9 @@ def add_plan(sub) -> None:
     _add_hardware(p)
     p.add_argument("--chunks", default="512,2048,8192", help="chunk budgets to try (max_num_batched_tokens)")
     p.add_argument("--batch-caps", default="64,256", help="batch caps to try (max_num_seqs)")
+    p.add_argument("--tensor-parallel", default=None,
+                   help="tensor_parallel_size values each role is searched over, e.g. 1,2,4 (default: the "
+                        "smallest the model fits on one worker, for both roles)")
     p.add_argument("--max-unit", type=int, default=8, help="devices per simulated unit, at most")
     p.add_argument("--iters", type=int, default=5, help="bisection steps per candidate")
     p.add_argument("--trial-s", type=float, default=30.0, help="simulated seconds of arrivals counted per trial")
@@ -139,7 +142,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     base = SimTopology.from_yaml(args.config, router) if args.config else SimTopology(router=router)
     spec = parse_spec(args.workload)
     settings = PlanSettings(chunks=_ints(args.chunks, "--chunks"), batch_caps=_ints(args.batch_caps, "--batch-caps"),
-                            max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s, warmup_s=args.warmup_s)
+                            max_unit=args.max_unit, iters=args.iters, trial_s=args.trial_s, warmup_s=args.warmup_s,
+                            tensor_parallel=_ints(args.tensor_parallel, "--tensor-parallel")
+                            if args.tensor_parallel else None)
     if args.low_rate is not None and not 0 < args.low_rate < args.rate:
         raise ValueError(f"--low-rate must be > 0 and below --rate ({args.rate:g}), got {args.low_rate:g}")
     ups = _shares(args.scale_up_shares) if args.scale_up_shares is not None else ()
@@ -235,17 +240,24 @@ def _model_note(model: str) -> str:
 
 
 def helm_values(topo: SimTopology, max_outstanding: int = 256) -> dict:
-    """Helm values (deploy/helm/tandem) for ``topo``: one GPU a worker. With autoscaling, each
-    worker group between its pool's bounds (the chart writes the topology's ``autoscaling:``
-    from them) and the pods starting at the pools' sizes."""
+    """Helm values (deploy/helm/tandem) for ``topo``: one GPU a rank, a worker's ranks on one
+    pod (the group's ``tensorParallelSize``, which the chart writes into the topology). With
+    autoscaling, each worker group between its pool's bounds (the chart writes the topology's
+    ``autoscaling:`` from them) and the pods starting at the pools' sizes."""
     topology = {**topo.to_topology(), "prefill_resources": {"num_cpus": 1, "num_gpus": 1},
                 "decode_resources": {"num_cpus": 1, "num_gpus": 1}}
+    for key in ("engine", "prefill_engine", "decode_engine"):  # the groups' values carry it
+        if key in topology:
+            topology[key] = {k: v for k, v in topology[key].items() if k != "tensor_parallel_size"}
     a = topology.pop("autoscaling", None) and topo.autoscaling
     pools = {}
     for role, n in (("prefill", topo.prefill_workers), ("decode", topo.decode_workers)):
         lo, hi = (a.bounds(role).min_workers, a.bounds(role).max_workers) if a and n else (n, n)
         # A colocated plan's prefill group holds no pod (the chart's groups have room for one at least).
-        pools[role] = {"replicas": n, "minReplicas": lo, "maxReplicas": max(hi, 1), "gpus": 1}
+        tp = topo.tensor_parallel_size(role) if n else 1
+        pools[role] = {"replicas": n, "minReplicas": lo, "maxReplicas": max(hi, 1), "gpus": tp}
+        if tp > 1:
+            pools[role]["tensorParallelSize"] = tp
     values = {**pools, "serve": {"topology": topology, "maxOutstandingRequests": max_outstanding}}
     if a:
         values["autoscaling"] = {"enabled": True, "slo": {"ttftMs": a.slo.ttft_ms, "itlMs": a.slo.itl_ms},

@@ -22,6 +22,22 @@ prefill-attention FLOP/s; ``gpu_corrections``).
 A KV transfer takes ``link latency + bytes / link bandwidth``; the simulator queues
 transfers that share a worker's link (``sim.simulator``), which is the contention.
 
+A worker at ``tensor_parallel_size`` t (``CostModel.at_tp``) is t devices, each holding
+1/t of the weights and of the KV heads (or one head, shared, when the model has fewer KV
+heads than ranks), as the engine shards them (``engine.model.parallel``): its step's
+FLOPs and bytes are a rank's, plus the collectives the sharded forward makes, each over
+the devices' NVLink (on the CPU, shared memory) as a ring would move them:
+
+    (2 * layers + 1) all-reduces of the step's hidden states
+        * (collective_latency_s + 2 (t - 1) / t * tokens * hidden * dtype_bytes / link)
+    + one all-gather of the sampled tokens' logits
+        * (collective_latency_s + (t - 1) / t * sampled * vocab * dtype_bytes / link)
+
+Its KV blocks are those a rank's memory holds beside its weights (``kv_blocks_fitting``),
+and a hand-off between a prefill worker at a and a decode worker at b moves every block's
+KV once (per decode rank, when the heads are replicated), each rank over its own link at
+once: it takes as long as the rank with the largest share (``handoff_s``).
+
 The profile table (``step_profile`` / ``read_profile``; ``python -m bench.steps
 --profile FILE`` writes one on this CPU) is one JSON object::
 
@@ -71,6 +87,9 @@ class DeviceSpec:
     pcie_bw: float
     dtype_bytes: int = 2
     is_gpu: bool = True
+    # One small collective between a worker's ranks (NCCL over NVLink, a few us; on the CPU
+    # the shared-memory group's all-reduce of a decode step's hidden states, bench.tp).
+    collective_latency_s: float = 10e-6
 
 
 # SXM parts; NVLink is per GPU per direction, InfiniBand one NDR/HDR port per GPU.
@@ -81,7 +100,8 @@ DEVICES = {
     "B200": DeviceSpec("B200", 2250e12, 8.0e12, 180 * GB, 900 * GB, 50 * GB, 64 * GB),
     # This machine: 2 vCPUs of a Xeon with AVX-512 (2 FMA units x 16 fp32 lanes at about
     # 2.5 GHz), its memory bandwidth a guess; the fitted corrections carry the rest.
-    "cpu": DeviceSpec("cpu", 2 * 160e9, 20 * GB, 8 * GB, 10 * GB, 10 * GB, 10 * GB, dtype_bytes=4, is_gpu=False),
+    "cpu": DeviceSpec("cpu", 2 * 160e9, 20 * GB, 8 * GB, 10 * GB, 10 * GB, 10 * GB, dtype_bytes=4, is_gpu=False,
+                      collective_latency_s=74e-6),
 }
 LINKS = ("nvlink", "ib", "pcie")
 
@@ -116,6 +136,20 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def check_tensor_parallel(self, size: int) -> None:
+        """ValueError naming what does not split over ``size`` ranks (the engine's rules:
+        attention heads and the MLP's width divide; KV heads divide or are divided)."""
+        kv = self.num_kv_heads
+        for what, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
+            if n % size:
+                raise ValueError(f"{self.name}: {what} ({n}) do not divide by tensor_parallel_size {size}")
+        if kv % size and size % kv:
+            raise ValueError(f"{self.name}: {kv} KV heads neither divide by nor divide tensor_parallel_size {size}")
+
+    def kv_share(self, size: int) -> float:
+        """The share of a token's KV one rank of ``size`` holds (its KV heads over all)."""
+        return max(1, self.num_kv_heads // size) / self.num_kv_heads
+
     def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
         """K and V of one block across all layers (``engine.model.kv_cache.bytes_per_block``)."""
         return block_size * self.kv_bytes_per_token(dtype_bytes)
@@ -130,6 +164,7 @@ class ModelSpec:
 
 MODELS = {
     "llama-3.1-8b": ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 128, 14336, 128256, False, 8192),
+    "llama-3.1-70b": ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 128, 28672, 128256, False, 8192),
     "qwen2.5-14b": ModelSpec("qwen2.5-14b", 48, 5120, 40, 8, 128, 13824, 152064, False, 8192),
     "smollm2-135m": ModelSpec("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, True, 2048),
     # The built-in test model (engine/model/default_model.py), as its config.json says.
@@ -187,15 +222,18 @@ class CostModel:
 
     def __init__(self, device: DeviceSpec, model: ModelSpec, corrections: Corrections | None = None,
                  link: str = "ib", link_latency_s: float | None = None, block_size: int = 16,
-                 service_path: ServicePath = NO_DELAY, contention: Contention = NO_CONTENTION) -> None:
+                 service_path: ServicePath = NO_DELAY, contention: Contention = NO_CONTENTION,
+                 tensor_parallel_size: int = 1) -> None:
         """``service_path``: a request's way through the service that no step or transfer
         accounts for (the HTTP ingress, the router's calls to the workers, the first token's
         way back), a delay before the router places it. ``contention``: for workers that
         share one host's cores (a local cluster on a CPU), what a step's time is multiplied
         by, by its role, the other workers mid-step and the requests in flight as it begins.
-        Both only from a profile timed on a live service (``live_corrections``)."""
+        Both only from a profile timed on a live service (``live_corrections``).
+        ``tensor_parallel_size``: the ranks of one worker (the module docstring; ``at_tp``)."""
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        model.check_tensor_parallel(tensor_parallel_size)
         self.device, self.model = device, model
         self.corrections = corrections or (GPU_DEFAULTS if device.is_gpu else Corrections())
         self.link = link
@@ -204,16 +242,40 @@ class CostModel:
         self.link_latency_s = link_latency_s if link_latency_s is not None else (20e-6 if device.is_gpu else 1e-3)
         self.service_path = service_path
         self.contention = contention
+        self.tensor_parallel_size = t = tensor_parallel_size
+        self._by_tp: dict[int, CostModel] = {t: self}
         db = device.dtype_bytes
-        self._kv_bytes_per_token = model.kv_bytes_per_token(db)
-        self._weight_bytes = (model.layer_params + model.vocab_size * model.hidden_size) * db
-        self._attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
-        self._head_flops = 2 * model.vocab_size * model.hidden_size
-        self._token_flops = 2 * model.layer_params
+        self._kv_bytes_per_token = model.kv_bytes_per_token(db) * model.kv_share(t)  # one rank's
+        self._weight_bytes = (model.layer_params + model.vocab_size * model.hidden_size) * db / t
+        self._attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim / t
+        self._head_flops = 2 * model.vocab_size * model.hidden_size / t
+        self._token_flops = 2 * model.layer_params / t
         c = self.corrections
         self._fixed_s = c.overhead_s + c.per_layer_s * model.num_layers
         self._flops_per_s = device.flops * c.mfu
         self._bytes_per_s = device.hbm_bw * c.mbu
+        # The ranks' collectives: a fixed cost a step, and bytes a token or sampled token.
+        ring = (t - 1) / t
+        reduces = 2 * model.num_layers + 1
+        self._collective_fixed_s = (reduces + 1) * device.collective_latency_s if t > 1 else 0.0
+        self._collective_token_s = reduces * 2 * ring * model.hidden_size * db / device.nvlink_bw
+        self._collective_sampled_s = ring * model.vocab_size * db / device.nvlink_bw
+
+    def at_tp(self, size: int) -> CostModel:
+        """This model for a worker of ``size`` ranks (the same device, corrections, link, service
+        path and contention); made once per size."""
+        if size not in self._by_tp:
+            self._by_tp[size] = CostModel(
+                self.device, self.model, self.corrections, self.link, self.link_latency_s, self.block_size,
+                self.service_path, self.contention, tensor_parallel_size=size)
+            self._by_tp[size]._by_tp = self._by_tp
+        return self._by_tp[size]
+
+    def collective_s(self, tokens: int, sampled: int) -> float:
+        """The step's collectives between the worker's ranks (0 at one rank)."""
+        if self.tensor_parallel_size == 1:
+            return 0.0
+        return self._collective_fixed_s + self._collective_token_s * tokens + self._collective_sampled_s * sampled
 
     def roofline_s(self, s: StepShape) -> float:
         """The larger of the step's compute time and memory time at the fitted shares of peak."""
@@ -227,6 +289,7 @@ class CostModel:
     def _compute_s(self, batch: int, tokens: int, sampled: int, pairs: int, kv_read: int) -> float:
         c = self.corrections
         t = self._fixed_s + c.per_request_s * batch + self._roofline_s(tokens, sampled, pairs, kv_read)
+        t += self.collective_s(tokens, sampled)
         return t + (c.per_token_s * tokens + c.per_pair_s * pairs + c.per_kv_token_s * kv_read)
 
     def step_s(self, s: StepShape) -> float:
@@ -234,8 +297,8 @@ class CostModel:
         if not s.batch and not s.swap_blocks:
             return 0.0
         t = self._compute_s(s.batch, s.num_tokens, s.num_sampled, s.attn_pairs, s.kv_read_tokens)
-        if s.swap_blocks:
-            t += s.swap_blocks * self.block_bytes(self.block_size) / self.device.pcie_bw
+        if s.swap_blocks:  # each rank its share, over its own link at once
+            t += s.swap_blocks * self.rank_block_bytes(self.block_size) / self.device.pcie_bw
         return t
 
     def decode_steps_s(self, batch: int, context: int, num_steps: int) -> np.ndarray:
@@ -248,22 +311,42 @@ class CostModel:
         flops = self._token_flops * batch + self._head_flops * batch + self._attn_flops_per_pair * kv
         moved = self._weight_bytes + self._kv_bytes_per_token * (kv + batch)
         t = self._fixed_s + c.per_request_s * batch + np.maximum(flops / self._flops_per_s, moved / self._bytes_per_s)
+        t += self.collective_s(batch, batch)
         return t + (c.per_token_s * batch + c.per_pair_s * kv + c.per_kv_token_s * kv)
 
     def block_bytes(self, block_size: int) -> int:
+        """K and V of one block, every KV head (what a hand-off moves at one rank a side)."""
         return self.model.bytes_per_block(block_size, self.device.dtype_bytes)
+
+    def rank_block_bytes(self, block_size: int) -> float:
+        """One rank's share of a block: its KV heads (what its memory holds of each block)."""
+        return self.block_bytes(block_size) * self.model.kv_share(self.tensor_parallel_size)
 
     def transfer_s(self, num_bytes: int) -> float:
         """A KV hand-off of ``num_bytes`` over the link, alone on it."""
         return self.link_latency_s + num_bytes / self.link_bw
 
+    def handoff_busy_s(self, num_blocks: int, block_size: int, sender_tp: int, receiver_tp: int) -> float:
+        """How long a hand-off of ``num_blocks`` keeps the two workers' links busy: each rank
+        moves its share over its own link at once (``kv_transfer.sharded``), so the side whose
+        ranks hold the most of a block sets it; at one rank a side, the whole block."""
+        share = max(self.model.kv_share(sender_tp), self.model.kv_share(receiver_tp))
+        return num_blocks * self.block_bytes(block_size) * share / self.link_bw
+
+    @property
+    def num_params_per_rank(self) -> float:
+        return self.model.num_params / self.tensor_parallel_size
+
     def kv_blocks_fitting(self, block_size: int, memory_share: float = 0.9) -> int:
-        """KV blocks that fit in a device's memory beside the weights (``memory_share`` of it used)."""
-        free = self.device.memory_bytes * memory_share - self.model.num_params * self.device.dtype_bytes
+        """KV blocks that fit in each rank's device memory beside its weights (``memory_share``
+        of it used): a worker's blocks, every rank holding its heads of each."""
+        free = self.device.memory_bytes * memory_share - self.num_params_per_rank * self.device.dtype_bytes
         if free <= 0:
+            t = self.tensor_parallel_size
+            where = f"one {self.device.name}" if t == 1 else f"{t} {self.device.name}s (tensor_parallel_size {t})"
             raise ValueError(f"{self.model.name} ({self.model.num_params / 1e9:.1f}B parameters) does not fit "
-                             f"one {self.device.name} ({self.device.memory_bytes / GB:.0f} GB)")
-        return int(free // self.block_bytes(block_size))
+                             f"{where} ({self.device.memory_bytes / GB:.0f} GB each)")
+        return int(free // self.rank_block_bytes(block_size))
 
 
 # -- profile tables and fitting ------------------------------------------------

@@ -38,20 +38,31 @@ from sim.workload import WorkloadSpec, generate, sharegpt_lengths
 @dataclass(frozen=True)
 class Candidate:
     """One configuration of a unit: pool sizes, the chunk budget (``max_num_batched_tokens`` of the
-    workers that prefill) and the batch cap (``max_num_seqs`` of the workers that decode)."""
+    workers that prefill), the batch cap (``max_num_seqs`` of the workers that decode) and each
+    role's ``tensor_parallel_size`` (a worker takes that many devices)."""
 
     prefill_workers: int
     decode_workers: int
     chunk: int
     max_num_seqs: int
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def colocated(self) -> bool:
         return self.prefill_workers == 0
 
+    @property
+    def num_devices(self) -> int:
+        return self.prefill_workers * self.prefill_tp + self.decode_workers * self.decode_tp
+
     def label(self, replicas: int = 1) -> str:
         p, d = self.prefill_workers * replicas, self.decode_workers * replicas
         pools = f"colocated {d}" if self.colocated else f"{p}P+{d}D"
+        if self.colocated and self.decode_tp > 1:
+            pools += f" tp {self.decode_tp}"
+        elif not self.colocated and (self.prefill_tp, self.decode_tp) != (1, 1):
+            pools += f" tp {self.prefill_tp}/{self.decode_tp}"
         return f"{pools} chunk {self.chunk} seqs {self.max_num_seqs}"
 
     def topology(self, base: SimTopology, replicas: int = 1) -> SimTopology:
@@ -60,6 +71,9 @@ class Candidate:
         engines = {"prefill_engine": dict(base.prefill_engine), "decode_engine": dict(base.decode_engine)}
         engines[f"{prefill_role}_engine"]["max_num_batched_tokens"] = self.chunk
         engines["decode_engine"]["max_num_seqs"] = self.max_num_seqs
+        for role, size in (("prefill", self.prefill_tp), ("decode", self.decode_tp)):
+            if size > 1 and not (role == "prefill" and self.colocated):
+                engines[f"{role}_engine"]["tensor_parallel_size"] = size
         return base.replace(prefill_workers=self.prefill_workers * replicas,
                             decode_workers=self.decode_workers * replicas, **engines)
 
@@ -84,6 +98,9 @@ class PlanSettings:
 
     chunks: tuple[int, ...] = (512, 2048, 8192)
     batch_caps: tuple[int, ...] = (64, 256)
+    # Each role's tensor_parallel_size is searched over these (those the model splits over
+    # and fits on); None: the smallest the model fits, for both roles (``fitting_sizes``).
+    tensor_parallel: tuple[int, ...] | None = None
     max_unit: int = 8
     keep: int = 3
     keep_share: float = 0.5
@@ -135,15 +152,16 @@ def worker_rates(c: Candidate, base: SimTopology, cost: CostModel, lengths: tupl
     per_step = max(1, min(c.chunk, 8192))
     reqs = max(1, round(per_step / max(prompt, 1)))
     shape = StepShape(reqs, per_step, per_step, int(reqs * prompt * (prompt + 1) / 2), per_step, reqs)
-    prefill_rate = per_step / cost.step_s(shape) / max(prompt, 1)
+    prefill_rate = per_step / cost.at_tp(c.decode_tp if c.colocated else c.prefill_tp).step_s(shape) / max(prompt, 1)
     context = int(prompt + output / 2)
     topo = c.topology(base)
     blocks, _ = topo.kv_blocks("decode", cost)
     fits = blocks * topo.engine_config("decode").block_size // max(context, 1)
+    decode_cost = cost.at_tp(c.decode_tp)
     best = 0.0
     for batch in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, c.max_num_seqs}):
         batch = min(batch, c.max_num_seqs, max(1, fits))
-        step = cost.step_s(decode_shape(batch, context))
+        step = decode_cost.step_s(decode_shape(batch, context))
         if step * 1e3 <= slo.itl_ms or batch == 1:
             best = max(best, batch / (step * output))
     return prefill_rate, best
@@ -205,21 +223,44 @@ def sustained(c: Candidate, base: SimTopology, cost: CostModel, spec: WorkloadSp
     return ev
 
 
-def candidates(unit: int, s: PlanSettings) -> list[Candidate]:
-    splits = [(p, unit - p) for p in range(1, unit)] + [(0, unit)]
-    return [Candidate(p, d, chunk, cap) for p, d in splits for chunk in s.chunks for cap in s.batch_caps]
+def fitting_sizes(cost: CostModel, block_size: int, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> tuple[int, ...]:
+    """The ``sizes`` a worker of this model may run at on this device kind: the model splits
+    over them (``ModelSpec.check_tensor_parallel``) and a rank's share fits its device with
+    room for KV."""
+    fitting = []
+    for size in sizes:
+        try:
+            sized = cost.at_tp(size)  # ValueError: the model does not split over ``size``
+            if cost.device.is_gpu:
+                sized.kv_blocks_fitting(block_size)  # ... or a rank's share leaves no room for KV
+        except ValueError:
+            continue
+        fitting.append(size)
+    return tuple(fitting)
+
+
+def candidates(unit: int, s: PlanSettings, sizes: tuple[int, ...] = (1,)) -> list[Candidate]:
+    """Every split of ``unit`` devices into prefill and decode workers (each role at each of
+    ``sizes`` ranks a worker, the devices used whole) and a colocated pool at each size, with
+    every chunk budget and batch cap."""
+    pools = [(p, d, tp_p, tp_d) for tp_p in sizes for tp_d in sizes
+             for p in range(1, unit // tp_p) for d in [(unit - p * tp_p) // tp_d]
+             if d >= 1 and p * tp_p + d * tp_d == unit]
+    pools += [(0, unit // tp, 1, tp) for tp in sizes if unit % tp == 0]
+    return [Candidate(p, d, chunk, cap, tp_p, tp_d) for p, d, tp_p, tp_d in pools
+            for chunk in s.chunks for cap in s.batch_caps]
 
 
 def prune(cands: list[Candidate], estimates: dict[Candidate, float], s: PlanSettings) -> list[Candidate]:
     """The splits the rate matching keeps (the colocated one always), with all their knobs."""
-    best_of = {}
+    best_of: dict[tuple[int, int, int, int], float] = {}
     for c in cands:
-        key = (c.prefill_workers, c.decode_workers)
+        key = (c.prefill_workers, c.decode_workers, c.prefill_tp, c.decode_tp)
         best_of[key] = max(best_of.get(key, 0.0), estimates[c])
     disagg = sorted((k for k in best_of if k[0] > 0), key=lambda k: -best_of[k])
     top = best_of[disagg[0]] if disagg else 0.0
     kept = {k for k in disagg[: s.keep] if best_of[k] >= s.keep_share * top} | {k for k in best_of if k[0] == 0}
-    return [c for c in cands if (c.prefill_workers, c.decode_workers) in kept]
+    return [c for c in cands if (c.prefill_workers, c.decode_workers, c.prefill_tp, c.decode_tp) in kept]
 
 
 def plan(devices: int, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget,
@@ -233,7 +274,15 @@ def plan(devices: int, base: SimTopology, cost: CostModel, spec: WorkloadSpec, s
         unit = devices  # a prime count above max_unit: the whole cluster is one unit
     replicas = devices // unit
     lengths = mean_lengths(spec)
-    cands = candidates(unit, s)
+    block_size = base.engine_config("decode").block_size
+    sizes = fitting_sizes(cost, block_size, s.tensor_parallel or (1, 2, 4, 8))
+    if not sizes:
+        raise ValueError(f"{cost.model.name} fits no worker of {s.tensor_parallel or (1, 2, 4, 8)} "
+                         f"{cost.device.name}s (or does not split over them)")
+    cands = candidates(unit, s, sizes if s.tensor_parallel else sizes[:1])
+    if not cands:
+        raise ValueError(f"no split of a {unit}-device unit into workers of {sizes} devices: "
+                         "raise --max-unit or --devices")
     estimates = {c: estimate(c, base, cost, lengths, slo) for c in cands}
     evaluated = []
     for c in prune(cands, estimates, s):

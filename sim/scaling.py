@@ -10,7 +10,7 @@ saw over the last 10 s (a ``router.latency.LatencyWindow`` given every token up 
 out instead of Ray:
 
 - add: a new worker joins its pool ``worker_start_s`` later (starting, it counts as
-  pending and as a device);
+  pending and as its devices, one a rank);
 - remove: the role's least busy worker drains (takes no new requests) and leaves once
   it holds nothing;
 - switch: the other role's least busy worker drains, then joins ``role`` with a fresh
@@ -69,7 +69,7 @@ class SimScaling:
     def _act(self, d: Decision) -> None:
         if d.action == "add":
             self.pending[d.role] += d.count
-            self.starting += d.count
+            self.starting += d.count * self.sim.topology.tensor_parallel_size(d.role)  # devices
             for _ in range(d.count):
                 self.sim.at(self.sim.now + self.sim.topology.worker_start_s, self._join, d.role)
             self.sim.note_devices()
@@ -86,7 +86,7 @@ class SimScaling:
         self.check_drained(victim)
 
     def _join(self, role: str) -> None:
-        self.starting -= 1
+        self.starting -= self.sim.topology.tensor_parallel_size(role)
         self.pending[role] -= 1
         self.sim.add_worker(role)
 

@@ -181,7 +181,8 @@ class Simulator:
         )
 
     def num_devices(self) -> int:
-        return sum(len(p) for p in self.pools.values())
+        """Devices the pools hold: a worker one a rank."""
+        return sum(w.config.tensor_parallel_size for p in self.pools.values() for w in p)
 
     def note_devices(self) -> None:
         """The devices held may have changed now (workers still starting hold theirs): count
@@ -209,7 +210,8 @@ class Simulator:
         config = self.topology.engine_config(role)
         blocks, cpu_blocks = self.topology.kv_blocks(role, self.cost)
         max_len = min(config.max_model_len or 1 << 62, self.cost.model.max_model_len)
-        return SimWorker(f"{role}-{next(self._ids)}", role, config, blocks, cpu_blocks, max_len)
+        return SimWorker(f"{role}-{next(self._ids)}", role, config, blocks, cpu_blocks, max_len,
+                         self.cost.at_tp(config.tensor_parallel_size))
 
     def _sample(self, _=None) -> None:
         """Queue lengths and KV use of each pool, every ``sample_interval_s``."""
@@ -320,7 +322,7 @@ class Simulator:
         w.touch()
         if out.is_empty and not out.finished:
             return  # nothing fits now: the next arrival or freed blocks kick it again
-        dt = self.cost.step_s(shape_of(out))
+        dt = w.cost.step_s(shape_of(out))
         if self.cost.contention:  # the workers and the service share a host's cores
             dt *= self.cost.contention.factor(w.role, self._others_busy(w), self._in_flight())
         w.in_flight = out
@@ -381,7 +383,7 @@ class Simulator:
     def _start_run(self, w: SimWorker, taken: list[int]) -> None:
         """The steps of a ``decode_run``, timed as ``kick`` times each (``CostModel.decode_steps_s``)."""
         running = list(w.scheduler.running.in_order)
-        durations = self.cost.decode_steps_s(len(running), sum(r.num_computed_tokens for r in running), len(taken))
+        durations = w.cost.decode_steps_s(len(running), sum(r.num_computed_tokens for r in running), len(taken))
         ends = _running_sum(self.now, durations)
         w.run = DecodeRun(ends, durations, taken, w.kv.pool.num_free_blocks, running)
         w.touch()
@@ -480,7 +482,8 @@ class Simulator:
         blocks = prefill.kv.num_blocks_needed(request.num_tokens - 1) - rec.held_blocks
         decode = rec.decode
         start = max(self.now, prefill.link_free_at, decode.link_free_at)
-        busy = max(0, blocks) * self.cost.block_bytes(prefill.config.block_size) / self.cost.link_bw
+        busy = self.cost.handoff_busy_s(max(0, blocks), prefill.config.block_size,
+                                        prefill.config.tensor_parallel_size, decode.config.tensor_parallel_size)
         prefill.link_free_at = decode.link_free_at = start + busy
         self.at(start + busy + self.cost.link_latency_s, self._kv_arrived, rec)
 

@@ -91,7 +91,13 @@ class SimTopology:
 
     @property
     def num_devices(self) -> int:
-        return self.prefill_workers + self.decode_workers
+        """Devices the pools hold: each worker one a rank."""
+        return (self.prefill_workers * self.tensor_parallel_size("prefill")
+                + self.decode_workers * self.tensor_parallel_size("decode"))
+
+    def tensor_parallel_size(self, role: str) -> int:
+        """The ranks, so devices, of one worker of ``role`` (its engine's ``tensor_parallel_size``)."""
+        return self.engine_config(role).tensor_parallel_size
 
     def engine_config(self, role: str) -> EngineConfig:
         """The role's engine settings, as ``ClusterConfig.engine_config`` builds them."""
@@ -102,17 +108,19 @@ class SimTopology:
             raise ValueError(f"unknown engine setting in {role} config: {e}") from e
 
     def kv_blocks(self, role: str, cost: CostModel) -> tuple[int, int]:
-        """(device blocks, swap blocks) of one worker of ``role``, as its engine would size them."""
+        """(device blocks, swap blocks) of one worker of ``role``, as its engine would size them
+        (``kv_cache_memory`` and ``swap_space`` are per rank, as the engine's are)."""
         config = self.engine_config(role)
-        per_block = cost.block_bytes(config.block_size)
+        cost = cost.at_tp(config.tensor_parallel_size)
+        per_block = cost.rank_block_bytes(config.block_size)
         settings = {**self.engine, **(self.prefill_engine if role == "prefill" else self.decode_engine)}
         if config.num_kv_blocks:
             blocks = config.num_kv_blocks
         elif "kv_cache_memory" in settings or not cost.device.is_gpu:
-            blocks = max(2, config.kv_cache_memory // per_block)
+            blocks = max(2, int(config.kv_cache_memory // per_block))
         else:
             blocks = cost.kv_blocks_fitting(config.block_size)
-        return blocks, config.swap_space // per_block
+        return blocks, int(config.swap_space // per_block)
 
     @classmethod
     def from_dict(cls, d: dict, router: RouterSettings | None = None, **extra) -> SimTopology:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import KVCacheManager
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.wire.messages import DecodeLoad, PrefillLoad
+
+if TYPE_CHECKING:
+    from sim.cost import CostModel
 
 SAMPLED_TOKEN = 3  # what every simulated step samples: never a stop token (ignore_eos)
 
@@ -95,11 +99,13 @@ class DecodeRun:
 
 class SimWorker:
     """A prefill or decode worker of the simulated cluster: its scheduler, the plan in flight, the
-    counters the autoscaler's observation reads, and its link's next free time."""
+    counters the autoscaler's observation reads, its link's next free time, and the cost model
+    of its steps (``cost``: at its ``tensor_parallel_size``)."""
 
     def __init__(self, worker_id: str, role: str, config: EngineConfig, num_blocks: int, num_cpu_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, cost: CostModel | None = None) -> None:
         self.worker_id = worker_id
+        self.cost = cost
         self.role = role
         self.config = config
         self.max_model_len = max_model_len

@@ -1799,3 +1799,27 @@ def test_a_colocated_plans_helm_values_render_with_an_empty_prefill_group(chart)
     (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
     cluster = ClusterConfig.from_dict(app["args"]["topology"])
     assert (cluster.prefill_workers, cluster.decode_workers, cluster.autoscaling) == (0, 8, None)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, colocated", [(2, 4, False), (1, 2, False), (1, 4, True)])
+def test_a_tensor_parallel_plans_helm_values_render_a_pod_a_worker_of_its_ranks(chart, prefill_tp, decode_tp,
+                                                                                colocated):
+    """``tandem plan``'s values where a role's workers span several devices: each group's pods
+    offer one worker's GPUs, its ``tensorParallelSize`` reaches the app's topology (the chart
+    refuses the setting inside the topology's engine sections)."""
+    from cluster.config import ClusterConfig
+    from sim.cli import helm_values
+    from sim.topology import SimTopology
+
+    topo = SimTopology(prefill_workers=0 if colocated else 2, decode_workers=3,
+                       prefill_engine={} if colocated else {"tensor_parallel_size": prefill_tp},
+                       decode_engine={"tensor_parallel_size": decode_tp, "max_num_seqs": 64})
+    values = json.loads(json.dumps(helm_values(topo)))
+    assert values["decode"]["gpus"] == decode_tp
+    (rs,) = _by_kind(_split(chart.render(values, name=RELEASE)), "RayService")
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    cluster = ClusterConfig.from_dict(app["args"]["topology"])
+    assert cluster.tensor_parallel_size("decode") == decode_tp
+    if not colocated:
+        assert cluster.tensor_parallel_size("prefill") == prefill_tp
+    assert cluster.engine_config("decode").max_num_seqs == 64
