@@ -92,7 +92,7 @@ def read_plan(num_kv_heads: int, shares: Sequence[Heads], size: int, rank: int) 
         a, b = max(lo, start), min(hi, stop)
         if a < b:
             reads.append(HeadRead(ranks[rank % len(ranks)], (a - start, b - start), (a - lo, b - lo)))
-    if sum(r.dst[1] - r.dst[0] for r in reads) != hi - lo:
+    if sorted(h for r in reads for h in range(*r.dst)) != list(range(hi - lo)):
         raise TransferError("layout", f"the sender's ranks hold KV heads {sorted(holders)}: not heads "
                                       f"{lo}..{hi - 1} once each, as rank {rank} of {size} needs")
     return reads
@@ -125,8 +125,8 @@ class HasRankPeers(Protocol):
 
 class KVRanks:
     """A worker's ranks as its transfers see them: rank 0's K and V, its other ranks
-    (``peers``), and the heads each holds. At one rank every call is today's single read,
-    offer and sum; above one (or reading a sharded offer) the module docstring's way."""
+    (``peers``), and the heads each holds. At one rank each call is the backend's own read,
+    offer or sum; above one (or reading a sharded offer) the module docstring's way."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int, size: int = 1,
                  peers: Sequence[RankPeer] = ()) -> None:

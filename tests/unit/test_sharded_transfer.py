@@ -55,9 +55,10 @@ def test_replicated_heads_are_read_from_different_sender_ranks():
     assert shares == {0: [0], 1: [1], 2: [2], 3: [3]}
 
 
-def test_a_sharding_that_leaves_a_head_out_is_refused():
+@pytest.mark.parametrize("shares", [[(0, 2)], [(0, 2), (1, 3)], [(0, 3), (2, 4)]])
+def test_a_sharding_that_leaves_a_head_out_or_holds_one_twice_is_refused(shares):
     with pytest.raises(TransferError, match="not heads 0..3 once each") as e:
-        read_plan(4, [(0, 2)], 1, 0)
+        read_plan(4, shares, 1, 0)
     assert e.value.reason == "layout"
 
 
