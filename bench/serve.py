@@ -53,11 +53,10 @@ from typing import Protocol
 
 from cluster.flags import LOCAL_GRPC, LOCAL_URL, add_service_flags
 from load import workloads
-from load.results import RequestResult, Slo, format_summary, summarize
+from load.results import RequestResult, Slo, format_summary, parse_slo, summarize
 from load.workloads import BenchRequest
 
 WORKLOADS = ("synthetic", "sharegpt", "shared-prefix", "long-mix")
-SLO_KEYS = ("ttft", "tpot", "e2e")
 LAUNCH_FLAGS = (
     "config", "prefill_workers", "decode_workers", "num_kv_blocks", "kv_transfer_backend", "engine",
     "stream_interval_s",
@@ -408,17 +407,14 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def _slo_item(text: str) -> tuple[str, float]:
-    key, sep, value = text.partition(":")
-    if not sep or key not in SLO_KEYS:
-        raise argparse.ArgumentTypeError(f"expected KEY:MS with KEY one of {', '.join(SLO_KEYS)}, got {text!r}")
+def _slo_item(text: str) -> tuple[str, str]:
+    """One ``--goodput`` item (``load.results.parse_slo``'s form), checked alone: (its key, it)."""
     try:
-        ms = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{key}: {value!r} is not a number of milliseconds") from None
-    if not ms > 0:
-        raise argparse.ArgumentTypeError(f"{key}: an SLO must be > 0 ms, got {value}")
-    return key, ms
+        parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    key = text.partition(":")[0]
+    return ("tpot" if key == "itl" else key), text
 
 
 def _positive_int(text: str) -> int:
@@ -470,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     out = ap.add_argument_group("output")
     out.add_argument("--goodput", type=_slo_item, nargs="+", action="extend", default=[], metavar="KEY:MS",
-                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:10000")
+                     help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:10000 gap:15@0.99 (a request's gaps between "
+                          "tokens: that share of them, or with no @SHARE every one, at most MS)")
     out.add_argument("--result-json", default=None, help="write config, summaries and per-request records")
     out.add_argument("--plot-dir", default=None, help="write latency CDFs (and a sweep plot) as PNG")
     out.add_argument("--label", default=None, help="a name for this run in the JSON, for comparisons")
@@ -525,7 +522,7 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     from router.admission import AdmissionConfig
 
     admission = AdmissionConfig()
-    args.goodput = Slo(**{f"{key}_ms": ms for key, ms in args.goodput})
+    args.goodput = parse_slo(",".join(item for _, item in args.goodput))
     args.base_url = args.base_url or LOCAL_URL
     args.grpc_target = args.grpc_target or LOCAL_GRPC
     if args.max_outstanding_requests is None:

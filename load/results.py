@@ -29,6 +29,12 @@ class RequestResult:
     output_tokens: int = 0
     cached_tokens: int = 0
 
+    def gaps_within(self, limit_s: float) -> float:
+        """The share of this request's gaps between tokens at most ``limit_s`` (1 without gaps)."""
+        if not self.itl_s:
+            return 1.0
+        return sum(gap <= limit_s for gap in self.itl_s) / len(self.itl_s)
+
     @property
     def tpot_s(self) -> float | None:
         if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
@@ -52,20 +58,71 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class Slo:
-    """Service-level objectives in milliseconds; None: not constrained."""
+    """Service-level objectives a request must meet, in milliseconds (None: not constrained):
+    its time to first token, its mean time per output token after the first (``tpot``), its
+    end to end time, and its gaps between tokens: at least ``gap_share`` of them (1: every
+    one) at most ``gap_ms``. The mean hides the stall a prefill chunk puts between two tokens
+    of every decode in its step; the gaps do not. Goodput counts a request only when it
+    meets all of them (DistServe's definition); ``parse_slo`` reads them from a flag."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
+    gap_ms: float | None = None
+    gap_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms", "gap_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"an SLO must be > 0 ms, got {name.removesuffix('_ms')} {value}")
+        if not 0 < self.gap_share <= 1:
+            raise ValueError(f"the share of gaps within the limit must be in (0, 1], got {self.gap_share}")
 
     def __bool__(self) -> bool:
-        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms, self.gap_ms))
 
     def met_by(self, r: RequestResult) -> bool:
         return r.ok and all(
             limit is None or value is None or value * 1000 <= limit
             for limit, value in ((self.ttft_ms, r.ttft_s), (self.tpot_ms, r.tpot_s), (self.e2e_ms, r.e2e_s))
-        )
+        ) and (self.gap_ms is None or r.gaps_within(self.gap_ms / 1000) >= self.gap_share)
+
+    def __str__(self) -> str:
+        items = [f"{k}:{getattr(self, f'{k}_ms'):g}" for k in ("ttft", "tpot", "e2e") if getattr(self, f"{k}_ms")]
+        if self.gap_ms is not None:
+            items.append(f"gap:{self.gap_ms:g}" + (f"@{self.gap_share:g}" if self.gap_share < 1 else ""))
+        return ",".join(items)
+
+
+SLO_KEYS = ("ttft", "tpot", "itl", "e2e", "gap")
+
+
+def parse_slo(text: str) -> Slo:
+    """``KEY:MS`` items, separated by commas or spaces: ``ttft``, ``tpot`` (``itl`` is the
+    same: a request's mean time per token), ``e2e``, and ``gap:MS`` (every gap between two
+    tokens) or ``gap:MS@SHARE`` (that share of them, e.g. ``gap:15@0.99``). ValueError names
+    the item that is wrong."""
+    limits: dict[str, float] = {}
+    share = 1.0
+    for item in filter(None, text.replace(" ", ",").split(",")):
+        key, sep, value = item.partition(":")
+        if not sep or key not in SLO_KEYS:
+            raise ValueError(f"SLO item {item!r}: expected KEY:MS with KEY one of {', '.join(SLO_KEYS)}")
+        key = "tpot" if key == "itl" else key
+        if key in limits:
+            raise ValueError(f"SLO {text!r} names {key} twice")
+        ms, at, rest = value.partition("@")
+        try:
+            limits[key] = float(ms)
+            if at:
+                if key != "gap":
+                    raise ValueError
+                share = float(rest)
+        except ValueError:
+            raise ValueError(f"SLO item {item!r}: expected a number of ms"
+                             + (" (and @SHARE only after gap:MS)" if at else "")) from None
+    return Slo(**{f"{k}_ms": v for k, v in limits.items()}, gap_share=share)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

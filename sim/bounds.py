@@ -97,7 +97,7 @@ def elastic_topology(ceiling: SimTopology, share: float, scaling: AutoscalingCon
 
 def default_scaling(slo: SloTarget) -> AutoscalingConfig:
     """The controller's defaults, held to the plan's SLO."""
-    return AutoscalingConfig(slo=SLO(ttft_ms=slo.ttft_ms, itl_ms=slo.itl_ms))
+    return AutoscalingConfig(slo=SLO(ttft_ms=slo.ttft_ms, itl_ms=slo.step_ms))
 
 
 def plan_bounds(ceiling: SimTopology, capacity: float, cost: CostModel, requests: list[SimRequest],

@@ -39,7 +39,8 @@ def add_sim(sub) -> None:
     p.add_argument("--decode-workers", type=int, default=None)
     _add_hardware(p)
     _add_router(p)
-    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft:200,itl:50")
+    p.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft:200,itl:50 or ttft:300,gap:15 (every gap "
+                                               "between two tokens) or gap:15@0.99 (99%% of them)")
     p.add_argument("--result-json", default=None, help="write the summary as JSON")
     p.set_defaults(func=cmd_sim)
 
@@ -99,7 +100,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
 def add_plan(sub) -> None:
     """The ``tandem plan`` subcommand."""
     p = sub.add_parser("plan", help=PLAN_HELP)
-    p.add_argument("--slo", required=True, help="ttft:MS,itl:MS (ITL as each request's mean time per token)")
+    p.add_argument("--slo", required=True,
+                   help="ttft:MS and itl:MS (each request's mean time per token) or gap:MS[@SHARE] (its gaps "
+                        "between tokens: every one, or that share, within MS) or both; e2e:MS optional")
     p.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet the SLO")
     p.add_argument("--rate", type=float, required=True, help="the request rate to serve (requests/s)")
     p.add_argument("--devices", type=int, required=True, help="devices (GPUs) to split into workers")

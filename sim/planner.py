@@ -162,7 +162,7 @@ def worker_rates(c: Candidate, base: SimTopology, cost: CostModel, lengths: tupl
     for batch in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, c.max_num_seqs}):
         batch = min(batch, c.max_num_seqs, max(1, fits))
         step = decode_cost.step_s(decode_shape(batch, context))
-        if step * 1e3 <= slo.itl_ms or batch == 1:
+        if step * 1e3 <= slo.step_ms or batch == 1:
             best = max(best, batch / (step * output))
     return prefill_rate, best
 

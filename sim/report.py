@@ -6,9 +6,10 @@ from its arrival, on the simulated clock) and the run is summarized by
 To that the simulator adds preemptions, steps, queue lengths over time and autoscaling
 decisions.
 
-Goodput here counts a request that meets a TTFT and a TPOT (mean inter-token latency
-after the first token) limit; a configuration *sustains* a load when at least
-``attainment`` of the requests meet both (DistServe's SLO attainment).
+Goodput here counts a request that meets every target of the SLO (``load.results.Slo``:
+TTFT, mean time per output token, E2E, and the share of its gaps between tokens under a
+limit); a configuration *sustains* a load when at least ``attainment`` of the requests meet
+all of them (DistServe's SLO attainment).
 """
 
 from __future__ import annotations
@@ -17,40 +18,49 @@ from dataclasses import dataclass
 
 from cluster.autoscaler import decision_text
 from load.results import RequestResult, Slo, format_summary, summarize
+from load.results import parse_slo as parse_bench_slo
 from sim.simulator import Record, SimResult
 
 
 @dataclass(frozen=True)
 class SloTarget:
-    """The planner's and ``tandem sim``'s latency targets: TTFT and ITL (as per-request TPOT)
-    limits in ms, and the share of requests that must meet both."""
+    """The planner's and ``tandem sim``'s targets: a TTFT limit, and a mean time per token
+    (``itl_ms``, as each request's TPOT) or a limit on its gaps between tokens (``gap_ms``,
+    every one or ``gap_share`` of them) or both, with an optional E2E limit, in ms; and the
+    share of requests that must meet them all (``attainment``)."""
 
     ttft_ms: float
-    itl_ms: float
+    itl_ms: float | None = None
     attainment: float = 0.9
+    gap_ms: float | None = None
+    gap_share: float = 1.0
+    e2e_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if not (self.ttft_ms > 0 and self.itl_ms > 0):
-            raise ValueError(f"SLO limits must be > 0 ms, got ttft {self.ttft_ms}, itl {self.itl_ms}")
+        if self.itl_ms is None and self.gap_ms is None:
+            raise ValueError("an SLO needs a per-token limit: itl:MS (a request's mean) or gap:MS (its gaps)")
+        _ = self.bench_slo  # the limits' own checks (``Slo``)
         if not 0 < self.attainment <= 1:
             raise ValueError(f"SLO attainment must be in (0, 1], got {self.attainment}")
 
     @property
     def bench_slo(self) -> Slo:
-        return Slo(ttft_ms=self.ttft_ms, tpot_ms=self.itl_ms)
+        return Slo(ttft_ms=self.ttft_ms, tpot_ms=self.itl_ms, e2e_ms=self.e2e_ms, gap_ms=self.gap_ms,
+                   gap_share=self.gap_share)
+
+    @property
+    def step_ms(self) -> float:
+        """The longest a decode step may take and still meet the per-token targets."""
+        return min(v for v in (self.itl_ms, self.gap_ms) if v is not None)
 
 
 def parse_slo(text: str, attainment: float = 0.9) -> SloTarget:
-    """``ttft:MS,itl:MS``; ValueError names what is missing or unknown."""
-    values = {}
-    for item in filter(None, text.replace(" ", ",").split(",")):
-        key, _, ms = item.partition(":")
-        if key not in ("ttft", "itl", "tpot"):
-            raise ValueError(f"SLO item {item!r}: expected ttft:MS or itl:MS")
-        values["itl" if key == "tpot" else key] = float(ms)
-    if set(values) != {"ttft", "itl"}:
-        raise ValueError(f"--slo needs both ttft:MS and itl:MS, got {text!r}")
-    return SloTarget(values["ttft"], values["itl"], attainment)
+    """``ttft:MS`` and ``itl:MS`` (or ``tpot:MS``) or ``gap:MS[@SHARE]`` or both, optionally
+    ``e2e:MS`` (``load.results.parse_slo``); ValueError names what is missing or wrong."""
+    slo = parse_bench_slo(text)
+    if slo.ttft_ms is None or (slo.tpot_ms is None and slo.gap_ms is None):
+        raise ValueError(f"--slo needs ttft:MS and itl:MS or gap:MS (or both), got {text!r}")
+    return SloTarget(slo.ttft_ms, slo.tpot_ms, attainment, slo.gap_ms, slo.gap_share, slo.e2e_ms)
 
 
 def request_result(rec: Record) -> RequestResult:

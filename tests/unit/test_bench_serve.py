@@ -408,7 +408,7 @@ def test_flags_parse_into_rates_slos_and_engine_overrides():
         (["--range-ratio", "1"], "--range-ratio must be in"),
         (["--burstiness", "0"], "--burstiness must be > 0"),
         (["--goodput", "latency:5"], "KEY:MS"),
-        (["--goodput", "ttft:soon"], "not a number of milliseconds"),
+        (["--goodput", "ttft:soon"], "expected a number of ms"),
         (["--goodput", "ttft:5", "ttft:6"], "twice"),
         (["--max-concurrency", "0"], "must be >= 1"),
         (["--workload", "sharegpt"], "needs --dataset-path"),
