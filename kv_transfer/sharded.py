@@ -166,13 +166,11 @@ class KVRanks:
         held = [share.heads for share in offer.shares]
         plans = [read_plan(self.num_kv_heads, held, self.size, r) for r in range(self.size)]  # all checked first
 
-        async def read_here() -> None:
-            for r in plans[0]:
-                await backend.pull_heads_async(meta, offer.shares[r.share].payload, block_ids, r.src, r.dst)
-
+        here = [backend.pull_heads_async(meta, offer.shares[r.share].payload, block_ids, r.src, r.dst)
+                for r in plans[0]]  # each share's read on a thread of its own
         asked = [peer.pull_heads(meta, [(offer.shares[r.share].payload, r.src, r.dst) for r in plan], block_ids)
                  for peer, plan in zip(self.peers, plans[1:], strict=True)]
-        outcomes = await asyncio.gather(read_here(), *asked, return_exceptions=True)
+        outcomes = await asyncio.gather(*here, *asked, return_exceptions=True)
         if errors := [e for e in outcomes if isinstance(e, BaseException)]:
             raise worst(errors)
 
@@ -229,8 +227,10 @@ class InProcessPeer:
     async def pull_heads(self, meta: TransferMeta, reads: list[tuple[Any, Heads, Heads]], block_ids: list[int]) -> None:
         if self.fail is not None:
             raise self.fail
-        for payload, src, dst in reads:
-            await self.backend.pull_heads_async(meta, payload, block_ids, src, dst)
+        outcomes = await asyncio.gather(*(self.backend.pull_heads_async(meta, payload, block_ids, src, dst)
+                                          for payload, src, dst in reads), return_exceptions=True)
+        if errors := [e for e in outcomes if isinstance(e, BaseException)]:
+            raise worst(errors)
 
     async def checksums(self, block_ids: list[int], heads: tuple[int, int]) -> tuple[int, ...]:
         return block_checksums(self.k, self.v, block_ids, heads)
