@@ -40,7 +40,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from router.admission import AdmissionConfig
-from sim.cost import cost_model, model_spec
+from sim.cost import model_spec
+from sim.fitting import cost_model
 from sim.report import parse_slo, summary
 from sim.simulator import Simulator, run
 from sim.topology import RouterSettings, SimTopology
@@ -379,12 +380,13 @@ def live_profile(service, name: str, args: argparse.Namespace, out_dir: Path) ->
     thread, on the wall clock, under the service's load), written as a ``bench.steps`` table
     whose rows also say each step's ``role``, the other workers mid-step as it began
     (``others_busy``) and the requests in flight then (``in_flight``): the workers and the
-    service share the host's cores (``sim.cost.live_corrections``). ``with_service_path``
+    service share the host's cores (``sim.fitting.live_corrections``). ``with_service_path``
     adds the request's way through the service. A few requests go first, untimed: a fresh
     service's first calls and connections are slow."""
     import ray
 
-    from sim.cost import StepShape, profile_row, step_profile
+    from sim.cost import StepShape
+    from sim.fitting import profile_row, step_profile
 
     prefill, decode = ray.get(service.controller.workers.remote())
     handles = [w.handle for w in (*prefill, *decode)]

@@ -123,7 +123,8 @@ def profile_rows(decodes: dict[int, list[dict]], steps: int, prefills: list[tupl
     length to its decode rows (``step_times``), each taken at its mean context (the prompt,
     the warm-up steps, half the timed ones); ``prefills`` are ``prefill_times``' rows and
     ``mixed`` ``mixed_times``'."""
-    from sim.cost import decode_shape, merge, prefill_shape, profile_row
+    from sim.cost import decode_shape, merge, prefill_shape
+    from sim.fitting import profile_row
 
     rows = [profile_row(decode_shape(r["batch"], context + 5 + steps // 2), r["step_ms"])
             for context, decode_rows in decodes.items() for r in decode_rows]
@@ -154,7 +155,8 @@ def measure_profile(engine: LLMEngine, batches: Sequence[int], contexts: Sequenc
 
 def profile_table(engine: LLMEngine, device: str, name: str, rows: list[dict]) -> dict:
     """A ``sim.cost`` profile table (``tandem-step-profile/1``) of ``engine``'s measured steps."""
-    from sim.cost import ModelSpec, step_profile
+    from sim.cost import ModelSpec
+    from sim.fitting import step_profile
 
     model = ModelSpec.from_model_config(name, engine.model_config)
     return step_profile(device, model, engine.kv_cache.k.element_size(), rows)

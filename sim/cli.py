@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from router.admission import AdmissionConfig
-from sim.cost import DEVICES, LINKS, MODELS, cost_model, model_spec
+from sim.cost import DEVICES, LINKS, MODELS, model_spec
+from sim.fitting import cost_model
 from sim.topology import RouterSettings, SimTopology
 
 PLAN_HELP = ("search P:D splits, chunk budgets and batch caps for the most load under SLOs "

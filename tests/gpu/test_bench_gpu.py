@@ -52,7 +52,8 @@ def test_one_device_transfer_reports_handoff_bandwidth_and_equal_requests(tiny_m
 
 
 def test_engine_steps_make_a_step_profile_the_simulator_fits(tiny_model):
-    from sim.cost import DEVICES, ModelSpec, fit
+    from sim.cost import DEVICES, ModelSpec
+    from sim.fitting import fit
 
     shape = dict(batches=(1, 2), contexts=(24,), steps=2, prefill_lengths=(16,), mixed_batches=(2,),
                  mixed_lengths=(16,))  # fmt: skip

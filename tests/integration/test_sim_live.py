@@ -25,7 +25,8 @@ import pytest
 
 from bench.serve import main as serve
 from bench.sim import compare, live_profile, with_service_path
-from sim.cost import cost_model, model_spec
+from sim.cost import model_spec
+from sim.fitting import cost_model
 from sim.report import summary
 from sim.service_path import ServicePath
 from sim.simulator import run

@@ -5,7 +5,7 @@ over nixl (each decode rank reads its KV heads from the prefill ranks holding th
 Each pairing streams the greedy text of one offline engine at TP 1 (itself equal to
 transformers', ``tests/unit/test_hf_parity.py``) with every block's checksum checked, frees
 every block on every worker, and its decode ranks' transfer stats show each rank received
-exactly its share of the heads: the same bytes in all as a pairing of equal sizes. The
+exactly its share of the heads (2 -> 1 and 1 -> 2 the same bytes in all). The
 transfer between TP 4 and TP 2 ranks is in ``tests/unit/test_sharded_transfer.py``.
 
 Chaos at TP 2 -> TP 2: a prefill worker's rank killed while its KV is being read (each read
@@ -22,15 +22,13 @@ import asyncio
 import pytest
 import ray
 
+from kv_transfer.config import TransferConfig
 from kv_transfer.nixl import unavailable_reason
 from tests.chaos.streams import judge, kill, model_name, reference, run_load, until, workers
-from tests.helpers import running_service
+from tests.helpers import PATIENCE_S, running_service, wait_for
 
 NIXL_MISSING = unavailable_reason()
 pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl unavailable: {NIXL_MISSING}")
-
-PAIRINGS = [(2, 1), (1, 2), (2, 2)]  # (prefill, decode) tensor_parallel_size
-
 
 @pytest.fixture(scope="module")
 def workload(tiny_model):
@@ -46,33 +44,34 @@ async def _no_chaos(progress):
     pass
 
 
-def _serve(ray_cluster, model: str, workload, prefill_tp: int, decode_tp: int) -> list[int]:
-    """Run the workload on a service of that pairing; the decode ranks' bytes received."""
-    settings = dict(prefill_engine={"tensor_parallel_size": prefill_tp},
-                    decode_engine={"tensor_parallel_size": decode_tp},
-                    transfer={"backend": "nixl", "checksums": True})
-    with running_service(model, **settings) as service:
-        outcomes = asyncio.run(run_load(service.http_url, model_name(model), workload, _no_chaos,
-                                        len(workload[0]), 3))
-        judge(f"prefill tp{prefill_tp} -> decode tp{decode_tp}", outcomes, workload, service, may_fail=False,
-              count=len(workload[0]))
-        (decode,) = workers(service)[1]
-        transfer = ray.get(decode.handle.stats.remote())["transfer"]
-        assert not transfer["failures"], transfer["failures"]
-        ranks = transfer.get("ranks", [transfer])
-        assert len(ranks) == decode_tp
-        return [r["bytes_received"] for r in ranks]
+def _settings(prefill_tp: int, decode_tp: int, **more) -> dict:
+    return dict(prefill_engine={"tensor_parallel_size": prefill_tp}, decode_engine={"tensor_parallel_size": decode_tp},
+                transfer={"backend": "nixl", "checksums": True}, **more)
 
 
-def test_every_tp_pairing_serves_one_ranks_greedy_text_each_decode_rank_reading_its_share(
+def _served(service, model: str, workload, name: str, decode_tp: int) -> list[int]:
+    """Run the workload undisturbed: every request the reference text, every block back; the
+    bytes each decode rank received (its own transfer stats)."""
+    outcomes = asyncio.run(run_load(service.http_url, model_name(model), workload, _no_chaos, len(workload[0]), 3))
+    judge(name, outcomes, workload, service, may_fail=False, count=len(workload[0]))
+    (decode,) = workers(service)[1]
+    transfer = ray.get(decode.handle.stats.remote())["transfer"]
+    assert not transfer["failures"], transfer["failures"]
+    ranks = transfer.get("ranks", [transfer])
+    assert len(ranks) == decode_tp
+    received = [r["bytes_received"] for r in ranks]
+    assert min(received) > 0 and len(set(received)) == 1, f"{name}: each decode rank reads its half: {received}"
+    return received
+
+
+def test_prefill_wider_or_narrower_than_decode_serves_one_ranks_text_moving_the_same_bytes(
         ray_cluster, tiny_model, workload):
-    received = {pairing: _serve(ray_cluster, tiny_model, workload, *pairing) for pairing in PAIRINGS}
+    received = {}
+    for a, b in ((2, 1), (1, 2)):
+        with running_service(tiny_model, **_settings(a, b)) as service:
+            received[(a, b)] = _served(service, tiny_model, workload, f"prefill tp{a} -> decode tp{b}", b)
     print(f"\nKV bytes each decode rank received, by (prefill, decode) tensor_parallel_size: {received}")
-    totals = {pairing: sum(b) for pairing, b in received.items()}
-    assert all(b > 0 for per_rank in received.values() for b in per_rank), received
-    for pairing, per_rank in received.items():
-        assert len(set(per_rank)) == 1, f"{pairing}: each decode rank reads its half of the heads: {per_rank}"
-    assert totals[(2, 1)] == totals[(1, 2)] == totals[(2, 2)], f"hetero pairings move no more bytes: {totals}"
+    assert sum(received[(2, 1)]) == sum(received[(1, 2)]), f"either way, the same bytes: {received}"
 
 
 def _rank_1(worker) -> object:
@@ -84,31 +83,31 @@ async def _replaced(service, victim, pool: int) -> bool:
     return bool(listed) and all(w.incarnation != victim.incarnation for w in listed)
 
 
-def test_a_rank_killed_mid_transfer_or_mid_stream_takes_its_worker_down_whole_and_loses_nothing(
+def test_at_tp2_both_sides_a_rank_killed_mid_transfer_or_mid_stream_takes_its_worker_down_whole(
         ray_cluster, tiny_model, workload):
-    settings = dict(engine={"tensor_parallel_size": 2}, restart_workers=True, health_check_s=0.5,
-                    transfer={"backend": "nixl", "checksums": True, "faults": {"delay_s": 0.2}})
-    with running_service(tiny_model, **settings) as service:
+    with running_service(tiny_model, **_settings(2, 2, restart_workers=True, health_check_s=0.5)) as service:
+        half = _served(service, tiny_model, workload, "prefill tp2 -> decode tp2", 2)
+        print(f"\nKV bytes each decode rank received at TP 2 -> TP 2: {half}")
+        # Every read takes 0.2 s more: reads are under way whenever a request waits for its first token.
+        config = TransferConfig.from_dict({"backend": "nixl", "checksums": True, "faults": {"delay_s": 0.2}})
+        ray.get(service.controller.set_transfer.remote(config))
         for pool, what in ((0, "prefill rank killed mid-transfer"), (1, "decode rank killed mid-stream")):
             (victim,) = workers(service)[pool]
             rank = _rank_1(victim)
 
-            async def chaos(progress, pool=pool, victim=victim, rank=rank):
-                # Mid-transfer: a request not streaming yet while others finished (reads take 0.2 s
-                # at least); mid-stream: a request with tokens delivered.
-                def moment() -> bool:
+            async def chaos(progress, pool=pool, rank=rank, what=what):
+                # Mid-transfer: a request not streaming yet while others finished; mid-stream: one
+                # with tokens delivered. The load stops once the rank is killed; its requests end.
+                async def now() -> bool:
                     live = progress["live"].values()
                     return progress["finished"] > 0 and any((o.chunks == 0) if pool == 0 else (o.chunks > 0)
                                                             for o in live)
 
-                async def now() -> bool:
-                    return moment()
-
                 await until(now, what)
                 await kill(rank)
-                await until(lambda: _replaced(service, victim, pool), f"the {what} worker replaced")
 
             outcomes = asyncio.run(run_load(service.http_url, model_name(tiny_model), workload, chaos, None, 3))
             judge(f"tp2 -> tp2, {what}", outcomes, workload, service, may_fail=True, count=len(outcomes))
+            wait_for(lambda: asyncio.run(_replaced(service, victim, pool)), PATIENCE_S, f"the {what} worker replaced")
             (replacement,) = workers(service)[pool]
             assert _rank_1(replacement) is not None, "the replacement has a rank group of its own"

@@ -10,7 +10,8 @@ import pytest
 from cluster.autoscaler import SLO, AutoscalingConfig
 from router.admission import AdmissionConfig
 from sim.bounds import elastic_topology, floor_shares, plan_bounds
-from sim.cost import cost_model, model_spec
+from sim.cost import model_spec
+from sim.fitting import cost_model
 from sim.report import SloTarget, summary
 from sim.simulator import run
 from sim.topology import RouterSettings, SimTopology

@@ -9,20 +9,8 @@ import pytest
 
 from engine.core.step_shape import shape_of
 from sim.contention import ANY_ROLE, Contention
-from sim.cost import (
-    DEVICES,
-    Corrections,
-    CostModel,
-    StepShape,
-    cost_model,
-    decode_shape,
-    model_spec,
-    prefill_shape,
-    profile_row,
-    read_profile,
-    relative_error,
-    step_profile,
-)
+from sim.cost import DEVICES, Corrections, CostModel, StepShape, decode_shape, model_spec, prefill_shape
+from sim.fitting import cost_model, profile_row, read_profile, relative_error, step_profile
 from sim.service_path import ServicePath
 
 LLAMA = model_spec("llama-3.1-8b")

@@ -9,7 +9,8 @@ import pytest
 
 from router.admission import AdmissionConfig
 from sim.cli import best_topology, helm_values
-from sim.cost import cost_model, model_spec
+from sim.cost import model_spec
+from sim.fitting import cost_model
 from sim.planner import Candidate, PlanSettings, candidates, estimate, mean_lengths, plan, prune, trial, unit_size
 from sim.report import SloTarget
 from sim.topology import RouterSettings, SimTopology

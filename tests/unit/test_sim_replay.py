@@ -200,7 +200,7 @@ def test_a_live_run_replayed_on_its_own_topology_compares_each_metric(tmp_path):
     """``bench.sim live-validate``'s replay: a ``bench.serve`` result whose measured summary is
     the simulation's own comes back with no error on any metric."""
     from bench.sim import replay_live
-    from sim.cost import cost_model
+    from sim.fitting import cost_model
 
     cost = cost_model("cpu", model_spec("tandem-tiny-llama"))
     requests = [SimRequest(0.25 * i, 96 + i, 12) for i in range(8)]

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from sim.cost import PROFILES, cost_model, model_spec
+from sim.cost import model_spec
+from sim.fitting import PROFILES, cost_model
 from sim.report import summary
 from sim.service_path import ServicePath, in_flight_at_send
 from sim.simulator import Simulator

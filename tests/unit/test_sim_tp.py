@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim.cost import MODELS, ModelSpec, StepShape, cost_model, decode_shape, prefill_shape
+from sim.cost import MODELS, ModelSpec, StepShape, decode_shape, prefill_shape
+from sim.fitting import cost_model
 from sim.planner import Candidate, PlanSettings, candidates, fitting_sizes, plan
 from sim.report import SloTarget
 from sim.simulator import run

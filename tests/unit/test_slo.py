@@ -14,7 +14,8 @@ import pytest
 
 from bench.serve import parse_args
 from load.results import RequestResult, Slo, parse_slo
-from sim.cost import MODELS, cost_model
+from sim.cost import MODELS
+from sim.fitting import cost_model
 from sim.report import SloTarget, summary
 from sim.report import parse_slo as parse_sim_slo
 from sim.simulator import run
