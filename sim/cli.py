@@ -112,6 +112,8 @@ def add_plan(sub) -> None:
     _add_hardware(p)
     p.add_argument("--chunks", default="512,2048,8192", help="chunk budgets to try (max_num_batched_tokens)")
     p.add_argument("--batch-caps", default="64,256", help="batch caps to try (max_num_seqs)")
+    p.add_argument("--explain", action="store_true",
+                   help="say why the best won and what held back the runner-up (rates by side, batch, simulation)")
     p.add_argument("--tensor-parallel", default=None,
                    help="tensor_parallel_size values each role is searched over, e.g. 1,2,4 (default: the "
                         "smallest the model fits on one worker, for both roles)")
@@ -135,7 +137,7 @@ def add_plan(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sim.planner import PlanSettings, plan
+    from sim.planner import PlanSettings, explain, plan
     from sim.report import parse_slo
     from sim.workload import parse_spec
 
@@ -159,7 +161,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     result = plan(args.devices, base, cost, spec, slo, settings, progress=progress)
     bounds = elastic_bounds(result, base, cost, spec, slo, args, ups) if args.low_rate is not None else None
-    print(format_plan(result, base, args, cost, bounds))
+    why = explain(result, base, cost, spec, slo) if args.explain and result.ranked else []
+    print(format_plan(result, base, args, cost, bounds, why))
     if args.out_dir:
         write_plan(result, base, args, Path(args.out_dir), bounds)
     if args.json:
@@ -277,7 +280,10 @@ def helm_values(topo: SimTopology, max_outstanding: int = 256) -> dict:
     return values
 
 
-def format_plan(result, base: SimTopology, args: argparse.Namespace, cost, bounds=None) -> str:
+def format_plan(result, base: SimTopology, args: argparse.Namespace, cost, bounds=None,
+                why: list[str] | None = None) -> str:
+    """The plan's report: the best, the candidates ranked, the elastic bounds (``bounds``),
+    why the best won (``why``: ``sim.planner.explain``), the topology file and Helm values."""
     import yaml
 
     if not result.ranked or result.cluster_rate(result.best) <= 0:
@@ -296,6 +302,8 @@ def format_plan(result, base: SimTopology, args: argparse.Namespace, cost, bound
     if split is not None and colo is not None and result.cluster_rate(colo) > 0:
         lines.append(f"best disaggregated / best colocated: "
                      f"{result.cluster_rate(split) / result.cluster_rate(colo):.2f}x")
+    if why:
+        lines += ["", *why]
     if bounds is not None:
         lines += ["", *format_bounds(bounds, args)]
     topo = best_topology(result, base, cost, bounds)

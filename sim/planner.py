@@ -145,32 +145,48 @@ def mean_lengths(spec: WorkloadSpec, n: int = 2000) -> tuple[float, float]:
     return sum(p for p, _ in pairs) / len(pairs), sum(o for _, o in pairs) / len(pairs)
 
 
+@dataclass(frozen=True)
+class WorkerRates:
+    """What the cost model says one worker of a candidate sustains, and why: a prefill worker's
+    step of the chunk budget, and a decode worker's best batch (the most requests a step
+    within the SLO's per-token limit, under the batch cap and the KV room)."""
+
+    prefill_rate: float  # requests/s
+    prefill_step_s: float
+    decode_rate: float  # requests/s
+    decode_batch: int
+    decode_step_s: float
+    kv_tokens: int  # tokens a decode worker's KV blocks hold
+
+
 def worker_rates(c: Candidate, base: SimTopology, cost: CostModel, lengths: tuple[float, float],
-                 slo: SloTarget) -> tuple[float, float]:
+                 slo: SloTarget) -> WorkerRates:
     """Requests/s one prefill worker and one decode worker of ``c`` sustain, by the cost model."""
     prompt, output = lengths
     per_step = max(1, min(c.chunk, 8192))
     reqs = max(1, round(per_step / max(prompt, 1)))
     shape = StepShape(reqs, per_step, per_step, int(reqs * prompt * (prompt + 1) / 2), per_step, reqs)
-    prefill_rate = per_step / cost.at_tp(c.decode_tp if c.colocated else c.prefill_tp).step_s(shape) / max(prompt, 1)
+    prefill_step = cost.at_tp(c.decode_tp if c.colocated else c.prefill_tp).step_s(shape)
     context = int(prompt + output / 2)
     topo = c.topology(base)
     blocks, _ = topo.kv_blocks("decode", cost)
-    fits = blocks * topo.engine_config("decode").block_size // max(context, 1)
+    kv_tokens = blocks * topo.engine_config("decode").block_size
+    fits = kv_tokens // max(context, 1)
     decode_cost = cost.at_tp(c.decode_tp)
-    best = 0.0
+    best, best_batch, best_step = 0.0, 1, 0.0
     for batch in sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512, c.max_num_seqs}):
         batch = min(batch, c.max_num_seqs, max(1, fits))
         step = decode_cost.step_s(decode_shape(batch, context))
-        if step * 1e3 <= slo.step_ms or batch == 1:
-            best = max(best, batch / (step * output))
-    return prefill_rate, best
+        if (step * 1e3 <= slo.step_ms or batch == 1) and batch / (step * output) > best:
+            best, best_batch, best_step = batch / (step * output), batch, step
+    return WorkerRates(per_step / prefill_step / max(prompt, 1), prefill_step, best, best_batch, best_step, kv_tokens)
 
 
 def estimate(c: Candidate, base: SimTopology, cost: CostModel, lengths: tuple[float, float],
              slo: SloTarget) -> float:
     """The unit's rate-matching capacity (requests/s): the smaller side of prefill and decode."""
-    prefill_rate, decode_rate = worker_rates(c, base, cost, lengths, slo)
+    rates = worker_rates(c, base, cost, lengths, slo)
+    prefill_rate, decode_rate = rates.prefill_rate, rates.decode_rate
     if c.colocated:  # each worker does both: the time shares add up
         return c.decode_workers / (1 / prefill_rate + 1 / decode_rate)
     return min(c.prefill_workers * prefill_rate, c.decode_workers * decode_rate)
@@ -316,3 +332,45 @@ def whole_cluster(ev: Evaluated, base: SimTopology, cost: CostModel, spec: Workl
             return rate, res
         rate *= factor
     return 0.0, res
+
+
+def explain(result: PlanResult, base: SimTopology, cost: CostModel, spec: WorkloadSpec, slo: SloTarget) -> list[str]:
+    """Why the plan chose its best, and what held back the runner-up (the best of another
+    pool shape): each one's workers by the cost model (which side bounds it, the decode
+    batch the per-token limit and the KV room allow) and its simulation at the rate it
+    sustained (``tandem plan --explain``)."""
+    lengths = mean_lengths(spec)
+    best = result.best
+    shape = (best.candidate.prefill_workers, best.candidate.decode_workers, best.candidate.prefill_tp,
+             best.candidate.decode_tp)
+    runner_up = next((e for e in result.ranked[1:] if (e.candidate.prefill_workers, e.candidate.decode_workers,
+                                                        e.candidate.prefill_tp, e.candidate.decode_tp) != shape), None)
+    lines = [f"mean prompt {lengths[0]:.0f} and output {lengths[1]:.0f} tokens; per-token limit {slo.step_ms:g} ms"]
+    for title, ev in (("chosen", best), ("runner-up", runner_up)):
+        if ev is None:
+            continue
+        c, r = ev.candidate, result.replicas
+        w = worker_rates(c, base, cost, lengths, slo)
+        rate = result.cluster_rate(ev)
+        lines.append(f"{title}: {c.label(r)}, {rate:.2f} req/s"
+                     + (f" ({rate / result.cluster_rate(best):.2f}x the chosen)" if ev is not best else ""))
+        lines.append(f"  a prefill worker: {w.prefill_rate:.2f} req/s ({c.chunk}-token steps of "
+                     f"{w.prefill_step_s * 1e3:.1f} ms); a decode worker: {w.decode_rate:.2f} req/s (batch "
+                     f"{w.decode_batch}, {w.decode_step_s * 1e3:.1f} ms a step, KV for {w.kv_tokens:,} tokens)")
+        if c.colocated:
+            lines.append(f"  colocated, each worker's time split between both: {ev.estimate * r:.2f} req/s estimated")
+        else:
+            p, d = c.prefill_workers * w.prefill_rate, c.decode_workers * w.decode_rate
+            side = "prefill" if p < d else "decode"
+            lines.append(f"  the {side} side bounds a unit: prefill {p:.2f}, decode {d:.2f} req/s estimated")
+        s = ev.whole or ev.summary
+        if s:
+            lines.append(f"  simulated at its rate: {s['slo_attainment']:.1%} met the SLO; TTFT p90 "
+                         f"{_ms(s['ttft_ms'], 'p90')}, per token p90 {_ms(s['tpot_ms'], 'p90')}, "
+                         f"gap p99 {_ms(s['itl_ms'], 'p99')} ms")
+    return lines
+
+
+def _ms(dist: dict | None, key: str) -> str:
+    value = (dist or {}).get(key)
+    return "-" if value is None else f"{value:.1f}"

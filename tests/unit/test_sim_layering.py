@@ -74,10 +74,13 @@ def test_tandem_plan_prints_and_writes_a_topology_that_tandem_loads(tmp_path, ca
     from tandem.cli import main
 
     rc = main(["plan", "--slo", "ttft:200,itl:20", "--rate", "10", "--devices", "2", "--chunks", "2048",
-               "--batch-caps", "64", "--iters", "1", "--trial-s", "2", "--out-dir", str(tmp_path)])
+               "--batch-caps", "64", "--iters", "1", "--trial-s", "2", "--out-dir", str(tmp_path), "--explain"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "best on 2 x H100" in text and "# Helm values" in text
+    # --explain: why the best won, by the cost model and by its simulation, and the runner-up's shortfall.
+    assert "per-token limit 20 ms" in text and "chosen: " in text and "runner-up: " in text, text
+    assert "a decode worker: " in text and "simulated at its rate: " in text
     cluster = ClusterConfig.from_yaml(tmp_path / "topology.yaml")
     assert cluster.prefill_workers + cluster.decode_workers == 2
     assert "replicas" in (tmp_path / "values.yaml").read_text()
