@@ -53,6 +53,13 @@ running then.
 Thread safety: ``pull`` runs on executor threads, several at once. The agent is
 made with the readers-writer sync mode (transfers share it, metadata loads take it
 alone); this module's own tables sit under one lock.
+
+Where the parts are: this module holds ``NixlBackend``: its tables of regions held and
+peers read from, the deadlines, the steps of both ways. ``kv_transfer.nixl_agent`` holds
+NIXL itself (loading it, the agent, one READ's wait, the registered cache and staging
+buffers, the payloads with their descriptors and checks; ``unavailable_reason`` is
+re-exported here). ``kv_transfer.nixl_heads`` reads a share of a block's heads for tensor
+parallelism (``pull_heads``'s staged and a-descriptor-a-token ways).
 """
 
 from __future__ import annotations
@@ -62,124 +69,35 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kv_transfer.base import KVTransferBackend, TransferError, TransferMeta, check_attachable, contiguous_runs
-
-INSTALL_HINT = (
-    "kv transfer backend 'nixl' needs the nixl packages: "
-    "pip install 'nixl-cu12==1.5.1' && pip install --no-deps 'nixl==1.5.1' (scripts/install does this)"
+from kv_transfer.nixl_agent import (
+    NixlPayload,
+    PagedPayload,
+    RegisteredCache,
+    RegisteredStaging,
+    block_descs,
+    check_blocks,
+    checked_descs,
+    forget_remote,
+    is_nixl_error,
+    load_nixl,
+    make_agent,
+    packed_views,
+    release_read,
+    unavailable_reason,
+    wait_for_read,
 )
+from kv_transfer.nixl_heads import check_heads, head_xfer_descs, pull_staged
+
+__all__ = ["STUCK_GRACE_S", "NixlBackend", "NixlPayload", "PagedPayload", "unavailable_reason"]
+
 READ_TIMEOUT_S = 60.0  # a read's limit when its transfer has no deadline
-POLL_MAX_S = 0.001  # longest sleep between state checks: 16 MiB reads take ~3-5 ms
 STUCK_GRACE_S = 5.0  # how long past the deadline pull_async waits for a pull stuck in nixl
 REFRESH_AFTER_LOADS = 4096  # remote regions a peer may leave in our agent before a reconnect
-PROGRESS_POLL_US = 1000  # the agent's progress thread wakes on events or after this
-_AGENT_CREATION = threading.Lock()  # guards the brief swap of nixl's config class
-
-
-def load_nixl():
-    """The ``nixl._api`` module, or ImportError naming the packages to install."""
-    try:
-        from nixl import _api
-    except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from e
-    return _api
-
-
-def unavailable_reason() -> str | None:
-    """Why this process cannot use NIXL, or None when it can (for skips and checks)."""
-    try:
-        load_nixl()
-    except Exception as e:  # a broken native library raises more than ImportError
-        return str(e)
-    return None
-
-
-def _nixl_error(e: BaseException) -> bool:
-    # The bindings' errors (nixlBackendError, nixlRemoteDisconnectError, ...) share no base class.
-    return type(e).__module__.endswith("_bindings") and type(e).__name__.startswith("nixl")
-
-
-@dataclass(frozen=True)
-class NixlPayload:
-    """What the receiver needs to read one transfer; small and picklable."""
-
-    agent: str  # the sender's agent name
-    metadata: bytes  # its connection info and the two regions of this transfer
-    descs: bytes  # serialized descriptors of K and V, in that order
-    nbytes: tuple[int, int]  # bytes of K and of V
-
-
-@dataclass(frozen=True)
-class PagedPayload:
-    """What the receiver needs to read one prompt's blocks out of the sender's cache."""
-
-    agent: str  # the sender's agent name
-    metadata: bytes  # its connection info and its registered cache (the same every time)
-    base: tuple[int, int]  # addresses of the sender's paged K and V
-    num_blocks: int  # blocks per layer in the sender's cache: the layer stride
-    device: int  # the cache's device index (0 for host memory)
-    block_ids: tuple[int, ...]  # the prompt's blocks, in prompt order
-    heads: int = 0  # KV heads a token holds in the sender's cache (a rank's share at tensor_parallel_size > 1)
-
-
-@dataclass(frozen=True)
-class _Cache:
-    """A worker's paged K and V, registered once."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    registration: object = field(repr=False)
-    metadata: bytes = field(repr=False)
-
-    @property
-    def mem_type(self) -> str:
-        return "VRAM" if self.k.is_cuda else "DRAM"
-
-    @property
-    def device(self) -> int:
-        return (self.k.device.index or 0) if self.k.is_cuda else 0
-
-    @property
-    def block_bytes(self) -> int:
-        return self.k[0, 0].numel() * self.k.element_size()
-
-
-def block_descs(base: tuple[int, int], num_blocks: int, layers: int, block_bytes: int, device: int,
-                runs: np.ndarray) -> np.ndarray:
-    """Nx3 (address, length, device) rows for ``runs`` of blocks in every layer of K then V.
-
-    ``runs``: (first block, number of blocks) rows. The cache is ``[layers, num_blocks,
-    ...]``, so block ``b`` of layer ``l`` starts at ``base + (l * num_blocks + b) * block_bytes``.
-    """
-    layer_starts = np.arange(layers, dtype=np.int64)[:, None] * num_blocks  # [L, 1]
-    starts = (layer_starts + runs[None, :, 0]) * block_bytes  # [L, R] offsets
-    lengths = np.broadcast_to(runs[None, :, 1] * block_bytes, starts.shape)
-    rows = []
-    for addr in base:
-        rows.append(np.stack([addr + starts, lengths, np.full_like(starts, device)], axis=-1).reshape(-1, 3))
-    return np.concatenate(rows)
-
-
-def head_descs(base: tuple[int, int], num_blocks: int, layers: int, block_size: int, heads: int, head_bytes: int,
-               device: int, block_ids: Sequence[int], head_range: tuple[int, int]) -> np.ndarray:
-    """Nx3 (address, length, device) rows for heads ``head_range`` of every token of
-    ``block_ids`` in every layer of K then V, in (K/V, layer, block, token) order. A token of
-    block ``b`` in layer ``l`` starts at ``((l * num_blocks + b) * block_size + t) * heads *
-    head_bytes`` past the base; its heads lie one after another."""
-    token_bytes = heads * head_bytes
-    layer = np.arange(layers, dtype=np.int64)[:, None, None]
-    block = np.asarray(block_ids, dtype=np.int64)[None, :, None]
-    token = np.arange(block_size, dtype=np.int64)[None, None, :]
-    starts = ((layer * num_blocks + block) * block_size + token) * token_bytes + head_range[0] * head_bytes
-    length = (head_range[1] - head_range[0]) * head_bytes
-    rows = [np.stack([addr + starts, np.full_like(starts, length), np.full_like(starts, device)], axis=-1)
-            for addr in base]
-    return np.concatenate([r.reshape(-1, 3) for r in rows])
 
 
 @dataclass
@@ -210,13 +128,13 @@ class NixlBackend(KVTransferBackend):
         self._agent_obj = None
         self._regions: dict[str, tuple] = {}  # transfer id -> (registration, k, v), sender side
         self._peers: dict[str, _Peer] = {}
-        self._staging = _RegisteredStaging(self._agent, max_staging)
-        self._cache: _Cache | None = None
+        self._staging = RegisteredStaging(self._agent, max_staging)
+        self._cache: RegisteredCache | None = None
 
     def _agent(self):
         with self._lock:
             if self._agent_obj is None:
-                self._agent_obj = _make_agent(f"tandem-{uuid.uuid4().hex}")
+                self._agent_obj = make_agent(f"tandem-{uuid.uuid4().hex}")
             return self._agent_obj
 
     # -- sender ------------------------------------------------------------------
@@ -268,7 +186,7 @@ class NixlBackend(KVTransferBackend):
         agent = self._agent()
         registration = agent.register_memory([k, v])
         metadata = agent.get_partial_agent_metadata(registration, inc_conn_info=True)
-        self._cache = _Cache(k, v, registration, metadata)
+        self._cache = RegisteredCache(k, v, registration, metadata)
 
     def prepare_blocks(self, meta: TransferMeta, block_ids: list[int]) -> PagedPayload:
         cache = self._attached()
@@ -292,7 +210,7 @@ class NixlBackend(KVTransferBackend):
             heads=cache.k.shape[3],
         )
 
-    def _attached(self) -> _Cache:
+    def _attached(self) -> RegisteredCache:
         if self._cache is None:
             raise RuntimeError("no paged cache attached (attach_cache)")
         return self._cache
@@ -312,7 +230,7 @@ class NixlBackend(KVTransferBackend):
             agent.deregister_memory(cache.registration)
         self._staging.drop_all(agent)
         for name in peers:
-            _forget(agent, name)
+            forget_remote(agent, name)
 
     @property
     def num_held(self) -> int:
@@ -329,15 +247,15 @@ class NixlBackend(KVTransferBackend):
     def pull(self, meta: TransferMeta, payload: NixlPayload) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_deadline(meta)
         agent = self._agent()
-        remote = self._checked_descs(agent, meta, payload)
+        remote = checked_descs(agent, meta, payload)
         t0 = time.perf_counter()
         staging = self._staging.take(sum(payload.nbytes))
         try:
             self._read_packed(agent, meta, payload, remote, staging)
         except BaseException:
-            self._staging.give(staging)  # ignored when retired by _release
+            self._staging.give(staging)  # ignored when retired by release_read
             raise
-        k, v = _views(meta, staging, payload.nbytes)
+        k, v = packed_views(meta, staging, payload.nbytes)
         with self._lock:  # pulls finish on several threads at once
             self.stats.received += 1
             self.stats.bytes_received += k.nbytes + v.nbytes
@@ -350,7 +268,7 @@ class NixlBackend(KVTransferBackend):
     def pull_blocks(self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int]) -> None:
         self.check_deadline(meta)
         cache = self._attached()
-        self._check_blocks(meta, payload, block_ids, cache)
+        check_blocks(meta, payload, block_ids, cache)
         if payload.heads and payload.heads != cache.k.shape[3]:
             raise TransferError("layout", f"transfer {meta.transfer_id}: the sender's blocks hold {payload.heads} "
                                           f"KV heads, this cache's {cache.k.shape[3]} (read a share: pull_heads)")
@@ -366,32 +284,6 @@ class NixlBackend(KVTransferBackend):
             cache.mem_type,
         )
         self._read_into_blocks(agent, meta, payload, local, remote, block_ids, 2 * len(block_ids) * layers * nbytes)
-
-    def _pull_staged(self, meta: TransferMeta, payload: PagedPayload, block_ids: list[int], dst: tuple[int, int],
-                     cache: _Cache) -> None:
-        """Every head of the sender's blocks, which this side needs all of, into a registered
-        staging buffer a stretch of blocks a descriptor (as between equal sizes), then copied
-        into heads ``dst`` of ``block_ids``: a descriptor a token would cost more than the copy.
-        A read that cannot be cancelled keeps only the staging buffer out of use."""
-        agent = self._agent()
-        layers, block_size, head_dim = cache.k.shape[0], cache.k.shape[2], cache.k.shape[4]
-        block_bytes = block_size * payload.heads * head_dim * cache.k.element_size()
-        src_runs, _ = contiguous_runs(list(payload.block_ids), list(range(len(block_ids))))
-        remote_rows = block_descs(payload.base, payload.num_blocks, layers, block_bytes, payload.device, src_runs)
-        nbytes = int(remote_rows[:, 1].sum())
-        staging = self._staging.take(nbytes)
-        starts = staging.data_ptr() + np.concatenate([[0], np.cumsum(remote_rows[:-1, 1])])
-        local_rows = np.stack([starts, remote_rows[:, 1], np.zeros_like(starts)], axis=-1)
-        try:  # a quarantined buffer is not given back
-            self._read_counted(agent, meta, payload, agent.get_xfer_descs(local_rows, "DRAM"),
-                               agent.get_xfer_descs(remote_rows, "DRAM"), nbytes,
-                               lambda: self._staging.quarantine(staging))
-            both = staging.view(cache.k.dtype).view(2, layers, len(block_ids), block_size, payload.heads, head_dim)
-            index = torch.as_tensor(block_ids, dtype=torch.long)
-            cache.k[:, index, :, dst[0] : dst[1]] = both[0]
-            cache.v[:, index, :, dst[0] : dst[1]] = both[1]
-        finally:
-            self._staging.give(staging)
 
     def _read_into_blocks(self, agent, meta: TransferMeta, payload, local, remote, block_ids: list[int],
                           nbytes: int) -> None:
@@ -423,30 +315,21 @@ class NixlBackend(KVTransferBackend):
         """Read KV heads ``src`` (a [start, stop) of the sender's cache's heads) of the
         sender's blocks into heads ``dst`` of ``block_ids`` here: a tensor-parallel rank's
         share of a worker of another size. All the heads of both sides go as whole blocks;
-        all the sender's into some of this side's, staged (``_pull_staged``, host memory);
+        all the sender's into some of this side's, staged (``kv_transfer.nixl_heads.pull_staged``,
+        host memory);
         else a head's row of a token is the longest stretch alike on both sides (``[block,
         token, heads, dim]``), so one descriptor a token, layer and K or V."""
         cache = self._attached()
-        self._check_blocks(meta, payload, block_ids, cache)
+        check_blocks(meta, payload, block_ids, cache)
         heads = cache.k.shape[3]
-        n = src[1] - src[0]
-        if not (0 <= src[0] < src[1] <= payload.heads and 0 <= dst[0] and dst[0] + n == dst[1] <= heads):
-            raise TransferError("layout", f"transfer {meta.transfer_id}: heads {src} of the sender's "
-                                          f"{payload.heads} do not fit heads {dst} of this cache's {heads}")
+        n = check_heads(meta, payload, src, dst, heads)
         if n == payload.heads == heads:
             return self.pull_blocks(meta, payload, block_ids)
         self.check_deadline(meta)
         if n == payload.heads and cache.mem_type == "DRAM":
-            return self._pull_staged(meta, payload, block_ids, dst, cache)
+            return pull_staged(self._agent(), self._staging, self._read_counted, meta, payload, block_ids, dst, cache)
         agent = self._agent()
-        layers, block_size, head_bytes = cache.k.shape[0], cache.k.shape[2], cache.k[0, 0, 0, 0].nbytes
-        remote = agent.get_xfer_descs(head_descs(
-            payload.base, payload.num_blocks, layers, block_size, payload.heads, head_bytes, payload.device,
-            payload.block_ids, src), cache.mem_type)
-        local = agent.get_xfer_descs(head_descs(
-            (cache.k.data_ptr(), cache.v.data_ptr()), cache.k.shape[1], layers, block_size, heads, head_bytes,
-            cache.device, block_ids, dst), cache.mem_type)
-        nbytes = 2 * len(block_ids) * layers * block_size * n * head_bytes
+        local, remote, nbytes = head_xfer_descs(agent, payload, block_ids, src, dst, cache)
         self._read_into_blocks(agent, meta, payload, local, remote, block_ids, nbytes)
 
     async def pull_heads_async(
@@ -455,24 +338,6 @@ class NixlBackend(KVTransferBackend):
     ) -> None:
         """``pull_heads`` off the event loop, awaited until it ends (as ``pull_blocks_async``)."""
         await self._until_ended(meta, self.pull_heads, meta, payload, block_ids, src, dst)
-
-    @staticmethod
-    def _check_blocks(meta: TransferMeta, payload, block_ids: list[int], cache: _Cache) -> None:
-        """The offer fits this transfer and this cache; nothing is read before."""
-        if not isinstance(payload, PagedPayload):
-            kind = type(payload).__name__
-            raise TransferError("layout", f"transfer {meta.transfer_id}: not a paged nixl payload ({kind})")
-        counts = {len(payload.block_ids), len(block_ids)}
-        if counts != {meta.num_blocks}:
-            raise TransferError(
-                "layout",
-                f"transfer {meta.transfer_id}: {len(payload.block_ids)} blocks offered and "
-                f"{len(block_ids)} reserved for a transfer of {meta.num_blocks}",
-            )
-        if meta.num_blocks and not 0 <= min(payload.block_ids) <= max(payload.block_ids) < payload.num_blocks:
-            raise TransferError("layout", f"transfer {meta.transfer_id}: block ids outside the sender's cache")
-        if meta.num_blocks and not 0 <= min(block_ids) <= max(block_ids) < cache.k.shape[1]:
-            raise TransferError("layout", f"transfer {meta.transfer_id}: block ids outside this cache")
 
     async def pull_async(self, meta: TransferMeta, payload: NixlPayload) -> tuple[torch.Tensor, torch.Tensor]:
         """``pull`` off the event loop, awaited until it ends.
@@ -495,27 +360,6 @@ class NixlBackend(KVTransferBackend):
             error.settled = _settled_when_over(future)
             raise error from None
 
-    def _checked_descs(self, agent, meta: TransferMeta, payload) -> object:
-        """The sender's descriptors, once they match the layout; nothing is read before."""
-        if not isinstance(payload, NixlPayload):
-            kind = type(payload).__name__
-            raise TransferError("layout", f"transfer {meta.transfer_id}: not a nixl payload ({kind})")
-        expected = meta.layout.nbytes(meta.num_blocks)
-        if list(payload.nbytes) != [expected // 2] * 2:
-            raise TransferError(
-                "layout",
-                f"transfer {meta.transfer_id}: sender offers K+V of {payload.nbytes} bytes, "
-                f"{meta.num_blocks} blocks of {meta.layout} need {expected // 2} each",
-            )
-        descs = agent.deserialize_descs(payload.descs)
-        # Indexing past descCount() returns garbage instead of raising: count first.
-        lengths = [descs[i][1] for i in range(descs.descCount())] if descs.descCount() == 2 else []
-        if lengths != list(payload.nbytes):
-            raise TransferError(
-                "layout", f"transfer {meta.transfer_id}: descriptors {lengths} disagree with sizes {payload.nbytes}"
-            )
-        return descs
-
     def _read_packed(self, agent, meta: TransferMeta, payload: NixlPayload, remote, staging: torch.Tensor) -> None:
         kn = payload.nbytes[0]
         local = agent.get_xfer_descs([staging[:kn], staging[kn : 2 * kn]])
@@ -532,15 +376,15 @@ class NixlBackend(KVTransferBackend):
             )
             done = False
             try:
-                self._wait(agent, meta, handle)
+                wait_for_read(agent, meta, handle, self.read_timeout_s)
                 done = True
             finally:
-                self._release(handle, done, unfinished)
+                release_read(handle, done, unfinished)
         except TransferError as e:
             broken = e.reason in ("peer_lost", "read_failed")
             raise
         except Exception as e:
-            if not _nixl_error(e):
+            if not is_nixl_error(e):
                 raise
             broken = True
             reason = "peer_lost" if type(e).__name__ == "nixlRemoteDisconnectError" else "read_failed"
@@ -548,37 +392,13 @@ class NixlBackend(KVTransferBackend):
         finally:
             self._leave(agent, peer, broken)
 
-    @staticmethod
-    def _release(handle, done: bool, unfinished) -> None:
-        try:
-            handle.release()  # cancels a read still running
-        except Exception:
-            if not done:
-                unfinished()  # the read may still write into its destination
-
-    def _wait(self, agent, meta: TransferMeta, handle) -> None:
-        limit = time.time() + self.read_timeout_s
-        deadline = min(meta.deadline, limit) if meta.deadline else limit
-        state, delay = agent.transfer(handle), 1e-4
-        while state == "PROC":
-            if time.time() > deadline:
-                raise TransferError("timeout", f"transfer {meta.transfer_id} passed its deadline mid-read")
-            time.sleep(delay)
-            delay = min(2 * delay, POLL_MAX_S)
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise TransferError("read_failed", f"transfer {meta.transfer_id}: read ended in state {state}")
-        if meta.deadline and time.time() > meta.deadline:
-            # Whoever awaited this has given up and will not recycle the staging buffer.
-            raise TransferError("timeout", f"transfer {meta.transfer_id} finished after its deadline")
-
     def _enter(self, agent, meta: TransferMeta, payload: NixlPayload) -> _Peer:
         """Load the sender's metadata for this transfer and count the read against it."""
         with self._lock:
             peer = self._peers.setdefault(payload.agent, _Peer(payload.agent))
             if peer.inflight == 0 and peer.loads >= REFRESH_AFTER_LOADS:
                 # Loaded regions are never dropped one by one: reconnect to drop them all.
-                _forget(agent, peer.name)
+                forget_remote(agent, peer.name)
                 peer.loads = 0
             peer.inflight += 1
             known = peer.loaded == payload.metadata
@@ -588,7 +408,7 @@ class NixlBackend(KVTransferBackend):
             agent.add_remote_agent(payload.metadata)  # merges; connects on first sight
         except Exception as e:
             self._leave(agent, peer, broken=True)
-            if not _nixl_error(e):
+            if not is_nixl_error(e):
                 raise
             raise TransferError("peer_lost", f"transfer {meta.transfer_id}: sender unreachable: {e}") from e
         with self._lock:
@@ -602,7 +422,7 @@ class NixlBackend(KVTransferBackend):
             peer.broken = peer.broken or broken
             if peer.broken and peer.inflight == 0:
                 # A failed connection stays failed: drop it, so the next transfer reconnects.
-                _forget(agent, peer.name)
+                forget_remote(agent, peer.name)
                 if self._peers.get(peer.name) is peer:
                     del self._peers[peer.name]
 
@@ -622,115 +442,3 @@ def _settled_when_over(call: asyncio.Future) -> asyncio.Future:
     call.add_done_callback(over)
     return settled
 
-
-def _make_agent(name: str):
-    """A UCX agent whose progress thread sleeps between events.
-
-    nixl's Python wrapper hard-codes the progress thread's poll timeout to 0, so the
-    thread spins: a full core per process when idle (measured 2.6 CPU-seconds in 3 s).
-    The sender needs that thread (a READ completes only when the sender's side takes
-    the notification), so it stays, with a 1 ms timeout: idle cost ~1% of a core, a
-    small READ with notification 0.08 ms median (0.12 ms spinning). The wrapper gives
-    no setting for it, so the config class it instantiates is swapped for the call.
-    """
-    api = load_nixl()
-    bind, base = api.nixlBind, api.nixlBind.nixlAgentConfig
-
-    class Config(base):
-        @property
-        def pthrDelay(self):
-            return base.pthrDelay.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, value):
-            base.pthrDelay.__set__(self, max(value, PROGRESS_POLL_US))
-
-    config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-    with _AGENT_CREATION:
-        bind.nixlAgentConfig = Config
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            bind.nixlAgentConfig = base
-
-
-def _forget(agent, name: str) -> None:
-    try:
-        agent.remove_remote_agent(name)
-    except Exception as e:
-        if not _nixl_error(e):
-            raise  # not found is fine: a failed first load leaves nothing behind
-
-
-def _views(meta: TransferMeta, staging: torch.Tensor, nbytes: tuple[int, int]):
-    dtype = getattr(torch, meta.layout.dtype)
-    shape = meta.layout.packed_shape(meta.num_blocks)
-    kn = nbytes[0]
-    return staging[:kn].view(dtype).view(shape), staging[kn : 2 * kn].view(dtype).view(shape)
-
-
-@dataclass
-class _Buffer:
-    tensor: torch.Tensor
-    registration: object = field(repr=False)
-
-
-class _RegisteredStaging:
-    """Receive buffers registered with the agent once and reused, smallest fit first.
-
-    Registering is cheap, but a fresh buffer costs a page fault per 4 KiB on its first
-    read, which measured slower than the read itself. Keeps at most ``max_free`` idle.
-    """
-
-    def __init__(self, agent_fn, max_free: int) -> None:
-        self._agent_fn = agent_fn
-        self.max_free = max_free
-        self._lock = threading.Lock()
-        self._free: list[_Buffer] = []
-        self._lent: dict[int, _Buffer] = {}  # storage address -> buffer
-        self._quarantined: list[_Buffer] = []
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.tensor.numel() >= nbytes]
-            # Among equal fits the latest returned: its pages are likeliest still in cache.
-            best = min(fits, key=lambda i: (self._free[i].tensor.numel(), -i), default=None)
-            buf = self._free.pop(best) if best is not None else None
-        if buf is None:
-            tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8)  # zeros: touch the pages now
-            buf = _Buffer(tensor, self._agent_fn().register_memory(tensor))
-        with self._lock:
-            self._lent[buf.tensor.data_ptr()] = buf
-        return buf.tensor[:nbytes]
-
-    def give(self, view: torch.Tensor) -> None:
-        """Return the buffer ``view`` lies in; views of unknown memory are ignored."""
-        with self._lock:
-            buf = self._lent.pop(view.untyped_storage().data_ptr(), None)
-            if buf is None:
-                return
-            self._free.append(buf)
-            evicted = None
-            if len(self._free) > self.max_free:
-                smallest = min(range(len(self._free)), key=lambda i: self._free[i].tensor.numel())
-                evicted = self._free.pop(smallest)
-        if evicted is not None:
-            self._agent_fn().deregister_memory(evicted.registration)
-
-    def drop_all(self, agent) -> None:
-        """Deregister the idle buffers and forget every buffer: lent ones, registered with
-        this agent, must not come back into a pool that a new agent will use."""
-        with self._lock:
-            free, self._free, self._lent = self._free, [], {}
-        for buf in free:
-            agent.deregister_memory(buf.registration)
-
-    @property
-    def num_lent(self) -> int:
-        return len(self._lent)
-
-    def quarantine(self, view: torch.Tensor) -> None:
-        with self._lock:
-            buf = self._lent.pop(view.untyped_storage().data_ptr(), None)
-            if buf is not None:
-                self._quarantined.append(buf)
