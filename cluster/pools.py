@@ -31,6 +31,11 @@ other has room for its bundle, it stays starting (unlisted, waiting for room, wh
 gives it when a node with room joins) while the pools serve on the workers left, and the
 health thread goes on watching them; ``status`` shows it as starting.
 
+Where the workers go (the pool a role joins, the placement groups and their bundles) is
+``cluster.pool_placement``; the calls to the worker actors (starting one in its bundle,
+draining, pinging, status and loads) are ``cluster.pool_actors``. This module keeps the
+pools' state: each worker's slot, the groups, and the lock over them.
+
 Works on a local Ray (``ray.init(num_cpus=...)`` by the caller) or an existing
 cluster (``RAY_ADDRESS``).
 """
@@ -40,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,26 +52,29 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
-from cluster.config import ClusterConfig, Resources
-from cluster.metrics_server import ENV as METRICS_ENV
-from cluster.pool_worker import PoolWorker
-from cluster.rank_actors import RayRankGroup
-from decode_worker.worker import ColocatedWorker
+from cluster.config import ClusterConfig
+from cluster.pool_actors import (
+    PING_TIMEOUT_S,
+    drain_actor,
+    forget_metrics,
+    pool_loads,
+    start_actor,
+    tell_sender_gone,
+    unanswered,
+    worker_status,
+)
+from cluster.pool_placement import StartTimeout, place_pool, place_worker, pool_role
 from engine.wire.messages import WorkerRef
 from kv_transfer.config import TransferConfig
+
+__all__ = ["PING_TIMEOUT_S", "READY_TIMEOUT_S", "StartTimeout", "TandemCluster"]
 
 log = logging.getLogger(__name__)
 
 # How long a replacement worker may take to load its model (its bundle is held already).
 READY_TIMEOUT_S = 300.0
-PING_TIMEOUT_S = 10.0
-
-
-class StartTimeout(TimeoutError):
-    """The pools did not start within ``ClusterConfig.start_timeout_s``."""
 
 
 @dataclass
@@ -90,35 +97,6 @@ class _Slot:
     def answered(self, info: dict) -> None:
         """The actor filling it answered ``ready`` (``WorkerBase.ready``): where it runs."""
         self.pid, self.node = info["pid"], info.get("node")
-
-
-def _idle(stats: dict) -> bool:
-    """A worker's stats say it holds no request and no block (cached prefixes are free)."""
-    return not (stats["num_running"] or stats["num_waiting"] or stats["num_swapped"] or stats["num_blocks_in_use"])
-
-
-def _drain(handle, timeout_s: float, poll_s: float) -> bool:
-    """Tell a worker to drain and wait up to ``timeout_s`` for it to hold nothing;
-    whether it did (a dead or hung worker did not)."""
-    t0 = time.monotonic()
-    try:
-        ray.get(handle.drain.remote(), timeout=PING_TIMEOUT_S)
-        while True:  # looked at once at least, however short the deadline
-            if _idle(ray.get(handle.stats.remote(), timeout=PING_TIMEOUT_S)):
-                return True
-            if time.monotonic() - t0 >= timeout_s:
-                return False
-            time.sleep(poll_s)
-    except (RayActorError, GetTimeoutError):
-        return False
-
-
-def _forget_metrics(pid: int | None) -> None:
-    """Drop a gone worker's live gauges from this node's metrics folder."""
-    if pid is not None and os.environ.get(METRICS_ENV):
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(pid)
 
 
 class TandemCluster:
@@ -177,44 +155,17 @@ class TandemCluster:
 
     def _place_pools(self, deadline: float) -> None:
         """One placement group per pool, one bundle per worker; above one rank, one group per
-        worker instead (``_worker_group``). Each is kept in ``_pgs`` or ``_own_pgs`` as soon as
-        it exists, so that a failure while waiting for it removes it."""
+        worker instead (``pool_placement.place_pool``). Each is kept in ``_pgs`` or
+        ``_own_pgs`` as soon as it exists, so that a failure while waiting for it removes it."""
         cfg = self.config
         roles = ["decode" if not cfg.colocated else "colocated"]
         if not cfg.colocated:
             roles.insert(0, "prefill")
         for role in roles:
             count = cfg.prefill_workers if role == "prefill" else cfg.decode_workers
-            if cfg.tensor_parallel_size(role) == 1:
-                bundle = cfg.resources(role).bundle()
-                pg = self._pgs[role] = placement_group([bundle] * count, strategy=cfg.placement_strategy)
-                self._wait_placed(pg, role, f"{count} worker(s) asking {bundle} each", deadline)
-                self._slots.extend(_Slot(role, i, pg, i) for i in range(count))
-            else:
-                bundles, strategy = self._worker_group(role)
-                pgs = [placement_group(bundles, strategy=strategy) for _ in range(count)]
-                self._own_pgs.extend(pgs)
-                for pg in pgs:
-                    self._wait_placed(pg, role, f"{count} worker(s) asking {bundles} each, on one node", deadline)
-                self._slots.extend(_Slot(role, i, pg, 0) for i, pg in enumerate(pgs))
+            placed = place_pool(cfg, role, count, deadline, self._pgs, self._own_pgs)
+            self._slots.extend(_Slot(role, i, pg, bundle) for i, (pg, bundle) in enumerate(placed))
             self._indices[role] = itertools.count(count)
-
-    def _wait_placed(self, pg, role: str, asks: str, deadline: float) -> None:
-        """Wait for ``pg`` until ``deadline``; past it, ``StartTimeout`` says what ``role``'s pool asked."""
-        if not pg.wait(max(0.0, deadline - time.monotonic())):
-            total = ray.cluster_resources()
-            offered = {k: total.get(k, 0) for k in pg.bundle_specs[0]}
-            raise StartTimeout(
-                f"{role} pool: {asks} were not placed within start_timeout_s={self.config.start_timeout_s:g} s; "
-                f"the Ray cluster's nodes offer {offered} in all (are the worker pods scheduled and joined?). "
-                f"The start's placement groups are removed; the next start tries again"
-            )
-
-    def _worker_group(self, role: str) -> tuple[list[dict[str, float]], str]:
-        """The bundles and strategy of a placement group for one ``role`` worker: a bundle per
-        tensor-parallel rank (rank 0, the worker's actor, in the first), all on one node."""
-        bundles = self.config.worker_bundles(role)
-        return bundles, "STRICT_PACK" if len(bundles) > 1 else "PACK"
 
     def _start_workers(self, deadline: float) -> None:
         for slot in self._slots:
@@ -248,46 +199,16 @@ class TandemCluster:
         for slot in slots:
             if slot.ref is not None:
                 ray.kill(slot.ref.handle, no_restart=True)
-                _forget_metrics(slot.pid)
+                forget_metrics(slot.pid)
         for pg in pgs:
             remove_placement_group(pg)
 
     def _spawn(self, slot: _Slot) -> WorkerRef:
-        """Start the actor for ``slot``: a ``PoolWorker`` in its role (one that can switch
-        roles later) in a prefill or decode pool, a ``ColocatedWorker`` otherwise."""
-        cfg = self.config
-        resources: Resources = cfg.resources(slot.role)
+        """Start the actor for ``slot`` in its bundle (``pool_actors.start_actor``), under a
+        name no earlier actor of this deployment had."""
         worker_id = f"{slot.role}-{slot.index}"
-        name = f"{cfg.name}-{worker_id}-{next(self._names)}"
-        options: dict = {  # the decode role's own, and the other ranks'
-            "stream_interval_s": cfg.stream_interval_s,
-            "token_channel_host": cfg.token_channel_host if cfg.token_channel == "tcp" else None,
-            "channel": cfg.channel,
-        }
-        if (size := cfg.tensor_parallel_size(slot.role)) > 1:
-            # Its other ranks, in the next bundles of its group: the actor starts them (and owns them).
-            options["ranks"] = RayRankGroup(size, slot.pg, slot.bundle, resources.num_cpus, resources.num_gpus, name)
-        if slot.role == "colocated":
-            cls, args = ColocatedWorker, (worker_id, cfg.engine_config("decode"))
-        else:
-            engines = {role: cfg.engine_config(role) for role in ("prefill", "decode")}
-            cls, args = PoolWorker, (slot.role, worker_id, engines)
-        handle = (
-            ray.remote(cls)
-            .options(
-                name=name,
-                num_cpus=resources.num_cpus,
-                num_gpus=resources.num_gpus,
-                resources=dict(resources.custom),
-                max_restarts=0,
-                max_concurrency=1000,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=slot.pg, placement_group_bundle_index=slot.bundle
-                ),
-            )
-            .remote(*args, cfg.transfer, torch_threads=cfg.torch_threads, **options)
-        )
-        return WorkerRef(worker_id, handle, incarnation=name, epoch=None if slot.role == "colocated" else 0)
+        name = f"{self.config.name}-{worker_id}-{next(self._names)}"
+        return start_actor(self.config, slot.role, worker_id, name, slot.pg, slot.bundle)
 
     def set_transfer(self, transfer: TransferConfig) -> None:
         """New transfer settings for every worker, replacements included; the backend
@@ -301,31 +222,17 @@ class TandemCluster:
 
     # -- elastic pools ---------------------------------------------------------
 
-    def _role_of(self, role: str) -> str:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
-        if self.config.colocated:
-            if role == "prefill":
-                raise ValueError("a colocated deployment has no prefill pool")
-            return "colocated"
-        return role
-
     def add_worker(self, role: str, timeout_s: float = READY_TIMEOUT_S) -> str:
         """Start one more ``role`` worker; returns its id once it is ready and listed.
         Its bundle is one a removed worker left in the pool's group, else a group of its
         own (``TimeoutError`` when the cluster cannot place it within ``timeout_s``)."""
-        role = self._role_of(role)
+        role = pool_role(self.config, role)
         with self._lock:
             free = self._free.get(role)
             pg, bundle = free.pop() if free else (None, 0)
             index = next(self._indices.setdefault(role, itertools.count()))
         if pg is None:
-            bundles, strategy = self._worker_group(role)
-            pg = placement_group(bundles, strategy=strategy)
-            if not pg.wait(timeout_s):
-                remove_placement_group(pg)
-                asks = bundles[0] if len(bundles) == 1 else bundles
-                raise TimeoutError(f"no room for one more {role} worker ({asks}) within {timeout_s:g} s")
+            pg = place_worker(self.config, role, timeout_s)
             with self._lock:
                 self._own_pgs.append(pg)
         slot = _Slot(role, index, pg, bundle)
@@ -358,12 +265,12 @@ class TandemCluster:
             slot.ref = dataclasses.replace(slot.ref, draining=True)
             handle = slot.ref.handle
         t0 = time.monotonic()
-        drained = _drain(handle, timeout_s, poll_s)
+        drained = drain_actor(handle, timeout_s, poll_s)
         with self._lock:
             self._slots.remove(slot)
         ray.kill(handle, no_restart=True)
         self._sender_gone(slot.role, worker_id)
-        _forget_metrics(slot.pid)
+        forget_metrics(slot.pid)
         self._give_back(slot)
         seconds = time.monotonic() - t0
         log.info("removed %s worker %s after %.1f s (%s)", slot.role, worker_id, seconds,
@@ -378,7 +285,7 @@ class TandemCluster:
         pool under a new id and epoch. One that cannot reset (blocks still pinned) or dies
         meanwhile is replaced by a new ``role`` worker in its bundle. Returns its new id,
         whether it drained in time, whether it switched in place, and how long it took."""
-        role = self._role_of(role)
+        role = pool_role(self.config, role)
         if (why := self.config.role_switch_problem()) is not None:
             raise ValueError(f"workers cannot switch roles here: {why}")
         with self._lock:
@@ -393,7 +300,7 @@ class TandemCluster:
             old, old_role = slot.ref, slot.role
             index = next(self._indices.setdefault(role, itertools.count()))
         t0 = time.monotonic()
-        drained = _drain(old.handle, timeout_s, poll_s)
+        drained = drain_actor(old.handle, timeout_s, poll_s)
         new_id = f"{role}-{index}"
         try:
             # Retiring waits out the reads in flight of its blocks, up to the lease.
@@ -406,7 +313,7 @@ class TandemCluster:
                         worker_id, e, role)
             ray.kill(old.handle, no_restart=True)
             self._sender_gone(old_role, worker_id)
-            _forget_metrics(slot.pid)
+            forget_metrics(slot.pid)
             ref, in_place = None, False
         with self._lock:
             slot.role, slot.index = role, index
@@ -433,18 +340,7 @@ class TandemCluster:
         with self._lock:
             slots = [(s.role, s.ref, {"pid": s.pid, "node": s.node}) for s in self._slots if s.listed]
             starting = [(s.role, s.ref.worker_id) for s in self._slots if s.ref is not None and not s.listed]
-        calls = [(role, ref, where, ref.handle.load.remote()) for role, ref, where in slots]
-        out: dict[str, list[dict]] = {}
-        for role, worker_id in starting:
-            out.setdefault(role, []).append({"worker_id": worker_id, "draining": False, "starting": True, "load": None})
-        for role, ref, where, load in calls:
-            try:
-                answer = dataclasses.asdict(ray.get(load, timeout=PING_TIMEOUT_S))
-            except (RayActorError, GetTimeoutError):
-                answer = None
-            out.setdefault(role, []).append(
-                {"worker_id": ref.worker_id, "draining": ref.draining, **where, "load": answer})
-        return out
+        return worker_status(slots, starting)
 
     def pool_state(self) -> dict[str, list[tuple[str, dict | None, object]]]:
         """Per role ("prefill", "decode"; colocated workers count as decode), each listed
@@ -455,17 +351,7 @@ class TandemCluster:
         with self._lock:
             refs = [s.ref for s in self._slots if s.listed and not s.ref.draining]
             starting = [s.ref.worker_id for s in self._slots if s.ref is not None and not s.listed]
-        calls = [(w, w.handle.stats.remote(), w.handle.load.remote()) for w in refs]
-        state: dict[str, list] = {"decode": []} if self.config.colocated else {"prefill": [], "decode": []}
-        for worker_id in starting:
-            state["prefill" if worker_id.startswith("prefill") else "decode"].append((worker_id, None, None))
-        for w, stats, load in calls:
-            try:
-                answer = ray.get([stats, load], timeout=PING_TIMEOUT_S)
-            except (RayActorError, GetTimeoutError):
-                answer = (None, None)
-            state["prefill" if w.worker_id.startswith("prefill") else "decode"].append((w.worker_id, *answer))
-        return state
+        return pool_loads(refs, starting, self.config.colocated)
 
     def _give_back(self, slot: _Slot) -> None:
         """A removed worker's bundle: kept for the next added worker when it is in the
@@ -488,16 +374,7 @@ class TandemCluster:
         down (their placement groups are going)."""
         with self._lock:
             live = [s for s in self._slots if s.listed and not s.ref.draining]  # draining: drain_worker's
-        pings = [slot.ref.handle.ready.remote() for slot in live]
-        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S) if pings else ([], [])
-        dead = []
-        for slot, ping in zip(live, pings):
-            try:
-                if ping not in answered:
-                    raise GetTimeoutError()
-                ray.get(ping)
-            except (RayActorError, GetTimeoutError):
-                dead.append(slot)
+        dead = [slot for slot, silent in zip(live, unanswered([s.ref for s in live])) if silent]
         with self._lock:
             if self._stop.is_set():
                 return []
@@ -508,7 +385,7 @@ class TandemCluster:
                 except Exception:  # already gone
                     pass
                 self._sender_gone(slot.role, slot.ref.worker_id, locked=True)
-                _forget_metrics(slot.pid)
+                forget_metrics(slot.pid)
                 self._replace(slot)
         return self._await_replacements(PING_TIMEOUT_S)
 
@@ -520,12 +397,7 @@ class TandemCluster:
         if not locked:
             with self._lock:
                 return self._sender_gone(role, worker_id, locked=True)
-        for slot in self._slots:
-            if slot.listed and slot.role != "prefill":
-                try:
-                    slot.ref.handle.sender_gone.remote(worker_id)
-                except Exception:  # a dead one releases nothing: the health thread replaces it
-                    pass
+        tell_sender_gone([s.ref for s in self._slots if s.listed and s.role != "prefill"], worker_id)
 
     def _replace(self, slot: _Slot) -> None:
         """A new actor in ``slot``'s bundle, unlisted until its ``ready`` answers (under the lock)."""

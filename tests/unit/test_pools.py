@@ -147,7 +147,7 @@ def test_a_removed_prefill_worker_is_gone_for_every_decode_worker(monkeypatch):
     readers = [_Reader(f"decode-{i}") for i in range(2)]
     c._slots = [pools._Slot("prefill", 0, "pg", 0, WorkerRef("prefill-0", _Handle("prefill-0")), pid=10)] + [
         pools._Slot("decode", i, "pg", i, WorkerRef(f"decode-{i}", r), pid=11 + i) for i, r in enumerate(readers)]
-    monkeypatch.setattr(pools, "_drain", lambda handle, timeout_s, poll_s: False)  # a read still in flight
+    monkeypatch.setattr(pools, "drain_actor", lambda handle, timeout_s, poll_s: False)  # a read still in flight
     monkeypatch.setattr(pools.ray, "kill", lambda handle, no_restart: None)
     monkeypatch.setattr(c, "_give_back", lambda slot: None)
     c.drain_worker("prefill-0", timeout_s=0.0)

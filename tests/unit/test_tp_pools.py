@@ -16,6 +16,7 @@ import re
 import pytest
 import yaml
 
+import cluster.pool_placement as pool_placement
 import cluster.pools as pools
 from cluster.config import ClusterConfig, Resources
 from cluster.rank_actors import RayRankGroup
@@ -59,7 +60,7 @@ class _PG:
 @pytest.fixture
 def placed(monkeypatch):
     made: list[_PG] = []
-    monkeypatch.setattr(pools, "placement_group", lambda bundles, strategy="PACK": made.append(
+    monkeypatch.setattr(pool_placement, "placement_group", lambda bundles, strategy="PACK": made.append(
         _PG(bundles, strategy)) or made[-1])
     return made
 
