@@ -54,7 +54,7 @@ from engine.ranks import (
 from kv_transfer import make_backend
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.checksum import block_checksums
-from kv_transfer.collective import advertised_host
+from kv_transfer.collective_channels import advertised_host
 from kv_transfer.config import TransferConfig
 from kv_transfer.nixl import STUCK_GRACE_S
 from kv_transfer.sharded import Heads

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.wire.messages import KVLayout
-from kv_transfer import collective
+from kv_transfer import collective, collective_channels
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.collective import CollectiveBackend
 from kv_transfer.peer import checksum
@@ -128,14 +128,14 @@ def test_abandon_after_the_push_posted_stops_it_at_once(pair, monkeypatch):
     refused = _meta("refused", receiver, [4, 5])  # the receiver will never receive it
     payload = sender.prepare_blocks(refused, [6, 7])
     sending = threading.Event()
-    exchange = collective.Channel.exchange
+    exchange = collective_channels.Channel.exchange
 
     def spied(channel, op, tensors, first_tag, timeout_s):
         if op == "send" and first_tag == payload["tag"]:
             sending.set()
         return exchange(channel, op, tensors, first_tag, timeout_s)
 
-    monkeypatch.setattr(collective.Channel, "exchange", spied)
+    monkeypatch.setattr(collective_channels.Channel, "exchange", spied)
     with ThreadPoolExecutor(1) as pool:
         push = pool.submit(sender.push, refused, None, None, payload)
         assert sending.wait(10), "the push never came to send"
@@ -162,7 +162,7 @@ def test_pushes_keep_working_across_the_tag_limit(pair):
     for (meta, _), payload in zip(jobs, payloads):
         tags = _tags(payload, meta, dst)
         assert 0 <= tags.start and tags.stop <= GLOO_TAG_LIMIT, f"tags {tags} are not all valid gloo tags"
-        assert collective.CLOSE_TAG not in tags, "the tag that closes a channel is no transfer's"
+        assert collective_channels.CLOSE_TAG not in tags, "the tag that closes a channel is no transfer's"
     with ThreadPoolExecutor(5) as pool:
         # Those of the new epoch first: a transfer prepared before the wrap still arrives.
         order = sorted(zip(jobs, payloads), key=lambda j: -j[1]["epoch"])
@@ -179,10 +179,17 @@ def test_pushes_keep_working_across_the_tag_limit(pair):
 
 
 class _FreshStore:
-    """A receiver's rendezvous store with nothing given up."""
+    """A receiver's rendezvous store with nothing given up, on a CPU."""
 
     def check(self, keys) -> bool:
         return False
+
+    def get(self, key: str) -> bytes:
+        assert key == collective_channels.DEVICE_KEY, key
+        return b"cpu"
+
+    def set(self, key: str, value) -> None:
+        pass
 
 
 class _BlockedBuild:
@@ -213,8 +220,8 @@ class _BlockedBuild:
 def blocked_build(monkeypatch):
     """A packed sender whose channel builds block (``_BlockedBuild``), and a way to make
     the metas, K and V of its transfers."""
-    monkeypatch.setattr(collective, "_client", lambda host, port, timeout_s: _FreshStore())
-    monkeypatch.setattr(collective, "Channel", _BlockedBuild.reset())
+    monkeypatch.setattr(collective, "store_client", lambda host, port, timeout_s: _FreshStore())
+    monkeypatch.setattr(collective_channels, "Channel", _BlockedBuild.reset())
     sender = CollectiveBackend(op_timeout_s=20)
     sender.paged = False  # packed KV: no cache to attach
     k = v = collective.torch.zeros(LAYOUT.packed_shape(1))
@@ -303,16 +310,18 @@ def test_a_transfer_the_receiver_refuses_unread_fails_alone(pair):
 
 class _HeldMarks:
     """A receiver's rendezvous store whose "given up" marks land only once ``may_land``
-    is set: the receiver's thread, descheduled between its failed build and the mark."""
+    is set: the receiver's thread, descheduled between its failed build and the mark.
+    ``left`` gets each given-up channel's prefix as the receiver comes to mark it."""
 
-    def __init__(self, inner, may_land: threading.Event) -> None:
-        self.inner, self.may_land = inner, may_land
+    def __init__(self, inner, may_land: threading.Event, left: set) -> None:
+        self.inner, self.may_land, self.left = inner, may_land, left
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def set(self, key: str, value) -> None:
         if key.startswith("given-up/"):
+            self.left.add(key.removeprefix("given-up/"))
             self.may_land.wait(30)
         self.inner.set(key, value)
 
@@ -325,7 +334,7 @@ def test_a_sender_building_as_the_receiver_gives_up_fails_fast_and_frees_the_pai
     channel_closed once the mark lands, and the pair's next transfer arrive."""
     sender, src, receiver, dst = pair
     left, hanging, may_land, end = set(), threading.Event(), threading.Event(), threading.Event()
-    gloo = collective.Channel
+    gloo = collective_channels.Channel
 
     class GlooAfterAGiveUp(gloo):
         def __init__(self, store, prefix, rank, timeout_s) -> None:
@@ -333,15 +342,11 @@ def test_a_sender_building_as_the_receiver_gives_up_fails_fast_and_frees_the_pai
                 hanging.set()
                 end.wait(10)
                 raise RuntimeError("Gloo connectFullMesh failed: Connect timeout")
-            try:
-                super().__init__(store, prefix, rank, timeout_s)
-            except Exception:
-                left.add(prefix)
-                raise
+            super().__init__(store, prefix, rank, timeout_s)
 
-    monkeypatch.setattr(collective, "Channel", GlooAfterAGiveUp)
+    monkeypatch.setattr(collective_channels, "Channel", GlooAfterAGiveUp)
     receiver.endpoint  # noqa: B018  (its store starts on first use)
-    receiver._store = _HeldMarks(receiver._store, may_land)
+    receiver._store = _HeldMarks(receiver._store, may_land, left)
     given_up = _meta("given-up", receiver, [0], deadline_s=0.5)
     given_up_payload = sender.prepare_blocks(given_up, [1])
     recovery = _meta("recovery", receiver, [1], deadline_s=10)

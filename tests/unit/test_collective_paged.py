@@ -1,9 +1,11 @@
-"""The collective backend's paged transfers: gloo messages from the sender's blocks
-straight into the receiver's reserved ones, two backends in one process (a gloo pair
-needs no more). Checked by sha256 of the bytes: blocks land where they were reserved
-and nowhere else, concurrent transfers keep to their own blocks, blocks too scattered
-for one message per stretch go packed and land the same, and offers that do not fit
-are refused before any byte moves.
+"""The collective backend's paged transfers: messages from the sender's blocks straight
+into the receiver's reserved ones, two backends in one process (a gloo pair needs no
+more), over each kind of channel: gloo, and NCCL's (its bodies over
+``tests.nccl_fakes.FakeNcclPair``, CPU memory matched in posting order as NCCL matches).
+Checked by sha256 of the bytes: blocks land where they were reserved and nowhere else,
+concurrent transfers keep to their own blocks, blocks too scattered for one message per
+stretch go packed and land the same, and offers that do not fit are refused before any
+byte moves.
 """
 
 from __future__ import annotations
@@ -15,22 +17,34 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.wire.messages import KVLayout
-from kv_transfer import collective
+from kv_transfer import collective, collective_channels, nccl_channel
 from kv_transfer.base import TransferError, TransferMeta
 from kv_transfer.collective import BlockPlan, CollectiveBackend
 from kv_transfer.peer import checksum
 from tests.helpers import cache_blocks, paged_pair
+from tests.nccl_fakes import FakeNcclPair
 
 LAYOUT = KVLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 SRC_BLOCKS, DST_BLOCKS = 40, 64
 
 
-@pytest.fixture(scope="module")
-def pair():
-    """(sender, its cache, receiver, its cache), caches attached."""
-    with paged_pair(lambda: CollectiveBackend(op_timeout_s=20), LAYOUT, SRC_BLOCKS, DST_BLOCKS) as pair:
-        assert pair[0].paged and pair[2].paged, "on CPUs the collective backend moves blocks"
-        yield pair
+@pytest.fixture(scope="module", params=["gloo", "nccl"])
+def pair(request):
+    """(sender, its cache, receiver, its cache), caches attached, over one kind of channel."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nccl_channel, "NcclPair", FakeNcclPair.reset())
+        patch.setattr(collective, "channel_kind", _as_preferred)  # as if on two GPUs
+        make = lambda: CollectiveBackend(op_timeout_s=20, channel=request.param)  # noqa: E731
+        with paged_pair(make, LAYOUT, SRC_BLOCKS, DST_BLOCKS) as pair:
+            assert pair[0].paged and pair[2].paged, "on CPUs the collective backend moves blocks"
+            yield pair
+        assert not any(w.errors for w in FakeNcclPair.wires.values()), "NCCL calls posted out of order"
+        if request.param == "nccl":
+            assert any(op == "send" for _, op, _ in FakeNcclPair.posts), "the bodies should have gone over NCCL"
+
+
+def _as_preferred(preferred: str, mine: str, theirs: str) -> str:
+    return preferred
 
 
 def _meta(tid: str, receiver: CollectiveBackend, dst_ids: list[int]) -> TransferMeta:
@@ -62,7 +76,7 @@ def test_blocks_land_in_the_reserved_blocks_and_nowhere_else(pair):
 
 def test_blocks_too_scattered_for_a_message_each_go_packed(pair, monkeypatch):
     sender, src, receiver, dst = pair
-    monkeypatch.setattr(collective, "MAX_MESSAGES", 8)
+    monkeypatch.setattr(collective_channels, "MAX_MESSAGES", 8)
     src_ids, dst_ids = [1, 5, 9, 13, 17], [50, 48, 46, 44, 42]
     plan = BlockPlan(src_ids, dst_ids, dst[0])
     assert not plan.direct and plan.num_messages == 2

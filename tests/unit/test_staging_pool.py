@@ -2,7 +2,7 @@
 
 import torch
 
-from kv_transfer.collective import StagingPool
+from kv_transfer.collective_channels import StagingPool
 
 
 def test_buffers_are_reused_smallest_fit_first():
