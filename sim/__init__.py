@@ -9,6 +9,8 @@ model and the KV transfers (docs/SIMULATOR.md).
 - ``sim.worker``: one worker, the engine's scheduler stepped on simulated time;
 - ``sim.router``: the router's placement policies over the simulated workers;
 - ``sim.simulator``: the event loop and the request's way through the cluster;
+- ``sim.records``: a run's data, each replayed request's record and the run's result;
+- ``sim.client_tokens``: when the clients got their tokens, and what the latency window saw;
 - ``sim.scaling``: the pools' control loop on simulated time;
 - ``sim.report``: a run in the serving benchmark's terms;
 - ``sim.planner``: the search for the configuration that sustains the most load under SLOs;

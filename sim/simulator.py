@@ -35,67 +35,32 @@ A decode worker takes a run of identical decode steps as one event (``sim.worker
 lifecycle), cut short when a request is placed on it or its KV arrives; the outcome is
 the stepped one's (``decode_runs=False`` steps one plan at a time, as a check). With
 autoscaling, every run is cut when the controller looks (``cut_runs``), and the clients'
-tokens reach its latency window then, in the order they came (``latency_report``).
+tokens reach its latency window then, in the order they came (``sim/client_tokens.py``).
+The run's data, ``Record`` and ``SimResult``, live in ``sim/records.py`` (imported from here too).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import random
 import time
-from array import array
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
-from cluster.autoscaler import Decision
 from engine.core.request import Request
 from engine.core.step_shape import shape_of
 from engine.wire.sampling_params import SamplingParams
-from router.admission import Admission, Rejection, Ticket
+from router.admission import Admission, Rejection
+from sim.client_tokens import ClientTokens
 from sim.cost import CostModel
+from sim.records import Record, SimResult
 from sim.router import SimRouter
 from sim.topology import SimTopology
 from sim.worker import SAMPLED_TOKEN, DecodeRun, SimWorker
 from sim.workload import SimRequest
-
-
-@dataclass(slots=True)
-class Record:
-    """One replayed request as the client sees it: token times on the simulated clock, the
-    workers it went to, its admission ticket and how it ended."""
-
-    index: int
-    req: SimRequest
-    ticket: Ticket | None = None
-    decode: SimWorker | None = None
-    prefill: SimWorker | None = None
-    held_blocks: int = 0
-    token_times: array = field(default_factory=lambda: array("d"))
-    end_s: float | None = None
-    error: str | None = None
-    cached_tokens: int = 0
-    deadline_s: float = math.inf
-
-
-@dataclass
-class SimResult:
-    """A run's records and what the workers counted (preemptions, steps, queue samples), with
-    the simulation's own CPU time."""
-
-    records: list[Record]
-    num_preemptions: int
-    num_steps: int
-    queue_samples: list[dict]
-    sim_cpu_s: float
-    num_devices_max: int
-    scaling_decisions: list[tuple[float, Decision]]  # when, and what the autoscaler decided
-    local_prefills: int = 0
-    device_s: float = 0.0  # devices held over time, to the last request's end (starting ones too)
-    end_s: float = 0.0  # simulated time at the last request's end
 
 
 class Simulator:
@@ -133,11 +98,8 @@ class Simulator:
         self._max_devices = self._held = self.num_devices()  # devices held (workers starting hold theirs)
         self._held_since = self._device_s = 0.0
         self.local_prefills = 0
-        # With autoscaling, what clients saw waits here until the controller reads it
-        # (``latency_report``): (when, order, seconds) of first tokens and of the gaps after.
-        self._ttft_feed: list[tuple[float, int, float]] = []
-        self._itl_feed: list[tuple[float, int, float]] = []
-        self._feed_order = itertools.count()
+        # With autoscaling, what clients saw waits there until the controller reads it (``latency_report``).
+        self.tokens = ClientTokens(self.latency)
         # Runs time their steps ahead, which a shared host's contention does not allow.
         self.decode_runs = decode_runs and not cost.contention
 
@@ -366,7 +328,7 @@ class Simulator:
                     if latency is None:
                         rec.token_times.append(now)
                     else:
-                        self._token(rec)
+                        self.tokens.token(rec, now)
                     if request.is_finished:
                         self._finish(rec, request)
         for request in out.finished:  # ended while planning: it can never fit
@@ -393,14 +355,7 @@ class Simulator:
         """The run's first ``num_steps`` steps ended: the scheduler skips them, their tokens
         reach the clients."""
         w.scheduler.skip_decode_steps(num_steps, SAMPLED_TOKEN)
-        ends = run.ends[:num_steps]
-        times, records = ends.tobytes(), self.records
-        feed = ends.tolist() if self.latency is not None else None  # the latency window's, with autoscaling
-        for request in run.requests:
-            rec = records[int(request.request_id)]
-            if feed is not None:
-                self._feed_run(rec, feed)
-            rec.token_times.frombytes(times)
+        self.tokens.ran(self.records, run.requests, run.ends[:num_steps])
         if num_steps:
             w.forward_s = float(_running_sum(w.forward_s, run.durations[:num_steps])[-1])
         w.num_steps += num_steps
@@ -427,28 +382,6 @@ class Simulator:
         w.forward_s += float(run.durations[m])
         self.at(float(run.ends[m]), self._step_done, w)
 
-    def _token(self, rec: Record) -> None:
-        """A token reached the client now (counted in the routers' latency window with autoscaling)."""
-        times, now = rec.token_times, self.now
-        if self.latency is not None:
-            if times:
-                self._itl_feed.append((now, next(self._feed_order), now - times[-1]))
-            else:
-                self._ttft_feed.append((now, next(self._feed_order), now - rec.req.arrival_s))
-        times.append(now)
-
-    def _feed_run(self, rec: Record, ends) -> None:
-        """``rec``'s tokens at ``ends`` (a run's steps) for the latency window. The first may
-        be its first token: a prompt whose last token was left to a step of its own (a
-        chunk that ended one short) decodes in the run from there."""
-        order, last = self._feed_order, rec.token_times[-1] if rec.token_times else None
-        for end in ends:
-            if last is None:
-                self._ttft_feed.append((end, next(order), end - rec.req.arrival_s))
-            else:
-                self._itl_feed.append((end, next(order), end - last))
-            last = end
-
     def cut_runs(self) -> None:
         """Every worker's run cut at now (``_cut``: the same simulation), so that its state
         and its clients' tokens are those of now."""
@@ -457,18 +390,9 @@ class Simulator:
                 self._cut(w)
 
     def latency_report(self):
-        """What the routers' clients saw lately (``LatencyWindow.report``), every token up to
-        now in the window, in the order the clients got them (runs cut first:
-        ``cut_runs``). The window keeps only its last ``max_samples`` of each kind, so only
-        those are handed to it."""
-        window = self.latency
-        for feed, add in ((self._ttft_feed, window.first_token),
-                          (self._itl_feed, lambda seconds, when: window.tokens(1, seconds, when))):
-            feed.sort()
-            for when, _, seconds in feed[-window.max_samples:]:
-                add(seconds, when)
-            feed.clear()
-        return window.report(self.now)
+        """What the routers' clients saw lately, every token up to now (``ClientTokens.report``;
+        the controller cuts the runs first: ``cut_runs``)."""
+        return self.tokens.report(self.now)
 
     def _finish(self, rec: Record, request: Request) -> None:
         rec.end_s = self.now
@@ -499,7 +423,7 @@ class Simulator:
         rec.decode.touch()
         if request is None:
             return
-        self._token(rec)
+        self.tokens.token(rec, self.now)
         if request.is_finished:
             self._finish(rec, request)
 

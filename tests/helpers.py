@@ -314,7 +314,7 @@ def _randomise_biases_and_norms(model) -> None:
 
 
 # HF tensor name pieces -> llama.cpp's, for writing test GGUF files (the inverse of
-# engine/model/gguf_checkpoint.py's tables, spelled out again so a mistake there shows here).
+# engine/model/gguf_tensors.py's tables, spelled out again so a mistake there shows here).
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -24,21 +24,37 @@ rebuilt from the vocabulary and its scores. Anything else is refused with an
 error that names it. Importing this module loads neither torch, transformers
 nor gguf (the router builds its tokenizer through it, and the GPU image has no gguf):
 the ``gguf`` package is imported when a file is opened.
+
+This module opens the file and reads its metadata (``GGUFFile``: the config and the
+tokenizer's parts); ``engine/model/gguf_tensors.py`` has llama.cpp's tensor names and types
+and ``GGUFTensors``, ``engine/model/gguf_tokenizer.py`` rebuilds the tokenizer. Their public
+names are imported from here.
 """
 
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from engine.core.optional import optional_import
+from engine.model.gguf_tensors import (
+    FAMILY_TENSORS,
+    LAYER_TENSORS,
+    MIXTRAL,
+    ROPE_FACTORS,
+    SUPPORTED_TYPES,
+    GGUFTensors,
+    gguf_package,
+    hf_name,
+)
+from engine.model.gguf_tokenizer import PRE_TOKENIZERS, build_tokenizer
+
+__all__ = [
+    "GGUF_ARCHITECTURES", "PRE_TOKENIZERS", "SUPPORTED_TYPES", "GGUFFile", "GGUFTensors", "fast_reader",
+    "gguf_package", "is_gguf", "open_gguf",
+]
 
 # llama.cpp's architecture name -> the Hugging Face class it stands for. A ``llama`` file
 # with experts is a Mixtral: llama.cpp's converter writes MixtralForCausalLM as a llama.
@@ -50,104 +66,6 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
-_MIXTRAL = "MixtralForCausalLM"
-# Types the loader dequantizes, by gguf.GGMLQuantizationType name (every one tested
-# against transformers' GGUF loader).
-SUPPORTED_TYPES = frozenset(
-    ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-)
-# Architectures whose converter permuted the Q/K rows (convert_hf_to_gguf.py, LlamaModel).
-_PERMUTED_QK = {"llama"}
-# Architectures whose converter stored every norm's weight plus 1 (Gemma3Model): Gemma's
-# RMSNorm scales by 1 + weight, llama.cpp's by the weight. The loader takes the 1 off.
-_NORMS_PLUS_ONE = {"gemma3"}
-
-# llama.cpp's names for a layer's tensors -> Hugging Face's (under ``model.layers.N.``).
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# Each family's names on top of those (convert_hf_to_gguf.py and gguf-py's tensor map).
-# A mixture's experts come stacked, one tensor per layer and projection, under the name
-# the converter gives the stack before mapping it: the per-expert name less the index.
-_FAMILY_TENSORS = {
-    "LlamaForCausalLM": {},
-    "Qwen2ForCausalLM": {},
-    "Qwen3ForCausalLM": _QK_NORMS,
-    # Phi-3's checkpoints keep q/k/v fused, and gate and up (in that order) in ffn_up.
-    "Phi3ForCausalLM": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    _MIXTRAL: {
-        "ffn_gate_inp": "block_sparse_moe.gate",
-        "ffn_gate_exps": "block_sparse_moe.experts.w1",
-        "ffn_up_exps": "block_sparse_moe.experts.w3",
-        "ffn_down_exps": "block_sparse_moe.experts.w2",
-    },
-    "Qwen3MoeForCausalLM": {
-        **_QK_NORMS,
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.gate_proj",
-        "ffn_up_exps": "mlp.experts.up_proj",
-        "ffn_down_exps": "mlp.experts.down_proj",
-    },
-    # Gemma 3's norms on both sides of each sublayer: ffn_norm is the one before the MLP.
-    "Gemma3ForCausalLM": {
-        **_QK_NORMS,
-        "post_attention_norm": "post_attention_layernorm",
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Phi-3's LongRoPE factors, which the converter stores as tensors: read into the config.
-_ROPE_FACTORS = {
-    "long_factor": "rope_factors_long.weight",
-    "short_factor": "rope_factors_short.weight",
-}
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
-# How text is split before BPE, by llama.cpp's ``tokenizer.ggml.pre``: the split each
-# family's tokenizer.json does (llama.cpp's llama-vocab.cpp keeps the same table).
-_GPT2 = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _split_then_bytes(regex: str) -> list:
-    return [
-        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-
-
-PRE_TOKENIZERS = {
-    "default": _GPT2,
-    "gpt2": _GPT2,
-    # SmolLM's tokenizer.json: every digit on its own, then GPT-2's split.
-    "smollm": [pre_tokenizers.Digits(individual_digits=True), *_GPT2],
-    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT),
-    "llama3": _split_then_bytes(_LLAMA3_SPLIT),
-    "smaug-bpe": _split_then_bytes(_LLAMA3_SPLIT),
-    "qwen2": _split_then_bytes(_QWEN2_SPLIT),
-    "deepseek-r1-qwen": _split_then_bytes(_QWEN2_SPLIT),
-}
-# llama.cpp's token types that it matches whole in the text: the unknown token, special
-# ones (BOS, <|im_end|>, ...), and ones added to the vocabulary unspecial (Qwen3's <think>).
-_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
-_SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 
 def is_gguf(path: str | Path | GGUFFile) -> bool:
@@ -162,11 +80,6 @@ def open_gguf(path: str | Path | GGUFFile) -> GGUFFile:
     """``path`` opened, or as given when already open (reading the metadata takes
     seconds, so an engine opens its file once for config, tokenizer and weights)."""
     return path if isinstance(path, GGUFFile) else GGUFFile(path)
-
-
-def gguf_package():
-    """The ``gguf`` package; an ImportError that names it where it is not installed."""
-    return optional_import("gguf", "reading GGUF files")
 
 
 @functools.cache
@@ -209,7 +122,7 @@ class GGUFFile:
             )
         self.hf_architecture = GGUF_ARCHITECTURES[self.architecture]
         if self.architecture == "llama" and self._arch("expert_count"):
-            self.hf_architecture = _MIXTRAL
+            self.hf_architecture = MIXTRAL
 
     def __str__(self) -> str:
         return str(self.path)
@@ -288,13 +201,13 @@ class GGUFFile:
     def _longrope(self) -> dict[str, Any]:
         """Phi-3's LongRoPE, which its converter writes as two tensors of factors plus the
         original context length and the attention factor (no ``rope.scaling.type``)."""
-        tensors = {t.name: t for t in self._reader.tensors if t.name in _ROPE_FACTORS.values()}
+        tensors = {t.name: t for t in self._reader.tensors if t.name in ROPE_FACTORS.values()}
         if not tensors:
             return {}
         gguf = gguf_package()
         scaling = {
             key: gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type).tolist()
-            for key, name in _ROPE_FACTORS.items()
+            for key, name in ROPE_FACTORS.items()
         }
         scaling.update(
             rope_type="longrope",
@@ -307,7 +220,7 @@ class GGUFFile:
         """A mixture's experts, in every layer. llama.cpp's qwen3moe graph has no dense
         layers (no ``mlp_only_layers``) and always renormalises the top-k weights."""
         count, used = self._arch("expert_count"), self._arch("expert_used_count")
-        if self.hf_architecture == _MIXTRAL:
+        if self.hf_architecture == MIXTRAL:
             return {"num_local_experts": count, "num_experts_per_tok": used}
         if self.architecture == "qwen3moe":
             return {
@@ -349,10 +262,10 @@ class GGUFFile:
                 f"GGUF file {self.path.name}: unsupported tensor type(s) {unsupported}; "
                 f"supported: {sorted(SUPPORTED_TYPES)}"
             )
-        layer_tensors = {**_LAYER_TENSORS, **_FAMILY_TENSORS[self.hf_architecture]}
-        in_config = set(_ROPE_FACTORS.values()) if self.architecture == "phi3" else set()
+        layer_tensors = {**LAYER_TENSORS, **FAMILY_TENSORS[self.hf_architecture]}
+        in_config = set(ROPE_FACTORS.values()) if self.architecture == "phi3" else set()
         by_name = {
-            _hf_name(t.name, layer_tensors, self.path.name): t for t in self._reader.tensors if t.name not in in_config
+            hf_name(t.name, layer_tensors, self.path.name): t for t in self._reader.tensors if t.name not in in_config
         }
         return GGUFTensors(self.architecture, by_name, dtype, num_heads, num_kv_heads)
 
@@ -372,7 +285,7 @@ class GGUFFile:
         # A chat's end of turn stops generation as EOS does (llama.cpp: eot, eom).
         stop_ids = [self._get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
         return {
-            "tokenizer": self._build_tokenizer(tokens, types),
+            "tokenizer": build_tokenizer(self._get, self.path.name, tokens, types),
             "chat_template": self._get("tokenizer.chat_template"),
             "bos_token": token("bos_token_id"),
             "eos_token": token("eos_token_id"),
@@ -380,161 +293,3 @@ class GGUFFile:
             "eos_token_ids": tuple(i for i in stop_ids if i is not None),
             "bos_token_id": self._get("tokenizer.ggml.bos_token_id"),
         }
-
-    def _build_tokenizer(self, tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
-        kind = self._get("tokenizer.ggml.model")
-        if kind == "gpt2":
-            tok = self._byte_level_bpe(tokens)
-        elif kind == "llama":
-            tok = self._sentencepiece_bpe(tokens)
-        else:
-            raise ValueError(
-                f"GGUF file {self.path.name}: unsupported tokenizer model {kind!r}; "
-                "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
-            )
-        # Matched whole in the text, as llama.cpp does; all but the user-defined ones are
-        # special, skipped when decoding. In a byte-level vocabulary, one spelled outside
-        # the byte alphabet would be a new id past the model's vocabulary.
-        alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
-
-        def added(token_types: tuple[int, ...], special: bool) -> list[AddedToken]:
-            return [
-                AddedToken(t, special=special, normalized=False)
-                for t, k in zip(tokens, types)
-                if k in token_types and (alphabet is None or set(t) <= alphabet)
-            ]
-
-        tok.add_special_tokens(added((_UNKNOWN, _CONTROL), special=True))
-        tok.add_tokens(added((_USER_DEFINED,), special=False))
-        return tok
-
-    def _byte_level_bpe(self, tokens: list[str]) -> tokenizers.Tokenizer:
-        pre = self._get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
-            raise ValueError(
-                f"GGUF file {self.path.name}: unsupported pre-tokenizer {pre!r}; "
-                f"supported: {sorted(PRE_TOKENIZERS)}"
-            )
-        merges = [tuple(m.split(" ", 1)) for m in self._get("tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        tok.pre_tokenizer = pre_tokenizers.Sequence(PRE_TOKENIZERS[pre])
-        tok.decoder = decoders.ByteLevel()
-        return tok
-
-    def _sentencepiece_bpe(self, tokens: list[str]) -> tokenizers.Tokenizer:
-        """SentencePiece's BPE as a ``tokenizers`` BPE with byte fallback (``<0x..>``
-        tokens), as transformers' GGUF loader builds it: merges recovered from the
-        vocabulary's scores, spaces spelled ``▁``.
-
-        The text gets a leading ``▁`` where llama.cpp gives it one (``add_space_prefix``):
-        at the start and after every added token. A normalizer does that, as in
-        transformers' GGUF Phi-3 tokenizer and the tokenizer.json of Llama 2 and Mistral
-        (transformers' other GGUF SentencePiece tokenizers prefix the start only)."""
-        scores = self._get("tokenizer.ggml.scores")
-        if scores is None:
-            raise ValueError(f"GGUF file {self.path.name}: a SentencePiece vocabulary without scores")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        merges = _merges_by_score(tokens, scores)
-        unk = self._get("tokenizer.ggml.unknown_token_id")
-        tok = tokenizers.Tokenizer(models.BPE(
-            vocab=vocab, merges=merges, unk_token=None if unk is None else tokens[unk],
-            fuse_unk=True, byte_fallback=True,
-        ))  # fmt: skip
-        prefix = bool(self._get("tokenizer.ggml.add_space_prefix", True))
-        spaces = [normalizers.Replace(" ", _SPACE)]
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE)] * prefix + spaces)
-        strip = [decoders.Strip(" ", 1, 0)] if prefix else []
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
-        )
-        return tok
-
-
-class GGUFTensors(Mapping):
-    """A GGUF file's weights under Hugging Face names, each dequantized when it is read.
-
-    The ``gguf`` package dequantizes a tensor whole (a quantized block spans many values
-    of a row), so a part of one (``read`` with an index: a tensor-parallel rank's slice)
-    is cut right after its tensor is dequantized, in float32, and copied out: a rank
-    holds at most one whole dequantized matrix beyond its own slices at any time, never
-    the whole model. The last tensor read is kept, so the three parts a rank reads of a
-    fused q/k/v matrix dequantize it once. Any part of any tensor can be cut this way;
-    what cannot split (heads, intermediate rows) is refused by ``Shard``, naming the limit.
-    """
-
-    def __init__(self, architecture: str, tensors: dict, dtype, num_heads: int, num_kv_heads: int) -> None:
-        self._architecture = architecture
-        self._tensors = tensors  # Hugging Face name -> gguf's ReaderTensor
-        self._dtype = dtype
-        self._heads = {".q_proj.": num_heads, ".k_proj.": num_kv_heads}
-        self._last: tuple[str, np.ndarray] | None = None
-
-    def __getitem__(self, name: str):
-        return self.read(name)
-
-    def __iter__(self):
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Tensor ``name``'s shape, slowest dimension first (as torch has it)."""
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
-
-    def read(self, name: str, index: tuple[slice, ...] = ()):
-        """Tensor ``name`` in the serving dtype, or its ``index`` (a slice per leading
-        dimension), copied out of the whole dequantized tensor."""
-        import torch
-
-        values = self._dequantized(name)
-        if index:
-            values = np.array(values[index])
-        # F32 comes back as a view of the read-only memory map: copy it out.
-        return torch.from_numpy(np.array(values, copy=not values.flags.writeable)).to(self._dtype)
-
-    def _dequantized(self, name: str) -> np.ndarray:
-        """The whole of tensor ``name`` in float32, in Hugging Face's layout."""
-        if self._last is not None and self._last[0] == name:
-            return self._last[1]
-        t = self._tensors[name]
-        values = gguf_package().quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
-        heads = next((n for key, n in self._heads.items() if key in name), None)
-        if self._architecture in _PERMUTED_QK and heads is not None:
-            values = _unpermute(values, heads)
-        elif self._architecture in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
-            values = values - 1  # in float32, before the cast to dtype
-        self._last = (name, values)
-        return values
-
-
-def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """The merges a SentencePiece vocabulary implies: every split of a token into two
-    tokens, best-scored first (transformers' ``generate_merges``, which its GGUF loader
-    runs: SentencePiece merges the pair whose result scores highest, as BPE's ranks do)."""
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = []
-    for token, score in dict(zip(tokens, scores)).items():
-        pairs = [(token[:i], token[i:]) for i in range(1, len(token))]
-        found = [(a, b) for a, b in pairs if a in vocab and b in vocab]
-        found.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend((a, b, score) for a, b in found)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
-
-
-def _hf_name(name: str, layer_tensors: dict[str, str], file_name: str) -> str:
-    m = _LAYER_NAME.match(name)
-    if m and m.group(2) in layer_tensors:
-        return f"model.layers.{m.group(1)}.{layer_tensors[m.group(2)]}.{m.group(3)}"
-    stem, _, kind = name.rpartition(".")
-    if stem in _GLOBAL_TENSORS and kind in ("weight", "bias"):
-        return f"{_GLOBAL_TENSORS[stem]}.{kind}"
-    raise ValueError(f"GGUF file {file_name}: tensor {name!r} has no place in the model")
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo convert_hf_to_gguf.py's ``permute``: back to HF's rotate-half row order."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,5 +1,6 @@
 """The token channel's wire: its handshake, each connection's keys, sealed frames, and the
-fixed schema of what the frames carry (``engine/wire/token_channel.py`` runs the sessions on it).
+fixed schema of what the frames carry (``engine/wire/token_channel.py`` and
+``engine/wire/channel_server.py`` run the sessions on it).
 
 Nothing here unpickles. A frame's body is MessagePack of one of the frame structs below,
 decoded against that schema (msgspec): ints, strings, floats and lists of them where the

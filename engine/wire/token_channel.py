@@ -58,6 +58,12 @@ acknowledgement, and its heartbeat) every ``heartbeat_s`` and every ``ACK_EVERY`
 messages, and ``END`` when it is done with the session (it ends at once, with no
 grace). The worker sends numbered step messages and ``Notice``s; number 0 is a
 heartbeat or a ``Notice`` of the channel's own, outside the numbering.
+
+Where the parts live: this module is the router's end (``connect``) and the channel's
+door (every name below is imported from here); ``engine/wire/channel_server.py`` is the
+worker's end (``ChannelServer`` and its sessions); ``engine/wire/channel_config.py`` has
+the settings, the address and the socket options both ends use; ``engine/wire/channel_wire.py``
+the handshake and the frames.
 """
 
 from __future__ import annotations
@@ -65,304 +71,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
-import socket
-from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, fields
+from collections.abc import AsyncGenerator
 
 from engine.wire import channel_wire as wire
+from engine.wire.channel_config import ACK_EVERY, NEW, ChannelAddress, ChannelConfig, ChannelLost, keep_alive
+from engine.wire.channel_server import ChannelServer
 from engine.wire.channel_wire import END, FrameRefused, HeartbeatFrame, Notice, NoticeFrame, NoticeKind, Seal
 from engine.wire.messages import StepMessage
 
+# The channel's names, wherever they are defined, are imported from here.
+__all__ = [
+    "ChannelAddress", "ChannelConfig", "ChannelLost", "ChannelServer", "Notice", "NoticeKind", "connect", "keep_alive",
+]
+
 log = logging.getLogger(__name__)
-
-HELLO_TIMEOUT_S = 5.0  # a peer that has not finished its handshake by then is closed on
-ACK_EVERY = 64  # the router acknowledges at least this often, in messages
-NEW = "new"
-# A peer on a host that vanished while the connection was idle is noticed after
-# about KEEPALIVE_IDLE_S + KEEPALIVE_PROBES * KEEPALIVE_INTERVAL_S (heartbeats usually first).
-KEEPALIVE_IDLE_S = 5
-KEEPALIVE_INTERVAL_S = 2
-KEEPALIVE_PROBES = 3
-MIN_FRAME_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class ChannelConfig:
-    """The token channel's timings and bounds (the router's and the workers' alike)."""
-
-    heartbeat_s: float = 1.0  # each side sends something at least this often
-    heartbeat_timeout_s: float = 10.0  # this long without a byte from the peer: the connection is dead
-    reconnect_grace_s: float = 10.0  # a dropped session waits this long for its router to come back
-    max_unacked_bytes: int = 8 << 20  # sent but not acknowledged; past it the worker's sending waits
-    # Per subscriber, outputs not yet sent (the worker's outbox). Past it the router is
-    # told; still past it after slow_subscriber_s (or past twice it at once) the
-    # subscriber is cut off: its requests are aborted and their blocks freed.
-    max_pending_outputs: int = 65536
-    slow_subscriber_s: float = 5.0
-    # The largest frame the router reads; a longer one's length ends the stream unread. A step
-    # message with prompt logprobs (20 alternatives) of a 128k-token prompt is about 40 MiB.
-    max_frame_bytes: int = 64 << 20
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_s", "heartbeat_timeout_s", "reconnect_grace_s", "slow_subscriber_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"channel.{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not self.heartbeat_timeout_s > self.heartbeat_s:
-            raise ValueError(f"channel.heartbeat_timeout_s ({self.heartbeat_timeout_s}) must be more than "
-                             f"channel.heartbeat_s ({self.heartbeat_s})")
-        for name in ("max_unacked_bytes", "max_pending_outputs"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"channel.{name} must be >= 1, got {getattr(self, name)}")
-        if not self.max_frame_bytes >= MIN_FRAME_BYTES:
-            raise ValueError(f"channel.max_frame_bytes must be >= {MIN_FRAME_BYTES} (1 MiB: a step message with "
-                             f"logprobs can be that big), got {self.max_frame_bytes}")
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ChannelConfig:
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown channel settings: {sorted(unknown)}")
-        return cls(**d)
-
-
-class ChannelLost(ConnectionError):
-    """The session is over: the worker is gone, or no longer knows the subscriber."""
-
-
-@dataclass(frozen=True)
-class ChannelAddress:
-    """Where a decode worker's token channel listens, and the secret that opens it."""
-
-    host: str
-    port: int
-    secret: str
-
-
-def keep_alive(writer: asyncio.StreamWriter, user_timeout_s: float | None = None) -> None:
-    """Turn on TCP keepalive, so a peer whose host vanished ends the connection, and
-    (Linux) ``TCP_USER_TIMEOUT``, so data the peer leaves unacknowledged that long fails it."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    options = [("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-               ("TCP_KEEPCNT", KEEPALIVE_PROBES)]
-    if user_timeout_s is not None:
-        options.append(("TCP_USER_TIMEOUT", max(1, int(user_timeout_s * 1000))))
-    for name, value in options:
-        if hasattr(socket, name):  # Linux; elsewhere the system's defaults apply
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-class _Session:
-    """One subscriber's numbered stream on the worker, across its connections."""
-
-    def __init__(self, subscriber: str, config: ChannelConfig) -> None:
-        self.subscriber = subscriber
-        self.config = config
-        self.loop = asyncio.get_running_loop()
-        self.sent = 0  # number of the last message
-        self.unacked: deque[tuple[int, bytes]] = deque()  # (number, frame body), sealed as written
-        self.unacked_bytes = 0
-        self.writer: asyncio.StreamWriter | None = None  # None: DETACHED (or ENDED)
-        self.seal: Seal | None = None  # the connection's, for what the worker writes on it
-        self.last_sent = self.loop.time()
-        self.changed = asyncio.Event()  # attached, or acknowledged: a waiting send may go on
-        self.task: asyncio.Task | None = None  # the serving
-        self.expiry: asyncio.TimerHandle | None = None
-        self.ended = False
-
-    async def send(self, message) -> None:
-        """Number, keep and write one message; waits while detached or too far ahead."""
-        self.sent += 1
-        body = wire.encode(message, self.sent)
-        self.unacked.append((self.sent, body))
-        self.unacked_bytes += len(body)
-        if self.writer is not None:
-            self.writer.write(self.seal.seal(body))
-            self.last_sent = self.loop.time()
-        while self.writer is None or self.unacked_bytes > self.config.max_unacked_bytes:
-            self.changed.clear()
-            await self.changed.wait()
-        try:
-            await self.writer.drain()
-        except ConnectionError:
-            pass  # the connection's watch detaches the session; the message stays to be sent again
-
-    def heartbeat(self) -> None:
-        if self.writer is not None:
-            self.writer.write(self.seal.seal(wire.HEARTBEAT))
-            self.last_sent = self.loop.time()
-
-    def ack(self, number: int) -> None:
-        unacked = self.unacked
-        while unacked and unacked[0][0] <= number:
-            self.unacked_bytes -= len(unacked.popleft()[1])
-        self.changed.set()
-
-    def can_resume(self, number: int) -> bool:
-        """Whether everything after message ``number`` is still here to send."""
-        first = self.unacked[0][0] if self.unacked else self.sent + 1
-        return first - 1 <= number <= self.sent
-
-    def attach(self, writer: asyncio.StreamWriter, seal: Seal, number: int) -> None:
-        """A connection (``seal``: its own) takes the session over, from after message ``number``."""
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
-        old, self.writer, self.seal = self.writer, writer, seal
-        if old is not None:
-            old.close()
-        self.ack(number)
-        for _, body in self.unacked:
-            writer.write(seal.seal(body))
-        self.last_sent = self.loop.time()
-
-    def detach(self, writer: asyncio.StreamWriter, end: Callable[[], None]) -> None:
-        """``writer``'s connection is gone; ``end`` the session if none comes within the grace."""
-        if self.writer is writer and not self.ended:
-            self.writer = None
-            self.expiry = self.loop.call_later(self.config.reconnect_grace_s, end)
-
-
-class ChannelServer:
-    """The worker's side: accepts subscribers and runs ``serve(subscriber, send)`` for
-    each session (``send`` numbers and writes one message; the serving is cancelled when
-    the session ends without it: no reconnect within the grace)."""
-
-    def __init__(
-        self, serve: Callable[[str, Callable[[object], Awaitable[None]]], Awaitable[None]],
-        config: ChannelConfig | None = None,
-    ) -> None:
-        self._serve = serve
-        self.config = config or ChannelConfig()
-        self._secret = secrets.token_hex(16)
-        self._server: asyncio.AbstractServer | None = None
-        self._sessions: dict[str, _Session] = {}
-        self.address: ChannelAddress | None = None
-        self.num_resumed = 0
-
-    async def start(self, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None) -> ChannelAddress:
-        """Listen on ``host:port`` (0: any free port). ``advertise``: the host routers
-        connect to, when ``host`` is a wildcard such as 0.0.0.0."""
-        if self.address is None:
-            self._server = await asyncio.start_server(self._accept, host, port)
-            bound = self._server.sockets[0].getsockname()[1]
-            self.address = ChannelAddress(advertise or host, bound, self._secret)
-        return self.address
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    def state(self, subscriber: str) -> str | None:
-        """``"attached"``, ``"detached"`` (waiting for a reconnect) or None (no session)."""
-        session = self._sessions.get(subscriber)
-        if session is None:
-            return None
-        return "detached" if session.writer is None else "attached"
-
-    def disconnect(self, subscriber: str) -> None:
-        """Fault injection: reset the subscriber's connection (a network blip), keeping
-        its session."""
-        session = self._sessions.get(subscriber)
-        if session is not None and session.writer is not None:
-            session.writer.transport.abort()
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            subscriber, resume, incoming, outgoing = await asyncio.wait_for(
-                wire.worker_handshake(reader, writer, self._secret), HELLO_TIMEOUT_S)
-        except (asyncio.TimeoutError, EOFError, asyncio.LimitOverrunError, ConnectionError, FrameRefused):
-            writer.close()  # silent, gone, or not a router that holds the secret
-            return
-        if not subscriber:
-            writer.close()
-            return
-        keep_alive(writer, self.config.heartbeat_timeout_s)
-        session = self._sessions.get(subscriber)
-        if resume == NEW and session is None:
-            session = self._sessions[subscriber] = _Session(subscriber, self.config)
-            session.task = asyncio.get_running_loop().create_task(self._run(session))
-            number = 0
-        elif resume != NEW and resume.isdigit() and session is not None and session.can_resume(int(resume)):
-            number = int(resume)
-            self.num_resumed += 1
-            notice = Notice(NoticeKind.RESUMED, f"after message {number}")
-            writer.write(outgoing.seal(wire.encode(notice)))  # before the replay
-        else:  # a name already in use, or a session this worker cannot carry on
-            notice = Notice(NoticeKind.GONE, f"no session {subscriber!r} to resume from {resume}")
-            writer.write(outgoing.seal(wire.encode(notice)))
-            writer.close()
-            return
-        session.attach(writer, outgoing, number)
-        said_end = False
-        try:
-            said_end = await self._watch(session, reader, writer, incoming)
-        finally:
-            if said_end:
-                self._end(session)
-            else:
-                session.detach(writer, lambda: self._end(session))
-            writer.close()
-
-    async def _watch(
-        self, session: _Session, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, incoming: Seal,
-    ) -> bool:
-        """Read the router's acknowledgements, send heartbeats when idle; return when the
-        connection ends, is replaced, or the router has been silent past the deadline:
-        True when the router said it is done with the session."""
-        loop, heartbeat_s, timeout_s = session.loop, self.config.heartbeat_s, self.config.heartbeat_timeout_s
-        heard = loop.time()
-        while session.writer is writer:
-            try:  # one fixed-size read, so a timeout never splits a frame (what came stays buffered)
-                data = await asyncio.wait_for(reader.readexactly(wire.ACK_BYTES), heartbeat_s)
-            except asyncio.TimeoutError:
-                data = None
-            except (ConnectionError, EOFError):
-                return False  # reset, or hung up
-            now = loop.time()
-            if data is not None:
-                try:
-                    number = incoming.open_ack(data)
-                except FrameRefused as e:
-                    log.warning("token channel: subscriber %s: %s; closing the connection", session.subscriber, e)
-                    return False
-                if number == END:
-                    return True
-                heard = now
-                session.ack(number)
-            elif now - heard > timeout_s:
-                return False  # the router hung, or its host vanished
-            if now - session.last_sent >= heartbeat_s:
-                session.heartbeat()
-        return False
-
-    async def _run(self, session: _Session) -> None:
-        try:
-            await self._serve(session.subscriber, session.send)
-        except (asyncio.CancelledError, ConnectionError):
-            pass  # the session ended without the serving
-        finally:
-            self._end(session)
-
-    def _end(self, session: _Session) -> None:
-        """ENDED: forget the session, cancel its serving, close its connection (after
-        what it has written, a ``CUT`` notice say, goes out)."""
-        if session.ended:
-            return
-        session.ended = True
-        if self._sessions.get(session.subscriber) is session:
-            del self._sessions[session.subscriber]
-        if session.expiry is not None:
-            session.expiry.cancel()
-        if session.task is not None and session.task is not asyncio.current_task():
-            session.task.cancel()
-        writer, session.writer = session.writer, None
-        if writer is not None:
-            writer.close()
 
 
 class _Link:

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Needs ray, which the image lacks: its tests skip there, saying so, and its imports
 # (kv_transfer.peer, the CPU conformance suite) are the CPU suite's.
 NEEDS_RAY = {"tests/gpu/test_gpu_transfer.py"}
-GPU_PATH = ["bench/gpu.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests/gpu").glob("*.py"))]
+# bench/gpu.py and its measurements' modules (bench/gpu_kernels.py, bench/gpu_engine.py), and the GPU tests.
+GPU_PATH = [*sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").glob("gpu*.py")),
+            *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests/gpu").glob("*.py"))]
 
 
 def _image_python(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:

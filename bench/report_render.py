@@ -1,0 +1,241 @@
+"""The performance report's ``report.md`` and plots, from ``report.json`` and the raw results
+alone (so ``--render-only`` can redo them): a table per comparison (``TABLES``), the whole
+markdown (``render_markdown``), and a PNG per comparison (``write_plot``).
+
+``bench/report.py`` calls ``render_markdown`` and ``write_plot`` once the runs are done; the
+condensed results they read come from ``bench/report_checks.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from bench.report_checks import Results, first_summary, first_tokens_per_chunk, ratio, summary_value
+
+OFFLINE_LINK = "../BENCHMARKS.md#offline-throughput-engine-vs-hugging-face-transformers"
+
+
+def fmt(value: float | None, spec: str = ".1f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _done(s: Mapping) -> str:
+    return f"{s['completed']}/{s['completed'] + s['failed']}"
+
+
+def _failed_row(first: Sequence[str], width: int) -> list[str]:
+    return [*first, "failed", *["-"] * (width - len(first) - 1)]
+
+
+def _label_table(
+    runs: Results, headers: Sequence[str], row: Callable[[str, Mapping], list[str]]
+) -> str:
+    """A table of one row per config: ``row(label, its first run's summary)``, or a
+    failed row where the config has none."""
+    rows = []
+    for label in runs:
+        s = first_summary(runs, label)
+        rows.append(_failed_row([label], len(headers)) if s is None else row(label, s))
+    return markdown_table(headers, rows)
+
+
+def batching_table(runs: Results) -> str:
+    headers = ["config", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+               "TPOT p99 ms", "tokens/chunk", "completed", "duration s"]
+
+    def row(label: str, s: Mapping) -> list[str]:
+        return [
+            label, fmt(s["output_throughput"]),
+            fmt(s["ttft_ms"]["median"], ".0f"), fmt(s["ttft_ms"]["p99"], ".0f"),
+            fmt(s["itl_ms"]["median"]), fmt(s["itl_ms"]["p99"]), fmt(s["tpot_ms"]["p99"]),
+            fmt(first_tokens_per_chunk(runs, label), ".2f"), _done(s), fmt(s["duration_s"]),
+        ]
+
+    return _label_table(runs, headers, row)
+
+
+def topology_table(runs: Results) -> str:
+    headers = ["rate req/s", "config", "req/s done", "output tok/s", "TTFT p50 ms", "TTFT p99 ms",
+               "ITL p50 ms", "ITL p99 ms", "tokens/chunk", "goodput req/s", "SLO met", "completed"]
+    rates = sorted({e["request_rate"] for entries in runs.values() for e in entries or []},
+                   key=float)
+    rows = []
+    for rate in rates:
+        for label, entries in runs.items():
+            match = [e for e in entries or [] if e["request_rate"] == rate]
+            if not match:
+                rows.append(_failed_row([rate, label], len(headers)))
+                continue
+            s, met, per_chunk = (match[0].get(k) for k in ("summary", "slo_attainment",
+                                                             "tokens_per_chunk"))
+            rows.append([
+                rate, label, fmt(s["request_throughput"], ".2f"), fmt(s["output_throughput"]),
+                fmt(s["ttft_ms"]["median"], ".0f"), fmt(s["ttft_ms"]["p99"], ".0f"),
+                fmt(s["itl_ms"]["median"]), fmt(s["itl_ms"]["p99"]), fmt(per_chunk, ".2f"),
+                fmt(s["goodput"], ".2f"),
+                "-" if met is None else f"{met:.0%}", _done(s),
+            ])
+    return markdown_table(headers, rows)
+
+
+def prefix_table(runs: Results) -> str:
+    headers = ["config", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "cached prompt tokens",
+               "tokens/chunk", "output tok/s", "completed"]
+
+    def row(label: str, s: Mapping) -> list[str]:
+        cached = ratio(s["cached_prompt_tokens"], s["total_input_tokens"])
+        return [
+            label, fmt(s["ttft_ms"]["mean"], ".0f"), fmt(s["ttft_ms"]["median"], ".0f"),
+            fmt(s["ttft_ms"]["p99"], ".0f"), "-" if cached is None else f"{cached:.0%}",
+            fmt(first_tokens_per_chunk(runs, label), ".2f"), fmt(s["output_throughput"]), _done(s),
+        ]
+
+    return _label_table(runs, headers, row)
+
+
+TABLES: dict[str, Callable[[Results], str]] = {
+    "batching": batching_table,
+    "topology": topology_table,
+    "prefix": prefix_table,
+}
+
+
+def render_markdown(report: Mapping) -> str:
+    """``report.md`` from ``report.json`` alone."""
+    m = report["machine"]
+    quick = ", **--quick: a smoke check, not numbers to publish**" if report["quick"] else ""
+    out = [
+        "# Serving comparisons",
+        "",
+        f"Generated by `{report['command']}` on {report['started']} "
+        f"({report['wall_s']:.0f} s{quick}).",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores ({m['cores_usable']} usable), "
+        f"{m['memory_gib']} GiB, {m['platform']}; Python {m['python']}, torch {m['torch']}, "
+        f"Ray {m['ray']}; commit {m['git_commit']}. Each worker runs torch with one thread (the "
+        "cluster default); the client, router and Ray share the same cores. Model: the built-in "
+        "tandem-tiny-llama (12.6M parameters, float32).",
+        "",
+        "The offline comparison against Hugging Face transformers is `tandem bench offline`; "
+        f"see [Offline throughput]({OFFLINE_LINK}). It is not rerun here.",
+        "",
+        "Latencies are taken at the client, as `tandem bench serve` defines them. "
+        "*tokens/chunk* is output tokens per streamed chunk: 1.00 means every token was sent "
+        "on its own; more means tokens were held back and sent together, which delays TTFT "
+        "and hides stalls from ITL (one chunk of k tokens is one ITL sample).",
+    ]
+    for key, comp in report["comparisons"].items():
+        runs = {r["label"]: r["rates"] for r in comp["runs"]}
+        out += ["", f"## {comp['title']}", "", comp["setup"], "", TABLES[key](runs), ""]
+        out += [f"- {c['text']}" for c in comp["checks"]] + [""]
+        if comp.get("plot"):
+            out += [f"![{key}]({comp['plot']})", ""]
+        loads = ", ".join(f"{r['label']} {fmt(r['load_before'])} -> {fmt(r['load_after'])}"
+                          for r in comp["runs"])
+        out += [f"Load average (1 min) before -> after each run: {loads}.", ""]
+        failed = [f"{r['label']}: {r['error']}" for r in comp["runs"] if r["error"]]
+        if failed:
+            out += ["Failed: " + "; ".join(failed), ""]
+        out += ["Commands, one per configuration (from the repository root):", "", "```"]
+        out += [r["command"] for r in comp["runs"]] + ["```"]
+    return "\n".join(out) + "\n"
+
+
+# -- plots ---------------------------------------------------------------------------------
+
+
+def _samples(result: Mapping | None, metric: str) -> list[float]:
+    """Milliseconds of one latency over every completed request of every rate."""
+    if result is None:
+        return []
+    done = [r for run in result["runs"] for r in run["requests"] if r["ok"]]
+    if metric == "ITL":
+        return [gap * 1000 for r in done for gap in r["itl_s"]]
+    return [r["ttft_s"] * 1000 for r in done if r["ttft_s"] is not None]
+
+
+def _cdf(ax, values: Sequence[float], label: str) -> None:
+    values = sorted(values)
+    if values:
+        fractions = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, fractions, where="post", label=label)
+
+
+def _cdf_panel(ax, metric: str, raw: Mapping[str, Mapping | None]) -> None:
+    for label, result in raw.items():
+        _cdf(ax, _samples(result, metric), label)
+    ax.set_xscale("log")
+    ax.set_title(f"{metric} CDF")
+    ax.set_xlabel(f"{metric} (ms, log scale)")
+    ax.set_ylabel("fraction")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def plot_batching(runs: Results, raw: Mapping[str, Mapping | None], path: Path) -> Path:
+    from bench import plots  # the Agg backend, chosen before pyplot loads
+
+    fig, (bar, ttft, itl) = plots.plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    labels = list(runs)
+    bar.bar(labels, [summary_value(first_summary(runs, k), "output_throughput") or 0 for k in labels])
+    bar.set_title("output tokens/s")
+    _cdf_panel(ttft, "TTFT", raw)
+    _cdf_panel(itl, "ITL", raw)
+    return plots._save(fig, path)
+
+
+def plot_topology(runs: Results, path: Path, slo_ms: Mapping[str, float]) -> Path:
+    from bench import plots
+
+    slo = ", ".join(f"{k} {v:g} ms" for k, v in slo_ms.items())
+    panels = (
+        ("p99 TTFT (ms)", ("ttft_ms", "p99")),
+        ("p99 ITL (ms)", ("itl_ms", "p99")),
+        (f"goodput (req/s), SLO {slo}", ("goodput",)),
+    )
+    fig, axes = plots.plt.subplots(1, 3, figsize=(15, 4), constrained_layout=True)
+    for ax, (title, key) in zip(axes, panels):
+        for label, entries in runs.items():
+            points = [(float(e["request_rate"]), summary_value(e["summary"], *key)) for e in entries or []]
+            points = [(x, y) for x, y in points if y is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title, fontsize="medium")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    return plots._save(fig, path)
+
+
+def plot_prefix(raw: Mapping[str, Mapping | None], path: Path) -> Path:
+    from bench import plots
+
+    fig, ax = plots.plt.subplots(figsize=(6, 4), constrained_layout=True)
+    _cdf_panel(ax, "TTFT", raw)
+    return plots._save(fig, path)
+
+
+def write_plot(key: str, comp: Mapping, raw: Mapping[str, Mapping | None],
+               out_dir: Path) -> str | None:
+    runs = {r["label"]: r["rates"] for r in comp["runs"]}
+    if not any(runs.values()):
+        return None
+    path = out_dir / f"{key}.png"
+    if key == "batching":
+        plot_batching(runs, raw, path)
+    elif key == "topology":
+        plot_topology(runs, path, comp["slo_ms"])
+    else:
+        plot_prefix(raw, path)
+    return path.name
