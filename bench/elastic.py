@@ -36,6 +36,7 @@ from pathlib import Path
 
 from bench import serve
 from load import workloads
+from load.results import percentile
 from load.workloads import BenchRequest
 
 WINDOW_S = 5.0  # the flip experiment's attainment windows
@@ -98,8 +99,8 @@ def recovery_s(windows: Sequence[dict], flip_s: float, share: float = 0.9) -> fl
 def slo_from(results: Sequence[serve.RequestResult], factor: float) -> serve.Slo:
     """``factor`` times the TTFT and TPOT p90 of ``results`` (the fixed pools at low load)."""
     done = [r for r in results if r.ok]
-    ttft = serve.percentile([r.ttft_s for r in done], 90)
-    tpot = serve.percentile([r.tpot_s for r in done if r.tpot_s is not None], 90)
+    ttft = percentile([r.ttft_s for r in done], 90)
+    tpot = percentile([r.tpot_s for r in done if r.tpot_s is not None], 90)
     return serve.Slo(ttft_ms=round(1000 * factor * ttft, 1), tpot_ms=round(1000 * factor * tpot, 1))
 
 

@@ -3,7 +3,7 @@ attainment per window and the time to get back within the SLO."""
 
 from __future__ import annotations
 
-from bench.elastic import Phase, attainment, goodput, recovery_s, schedule
+from bench.elastic import Phase, attainment, goodput, recovery_s, schedule, slo_from
 from load.results import RequestResult, Slo
 
 SLO = Slo(ttft_ms=100, tpot_ms=10)
@@ -48,3 +48,14 @@ def test_scaling_times_come_from_the_decisions_dates_and_the_pool_sizes_seen():
     times = _scaling_times(samples, decisions, step_s=20.0)
     assert times["s_to_first_scale_out"] == 2.5 and times["s_to_largest_pools"] == 10.0
     assert times["largest_pools"] == {"prefill": 2, "decode": 2}
+
+
+def test_the_slo_is_a_factor_of_the_fixed_pools_p90s():
+    from load.results import RequestResult
+
+    results = []
+    for i in range(10):
+        ttft, tpot = 0.1 * (i + 1), 0.01 * (i + 1)  # 9 gaps of tpot after the first token
+        results.append(RequestResult(i, "fixed", 16, 8, ok=True, ttft_s=ttft, e2e_s=ttft + 9 * tpot, output_tokens=10))
+    slo = slo_from(results, 2.0)
+    assert (slo.ttft_ms, slo.tpot_ms) == (1820.0, 182.0), slo  # 2 x the p90s, 0.91 s and 91 ms
