@@ -18,6 +18,8 @@ from pathlib import Path
 from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress
 from kv_transfer import BACKENDS
 from router.admission import AdmissionConfig
+from router.api_config import ApiConfig
+from router.reasoning import REASONING_SETTINGS
 
 # Keys of a topology file that configure the service around the pools, not the pools.
 SERVICE_KEYS = ("ingress", "router")
@@ -91,6 +93,12 @@ def add_service_flags(
         parser.add_argument("--local-prefill-backlog-tokens", type=int, default=None,
                             help="compute every prompt on its decode worker while each prefill worker has this "
                                  "many tokens queued (default 0: never)")  # fmt: skip
+        parser.add_argument("--reasoning-parser", default=None, choices=REASONING_SETTINGS,
+                            help=f"how chat outputs' thinking is told from the answer (default "
+                                 f"{ApiConfig.reasoning_parser}: qwen3 for a chat template that thinks)")  # fmt: skip
+        parser.add_argument("--max-stored-responses", type=int, default=None,
+                            help=f"Responses API responses a router replica keeps for GET and previous_response_id "
+                                 f"(default {ApiConfig.max_stored_responses}; 0: none)")  # fmt: skip
     parser.set_defaults(**defaults)
 
 

@@ -41,6 +41,7 @@ from cluster.ingress import (
 )
 from cluster.pools import StartTimeout
 from router.admission import AdmissionConfig
+from router.api_config import ApiConfig
 from router.dispatch import DispatchConfig
 from router.server import GRPC_SERVICERS, Router, RouterConfig
 
@@ -99,18 +100,20 @@ ROUTER_SETTINGS = {
     "placement": ("dispatch", "placement"),
     "local_prefill_tokens": ("dispatch", "local_prefill_tokens"),
     "local_prefill_backlog_tokens": ("dispatch", "local_prefill_backlog_tokens"),
+    "reasoning_parser": ("api", "reasoning_parser"),
+    "max_stored_responses": ("api", "max_stored_responses"),
 }
 
 
 def router_config(settings: dict, api_key: str | None = None) -> RouterConfig:
     """A ``RouterConfig`` from ``settings`` named as in ``ROUTER_SETTINGS`` (other keys are
     ignored); a setting absent or None keeps its default."""
-    parts: dict[str, dict] = {"admission": {}, "dispatch": {}}
+    parts: dict[str, dict] = {"admission": {}, "dispatch": {}, "api": {}}
     for name, (part, field_name) in ROUTER_SETTINGS.items():
         if settings.get(name) is not None:
             parts[part][field_name] = settings[name]
     return RouterConfig(admission=AdmissionConfig(**parts["admission"]), dispatch=DispatchConfig(**parts["dispatch"]),
-                        api_key=api_key)
+                        api=ApiConfig(**parts["api"]), api_key=api_key)
 
 
 # Ports chosen now and bound later come from below the kernel's ephemeral range
@@ -310,8 +313,9 @@ def configs_from_args(args: dict) -> tuple[ClusterConfig, RouterConfig]:
     ``worker_resources`` (custom Ray resources per role, pinning each pool to its
     worker group), ``start_timeout_s`` (how long the pools may take to start; apart
     from ``topology``, which the chart hashes into the pods' annotations) and ``router``
-    (admission bounds, placement and its per-request disaggregation, and ``api_key_env``: the environment variable
-    holding the API key, so the key never sits in the config).
+    (admission bounds, placement and its per-request disaggregation, the reasoning parser and the stored
+    responses' bound, and ``api_key_env``: the environment variable holding the API key, so the key never sits
+    in the config).
     """
     topology = dict(args.get("topology") or {})
     if args.get("start_timeout_s") is not None:

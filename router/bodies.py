@@ -141,6 +141,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking (templates may show it)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -163,6 +164,11 @@ class ChatMessage(BaseModel):
                 raise ApiError(400, f"messages.{i}.{missing}: a tool message needs tool_call_id and content",
                                param=f"messages.{i}.{missing}")
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            if self.role != "assistant":
+                raise ApiError(400, f"messages.{i}.reasoning_content: only assistant messages carry reasoning",
+                               param=f"messages.{i}.reasoning_content")
+            out["reasoning_content"] = check_text(self.reasoning_content, f"messages.{i}.reasoning_content")
         return out
 
 
@@ -207,6 +213,8 @@ class ChatBody(SamplingBody):
     tools: list[ToolDef] | None = None
     tool_choice: Any = None  # checked by ``_tool_choice``, for messages clearer than a union's
     parallel_tool_calls: bool = True
+    # vLLM's: more variables for the chat template (``{"enable_thinking": false}`` for Qwen3).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 SamplingBody.model_rebuild()
@@ -239,10 +247,12 @@ def parse_json(raw: bytes, max_bytes: int) -> dict:
     return body
 
 
-def parse_as(model_cls: type[BaseModel], body: dict) -> Any:
+def parse_as(model_cls: type[BaseModel], body: dict, at: str = "") -> Any:
+    """``body`` as ``model_cls``; 400 naming the first field that does not fit (under
+    ``at``, the path of ``body`` in the request, when it is a part of one)."""
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        path = _field_path(err["loc"])
+        path = ".".join(p for p in (at, _field_path(err["loc"])) if p)
         raise ApiError(400, f"{path}: {err['msg']}", param=path) from None

@@ -25,12 +25,15 @@ from engine.grammar import GrammarLimits
 from engine.wire.metrics import RouterMetrics
 from router.aborts import AbortBudget, AbortConfig
 from router.admission import Admission, AdmissionConfig, Intake, IntakeConfig, Rejection, Ticket
+from router.api_config import ApiConfig
 from router.dispatch import Dispatcher
 from router.dispatch_config import DispatchConfig
 from router.errors import ApiError
 from router.fanout import Fanout
 from router.grammar_check import GrammarChecker
 from router.latency import LatencyWindow
+from router.reasoning import reasoning_parser
+from router.response_store import ResponseStore
 from router.validation import Choice, PreparedRequest, ServedModel, check_api_key
 from router.worker_loads import Affinity
 
@@ -42,8 +45,9 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class RouterConfig:
     """A router replica's settings: admission bounds, dispatch settings (the cluster supplies block
-    size and running cap), body size limit, API key and how often the worker list is refreshed;
-    ``cluster.service`` builds it from the flags or a RayService's args."""
+    size and running cap), body size limit, API key, how often the worker list is refreshed, and
+    what the API reads of outputs and keeps (``api``); ``cluster.service`` builds it from the
+    flags or a RayService's args."""
 
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     intake: IntakeConfig = field(default_factory=IntakeConfig)  # validation before admission: threads, bounds
@@ -54,6 +58,7 @@ class RouterConfig:
     latency_window_s: float = 10.0  # the span of the TTFT / ITL percentiles it reports
     aborts: AbortConfig = field(default_factory=AbortConfig)  # Aborts of ids run elsewhere, passed on
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # structured-output specs: bounds, parse time
+    api: ApiConfig = field(default_factory=ApiConfig)  # reasoning output, stored responses
 
 
 
@@ -69,7 +74,9 @@ class RouterCore:
         self.config = config
         info = dict(info)
         self.tokenizer = Tokenizer.from_pretrained(info.pop("model_dir"))
-        self.model = ServedModel(**info, max_chars_per_token=self.tokenizer.max_chars_per_token())
+        reasoning = reasoning_parser(config.api.reasoning_parser, self.tokenizer.chat_template)
+        self.model = ServedModel(**info, max_chars_per_token=self.tokenizer.max_chars_per_token(), reasoning=reasoning)
+        self.responses = ResponseStore(config.api.max_stored_responses)  # the Responses API's stored ones
         self.created = int(time.time())
         self.admission = Admission(config.admission)
         self.intake = Intake(config.intake, config.admission)

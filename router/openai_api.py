@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 
+from router.chat_output import chat_message, read_message
+from router.reasoning import ReasoningPlan
 from router.tool_calls import ToolPlan
 
 
@@ -194,10 +196,11 @@ class Envelope:
         choice = {"text": text, "logprobs": completion_logprobs(lps, text_offset), "finish_reason": reason}
         return self._response("text_completion", choice, None, index)
 
-    def chat(self, acc: Accumulator, tools: ToolPlan | None = None) -> dict:
+    def chat(self, acc: Accumulator, tools: ToolPlan | None = None, reasoning: ReasoningPlan | None = None) -> dict:
         """The whole chat completion; with ``tools``, its message split into content and
-        tool calls (``finish_reason`` "tool_calls" when the model called tools)."""
-        out = self._response("chat.completion", _chat_choice(acc, tools), acc.usage())
+        tool calls (``finish_reason`` "tool_calls" when the model called tools); with
+        ``reasoning``, its thinking in ``reasoning_content``."""
+        out = self._response("chat.completion", _chat_choice(acc, tools, reasoning), acc.usage())
         if acc.prompt_logprobs is not None:
             out["prompt_logprobs"] = acc.prompt_logprobs  # vLLM's place: the response's top level
         return out
@@ -222,12 +225,13 @@ class Envelope:
     def usage_chunk(self, obj: str, acc: Accumulator) -> dict:
         return self._response(obj, None, acc.usage())
 
-    def choices(self, accs: list[Accumulator], chat: bool, n: int) -> dict:
+    def choices(self, accs: list[Accumulator], chat: bool, n: int, reasoning: ReasoningPlan | None = None) -> dict:
         """The response of several choices (prompts × ``n``), a choice per accumulator,
-        in order (see ``usage_of`` for ``n``)."""
-        obj, choice = ("chat.completion", _chat_choice) if chat else ("text_completion", _text_choice)
+        in order (see ``usage_of`` for ``n``); a chat's with its ``reasoning`` read."""
+        obj = "chat.completion" if chat else "text_completion"
         out = self._response(obj, None, usage_of(accs, n))
-        out["choices"] = [{"index": i, **choice(acc)} for i, acc in enumerate(accs)]
+        out["choices"] = [{"index": i, **(_chat_choice(acc, None, reasoning) if chat else _text_choice(acc))}
+                          for i, acc in enumerate(accs)]
         if chat and accs[0].prompt_logprobs is not None:
             out["prompt_logprobs"] = accs[0].prompt_logprobs  # one prompt: the same for every choice
         return out
@@ -255,14 +259,10 @@ def _text_choice(acc: Accumulator) -> dict:
     return choice
 
 
-def _chat_choice(acc: Accumulator, tools: ToolPlan | None = None) -> dict:
-    message, reason = {"role": "assistant", "content": acc.text}, acc.finish_reason
-    if tools is not None:
-        parsed = tools.parse(acc.text)
-        message = {"role": "assistant", "content": parsed.content,
-                   "tool_calls": [call.as_dict() for call in parsed.calls]}
-        reason = tools.finish_reason(parsed, reason)
-    return {"message": message, "logprobs": chat_logprobs(acc.logprobs), "finish_reason": reason}
+def _chat_choice(acc: Accumulator, tools: ToolPlan | None = None, reasoning: ReasoningPlan | None = None) -> dict:
+    message = read_message(acc.text, acc.finish_reason, tools, reasoning)
+    return {"message": chat_message(message, tools is not None, reasoning is not None),
+            "logprobs": chat_logprobs(acc.logprobs), "finish_reason": message.finish_reason}
 
 
 def sse(obj: dict | str) -> str:

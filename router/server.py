@@ -1,8 +1,10 @@
 """The router: one Ray Serve deployment serving the OpenAI HTTP API and the gRPC API.
 
 HTTP (FastAPI ingress): ``POST /v1/completions``, ``POST /v1/chat/completions`` (with
-``stream`` as server-sent events), ``GET /v1/models``, ``GET /health``, and vLLM's
-``POST /tokenize``, ``POST /detokenize`` and ``GET /version``. gRPC (Serve's
+``stream`` as server-sent events), OpenAI's Responses API (``POST /v1/responses``, run as a
+chat completion: ``router.responses``; ``GET`` and ``DELETE /v1/responses/{id}`` of the
+replica's stored ones: ``router.response_store``), ``GET /v1/models``, ``GET /health``,
+and vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``. gRPC (Serve's
 gRPC proxy, servicers from ``protos``): ``tandem.v1.Generation`` and
 ``grpc.health.v1.Health/Check``.
 
@@ -14,8 +16,10 @@ A request's way through a replica::
       ─▶ Dispatcher.generate ─▶ deltas out as JSON, SSE chunks or gRPC messages
       ─▶ admission ticket released (finished, failed, aborted or client gone)
 
-A chat request that may call tools (``PreparedRequest.tools``) streams through a path
-of its own (``_sse_tools``), so that every other stream keeps the lean one (``_sse``).
+A chat request whose message is read as it streams, because it may call tools
+(``PreparedRequest.tools``) or its thinking goes apart from its answer
+(``PreparedRequest.reasoning``), streams through a path of its own (``_sse_message``), so
+that every other stream keeps the lean one (``_sse``).
 
 A request of several choices (a completions request with a list of prompts, and either
 endpoint's or gRPC Generate's ``n`` > 1) is a request a choice
@@ -55,14 +59,25 @@ from protos.tandem.v1 import generate_pb2 as pb
 from router import grpc_api
 from router.admission import Ticket
 from router.bodies import parse_json
+from router.chat_output import MessageStream, read_message
 from router.core import RouterConfig, RouterCore
 from router.dispatch import aborted_delta
 from router.errors import ApiError
 from router.fanout import Fanout, fan_out, many_deltas
 from router.openai_api import Accumulator, Envelope, model_list, sse
-from router.stream_events import choice_event, echoed, opening_event, server_error, sse_event, tool_events
+from router.response_objects import ResponseEvents, ResponseHead, new_id, whole_response
+from router.response_store import StoredResponse
+from router.responses import ResponseRequest, output_history, prepare_response
+from router.stream_events import (
+    choice_event,
+    echoed,
+    message_choice_event,
+    opening_event,
+    server_error,
+    sse_event,
+    tool_events,
+)
 from router.tokenization import detokenize, tokenize
-from router.tool_calls import ToolStream
 from router.validation import Choice, PreparedRequest, bearer, choices, prepare_chat, prepare_completions
 
 log = logging.getLogger(__name__)
@@ -122,6 +137,11 @@ def _validated(raw: bytes, core: RouterCore, validate):
 
 def _chat_batch(body: dict, model, tokenizer) -> list[PreparedRequest]:
     return [prepare_chat(body, model, tokenizer)]
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"no stored response has the id {response_id!r} (it was never stored, was deleted, "
+                    "or was pushed out of the store)", param="response_id", code="response_not_found")
 
 
 # The router's code never blocks its event loop, so it runs on the replica's own loop:
@@ -215,8 +235,22 @@ class Router:
         prepared = batch[0]
         ticket = core.admit(prepared)
         env = Envelope(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", core.model.name, int(time.time()))
-        deltas = core.run(prepared, env.id, ticket)
+        deltas, first = await self._started(prepared, env.id, ticket)
         acc = Accumulator(core.tokenizer)
+        first = echoed(first, prepared)
+        if not prepared.stream:
+            await self._drain(first, deltas, acc)
+            return env.chat(acc, prepared.tools, prepared.reasoning) if chat else env.completion(acc)
+        if prepared.tools is not None or prepared.reasoning is not None:
+            body = self._sse_message(first, deltas, acc, env, prepared)
+        else:
+            body = self._sse(first, deltas, acc, env, prepared, chat)
+        return StreamingResponse(body, media_type="text/event-stream")
+
+    async def _started(self, prepared: PreparedRequest, rid: str, ticket: Ticket):
+        """The request's deltas, run, and its first one; a first delta that failed is
+        the HTTP error it says."""
+        deltas = self.core.run(prepared, rid, ticket)
         try:
             first = await anext(deltas)
         except BaseException:
@@ -225,23 +259,17 @@ class Router:
         if first.error:
             await deltas.aclose()
             raise server_error(first)
-        first = echoed(first, prepared)
-        if not prepared.stream:
-            return await self._whole(first, deltas, acc, env, prepared, chat)
-        if prepared.tools is not None:
-            body = self._sse_tools(first, deltas, acc, env, prepared)
-        else:
-            body = self._sse(first, deltas, acc, env, prepared, chat)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return deltas, first
 
-    async def _whole(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest, chat: bool):
+    @staticmethod
+    async def _drain(first, deltas, acc: Accumulator) -> None:
+        """Every delta of a request answered whole, into ``acc``."""
         acc.add(first)
         async with aclosing(deltas):
             async for delta in deltas:
                 if delta.error:
                     raise server_error(delta)
                 acc.add(delta)
-        return env.chat(acc, prepared.tools) if chat else env.completion(acc)
 
     async def _sse(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest, chat: bool):
         """The event stream of a completion, or of a chat completion (opened by the role).
@@ -265,13 +293,14 @@ class Router:
             last += sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
         yield last + sse("[DONE]")  # the stream's last events in one write
 
-    async def _sse_tools(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest):
-        """The event stream of a chat completion that may call tools: content as it comes
-        until a call begins, then the calls (``ToolStream``), then the finish reason.
+    async def _sse_message(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest):
+        """The event stream of a chat completion whose message is read as it streams
+        (``MessageStream``): its thinking as ``reasoning_content``, then content as it
+        comes until a call begins, then the calls, then the finish reason.
 
-        Apart from ``_sse`` so that requests without tools keep their lean path.
+        Apart from ``_sse`` so that other requests keep their lean path.
         """
-        stream = ToolStream(prepared.tools)
+        stream = MessageStream(prepared.reasoning, prepared.tools)
         async with aclosing(deltas):
             opening, delta = opening_event(env, acc, first, True)
             yield opening
@@ -304,14 +333,17 @@ class Router:
                             raise server_error(delta)
             finally:
                 await fan.close()
-            return env.choices(accs, chat, n)
+            return env.choices(accs, chat, n, batch[0].reasoning)
         body = self._sse_many(fan, accs, env, every, chat, n)
         return StreamingResponse(body, media_type="text/event-stream")
 
     async def _sse_many(self, fan: Fanout, accs: list[Accumulator], env: Envelope, batch: list[Choice],
                         chat: bool, n: int):
         """The event stream of several choices, their chunks interleaved (a chat stream
-        opens each choice with its role)."""
+        opens each choice with its role; with its reasoning read, through a
+        ``MessageStream`` a choice)."""
+        reasoning = batch[0].prepared.reasoning
+        streams = [MessageStream(reasoning, None) for _ in batch] if reasoning is not None else None
         try:
             if chat:
                 for i in range(len(batch)):
@@ -321,12 +353,84 @@ class Router:
                     if delta.error:
                         yield sse(server_error(delta).body())
                         break
-                    yield choice_event(env, accs[i], i, delta, lps, chat)
+                    if streams is None:
+                        yield choice_event(env, accs[i], i, delta, lps, chat)
+                    elif event := message_choice_event(env, accs[i], i, delta, lps, streams[i]):
+                        yield event
             if batch[0].prepared.include_usage:
                 yield sse(env.choices_usage_chunk(accs, chat, n))
             yield sse("[DONE]")
         finally:
             await fan.close()
+
+    # -- the Responses API ---------------------------------------------------------
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request):
+        """A response (``router.responses``), run as a chat completion: whole, or as typed
+        events with ``stream``; stored (``store``, the default) once it finished."""
+        core = self.core
+        raw = await self._body(request)
+        req = await core.prepare(len(raw), partial(_validated, raw, core, partial(prepare_response, core.responses)))
+        prepared = req.prepared
+        await core.check_structured_output(prepared)
+        ticket = core.admit(prepared)
+        head = ResponseHead(new_id("resp"), int(time.time()), core.model.name, req.fields)
+        deltas, first = await self._started(prepared, head.id, ticket)
+        acc = Accumulator(core.tokenizer)
+        if prepared.stream:
+            return StreamingResponse(self._sse_response(first, deltas, acc, req, head), media_type="text/event-stream")
+        await self._drain(first, deltas, acc)
+        message = read_message(acc.text, acc.finish_reason, prepared.tools, prepared.reasoning)
+        response = whole_response(head, message, acc, self._count_tokens)
+        self._store(req, response)
+        return response
+
+    async def _sse_response(self, first, deltas, acc: Accumulator, req: ResponseRequest, head: ResponseHead):
+        """A response's typed events (``ResponseEvents``): opened, each item as it grows,
+        then the whole response (or the error and the failed response)."""
+        events = ResponseEvents(head, MessageStream(req.prepared.reasoning, req.prepared.tools))
+        yield events.opening()
+        async with aclosing(deltas):
+            delta = first
+            while not delta.error:
+                acc.add(delta)
+                if out := events.feed(delta.text):
+                    yield out
+                if delta.finished:
+                    break
+                delta = await anext(deltas)
+            else:
+                yield events.failed(server_error(delta))
+                return
+        last, response = events.finish(acc.finish_reason, acc, self._count_tokens)
+        self._store(req, response)
+        yield last
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.core.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    def _store(self, req: ResponseRequest, response: dict) -> None:
+        if req.store:
+            history = output_history(req, response["output"])
+            self.core.responses.put(response["id"], StoredResponse(response, history))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request) -> dict:
+        """A stored response, as it was answered (404 when it is not stored)."""
+        self.core.check_key(bearer(request.headers.get("authorization")))
+        stored = self.core.responses.get(response_id)
+        if stored is None:
+            raise _not_stored(response_id)
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> dict:
+        """Forget a stored response (404 when it is not stored)."""
+        self.core.check_key(bearer(request.headers.get("authorization")))
+        if not self.core.responses.delete(response_id):
+            raise _not_stored(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     # -- gRPC ------------------------------------------------------------------
 

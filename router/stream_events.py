@@ -5,6 +5,7 @@ the echoed prompt, and a failed delta's HTTP error."""
 from __future__ import annotations
 
 from engine.wire.messages import ErrorKind, StreamDelta
+from router.chat_output import MessageStream
 from router.errors import ApiError
 from router.openai_api import Accumulator, Envelope, echo_logprobs, prompt_logprobs_json, sse
 from router.tool_calls import ToolStream
@@ -31,10 +32,10 @@ def sse_event(env: Envelope, acc: Accumulator, delta: StreamDelta, chat: bool) -
     return env.completion_sse(delta.text, reason, lps, offset)
 
 
-def tool_events(env: Envelope, acc: Accumulator, stream: ToolStream, delta: StreamDelta) -> list[str]:
-    """One delta of a request that may call tools as chunk events (``ToolStream`` decides
-    what goes out when), folded into ``acc`` on the way; the last one ends with the
-    finish reason."""
+def tool_events(env: Envelope, acc: Accumulator, stream: ToolStream | MessageStream, delta: StreamDelta) -> list[str]:
+    """One delta of a request whose message is read as it streams (it may call tools, or
+    its reasoning is read) as chunk events (``stream`` decides what goes out when),
+    folded into ``acc`` on the way; the last one ends with the finish reason."""
     lps = acc.add(delta)
     pieces = stream.feed(delta.text)
     if lps is not None and not pieces:
@@ -43,7 +44,7 @@ def tool_events(env: Envelope, acc: Accumulator, stream: ToolStream, delta: Stre
     if delta.finished:
         rest, parsed = stream.finish()
         events += [sse(env.chat_chunk(piece, None, None)) for piece in rest]
-        reason = stream.plan.finish_reason(parsed, delta.finish_reason)
+        reason = stream.finish_reason(parsed, delta.finish_reason)
         events.append(sse(env.chat_chunk({}, None, reason)))
     return events
 
@@ -85,3 +86,25 @@ def choice_event(env: Envelope, acc: Accumulator, i: int, delta: StreamDelta, lp
     if delta.prompt_logprobs is not None:  # the choice's first delta: its prompt's logprobs, once
         (chunk if chat else chunk["choices"][0])["prompt_logprobs"] = acc.prompt_logprobs
     return sse(chunk)
+
+
+def message_choice_event(env: Envelope, acc: Accumulator, i: int, delta: StreamDelta, lps,
+                         stream: MessageStream) -> str:
+    """Choice ``i``'s delta (already in ``acc``) of a chat whose message is read as it
+    streams (its reasoning apart), as chunk events: a chunk a part of the message, the
+    first with the delta's logprobs (and the prompt's, on the choice's first delta), the
+    last with the finish reason; "" when the delta has nothing to send yet."""
+    pieces = stream.feed(delta.text)
+    reason = None
+    if delta.finished:
+        rest, parsed = stream.finish()
+        pieces += rest
+        reason = stream.finish_reason(parsed, delta.finish_reason)
+    if not pieces and (lps is not None or reason is not None or delta.prompt_logprobs is not None):
+        pieces = [{}]
+    last = len(pieces) - 1
+    chunks = [env.chat_chunk(piece, lps if j == 0 else None, reason if j == last else None, index=i)
+              for j, piece in enumerate(pieces)]
+    if chunks and delta.prompt_logprobs is not None:
+        chunks[0]["prompt_logprobs"] = acc.prompt_logprobs
+    return "".join(sse(chunk) for chunk in chunks)

@@ -1,8 +1,9 @@
 """The tokenizer endpoints, in vLLM's shapes: ``POST /tokenize`` and ``POST /detokenize``.
 
 ``/tokenize`` takes a completions-style ``prompt`` (text; ``add_special_tokens``,
-default true) or a chat-style ``messages`` list, with optional ``tools`` (through the chat
-template, the tools as a chat request whose ``tool_choice`` is not "none" renders them;
+default true) or a chat-style ``messages`` list, with optional ``tools`` and
+``chat_template_kwargs`` (through the chat template, the tools as a chat request whose
+``tool_choice`` is not "none" renders them;
 ``add_generation_prompt`` default true, ``add_special_tokens`` default false, as the
 template writes them itself) and returns ``{"count", "max_model_len", "tokens"}``
 (plus ``token_strs`` when ``return_token_strs`` is set). A prompt longer than the
@@ -12,6 +13,8 @@ context is counted, not refused: telling the client so is what the count is for.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,6 +48,7 @@ class TokenizeChatBody(_TokenizerBody):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(_TokenizerBody):
@@ -61,7 +65,8 @@ def tokenize(body: dict, model: ServedModel, tokenizer) -> dict:
         if b.continue_final_message and b.add_generation_prompt:
             raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true",
                            param="continue_final_message")
-        text = render_chat(b.messages, tokenizer, b.add_generation_prompt, template_tools(b.tools))
+        text = render_chat(b.messages, tokenizer, b.add_generation_prompt, template_tools(b.tools),
+                           b.chat_template_kwargs)
         if b.continue_final_message:
             text = _open_final_message(text, check_text(b.messages[-1].text(), "messages"))
     else:

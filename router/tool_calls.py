@@ -163,6 +163,10 @@ class ToolStream:
             calls.append(call)
         return deltas, Parsed(whole.content, calls)
 
+    def finish_reason(self, parsed: Parsed, reason: str | None) -> str | None:
+        """The message's finish reason (``ToolPlan.finish_reason``) for ``finish``'s parse."""
+        return self.plan.finish_reason(parsed, reason)
+
     def _agrees(self, whole: Parsed) -> bool:
         """Whether what went out begins the whole output's message."""
         if not (whole.content or "").startswith(self.text[:self.sent]) or len(whole.calls) < len(self.calls):

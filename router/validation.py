@@ -47,6 +47,7 @@ from engine.wire.sampling_params import MAX_BAD_WORDS, SamplingParams, Structure
 from router.bodies import ChatBody, ChatMessage, CompletionBody, SamplingBody, check_text, parse_as
 from router.errors import ApiError
 from router.output_constraints import structured_output
+from router.reasoning import ReasoningParser, ReasoningPlan
 from router.tool_calls import ToolPlan
 from router.tool_requests import chat_tools
 
@@ -91,6 +92,9 @@ class ServedModel:
     # The tokenizer's ``max_chars_per_token``: a text over ``max_prompt_chars`` is refused
     # before it is tokenized. None: no such bound (any text might fit).
     max_chars_per_token: int | None = None
+    # How the model's thinking is told from its answer in chat outputs (the router's
+    # ``reasoning_parser`` setting for this model's chat template); None: it is not.
+    reasoning: ReasoningParser | None = None
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -121,6 +125,7 @@ class PreparedRequest:
     # ``echo`` with ``logprobs``: the prompt's tokens and logprobs go before the output's.
     echo_logprobs: bool = False
     tools: ToolPlan | None = None  # a chat request that may call tools: how to read its output
+    reasoning: ReasoningPlan | None = None  # a chat request whose thinking is read apart from its answer
     n: int = 1  # choices to sample from this prompt (see ``choices``)
     priority: int = 0  # lower is scheduled first (under the workers' ``priority`` policy)
 
@@ -345,13 +350,34 @@ def _prepared(
 # -- the two endpoints ---------------------------------------------------------
 
 
+# The variables the chat template gets from the renderer itself (``engine.tokenizer``):
+# ``chat_template_kwargs`` may not replace them.
+TEMPLATE_OWN_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+)
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: variables for the template; 400 naming one that
+    the renderer sets itself."""
+    for name in kwargs or ():
+        if name in TEMPLATE_OWN_VARIABLES:
+            raise ApiError(400, f"chat_template_kwargs.{name}: the chat template gets {name!r} from the request "
+                           "itself; it cannot be set here", param=f"chat_template_kwargs.{name}")
+    return dict(kwargs or {})
+
+
 def render_chat(
-    messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    messages: list[ChatMessage], tokenizer, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation (and the ``tools``, HF's ``{"type": "function", "function": ...}``
-    dicts, when given) through the model's chat template, as text; 400 naming ``messages``."""
+    dicts, when given, and ``template_kwargs``, the template's other variables) through
+    the model's chat template, as text; 400 naming ``messages`` (or the variable)."""
     plain = [m.for_template(i) for i, m in enumerate(messages)]
-    extra = {"tools": tools} if tools else {}
+    extra = _template_kwargs(template_kwargs)
+    if tools:
+        extra["tools"] = tools
     try:
         return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, jinja2.TemplateError) as e:
@@ -410,7 +436,7 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
         raise ApiError(400, f"n is {b.n}, but a request that may call tools takes n = 1 (or tool_choice "
                        "'none')", param="n")
     # The template writes the special tokens itself (as HF's tokenize=True does).
-    text = render_chat(b.messages, tokenizer, tools=tools.template_tools)
+    text = render_chat(b.messages, tokenizer, tools=tools.template_tools, template_kwargs=b.chat_template_kwargs)
     ids = tokenizer.encode(_check_length(text, model, "messages"), add_special_tokens=False)
     _check_prompt(ids, model, "messages")
     top = b.top_logprobs
@@ -419,4 +445,6 @@ def prepare_chat(body: dict, model: ServedModel, tokenizer) -> PreparedRequest:
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     logprobs = (top or 0) if b.logprobs else None
     prepared = _prepared(b, ids, max_tokens, model, logprobs, tokenizer, tools.output)
-    return prepared if tools.plan is None else dataclasses.replace(prepared, tools=tools.plan)
+    constrained = prepared.params.structured_output is not None
+    reasoning = ReasoningPlan.for_prompt(model.reasoning, text, constrained)
+    return dataclasses.replace(prepared, tools=tools.plan, reasoning=reasoning)

@@ -310,7 +310,7 @@ and the router to the head.
 {{- fail (printf "serve.proxyLocation: only HeadOnly works (got %q): Serve starts a proxy only on the head and on nodes that run a replica of an app, and Tandem's one replica, the router, runs on the head; the worker pods run the pools' actors, not replicas, so EveryNode starts no proxy on them, and Disabled starts none at all (no HTTP or gRPC)" (toString $s.proxyLocation)) }}
 {{- end }}
 {{- $topology := include "tandem.topology" . | fromJson -}}
-{{- $router := dict "max_outstanding_requests" $s.maxOutstandingRequests "max_outstanding_prompt_tokens" $s.maxOutstandingPromptTokens "placement" $s.placement "local_prefill_tokens" (int (default 0 $s.localPrefillTokens)) "local_prefill_backlog_tokens" (int (default 0 $s.localPrefillBacklogTokens)) -}}
+{{- $router := dict "max_outstanding_requests" $s.maxOutstandingRequests "max_outstanding_prompt_tokens" $s.maxOutstandingPromptTokens "placement" $s.placement "local_prefill_tokens" (int (default 0 $s.localPrefillTokens)) "local_prefill_backlog_tokens" (int (default 0 $s.localPrefillBacklogTokens)) "reasoning_parser" $s.reasoningParser "max_stored_responses" $s.maxStoredResponses -}}
 {{- if .Values.apiKey.existingSecret }}
 {{- $_ := set $router "api_key_env" .Values.apiKey.envVar -}}
 {{- end }}
