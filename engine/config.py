@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from engine.core.block_hash import DEFAULT_HASH_ALGO, check_hash_algo, check_hash_seed
 from engine.core.scheduler import SchedulerConfig, check_modes
@@ -26,6 +26,12 @@ class EngineConfig:
 
     KV memory comes from ``num_kv_blocks`` when given, else from ``kv_cache_memory``
     bytes; ``swap_space`` bytes of CPU memory hold swapped-out blocks.
+    ``host_kv_cache_memory`` bytes of CPU memory more (0, the default: none) hold the host
+    tier behind the prefix cache (``engine.core.host_tier``): evicted prefix blocks go
+    there and a prefix lookup that runs past the device's hits is restored from it
+    rather than recomputed. Swap and the tier share one host pool of both sizes: the
+    tier holds at most its own size, and its entries give way to swap. Without
+    ``enable_prefix_caching`` its bytes serve swap only.
     ``attention_backend``: ``torch`` (reference, any device), ``cpu`` (float32 decode
     straight out of the paged cache, a C kernel built on first use), ``triton`` (paged
     kernels, CUDA), or ``auto`` (triton on a CUDA device when triton imports; cpu for
@@ -42,8 +48,13 @@ class EngineConfig:
     ``grammar``: the bounds on a structured-output spec and the wall-clock limit on its
     compile (``engine.grammar.GrammarLimits``; a dict of its fields in a topology file).
     ``tensor_parallel_size``: the ranks one engine's model is split over (``engine.ranks``):
-    each holds 1/N of the weights and of the KV heads, so ``kv_cache_memory`` and
-    ``swap_space`` are per rank. Above 1, steps run eagerly (no CUDA graphs).
+    each holds 1/N of the weights and of the KV heads, so ``kv_cache_memory``,
+    ``swap_space`` and ``host_kv_cache_memory`` are per rank. Above 1, steps run eagerly
+    (no CUDA graphs).
+    ``max_loras``: LoRA adapters (PEFT's format, ``engine.model.lora``) resident at once, of
+    rank up to ``max_lora_rank``; 0, the default, serves none. ``lora_adapters`` names the
+    adapters loaded at start (``LLMEngine.load_adapter`` loads more); a request picks one by
+    name, and one step may mix up to ``max_loras`` of them with the base model.
     """
 
     model: str | None = None
@@ -53,6 +64,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 * GiB
     swap_space: int = GiB // 2
+    host_kv_cache_memory: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's own limit
@@ -69,6 +81,9 @@ class EngineConfig:
     prefix_hash_seed: str | int | None = None
     grammar: GrammarLimits = GrammarLimits()
     tensor_parallel_size: int = 1
+    max_loras: int = 0  # LoRA adapters resident at once (engine.model.lora); 0: no adapters
+    max_lora_rank: int = 16
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # name -> PEFT adapter directory, loaded at start
 
     # What an engine can change without reloading its model or reallocating its KV cache
     # (``LLMEngine.reset``, a worker's role switch): the scheduler's and prefix cache's settings.
@@ -87,7 +102,7 @@ class EngineConfig:
         return SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
-            policy=self.policy, batching=self.batching,
+            policy=self.policy, batching=self.batching, max_loras=self.max_loras,
         )
 
     def fixed_differences(self, other: EngineConfig) -> list[str]:
@@ -107,7 +122,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
-        check_at_least(self, max_num_batched_tokens=1, max_num_seqs=1, tensor_parallel_size=1)
+        if self.host_kv_cache_memory < 0:
+            raise ValueError(f"host_kv_cache_memory must be >= 0 bytes (0 turns the host tier off), "
+                             f"got {self.host_kv_cache_memory}")
+        check_at_least(self, max_num_batched_tokens=1, max_num_seqs=1, tensor_parallel_size=1, max_loras=0,
+                       max_lora_rank=1)
+        if self.lora_adapters and not self.max_loras:
+            raise ValueError(f"lora_adapters {sorted(self.lora_adapters)} need max_loras >= 1 (the adapters "
+                             "resident at once)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         check_modes(self.preemption_mode, self.policy, self.batching)

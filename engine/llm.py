@@ -39,9 +39,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts, each
-        with its whole output (and its prompt's logprobs, when asked for)."""
+        with its whole output (and its prompt's logprobs, when asked for). ``adapter``: the
+        LoRA adapter (loaded, by name) every prompt runs under, or one per prompt (None: the
+        base model)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -53,8 +56,13 @@ class LLM:
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts"
             )
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} adapters for {len(prompts)} prompts")
         encoded = [self.engine.encode_prompt(p) for p in prompts]
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(encoded, sampling_params)]
+        for name in set(adapters):
+            self.engine.check_adapter(name)
+        ids = [self.engine.add_request(p, sp, adapter=a) for p, sp, a in zip(encoded, sampling_params, adapters)]
         final: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list] = {}  # come with a request's first output
         while len(final) < len(ids):

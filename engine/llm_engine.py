@@ -43,6 +43,7 @@ from engine.model.cuda_graphs import step_graphs_for
 from engine.model.gguf_checkpoint import is_gguf, open_gguf
 from engine.model.kv_cache import KVCache, bytes_per_block
 from engine.model.loader import load_model, resolve_dtype
+from engine.model.lora import LoRASlots
 from engine.model.model_config import ModelConfig
 from engine.model.model_registry import resolve_model
 from engine.model.model_runner import ModelRunner
@@ -82,6 +83,20 @@ class EngineStats:
     forward_s: float = 0.0
     forward_cpu_s: float = 0.0
     num_window_released_blocks: int = 0  # blocks given back from behind a sliding window
+    # The host tier behind the prefix cache (EngineConfig.host_kv_cache_memory), in blocks:
+    # its size, its entries now, the evicted blocks copied into it and those restored
+    # from it (hits), and the prompt tokens those hits served.
+    host_cache_blocks: int = 0
+    host_cache_blocks_used: int = 0
+    host_cache_spills: int = 0
+    host_cache_restores: int = 0
+    host_cache_hits: int = 0
+
+    @property
+    def host_cache_hit_rate(self) -> float:
+        """Of the admitted prompt tokens the device's cache missed, the share the host tier served."""
+        missed = self.prefix_cache_queries - (self.prefix_cache_hits - self.host_cache_hits)
+        return self.host_cache_hits / missed if missed else 0.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +156,9 @@ class LLMEngine:
         self.model = load_model(source, dtype, device, pack=config.pack_weights, tp=tp.group)
         per_block = bytes_per_block(self.model_config, config.block_size, dtype, tp_size=tp.size)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
-        num_cpu_blocks = config.swap_space // per_block
+        # One host pool: swap space, then the host tier's blocks (engine.core.host_tier).
+        self.host_cache_blocks = config.host_kv_cache_memory // per_block
+        num_cpu_blocks = config.swap_space // per_block + self.host_cache_blocks
         tp.start(num_blocks, num_cpu_blocks)
         self.kv_cache = KVCache(
             self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks, tp=tp.shard
@@ -167,7 +184,10 @@ class LLMEngine:
             self.model, self.kv_cache, self.attention, config.max_num_seqs, self.max_model_len,
             config.max_num_batched_tokens, config.cuda_graphs and self.tensor_parallel.size == 1,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured, graphs)
+        self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank) if config.max_loras else None
+        for name, path in config.lora_adapters.items() if self.lora is not None else ():
+            self.lora.load(name, path)  # (the other ranks load these themselves)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured, graphs, self.lora)
         for g in graphs:  # every bucket now, so that no step waits on a capture
             g.capture_all()
         # What the runner holds of each request: every step sends it deltas (it drops a
@@ -191,6 +211,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
             BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed), window=self.model_config.kv_window,
+            host_cache_blocks=self.host_cache_blocks,
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_manager)
         self.remote_kv = RemoteKVIntake(self.scheduler, self.kv_manager, self.kv_cache, self.pen)
@@ -253,8 +274,9 @@ class LLMEngine:
         arrival_time: float | None = None,
         hold_kv: bool = False,
         resume_output: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> str:
-        """Queue a request; returns its id.
+        """Queue a request; returns its id. ``adapter``: the loaded LoRA adapter it runs under.
 
         ``hold_kv`` (prefill role): the final output carries the ids of the blocks holding
         the prompt's KV in ``kv_blocks``, and the blocks stay allocated until
@@ -265,6 +287,7 @@ class LLMEngine:
         outputs carry only what comes after them.
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
+        request.adapter = self.check_adapter(adapter)
         self._check_fits(request, resume_output)
         request.hold_kv = hold_kv
         request.output_token_ids = list(resume_output)
@@ -409,6 +432,35 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
         )
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT LoRA adapter at ``path`` as ``name`` (``engine.model.lora.AdapterError``
+        says why one does not fit; nothing changes then). Needs ``max_loras``."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with max_loras >= 1")
+        self.lora.load(name, path)  # checked here first: the other ranks then read theirs
+        self.tensor_parallel.adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter no request here runs under (ValueError names the ones that do)."""
+        if self.lora is None or name not in self.lora.loaded:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        key = self.lora.loaded[name].key
+        users = [r.request_id for r in self.scheduler.requests.values() if r.adapter == key]
+        if users:
+            raise ValueError(f"adapter {name!r} is in use by {len(users)} requests ({users[:3]}...)")
+        self.lora.unload(name)
+        self.tensor_parallel.adapter(name, None)
+
+    def check_adapter(self, name: str | None) -> str | None:
+        """The key (``Adapter.key``) of the loaded adapter ``name`` (None for None, the base
+        model); ValueError names an unknown one."""
+        if name is None:
+            return None
+        if self.lora is None or name not in self.lora.loaded:
+            loaded = sorted(self.lora.loaded) if self.lora is not None else []
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
+        return self.lora.loaded[name].key
 
     def _track(self, request: Request, resume_output: Sequence[int] = ()) -> None:
         """Start following a request's output; ``resume_output``: tokens a worker it
@@ -619,4 +671,9 @@ class LLMEngine:
             forward_s=self._forward_s,
             forward_cpu_s=self._forward_cpu_s,
             num_window_released_blocks=self.kv_manager.num_released,
+            host_cache_blocks=self.kv_manager.host_tier.capacity,
+            host_cache_blocks_used=self.kv_manager.host_tier.num_entries,
+            host_cache_spills=self.kv_manager.host_tier.stats.spills,
+            host_cache_restores=self.kv_manager.host_tier.stats.restores,
+            host_cache_hits=self.kv_manager.stats.host_hits,
         )

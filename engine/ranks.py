@@ -22,7 +22,8 @@ processes on this host (the offline ``LLM``) that meet at a ``TCPStore`` rank 0 
 free port of 127.0.0.1 and join a group over shared memory on CPUs
 (``engine.model.shm_group``; gloo where it cannot run) or NCCL on GPUs; the service can run
 ``RankLoop`` in Ray actors instead. Besides the steps, rank 0 can ask every rank for its
-weight bytes (``WeightBytes``, for the benchmarks).
+weight bytes (``WeightBytes``, for the benchmarks) and have them load or forget a LoRA
+adapter (``Adapter``: each rank reads its own cut of the files).
 
 Failures: a rank that dies fails rank 0's next collective at once (a closed socket, or a
 process found gone while waiting); one that hangs fails it after ``COLLECTIVE_TIMEOUT_S``.
@@ -56,6 +57,7 @@ from engine.model.attention import create_attention_backend
 from engine.model.gguf_checkpoint import is_gguf, open_gguf
 from engine.model.kv_cache import KVCache
 from engine.model.loader import load_model, resolve_dtype
+from engine.model.lora import LoRASlots
 from engine.model.model import DecoderModel
 from engine.model.model_config import ModelConfig
 from engine.model.model_registry import resolve_model
@@ -86,6 +88,15 @@ class WeightBytes:
 @dataclass(frozen=True)
 class Stop:
     """The ranks leave their loop: the engine is closing."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Every rank loads its cut of a LoRA adapter rank 0 has checked (``path``), or, with
+    ``path`` None, forgets it."""
+
+    name: str
+    path: str | None
 
 
 class RankFailure(RuntimeError):
@@ -155,6 +166,11 @@ class TensorParallel:
         self.group.broadcast_object(step)
         return runner.execute(step)
 
+    def adapter(self, name: str, path: str | None) -> None:
+        """Every other rank loads the adapter ``name`` from ``path`` (None: unloads it)."""
+        if self.size > 1:
+            self._collective(self.group.broadcast_object, Adapter(name, path))
+
     def weight_bytes(self, model: DecoderModel) -> list[int]:
         """Every rank's weight bytes, rank order (rank 0's is ``model``'s)."""
         if self.size == 1:
@@ -219,6 +235,9 @@ class RankLoop:
         self.device = torch.device(device or config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(source, self.dtype, self.device, pack=config.pack_weights, tp=group)
+        self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank) if config.max_loras else None
+        for name, adapter_path in config.lora_adapters.items():
+            self._adapter(Adapter(name, adapter_path))
         self.runner: ModelRunner | None = None
         self.allocated = threading.Event()  # set once the KV cache is (``kv_tensors``)
         self.num_steps = 0
@@ -234,12 +253,22 @@ class RankLoop:
                 self.num_steps += 1
             elif isinstance(message, KVBlocks):
                 self._allocate(message)
+            elif isinstance(message, Adapter):
+                self._adapter(message)
             elif isinstance(message, WeightBytes):
                 self.group.all_gather(torch.tensor([self.model.weight_bytes()], dtype=torch.int64), dim=0)
             elif isinstance(message, Stop):
                 return self.num_steps
             else:
                 raise RuntimeError(f"rank {self.group.rank} got an unknown message {type(message).__name__}")
+
+    def _adapter(self, message: Adapter) -> None:
+        if self.lora is None:
+            raise RuntimeError(f"rank {self.group.rank} serves no LoRA adapters (max_loras 0)")
+        if message.path is None:
+            self.lora.unload(message.name)
+        else:
+            self.lora.load(message.name, message.path)
 
     def _allocate(self, blocks: KVBlocks) -> None:
         """The rank's KV heads of every block, and the runner over them."""
@@ -251,7 +280,7 @@ class RankLoop:
         attention = create_attention_backend(
             config.attention_backend, self.device, config.block_size, self.model_config.head_dim, self.dtype
         )
-        self.runner = ModelRunner(self.model, kv_cache, attention)
+        self.runner = ModelRunner(self.model, kv_cache, attention, lora=self.lora)
         self.allocated.set()
 
     def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:

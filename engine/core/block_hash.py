@@ -89,6 +89,17 @@ class BlockHasher:
             self._base = hashlib.sha256()
             self.root = hashlib.sha256(b"tandem prefix root\0" + key).digest()
 
+    def adapter_root(self, adapter: str | None) -> BlockHash | None:
+        """The parent of a prompt's first block under a LoRA adapter (None: the base model's
+        root): blocks computed under one adapter never serve another, or the base."""
+        if adapter is None:
+            return None
+        h = self._base.copy()
+        h.update(self.root)
+        h.update(b"\0lora\0" + adapter.encode())
+        root: BlockHash = h.digest()
+        return root
+
     def hash_blocks(
         self, token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None
     ) -> list[BlockHash]:

@@ -9,7 +9,9 @@ Block lifecycle::
     free (ref 0, maybe hashed) ──allocate/touch──▶ in use (ref >= 1) ──free──▶ free
     a free block that still carries a hash is a prefix-cache entry until it is
     evicted: ``allocate`` takes blocks from the head of the free queue, oldest first,
-    and drops their hash.
+    and drops their hash; with a host tier (``engine.core.host_tier``) the evicted
+    prefix is spilled there first, and a later lookup that runs past the device's hits
+    goes on in the tier: those blocks are restored into fresh device blocks.
 
 Block 0 is the null block: never handed out, used to pad block tables.
 Full blocks are identified by a chained hash (the parent block's hash and this
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHash, BlockHasher
+from engine.core.host_tier import CpuBlockPool, HostHit, HostTier
 from engine.core.request import Request
 
 NULL_BLOCK_ID = 0  # never handed out; in a block table, the place of a block given back (release_outside_window)
@@ -45,13 +48,15 @@ class KVBlock:
 
 
 class BlockPool:
-    """Ref-counted blocks, an eviction-ordered free queue and the prefix-cache index."""
+    """Ref-counted blocks, an eviction-ordered free queue and the prefix-cache index;
+    ``host_tier`` (optional) keeps what eviction drops."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, host_tier: HostTier | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.host_tier = host_tier
         # The blocks handed out so far, by id (the null block, then in the order first
         # handed out: ids ascend). The free queue starts as every other id in order, and
         # given-back blocks join its tail, so the ids never handed out are always its
@@ -83,8 +88,12 @@ class BlockPool:
         """Blocks that stand for a cached prefix (free or in use)."""
         return len(self._cached)
 
-    def allocate(self, n: int) -> list[KVBlock] | None:
-        """Take ``n`` blocks from the head of the free queue, or None if there are fewer."""
+    def allocate(self, n: int, spill: bool = True) -> list[KVBlock] | None:
+        """Take ``n`` blocks from the head of the free queue, or None if there are fewer.
+
+        An evicted block's prefix goes to the host tier (``spill``; the copy joins the plan
+        being made, so it runs before anything writes the block) or is dropped.
+        """
         blocks = self.blocks
         fresh = min(n, self.num_blocks - len(blocks))  # never handed out: the head of the queue
         if n - fresh > len(self._free):
@@ -96,9 +105,11 @@ class BlockPool:
         for _ in range(n - fresh):
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
-                # Evicting a cached block: it no longer stands for its prefix.
+                # Evicting a cached block: it no longer stands for its prefix here.
                 if self._cached.get(block.block_hash) is block:
                     del self._cached[block.block_hash]
+                    if spill and self.host_tier is not None:
+                        self.host_tier.spill(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -138,35 +149,18 @@ class BlockPool:
         self._cached.clear()
 
 
-class CpuBlockPool:
-    """Swap space: plain block ids, no sharing and no hashing."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        out = self._free[-n:] if n else []
-        del self._free[len(self._free) - n :]
-        return out
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        self._free.extend(block_ids)
-
-
 @dataclass
 class PrefixCacheStats:
     """The prefix cache's counters since the manager was made, counted once a request is let in;
     the engine reports them in its load and stats."""
 
     queries: int = 0  # tokens of admitted requests looked up
-    hits: int = 0  # of those, tokens served from the cache
+    hits: int = 0  # of those, tokens served from the cache (either tier)
+    host_hits: int = 0  # of the hits, tokens restored from the host tier
+
+
+# A block of a prefix-cache hit: on the device, or in the host tier (restored on admission).
+PrefixBlock = KVBlock | HostHit
 
 
 class KVCacheManager:
@@ -182,6 +176,12 @@ class KVCacheManager:
     read again: ``release_outside_window`` gives it back to the pool (still in the prefix
     cache until evicted) and leaves ``NULL_BLOCK_ID`` in its place in the table, which keeps
     its positions; the attention masks read nothing there.
+
+    ``num_cpu_blocks`` host blocks hold swapped-out requests and, up to
+    ``host_cache_blocks`` of them, the host tier (``engine.core.host_tier``; 0: off, and
+    off without caching), where evicted prefix blocks go and lookups continue. The
+    copies both make join the step's plan: the scheduler calls ``begin_step`` before it
+    plans and ``take_copies`` once it has.
     """
 
     def __init__(
@@ -192,6 +192,7 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         hasher: BlockHasher | None = None,
         window: int = 0,
+        host_cache_blocks: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -199,8 +200,9 @@ class KVCacheManager:
         self._released: dict[str, int] = {}  # request id -> leading table entries given back (NULL_BLOCK_ID)
         self.num_released = 0  # blocks given back from behind the window, in all
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
         self.cpu_pool = CpuBlockPool(num_cpu_blocks)
+        self.host_tier = HostTier(self.cpu_pool, host_cache_blocks if enable_caching else 0)
+        self.pool = BlockPool(num_blocks, enable_caching, self.host_tier)
         self.enable_caching = enable_caching
         self.hasher = hasher or BlockHasher()
         self.stats = PrefixCacheStats()
@@ -240,17 +242,19 @@ class KVCacheManager:
         n_full = request.num_tokens // self.block_size
         if len(hashes) < n_full:
             tokens = request.token_slice(len(hashes) * self.block_size, n_full * self.block_size)
-            hashes.extend(
-                self.hasher.hash_blocks(tokens, self.block_size, hashes[-1] if hashes else None)
-            )
+            parent = hashes[-1] if hashes else self.hasher.adapter_root(request.adapter)  # per adapter
+            hashes.extend(self.hasher.hash_blocks(tokens, self.block_size, parent))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, device_only: bool = False) -> tuple[list[PrefixBlock], int]:
         """Longest cached prefix of a new request, capped so one token is left to compute.
 
-        A lookup, not a use: ``count_prefix_lookup`` counts it once the request is let in.
-        A request that wants its prompt's logprobs computes every prompt token (a cached
-        token has no logits), as in vLLM; its blocks are still cached for others.
+        Whole blocks only, each on the device (a ``KVBlock``) or, past a device miss, in the
+        host tier (a ``HostHit``, restored by ``allocate_slots``); ``device_only`` looks in
+        the device's cache alone. A lookup, not a use: ``count_prefix_lookup`` counts it
+        once the request is let in. A request that wants its prompt's logprobs computes
+        every prompt token (a cached token has no logits), as in vLLM; its blocks are
+        still cached for others.
         """
         if (
             not self.enable_caching
@@ -260,19 +264,29 @@ class KVCacheManager:
             return [], 0
         hashes = self._block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hit: list[KVBlock] = []
+        tier = None if device_only or not self.host_tier.capacity else self.host_tier
+        hit: list[PrefixBlock] = []
         for h in hashes[:max_blocks]:
             block = self.pool.lookup(h)
-            if block is None:
+            if block is not None:
+                hit.append(block)
+            elif tier is not None and tier.holds(h):
+                hit.append(HostHit(h))
+            else:
                 break
-            hit.append(block)
         return hit, len(hit) * self.block_size
 
-    def count_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
-        """A request was let in with ``num_hit`` of its ``num_tokens`` from the cache."""
+    def host_tokens(self, hit: Sequence[PrefixBlock]) -> int:
+        """Tokens of a ``get_computed_blocks`` hit that come from the host tier."""
+        return self.block_size * sum(1 for b in hit if isinstance(b, HostHit))
+
+    def count_prefix_lookup(self, num_tokens: int, num_hit: int, num_host_hit: int = 0) -> None:
+        """A request was let in with ``num_hit`` of its ``num_tokens`` from the cache,
+        ``num_host_hit`` of them from the host tier."""
         if self.enable_caching:
             self.stats.queries += num_tokens
             self.stats.hits += num_hit
+            self.stats.host_hits += num_host_hit
 
     # -- allocation ------------------------------------------------------------
 
@@ -280,10 +294,13 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: Sequence[PrefixBlock] = (),
     ) -> list[KVBlock] | None:
         """Make room for ``num_new_tokens`` more tokens; None (and no change) if it can't.
 
+        ``new_computed_blocks``: a new request's prefix hit (``get_computed_blocks``); each
+        ``HostHit`` takes a fresh device block, restored in this step's plan before its
+        forward reads it, and hashed on the device at once (its entry stays in the tier).
         Returns the newly allocated blocks (none when the request's blocks had room).
         """
         rid = request.request_id
@@ -292,26 +309,44 @@ class KVCacheManager:
             table = self._tables[rid] = []
         num_hit = len(new_computed_blocks)
         num_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
-        need = -(-num_tokens // self.block_size) - len(table) - num_hit
-        if need <= 0 and not num_hit:
+        need = max(0, -(-num_tokens // self.block_size) - len(table) - num_hit)
+        if need == 0 and not num_hit:
             return []  # a decode step within its last block: the common case, kept cheap
+        on_device = [b for b in new_computed_blocks if isinstance(b, KVBlock)]
+        need += num_hit - len(on_device)  # a fresh block for each one restored
         # Cached blocks we are about to reuse may sit in the free queue: they stop
         # being free, so they count against what is left.
-        reused_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        reused_free = sum(1 for b in on_device if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - reused_free:
             return None
-        if num_hit:
-            self.pool.touch(new_computed_blocks)
-            table.extend(b.block_id for b in new_computed_blocks)
-            self._num_hashed[rid] = len(table)
+        self.pool.touch(on_device)
+        # Pinned before the allocation below, whose spills must not drop them.
+        hosts = [self.host_tier.pin(b.block_hash) for b in new_computed_blocks if isinstance(b, HostHit)]
         new = self.pool.allocate(need) if need > 0 else []
         assert new is not None  # there were enough free blocks
-        table.extend(b.block_id for b in new)
+        if num_hit:
+            self._take_hit(table, new_computed_blocks, new[: len(hosts)], hosts)
+            self._num_hashed[rid] = len(table)
+        table.extend(b.block_id for b in new[len(hosts):])
         return new
+
+    def _take_hit(self, table: list[int], hit: Sequence[PrefixBlock], fresh: list[KVBlock], hosts: list[int]) -> None:
+        """Append a prefix hit to ``table``: device blocks as they are, the host tier's in
+        ``fresh`` blocks (in order), each restored from its pinned host block and hashed."""
+        restored = iter(zip(fresh, hosts))
+        for entry in hit:
+            if isinstance(entry, KVBlock):
+                table.append(entry.block_id)
+                continue
+            block, host = next(restored)
+            self.pool.cache(block, entry.block_hash)
+            self.host_tier.restore(host, block.block_id)
+            table.append(block.block_id)
 
     def reserve_remote(self, request: Request, hit: Sequence[KVBlock]) -> int | None:
         """Blocks for a prompt whose KV another worker sends (decode role); None, and no
-        change, when the pool has no room.
+        change, when the pool has no room. ``hit``: a device-only lookup's; the blocks
+        this evicts are not spilled to the host tier (the KV arrives outside a step's plan).
 
         With a ``window``, the leading blocks wholly behind it at the prompt's end are read
         by no later step: the table holds ``NULL_BLOCK_ID`` for them (no block is taken, a
@@ -329,7 +364,8 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks - sum(1 for b in kept if b.ref_cnt == 0):
             return None
         self.pool.touch(kept)
-        new = self.pool.allocate(need)
+        # No spill: the KV lands in these blocks before the next plan's copies would run.
+        new = self.pool.allocate(need, spill=False)
         assert new is not None  # there were enough free blocks
         self._tables[rid] = [NULL_BLOCK_ID] * behind + [b.block_id for b in kept] + [b.block_id for b in new]
         self._num_hashed[rid] = not_sent
@@ -385,7 +421,7 @@ class KVCacheManager:
             self.pool.free(reversed(self._held(table)))
         cpu = self._cpu_blocks.pop(rid, None)
         if cpu:
-            self.cpu_pool.free(cpu)
+            self.cpu_pool.free(cpu)  # written by an earlier plan, read by none
         self._hashes.pop(rid, None)
         self._num_hashed.pop(rid, None)
 
@@ -405,7 +441,7 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.get(rid, [])
         kept = table[self._released.get(rid, 0):]  # the blocks given back stay so
-        cpu = self.cpu_pool.allocate(len(kept))
+        cpu = self.host_tier.take_swap(len(kept))  # the tier's entries give way
         if cpu is None:
             return None
         self._tables.pop(rid, None)
@@ -430,5 +466,20 @@ class KVCacheManager:
             return None
         cpu = self._cpu_blocks.pop(rid)
         self._tables[rid] = [NULL_BLOCK_ID] * released + [b.block_id for b in new]
-        self.cpu_pool.free(cpu)
+        self.host_tier.give_back_swap(cpu)
         return list(zip(cpu, (b.block_id for b in new)))
+
+    def num_swap_blocks(self) -> int:
+        """Host blocks swapped-out requests hold."""
+        return sum(len(c) for c in self._cpu_blocks.values())
+
+    # -- step plans ------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """The last step's plan has run (its copies done): what it pinned in the host tier is free."""
+        self.host_tier.begin_step()
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies for the plan being made: spills (device, host), to run
+        with its swap-outs, and restores (host, device), to run with its swap-ins."""
+        return self.host_tier.take_copies()

@@ -78,6 +78,9 @@ class Request:
     # Prefill role: keep the blocks after finishing until the caller releases them (a
     # transfer reads them in place).
     hold_kv: bool = False
+    # The LoRA adapter it runs under, by its key ("name@digest": engine.model.lora.Adapter),
+    # None for the base model; prefix-cache hashes are rooted in it.
+    adapter: str | None = None
     # Set by the engine (the scheduler never reads the clock), for latency metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

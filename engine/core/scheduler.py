@@ -29,6 +29,12 @@ When blocks run out the victim is the lowest-priority, latest-arrived running
 request. It is preempted by recompute (blocks freed, request back to the waiting
 queue, first in line under ``fcfs``) or by swap (blocks copied to the CPU pool), as
 ``preemption_mode`` says.
+
+With a host tier (``engine.core.host_tier``), the plan's ``swap_out`` pairs also spill
+evicted prefix blocks to it and its ``swap_in`` pairs restore prefix hits from it. The
+runner copies every ``swap_out`` pair, then every ``swap_in`` pair, then runs the
+forward: a spill reads its device block before anything writes it, and a restored
+block is in place before any request reads it.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.core.block_pool import KVCacheManager
+from engine.core.block_pool import KVBlock, KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queues import POLICIES, SortedRequests, order_key, waiting_queue
 
@@ -71,6 +77,8 @@ class SchedulerConfig:
     preemption_mode: str = "auto"
     policy: str = "fcfs"
     batching: str = "continuous"
+    # LoRA adapters the running requests may use at once (the model's resident slots); 0: no cap.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -103,8 +111,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_batched_tokens: int = 0
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    # Copied before the forward: every swap_out pair, then every swap_in pair.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu): swap-outs, then spills
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device): swap-ins, then restores
     preempted: list[str] = field(default_factory=list)
     # Finished while planning (grew past what the whole pool holds): not in ``scheduled``.
     finished: list[Request] = field(default_factory=list)
@@ -253,9 +262,11 @@ class Scheduler:
         """
         if request.request_id in self.requests or request.request_id in self.held:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        hit, num_hit = self.kv_manager.get_computed_blocks(request)
+        # The device's cache only: a restore from the host tier would be a copy in a plan
+        # made after the KV lands (``KVCacheManager.reserve_remote``).
+        hit, num_hit = self.kv_manager.get_computed_blocks(request, device_only=True)
         # The prompt (+ a migrated stream's output); at least its last block is sent.
-        not_sent = self.kv_manager.reserve_remote(request, hit)
+        not_sent = self.kv_manager.reserve_remote(request, [b for b in hit if isinstance(b, KVBlock)])
         if not_sent is None:
             return None
         self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit)
@@ -296,14 +307,18 @@ class Scheduler:
     # -- scheduling ------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step under the token budget."""
+        """Plan one step under the token budget (the previous plan has run)."""
         out = SchedulerOutput()
+        self.kv_manager.begin_step()
         admits = self.admission.admits(len(self.running), len(self.swapped))
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
             if admits:
                 budget = self._schedule_waiting(out, budget)
+        spills, restores = self.kv_manager.take_copies()
+        out.swap_out += spills
+        out.swap_in += restores
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         self.stats.num_steps += 1
         return out
@@ -377,9 +392,21 @@ class Scheduler:
         self._send_back(request)
         self.stats.num_preemptions_recompute += 1
 
+    def _adapter_waits(self, request: Request) -> bool:
+        """Whether ``request`` must wait for the running requests' adapters: its own is not
+        among them and they already fill the model's ``max_loras`` slots (one step's rows use
+        at most that many). Head of line: those behind it wait too, as under ``fcfs``."""
+        cap, adapter = self.config.max_loras, request.adapter
+        if not cap or adapter is None:
+            return False
+        running = {r.adapter for r in self.running.in_order if r.adapter is not None}
+        return adapter not in running and len(running) >= cap
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped.first()
+            if self._adapter_waits(request):
+                break
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             mapping = self.kv_manager.swap_in(request, n)
             if mapping is None:
@@ -396,7 +423,7 @@ class Scheduler:
         whole = self.admission.forms_whole_batch
         while (budget > 0 or whole) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request is None:
+            if request is None or self._adapter_waits(request):
                 break
             hit, num_hit = self.kv_manager.get_computed_blocks(request)
             n = request.num_tokens - num_hit
@@ -406,15 +433,16 @@ class Scheduler:
             if self.kv_manager.allocate_slots(request, n if whole else planned, hit) is None:
                 break
             self.waiting.pop()
-            self._start(request, num_hit)
+            self._start(request, num_hit, self.kv_manager.host_tokens(hit))
             if planned:
                 self._plan(out, request, num_hit, planned, request.num_tokens)
                 budget -= planned
         return budget
 
-    def _start(self, request: Request, num_hit: int) -> None:
-        """A waiting request joins the running batch with ``num_hit`` tokens from the cache."""
-        self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit)
+    def _start(self, request: Request, num_hit: int, num_host_hit: int) -> None:
+        """A waiting request joins the running batch with ``num_hit`` tokens from the cache
+        (``num_host_hit`` of them restored from the host tier)."""
+        self.kv_manager.count_prefix_lookup(request.num_tokens, num_hit, num_host_hit)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit
         request.num_computed_tokens = num_hit

@@ -25,6 +25,7 @@ one rank the plain modules are built, so a single-rank model runs no collective.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from engine.model.attention import StepAttention
 from engine.model.model_config import ModelConfig
 from engine.model.moe import SparseMoE
 from engine.model.parallel import SINGLE, TPGroup, shard_of
+
+if TYPE_CHECKING:
+    from engine.model.lora import LoRAStack
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -111,9 +115,21 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, lora: LoRAStack | None = None) -> torch.Tensor:
+        """``lora``: the step's adapters, whose products (partial too) join the rank's before the sum."""
+        out = F.linear(x, self.weight)
+        out = self.tp.all_reduce(out if lora is None else lora.add_to(out, x))
         return out if self.bias is None else out + self.bias
+
+
+def project_out(linear: nn.Module, x: torch.Tensor, lora: LoRAStack | None) -> torch.Tensor:
+    """An output projection (o, down) of ``x`` with its LoRA adapters' products (``lora``):
+    under tensor parallelism added to the rank's partial product, before the ranks' sum."""
+    if lora is None:
+        return linear(x)
+    if isinstance(linear, (RowParallelLinear, PackedRowParallel)):
+        return linear(x, lora)
+    return lora.add_to(linear(x), x)
 
 
 def row_parallel(in_features: int, out_features: int, bias: bool, tp: TPGroup) -> nn.Linear:
@@ -165,9 +181,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_offset)
         self.qk_norm = config.qk_norm
+        # Resident LoRA adapters' products, when the engine serves adapters (``engine.model.lora``).
+        self.qkv_lora: LoRAStack | None = None
+        self.o_lora: LoRAStack | None = None
 
     def forward(self, x, rope, k_cache, v_cache, attn: StepAttention):
         qkv = self.qkv_proj(x)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora.add_to(qkv, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -175,8 +196,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
-        out = attn(q, k, v, k_cache, v_cache, self.scale, self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = attn(q, k, v, k_cache, v_cache, self.scale, self.window).reshape(-1, self.q_size)
+        return project_out(self.o_proj, out, self.o_lora)
 
 
 def activation(config: ModelConfig):
@@ -197,10 +218,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
         self.down_proj = row_parallel(self.inter, config.hidden_size, config.mlp_bias, tp)
         self.act = activation(config)
+        self.gate_up_lora: LoRAStack | None = None  # as ``Attention``'s
+        self.down_lora: LoRAStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        if self.gate_up_lora is None or self.down_lora is None:
+            gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+            return self.down_proj(self.act(gate) * up)
+        gate, up = self.gate_up_lora.add_to(self.gate_up_proj(x), x).split(self.inter, dim=-1)
+        return project_out(self.down_proj, self.act(gate) * up, self.down_lora)
 
 
 # oneDNN builds a primitive per input row count and keeps it, with memory that is never
@@ -268,8 +294,9 @@ class PackedRowParallel(PackedLinear):
         super().__init__(linear)
         self.tp = linear.tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.project(x, None))
+    def forward(self, x: torch.Tensor, lora: LoRAStack | None = None) -> torch.Tensor:
+        out = self.project(x, None)
+        out = self.tp.all_reduce(out if lora is None else lora.add_to(out, x))
         return out if self.bias is None else out + self.bias
 
 

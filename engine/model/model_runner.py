@@ -36,6 +36,7 @@ import torch
 from engine.model.attention import StepAttention
 from engine.model.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from engine.model.kv_cache import KVCache
+from engine.model.lora import LoRASlots
 from engine.model.model import DecoderModel
 from engine.model.runner_input import RunnerInput, RunnerRequest, RunnerRequests, StepItem
 from engine.model.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
@@ -111,6 +112,7 @@ class ModelRunner:
         attention: AttentionBackend,
         structured: TokenMasks | None = None,
         graphs: Sequence[DecodeGraphs | PiecewiseGraphs] = (),
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -122,6 +124,7 @@ class ModelRunner:
         self.step_done = FINISHED  # the last step's forward, on the device
         self.requests = RunnerRequests()
         self.graphs = list(graphs)  # steps replayed as CUDA graphs (engine.model.cuda_graphs): the first that fits
+        self.lora = lora  # the resident LoRA adapters, when the engine serves any
 
     @torch.inference_mode()
     def execute(self, step: RunnerInput) -> RunnerOutput:
@@ -137,7 +140,10 @@ class ModelRunner:
         # made after it would hold the host until the whole forward had run.
         rows_idx = self._to_device([row for row, _ in sample_rows])
         hidden = None
-        graphs = next((g for g in self.graphs if g.fits(layout)), None)
+        if self.lora is not None:  # each row's adapter; a step with any runs eagerly (no graph holds them)
+            self.lora.begin_step([r.adapter for r, _, n in items for _ in range(n)])
+        with_adapters = self.lora is not None and self.lora.step.active
+        graphs = None if with_adapters else next((g for g in self.graphs if g.fits(layout)), None)
         if graphs is not None:
             hidden = graphs.run(token_ids, positions, layout)  # None if its capture failed
         if hidden is None:

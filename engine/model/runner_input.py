@@ -55,6 +55,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # where this step starts
     num_scheduled_tokens: int  # tokens this step computes
+    adapter: str | None = None  # its LoRA adapter's key (engine.model.lora), None: the base model
 
 
 @dataclass
@@ -141,7 +142,7 @@ class RunnerInputBuilder:
                 sent[rid] = _Sent(len(output), len(table), _num_released(table, 0))
                 new.append(NewRequestData(
                     rid, request.prompt_token_ids, output[:], request.sampling_params,
-                    request.sampling_seed, table[:], item.start_pos, len(item.token_ids),
+                    request.sampling_seed, table[:], item.start_pos, len(item.token_ids), request.adapter,
                 ))
                 continue
             ids(rid)
@@ -169,6 +170,7 @@ class RunnerRequest:
     block_ids: list[int]
     num_released: int = 0
     row: int = 0  # its block table's row in the runner's ``BlockTables``
+    adapter: str | None = None  # its LoRA adapter, None: the base model
     # The sampler's view of it, made by the runner the first time it samples; it reads the
     # lists above, which the deltas extend in place.
     sample_row: SampleRow | None = None
@@ -265,6 +267,7 @@ class RunnerRequests:
             r = requests[new.request_id] = RunnerRequest(
                 new.request_id, new.prompt_token_ids, new.output_token_ids, new.sampling_params,
                 new.sampling_seed, new.block_ids, _num_released(new.block_ids, 0), tables.add(new.block_ids),
+                adapter=new.adapter,
             )
             items.append((r, new.num_computed_tokens, new.num_scheduled_tokens))
         c = step.cached_requests
