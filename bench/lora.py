@@ -52,8 +52,9 @@ def write_adapter(out: Path, engine: LLMEngine, rank: int, seed: int) -> Path:
 
 def decode_ms(engine: LLMEngine, adapters: list[str | None], context: int, steps: int) -> float:
     """Mean ms of ``steps`` decode steps of one request per entry of ``adapters``."""
-    params = SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.0)
-    ids = [engine.add_request([5 + i % 50] * context, params, adapter=a) for i, a in enumerate(adapters)]
+    ids = [engine.add_request([5 + i % 50] * context, SamplingParams(max_tokens=10**6, ignore_eos=True,
+                                                                   temperature=0.0, adapter=a))
+           for i, a in enumerate(adapters)]
     produced = dict.fromkeys(ids, 0)
     while min(produced.values()) < 3:  # the prefill and a few decode steps first
         for out in engine.step():

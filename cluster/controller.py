@@ -161,7 +161,15 @@ class ClusterController:
             "prefill_workers": self.config.prefill_workers,
             "decode_workers": self.config.decode_workers,
             "scheduling_policy": engine.policy,
+            "adapters": self._served_adapters(),
         }
+
+    def _served_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters every worker loads at start (both pools' engines name them)."""
+        names = set(self.config.engine_config("decode").lora_adapters)
+        if self.config.prefill_workers:
+            names &= set(self.config.engine_config("prefill").lora_adapters)
+        return tuple(sorted(names))
 
     def model_info(self) -> dict:
         return self._model_info

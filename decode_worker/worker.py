@@ -158,7 +158,8 @@ class DecodeWorker(WorkerBase):
         # hand-off record gives them back.
         pins = self.engine.pin_blocks(request_id)
         self.handoff.reserve(request_id, blocks, held, time.monotonic() + self.transfer.timeout_s, pins)
-        return Reservation(request_id, blocks, self.layout, self._endpoint, time.time() + self.transfer.timeout_s, held)
+        return Reservation(request_id, blocks, self.layout, self._endpoint, time.time() + self.transfer.timeout_s, held,
+                           adapter_key=self.engine.check_adapter(params.adapter))
 
     async def receive_kv(
         self, meta: TransferMeta, payload: Any, *, first_token: int, first_logprobs: Any = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
@@ -62,7 +63,8 @@ class LLM:
         encoded = [self.engine.encode_prompt(p) for p in prompts]
         for name in set(adapters):
             self.engine.check_adapter(name)
-        ids = [self.engine.add_request(p, sp, adapter=a) for p, sp, a in zip(encoded, sampling_params, adapters)]
+        params = [sp if a is None else dataclasses.replace(sp, adapter=a) for sp, a in zip(sampling_params, adapters)]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(encoded, params)]
         final: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list] = {}  # come with a request's first output
         while len(final) < len(ids):

@@ -91,12 +91,22 @@ class EngineStats:
     host_cache_spills: int = 0
     host_cache_restores: int = 0
     host_cache_hits: int = 0
+    # LoRA (EngineConfig.max_loras): the adapters in a device slot now, by name, least
+    # recently used first, and the adapters written into a slot and pushed out of one so far.
+    lora_resident_adapters: tuple[str, ...] = ()
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @property
     def host_cache_hit_rate(self) -> float:
         """Of the admitted prompt tokens the device's cache missed, the share the host tier served."""
         missed = self.prefix_cache_queries - (self.prefix_cache_hits - self.host_cache_hits)
         return self.host_cache_hits / missed if missed else 0.0
+
+    @property
+    def lora_resident(self) -> int:
+        """The LoRA adapters in a device slot now."""
+        return len(self.lora_resident_adapters)
 
 
 @dataclass(frozen=True)
@@ -274,9 +284,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         hold_kv: bool = False,
         resume_output: Sequence[int] = (),
-        adapter: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. ``adapter``: the loaded LoRA adapter it runs under.
+        """Queue a request; returns its id. It runs under the LoRA adapter its params name.
 
         ``hold_kv`` (prefill role): the final output carries the ids of the blocks holding
         the prompt's KV in ``kv_blocks``, and the blocks stay allocated until
@@ -287,7 +296,6 @@ class LLMEngine:
         outputs carry only what comes after them.
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
-        request.adapter = self.check_adapter(adapter)
         self._check_fits(request, resume_output)
         request.hold_kv = hold_kv
         request.output_token_ids = list(resume_output)
@@ -424,6 +432,7 @@ class LLMEngine:
             # that does not parse ends its request with an error there).
             precheck_structured_output(so, limits=self.config.grammar)
         params.check_vocab(self.model_config.vocab_size)
+        adapter = self.check_adapter(params.adapter)  # its key: prefix hashes are rooted in it
         return Request(
             request_id=rid,
             prompt_token_ids=ids,
@@ -431,6 +440,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             eos_token_ids=self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
+            adapter=adapter,
         )
 
     def load_adapter(self, name: str, path: str) -> None:
@@ -653,6 +663,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The load plus the running totals (every step, for metrics)."""
         load, steps, pool = self.load(), self.scheduler.stats, self.kv_manager.pool
+        lora = self.lora
+        names = {adapter.key: name for name, adapter in lora.loaded.items()} if lora is not None else {}
         return EngineStats(
             num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -676,4 +688,7 @@ class LLMEngine:
             host_cache_spills=self.kv_manager.host_tier.stats.spills,
             host_cache_restores=self.kv_manager.host_tier.stats.restores,
             host_cache_hits=self.kv_manager.stats.host_hits,
+            lora_resident_adapters=tuple(names[key] for key in lora.resident) if lora is not None else (),
+            lora_loads=lora.loads if lora is not None else 0,
+            lora_evictions=lora.evictions if lora is not None else 0,
         )

@@ -62,6 +62,11 @@ from engine.wire.sampling_params import StructuredOutput
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+    from engine.core.request import Request
+    from engine.remote_kv import Arrival
+
+    Held = Request | Arrival  # what the pen holds: a new request, or a decode worker's arrival
+
 log = logging.getLogger(__name__)
 
 # Compiles given up on (past their limit) that may still run on threads of their own: each
@@ -333,7 +338,7 @@ class GrammarPen:
 
     def __init__(self, structured: StructuredOutputs) -> None:
         self.structured = structured
-        self._held: dict[str, object] = {}
+        self._held: dict[str, Held] = {}
 
     def must_wait(self, request_id: str) -> bool:
         """The request is constrained and its grammar is compiling, or failed (an error
@@ -341,11 +346,11 @@ class GrammarPen:
         s = self.structured
         return request_id in s and (not s.is_ready(request_id) or s.error(request_id) is not None)
 
-    def hold(self, request_id: str, item: object) -> None:
+    def hold(self, request_id: str, item: Held) -> None:
         """Keep ``item`` (the ``Request``, or the ``Arrival``) until the grammar is ready."""
         self._held[request_id] = item
 
-    def pop(self, request_id: str) -> object | None:
+    def pop(self, request_id: str) -> Held | None:
         """Drop what is held for the request (it ended otherwise); None when nothing is."""
         return self._held.pop(request_id, None)
 
@@ -366,7 +371,7 @@ class GrammarPen:
         """Some held request's grammar is ready (compiled or failed)."""
         return any(self.structured.is_ready(rid) for rid in self._held)
 
-    def take_ready(self) -> list[tuple[str, object, BaseException | None]]:
+    def take_ready(self) -> list[tuple[str, Held, BaseException | None]]:
         """The held requests whose grammar is ready, taken out of the pen in the order they
         came in: each id, what was held, and the compile's error (None: it compiled)."""
         s = self.structured

@@ -112,7 +112,7 @@ class PrefillWorker(WorkerBase):
         self._prefills.add(this)
         state = TransferState.FAILED
         try:
-            if (refusal := self._refusal(num_tokens, deadline)) is not None:
+            if (refusal := self._refusal(num_tokens, deadline, params, reservation)) is not None:
                 decode.transfer_failed(request_id)  # it recomputes (or fails) at once
                 return _failed(request_id, refusal)
             final, landed, t_done = await self._compute(
@@ -160,8 +160,18 @@ class PrefillWorker(WorkerBase):
             return "the prefill was aborted past the reservation's deadline"
         return None
 
-    def _refusal(self, num_tokens: int, deadline: float) -> str | None:
+    def _refusal(
+        self, num_tokens: int, deadline: float, params: SamplingParams, reservation: Reservation
+    ) -> str | None:
         """Why this worker will not start a prefill, if it will not."""
+        try:
+            adapter = self.engine.check_adapter(params.adapter)
+        except ValueError as e:
+            return f"this prefill worker cannot run the request: {e}"
+        if adapter != reservation.adapter_key:
+            # KV computed under one adapter (or the base) is wrong for any other.
+            return (f"the decode worker runs the request under adapter {reservation.adapter_key!r}, "
+                    f"this prefill worker under {adapter!r}")
         if not self.engine.fits(num_tokens + 1):
             # A migrated stream's prompt and output may outgrow this pool, not the decode
             # worker's: recomputed there, the text is the same.

@@ -271,9 +271,10 @@ def sse(obj: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def model_list(name: str, created: int, max_model_len: int) -> dict:
+def model_list(name: str, created: int, max_model_len: int, adapters: tuple[str, ...] = ()) -> dict:
+    """``GET /v1/models``: the base model, then each LoRA adapter with the base as its ``parent``."""
+    base = {"id": name, "object": "model", "created": created, "owned_by": "tandem", "max_model_len": max_model_len}
     return {
         "object": "list",
-        "data": [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
-                  "max_model_len": max_model_len}],
+        "data": [base, *({**base, "id": a, "root": a, "parent": name} for a in adapters)],
     }

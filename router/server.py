@@ -18,8 +18,9 @@ A request's way through a replica::
 
 A chat request whose message is read as it streams, because it may call tools
 (``PreparedRequest.tools``) or its thinking goes apart from its answer
-(``PreparedRequest.reasoning``), streams through a path of its own (``_sse_message``), so
-that every other stream keeps the lean one (``_sse``).
+(``PreparedRequest.reasoning``), streams through a path of its own (``sse_message``), so
+that every other stream keeps the lean one (``sse_stream``); both, and the answer made
+whole (``drain``) or of several choices (``sse_many``), are in ``router.http_streams``.
 
 A request of several choices (a completions request with a list of prompts, and either
 endpoint's or gRPC Generate's ``n`` > 1) is a request a choice
@@ -63,20 +64,13 @@ from router.chat_output import MessageStream, read_message
 from router.core import RouterConfig, RouterCore
 from router.dispatch import aborted_delta
 from router.errors import ApiError
-from router.fanout import Fanout, fan_out, many_deltas
-from router.openai_api import Accumulator, Envelope, model_list, sse
+from router.fanout import fan_out, many_deltas
+from router.http_streams import drain, sse_many, sse_message, sse_stream
+from router.openai_api import Accumulator, Envelope, model_list
 from router.response_objects import ResponseEvents, ResponseHead, new_id, whole_response
 from router.response_store import StoredResponse
 from router.responses import ResponseRequest, output_history, prepare_response
-from router.stream_events import (
-    choice_event,
-    echoed,
-    message_choice_event,
-    opening_event,
-    server_error,
-    sse_event,
-    tool_events,
-)
+from router.stream_events import echoed, server_error
 from router.tokenization import detokenize, tokenize
 from router.validation import Choice, PreparedRequest, bearer, choices, prepare_chat, prepare_completions
 
@@ -179,7 +173,8 @@ class Router:
     @app.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self.core.check_key(bearer(request.headers.get("authorization")))
-        return model_list(self.core.model.name, self.core.created, self.core.model.max_model_len)
+        model = self.core.model
+        return model_list(model.name, self.core.created, model.max_model_len, model.adapters)
 
     @app.get("/status")
     async def status(self, request: Request) -> dict:
@@ -239,12 +234,12 @@ class Router:
         acc = Accumulator(core.tokenizer)
         first = echoed(first, prepared)
         if not prepared.stream:
-            await self._drain(first, deltas, acc)
+            await drain(first, deltas, acc)
             return env.chat(acc, prepared.tools, prepared.reasoning) if chat else env.completion(acc)
         if prepared.tools is not None or prepared.reasoning is not None:
-            body = self._sse_message(first, deltas, acc, env, prepared)
+            body = sse_message(first, deltas, acc, env, prepared)
         else:
-            body = self._sse(first, deltas, acc, env, prepared, chat)
+            body = sse_stream(first, deltas, acc, env, prepared, chat)
         return StreamingResponse(body, media_type="text/event-stream")
 
     async def _started(self, prepared: PreparedRequest, rid: str, ticket: Ticket):
@@ -260,61 +255,6 @@ class Router:
             await deltas.aclose()
             raise server_error(first)
         return deltas, first
-
-    @staticmethod
-    async def _drain(first, deltas, acc: Accumulator) -> None:
-        """Every delta of a request answered whole, into ``acc``."""
-        acc.add(first)
-        async with aclosing(deltas):
-            async for delta in deltas:
-                if delta.error:
-                    raise server_error(delta)
-                acc.add(delta)
-
-    async def _sse(self, first, deltas, acc, env: Envelope, prepared: PreparedRequest, chat: bool):
-        """The event stream of a completion, or of a chat completion (opened by the role).
-
-        Leaving early (the client went away) closes ``deltas``, which aborts the request.
-        """
-        async with aclosing(deltas):
-            opening, delta = opening_event(env, acc, first, chat)
-            if opening is not None:
-                yield opening
-            while True:
-                if delta.error:
-                    last = sse(server_error(delta).body())
-                    break
-                last = sse_event(env, acc, delta, chat)
-                if delta.finished:
-                    break
-                yield last
-                delta = await anext(deltas)
-        if prepared.include_usage:
-            last += sse(env.usage_chunk("chat.completion.chunk" if chat else "text_completion", acc))
-        yield last + sse("[DONE]")  # the stream's last events in one write
-
-    async def _sse_message(self, first, deltas, acc: Accumulator, env: Envelope, prepared: PreparedRequest):
-        """The event stream of a chat completion whose message is read as it streams
-        (``MessageStream``): its thinking as ``reasoning_content``, then content as it
-        comes until a call begins, then the calls, then the finish reason.
-
-        Apart from ``_sse`` so that other requests keep their lean path.
-        """
-        stream = MessageStream(prepared.reasoning, prepared.tools)
-        async with aclosing(deltas):
-            opening, delta = opening_event(env, acc, first, True)
-            yield opening
-            while not delta.error:
-                for event in tool_events(env, acc, stream, delta):
-                    yield event
-                if delta.finished:
-                    break
-                delta = await anext(deltas)
-            else:
-                yield sse(server_error(delta).body())
-        if prepared.include_usage:
-            yield sse(env.usage_chunk("chat.completion.chunk", acc))
-        yield sse("[DONE]")
 
     async def _http_many(self, batch: list[PreparedRequest], chat: bool):
         """A request of several choices (prompts × n): a request each, its choice at its
@@ -334,34 +274,8 @@ class Router:
             finally:
                 await fan.close()
             return env.choices(accs, chat, n, batch[0].reasoning)
-        body = self._sse_many(fan, accs, env, every, chat, n)
+        body = sse_many(fan, accs, env, every, chat, n)
         return StreamingResponse(body, media_type="text/event-stream")
-
-    async def _sse_many(self, fan: Fanout, accs: list[Accumulator], env: Envelope, batch: list[Choice],
-                        chat: bool, n: int):
-        """The event stream of several choices, their chunks interleaved (a chat stream
-        opens each choice with its role; with its reasoning read, through a
-        ``MessageStream`` a choice)."""
-        reasoning = batch[0].prepared.reasoning
-        streams = [MessageStream(reasoning, None) for _ in batch] if reasoning is not None else None
-        try:
-            if chat:
-                for i in range(len(batch)):
-                    yield sse(env.chat_chunk({"role": "assistant", "content": ""}, None, None, index=i))
-            async with aclosing(many_deltas(fan, accs, batch)) as deltas:
-                async for i, delta, lps in deltas:
-                    if delta.error:
-                        yield sse(server_error(delta).body())
-                        break
-                    if streams is None:
-                        yield choice_event(env, accs[i], i, delta, lps, chat)
-                    elif event := message_choice_event(env, accs[i], i, delta, lps, streams[i]):
-                        yield event
-            if batch[0].prepared.include_usage:
-                yield sse(env.choices_usage_chunk(accs, chat, n))
-            yield sse("[DONE]")
-        finally:
-            await fan.close()
 
     # -- the Responses API ---------------------------------------------------------
 
@@ -380,7 +294,7 @@ class Router:
         acc = Accumulator(core.tokenizer)
         if prepared.stream:
             return StreamingResponse(self._sse_response(first, deltas, acc, req, head), media_type="text/event-stream")
-        await self._drain(first, deltas, acc)
+        await drain(first, deltas, acc)
         message = read_message(acc.text, acc.finish_reason, prepared.tools, prepared.reasoning)
         response = whole_response(head, message, acc, self._count_tokens)
         self._store(req, response)

@@ -95,6 +95,9 @@ class ServedModel:
     # How the model's thinking is told from its answer in chat outputs (the router's
     # ``reasoning_parser`` setting for this model's chat template); None: it is not.
     reasoning: ReasoningParser | None = None
+    # LoRA adapters every worker serves beside the base model: a request names one as its
+    # ``model`` (``adapter_of``).
+    adapters: tuple[str, ...] = ()
 
     @property
     def max_prompt_chars(self) -> int | None:
@@ -103,13 +106,18 @@ class ServedModel:
         return None if self.max_chars_per_token is None else (self.max_model_len - 1) * self.max_chars_per_token
 
     def check_name(self, requested: str | None) -> None:
-        if requested is not None and requested != self.name:
+        if requested is not None and requested != self.name and requested not in self.adapters:
+            served = " and its adapters " + ", ".join(f"'{a}'" for a in self.adapters) if self.adapters else ""
             raise ApiError(
                 404,
-                f"The model '{requested}' does not exist; this server serves '{self.name}'",
+                f"The model '{requested}' does not exist; this server serves '{self.name}'{served}",
                 param="model",
                 code="model_not_found",
             )
+
+    def adapter_of(self, requested: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+        return requested if requested is not None and requested in self.adapters else None
 
 
 @dataclass(frozen=True)
@@ -256,6 +264,7 @@ def _sampling_params(
             skip_special_tokens=b.skip_special_tokens,
             include_stop_str_in_output=b.include_stop_str_in_output,
             logprobs=logprobs,
+            adapter=model.adapter_of(b.model),
             **fields,
             **given,
         )

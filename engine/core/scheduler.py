@@ -13,7 +13,7 @@ One step's budget (``max_num_batched_tokens``) is spent in this order:
 The scheduler is a few small parts: a waiting queue and sorted running and swapped
 sets (``engine.core.request_queues``, in the order ``policy`` gives), the KV cache manager
 (``engine.core.block_pool.KVCacheManager``, which also counts prefix-cache hits), and an admission
-policy that says when waiting requests may join the batch:
+policy (``engine.core.batching``) that says when waiting requests may join the batch:
 
 - ``ContinuousBatching``: whenever a step has budget left and the pool has blocks;
 - ``StaticBatching`` (``batching="static"``, a baseline for benchmarks): only when
@@ -35,92 +35,35 @@ evicted prefix blocks to it and its ``swap_in`` pairs restore prefix hits from i
 runner copies every ``swap_out`` pair, then every ``swap_in`` pair, then runs the
 forward: a spill reads its device block before anything writes it, and a restored
 block is in place before any request reads it.
+
+Beside this module: its config and plan types (``engine.core.scheduler_plan``), its
+admission policies (``engine.core.batching``) and the runs of pure decode steps the
+simulator takes at once (``engine.core.decode_run``); their names are importable from here.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from engine.core.batching import ADMISSION_POLICIES, BATCHING_MODES, ContinuousBatching, StaticBatching
 from engine.core.block_pool import KVBlock, KVCacheManager
+from engine.core.decode_run import run_blocks, take_run
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queues import POLICIES, SortedRequests, order_key, waiting_queue
+from engine.core.request_queues import SortedRequests, order_key, waiting_queue
+from engine.core.scheduler_plan import PREEMPTION_MODES, ScheduledRequest, SchedulerConfig, SchedulerOutput, check_modes
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-BATCHING_MODES = ("continuous", "static")
-
-
-def check_modes(preemption_mode: str, policy: str, batching: str) -> None:
-    """A ValueError naming the first of the scheduler's modes that is not one it has."""
-    for name, value, allowed in (("preemption_mode", preemption_mode, PREEMPTION_MODES),
-                                 ("policy", policy, POLICIES), ("batching", batching, BATCHING_MODES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
+# The plan types and admission policies live in their own modules; importers name them here.
+__all__ = [
+    "ADMISSION_POLICIES", "AUTO_SWAP_OUTPUT_RATIO", "BATCHING_MODES", "PREEMPTION_MODES", "ContinuousBatching",
+    "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StaticBatching",
+    "check_modes",
+]
 
 # "auto" swaps a request once its output is this large a share of its prompt:
 # recomputing it would then cost more than copying its blocks back.
 AUTO_SWAP_OUTPUT_RATIO = 0.2
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's limits and modes: the step's token budget, requests at once, context length,
-    chunking, preemption, queue policy and batching. ``LLMEngine`` builds it once from its
-    ``EngineConfig``; checked on creation."""
-
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"
-    policy: str = "fcfs"
-    batching: str = "continuous"
-    # LoRA adapters the running requests may use at once (the model's resident slots); 0: no cap.
-    max_loras: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_modes(self.preemption_mode, self.policy, self.batching)
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "without chunked prefill, max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
-            )
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute ``token_ids`` at positions from ``start_pos``."""
-
-    request: Request  # read-only for the runner: sampling params and seed, token history
-    token_ids: list[int]
-    start_pos: int
-    block_ids: list[int]
-    sample: bool  # the step reaches the end of the known tokens: sample the next one
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan, as plain data: each request's tokens and blocks, the blocks to swap out and
-    in, and the requests preempted or finished while planning. The model runner executes it;
-    ``update`` takes it back with the sampled ids."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    # Copied before the forward: every swap_out pair, then every swap_in pair.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu): swap-outs, then spills
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device): swap-ins, then restores
-    preempted: list[str] = field(default_factory=list)
-    # Finished while planning (grew past what the whole pool holds): not in ``scheduled``.
-    finished: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
 
 
 @dataclass
@@ -135,32 +78,6 @@ class SchedulerStats:
     @property
     def num_preemptions(self) -> int:
         return self.num_preemptions_recompute + self.num_preemptions_swap
-
-
-class ContinuousBatching:
-    """Waiting requests join whenever the step has budget left and the pool has blocks,
-    each with blocks for the tokens it computes now."""
-
-    forms_whole_batch = False
-
-    def admits(self, num_running: int, num_swapped: int) -> bool:
-        return True
-
-
-class StaticBatching:
-    """Waiting requests join only when nothing runs or is swapped out; then every one
-    that fits joins at once, with blocks for its whole prompt, whatever this step's
-    budget (their prompts are computed over the next steps)."""
-
-    forms_whole_batch = True
-
-    def admits(self, num_running: int, num_swapped: int) -> bool:
-        return num_running == 0 and num_swapped == 0
-
-
-ADMISSION_POLICIES: dict[str, ContinuousBatching | StaticBatching] = {
-    "continuous": ContinuousBatching(), "static": StaticBatching(),
-}
 
 
 class Scheduler:
@@ -459,65 +376,18 @@ class Scheduler:
         nothing waits or is swapped out, and no layer slides; the run ends before the
         first step in which a request would finish sampling ``token`` (its length limit,
         or a stop token) or blocks would run out. ``skip_decode_steps`` takes the run's
-        steps at once, as ``schedule`` and ``update`` would one by one.
+        steps at once, as ``schedule`` and ``update`` would one by one
+        (``engine.core.decode_run``).
         """
-        running = self.running.in_order
-        kv = self.kv_manager
-        if (self.waiting or self.swapped or not running or kv.window
-                or len(running) > self.config.max_num_batched_tokens):
+        if self.waiting or self.swapped:
             return []
-        steps = self.config.max_model_len
-        for request in running:
-            params, num_tokens = request.sampling_params, request.num_tokens
-            if (request.num_computed_tokens != num_tokens - 1 or token in params.stop_token_ids
-                    or (not params.ignore_eos and token in request.eos_token_ids)):
-                return []
-            ends_in = min(params.max_tokens - request.num_output_tokens, self.config.max_model_len - num_tokens)
-            steps = min(steps, ends_in - 1)
-        if steps <= 0:
-            return []
-        bs = kv.block_size
-        taken = [0] * (steps + 1)
-        for request in running:
-            # A new block when a step computes the first token past the table's end.
-            for j in range(kv.num_table_blocks(request.request_id) * bs - request.num_computed_tokens, steps, bs):
-                taken[j] += 1
-        free, total, run = kv.pool.num_free_blocks, 0, []
-        for n in taken[:steps]:
-            total += n
-            if total > free:
-                break
-            run.append(total)
-        return run
+        return run_blocks(self.running.in_order, self.kv_manager, self.config, token)
 
     def skip_decode_steps(self, num_steps: int, token: int) -> None:
         """Take ``num_steps`` steps of a ``decode_run`` at once, each request sampling ``token``
         every step: the blocks allocated and cached in the order the steps would take them
         (step by step, each step's allocations before its caching, in running order)."""
-        running = list(self.running.in_order)
-        kv = self.kv_manager
-        bs = kv.block_size
-        start = [request.num_computed_tokens for request in running]
-        events: list[tuple[int, int, int]] = []  # (step, 0 allocate / 1 cache, position)
-        for pos, request in enumerate(running):
-            c = start[pos]
-            events.extend((j, 0, pos) for j in range(kv.num_table_blocks(request.request_id) * bs - c + 1,
-                                                      num_steps + 1, bs))
-            if kv.enable_caching:
-                events.extend((j, 1, pos) for j in range(bs - c % bs, num_steps + 1, bs))
-            request.output_token_ids.extend([token] * num_steps)
-        events.sort()
-        for j, phase, pos in events:
-            request = running[pos]
-            if phase == 0:
-                request.num_computed_tokens = start[pos] + j - 1
-                allocated = kv.allocate_slots(request, 1)
-                assert allocated is not None, "decode_run counted the blocks"
-            else:
-                request.num_computed_tokens = start[pos] + j
-                kv.cache_blocks(request)
-        for pos, request in enumerate(running):
-            request.num_computed_tokens = start[pos] + num_steps
+        take_run(list(self.running.in_order), self.kv_manager, num_steps, token)
         self.stats.num_steps += num_steps
 
     # -- results ---------------------------------------------------------------

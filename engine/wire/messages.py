@@ -155,6 +155,9 @@ class Reservation:
     # Leading blocks not sent: the decode worker's prefix cache holds them, or they are behind
     # every layer's window at the prompt's end (``KVLayout.layer_windows``: none kept for them).
     unsent_blocks: int = 0
+    # The LoRA adapter the decode worker runs the request under, by its key (name and a digest
+    # of its files; None: the base model): a prefill worker whose own differs refuses to send.
+    adapter_key: str | None = None
 
 
 @dataclass(frozen=True)

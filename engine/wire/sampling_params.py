@@ -74,7 +74,9 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` is greedy decoding. ``seed`` makes sampling reproducible and
-    independent of the other requests in the batch.
+    independent of the other requests in the batch. ``adapter``: the LoRA adapter (by the
+    name it is served under) the request runs under, None for the base model: it travels
+    with the request to every worker that computes it.
     """
 
     max_tokens: int = 16
@@ -99,6 +101,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()  # kept as (id, bias) pairs
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    adapter: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +116,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
+        if self.adapter is not None and not (isinstance(self.adapter, str) and self.adapter):
+            raise ValueError(f"adapter must be a non-empty name or None, got {self.adapter!r}")
         self._validate()
         self._validate_token_controls()
 

@@ -54,6 +54,8 @@ def test_the_pools_and_the_workers_import_nothing_of_the_router():
 @pytest.mark.parametrize(
     "module",
     ["engine.core.scheduler", "engine.core.request_queues", "engine.core.block_pool", "engine.core.block_hash",
+     "engine.core.kv_blocks", "engine.core.scheduler_plan", "engine.core.batching", "engine.core.decode_run",
+     "engine.core.host_tier",
      "engine.core.step_shape", "engine.model.runner_input", "router.placement", "router.worker_loads", "router.dispatch_config",
      "router.admission", "router.aborts", "router.tool_parsers", "router.json_rewriter", "router.tool_calls", "engine.wire.messages"],
 )
