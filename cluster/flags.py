@@ -13,9 +13,11 @@ Torch-free and Ray-free: parsing flags must not start anything.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from cluster.ingress import DEFAULT_INGRESS, INGRESSES, check_ingress
+from engine.config import EngineConfig
 from kv_transfer import BACKENDS
 from router.admission import AdmissionConfig
 from router.api_config import ApiConfig
@@ -38,6 +40,56 @@ def engine_item(text: str) -> tuple[str, object]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, yaml.safe_load(value)
+
+
+# Suffixes of a size in bytes on the command line: binary (Ki, Mi, Gi, Ti, also written KiB ...)
+# and decimal (k or K, M, G, T, also kB ...), as Kubernetes quantities and the Helm chart write them.
+SIZE_UNITS = {"": 1, **{u: 1 << (10 * (i + 1)) for i, u in enumerate(("Ki", "Mi", "Gi", "Ti"))},
+              **{u: 1000 ** (i + 1) for i, u in enumerate(("K", "M", "G", "T"))}, "k": 1000}
+
+
+def byte_size(text: str) -> int:
+    """A size in bytes: ``17179869184``, ``16Gi`` / ``16GiB`` (binary), ``16G`` / ``16GB``
+    (decimal), ``1.5Gi``."""
+    number = text.rstrip("iBKkMGT")
+    unit = text[len(number):].removesuffix("B")
+    try:
+        value = float(number) * SIZE_UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes (e.g. 17179869184, 16Gi, 16GiB or 16G), got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise argparse.ArgumentTypeError(f"expected a whole, non-negative number of bytes, got {text!r}")
+    return int(value)
+
+
+def adapter_item(text: str) -> tuple[str, str]:
+    """``NAME=PATH``: a LoRA adapter's name and its PEFT directory, made absolute (the
+    workers that load it run in processes of their own, not in this directory)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+    return name.strip(), str(Path(path.strip()).expanduser().absolute())
+
+
+class AdaptersAction(argparse.Action):
+    """Repeated ``--lora NAME=PATH`` gathered into one ``{name: path}``; a name given twice
+    is an argparse error naming both paths."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        name, path = values
+        adapters = dict(getattr(namespace, self.dest) or {})
+        if name in adapters:
+            parser.error(f"{option_string} {name}: named twice ({adapters[name]} and {path})")
+        adapters[name] = path
+        setattr(namespace, self.dest, adapters)
+
+
+def add_lora_flag(parser, help_text: str) -> None:
+    """The repeatable ``--lora NAME=PATH`` (into ``args.lora``: a dict, None when not given)."""
+    parser.add_argument("--lora", type=adapter_item, action=AdaptersAction, default=None, metavar="NAME=PATH",
+                        help=help_text)
 
 
 def add_service_flags(
@@ -67,9 +119,7 @@ def add_service_flags(
                              "must be colocated (--prefill-workers 0) for now (default 1)")
     backend = defaults.get("kv_transfer_backend") or "nixl where installed, else collective"
     parser.add_argument("--kv-transfer-backend", default=None, choices=BACKENDS, help=f"default: {backend}")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
-    parser.add_argument("--engine", type=engine_item, action="append", default=[], metavar="KEY=VALUE",
-                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")
+    _add_engine_flags(parser)
     parser.add_argument(
         "--stream-interval-s", type=float, default=None,
         help="least time between two messages of one stream; tokens meanwhile go together (default 0)",
@@ -102,6 +152,48 @@ def add_service_flags(
     parser.set_defaults(**defaults)
 
 
+def _add_engine_flags(parser) -> None:
+    """The engine settings for both roles: any (``--engine KEY=VALUE``), and the KV blocks',
+    the host KV tier's and LoRA's by name."""
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the engine's)")
+    parser.add_argument("--engine", type=engine_item, action="append", default=[], metavar="KEY=VALUE",
+                        help="engine setting for both roles, repeatable (e.g. enable_prefix_caching=false)")
+    parser.add_argument("--host-kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
+                        help="host memory per rank for the host KV tier behind the prefix cache: evicted "
+                             "prefix blocks wait there to be restored (e.g. 16Gi; default 0: off)")
+    parser.add_argument("--max-loras", type=int, default=None, metavar="N",
+                        help="LoRA adapters resident on each worker at once (default: as many as --lora "
+                             "names, else 0: none)")
+    parser.add_argument("--max-lora-rank", type=int, default=None, metavar="N",
+                        help=f"the largest LoRA rank an adapter may have (default {EngineConfig.max_lora_rank})")
+    add_lora_flag(parser, "a LoRA adapter every worker loads at start, repeatable: its name and PEFT directory "
+                          "(adapter_config.json, adapter_model.safetensors)")
+
+
+def engine_flags(args: argparse.Namespace) -> dict:
+    """The engine settings the flags give for both roles (``--engine`` items, then the
+    flags named for one setting)."""
+    engine = dict(getattr(args, "engine", None) or [])
+    for name in ("num_kv_blocks", "host_kv_cache_memory", "max_loras", "max_lora_rank"):
+        if getattr(args, name, None) is not None:
+            engine[name] = getattr(args, name)
+    if getattr(args, "lora", None):
+        engine["lora_adapters"] = dict(args.lora)
+    return engine
+
+
+def _with_adapters(engine: dict, section: dict) -> dict:
+    """``engine`` (the flags' engine settings) over the file's ``section``: ``--lora``
+    adapters join the file's ``lora_adapters``, and where neither names ``max_loras``,
+    as many stay resident as there are adapters."""
+    if "lora_adapters" in engine:
+        adapters = {**(section.get("lora_adapters") or {}), **engine["lora_adapters"]}
+        engine = {**engine, "lora_adapters": adapters}
+        if "max_loras" not in engine and "max_loras" not in section:
+            engine["max_loras"] = max(1, len(adapters))
+    return engine
+
+
 def topology_file(path: str) -> dict:
     import yaml
 
@@ -113,14 +205,13 @@ def topology_file(path: str) -> dict:
 
 def cluster_config(args: argparse.Namespace):
     """The pools' ``ClusterConfig``: the topology file's settings, the flags over them
-    (``--kv-transfer-backend``, ``--num-kv-blocks``, ``--engine`` and ``--prefill-tp`` /
+    (``--kv-transfer-backend``, the engine flags (``engine_flags``) and ``--prefill-tp`` /
     ``--decode-tp`` refine the file's ``transfer``, ``engine``, ``prefill_engine`` and
-    ``decode_engine`` sections rather than replace them)."""
+    ``decode_engine`` sections rather than replace them; ``--lora`` adds to the file's
+    ``lora_adapters``)."""
     from cluster.config import ClusterConfig
 
-    engine = dict(getattr(args, "engine", None) or [])
-    if args.num_kv_blocks is not None:
-        engine["num_kv_blocks"] = args.num_kv_blocks
+    engine = engine_flags(args)
     overrides = {
         "model": args.model,
         "prefill_workers": args.prefill_workers,
@@ -136,6 +227,9 @@ def cluster_config(args: argparse.Namespace):
     data = {}
     if getattr(args, "config", None):
         data = {k: v for k, v in topology_file(args.config).items() if k not in SERVICE_KEYS}
+    if engine:
+        section = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+        overrides["engine"] = _with_adapters(engine, section)
     for key in ("transfer", "engine", "prefill_engine", "decode_engine"):
         if overrides[key] is not None and isinstance(data.get(key), dict):
             overrides[key] = {**data[key], **overrides[key]}

@@ -120,21 +120,30 @@ def tell_sender_gone(readers: list[WorkerRef], worker_id: str) -> None:
             pass
 
 
+# The engine stats ``tandem status`` shows beside a worker's load: its host KV tier and LoRA adapters.
+CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "host_cache_blocks", "host_cache_blocks_used",
+               "host_cache_hits", "lora_resident_adapters", "lora_loads", "lora_evictions")
+
+
 def worker_status(listed: list[tuple[str, WorkerRef, dict]], starting: list[tuple[str, str]]) -> dict[str, list[dict]]:
     """``TandemCluster.status`` from the workers it lists ((role, ref, where it runs)) and the
     replacements starting ((role, id)): the starting ones first, then each listed one with
-    its load as a dict (None: no answer within ``PING_TIMEOUT_S``)."""
-    calls = [(role, ref, where, ref.handle.load.remote()) for role, ref, where in listed]
+    its load as a dict and its ``CACHE_STATS`` as ``cache`` (None for both: no answer
+    within ``PING_TIMEOUT_S``)."""
+    calls = [(role, ref, where, ref.handle.load.remote(), ref.handle.stats.remote()) for role, ref, where in listed]
     out: dict[str, list[dict]] = {}
     for role, worker_id in starting:
-        out.setdefault(role, []).append({"worker_id": worker_id, "draining": False, "starting": True, "load": None})
-    for role, ref, where, load in calls:
-        try:
-            answer = dataclasses.asdict(ray.get(load, timeout=PING_TIMEOUT_S))
-        except (RayActorError, GetTimeoutError):
-            answer = None
         out.setdefault(role, []).append(
-            {"worker_id": ref.worker_id, "draining": ref.draining, **where, "load": answer})
+            {"worker_id": worker_id, "draining": False, "starting": True, "load": None, "cache": None})
+    for role, ref, where, load, stats in calls:
+        try:
+            answer, engine = ray.get([load, stats], timeout=PING_TIMEOUT_S)
+            answer = dataclasses.asdict(answer)
+            cache = {name: engine[name] for name in CACHE_STATS if name in engine}
+        except (RayActorError, GetTimeoutError):
+            answer = cache = None
+        out.setdefault(role, []).append(
+            {"worker_id": ref.worker_id, "draining": ref.draining, **where, "load": answer, "cache": cache})
     return out
 
 

@@ -8,8 +8,9 @@ import argparse
 import sys
 
 from cluster.autoscaler import decision_text
-from cluster.flags import GRPC_PORT, HTTP_PORT, LOCAL_URL, METRICS_PORT, add_service_flags
+from cluster.flags import GRPC_PORT, HTTP_PORT, LOCAL_URL, METRICS_PORT, add_lora_flag, add_service_flags
 from cluster.ingress import describe
+from engine.config import EngineConfig
 from engine.model.model_registry import DEFAULT_SERVE_MODEL, NAMED_MODELS, ModelFetchError, model_names
 
 MODEL_HELP = (
@@ -33,6 +34,19 @@ def _cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_settings(args: argparse.Namespace) -> dict:
+    """The engine's LoRA settings for ``tandem generate``: the ``--lora`` adapters, one
+    resident (the prompt runs under one), and ``--adapter`` checked against them before
+    the model loads."""
+    adapters = args.lora or {}
+    if args.adapter is not None and args.adapter not in adapters:
+        named = ", ".join(sorted(adapters)) or "none"
+        raise ValueError(f"--adapter {args.adapter!r} is not an adapter --lora names (named: {named})")
+    if not adapters:
+        return {}
+    return {"max_loras": 1, "max_lora_rank": args.max_lora_rank, "lora_adapters": adapters}
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
@@ -43,15 +57,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     with LLM(model=args.model, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
-             tensor_parallel_size=args.tensor_parallel_size) as llm:
+             tensor_parallel_size=args.tensor_parallel_size, **_lora_settings(args)) as llm:
         prompt = args.prompt
         if args.chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        (out,) = llm.generate([prompt], params)
+        (out,) = llm.generate([prompt], params, adapter=args.adapter)
         stats = llm.stats()
     print(out.text)
+    under = f"adapter {args.adapter}, " if args.adapter is not None else ""
     print(
-        f"[{out.num_prompt_tokens} prompt tokens, {len(out.token_ids)} generated, "
+        f"[{under}{out.num_prompt_tokens} prompt tokens, {len(out.token_ids)} generated, "
         f"finish_reason={out.finish_reason}, blocks in use after: {stats.num_blocks_in_use}]",
         file=sys.stderr,
     )
@@ -186,6 +201,9 @@ def format_status(status: dict) -> str:
             load = "starting (waiting for room, or loading)" if w.get("starting") else _load_line(w["load"])
             where = f"  [pid {w['pid']} on {w['node']}]" if w.get("pid") else ""
             lines.append(f"  {name:24} {load}{where}")
+            cache = _cache_line(w.get("cache"))
+            if cache:
+                lines.append(f"  {'':24} {cache}")
     if "slo" in scaling:
         seen, slo = scaling.get("router_latency"), scaling["slo"]
         clients = "no requests lately" if seen is None else (
@@ -203,6 +221,26 @@ def format_status(status: dict) -> str:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
+
+
+def _cache_line(cache: dict | None) -> str:
+    """A worker's host KV tier (its use, and the share of the prompt tokens its device cache
+    missed that the tier served) and its resident LoRA adapters; "" when it has neither."""
+    if not cache:
+        return ""
+    parts = []
+    if cache.get("host_cache_blocks"):
+        hits = cache["host_cache_hits"]
+        missed = cache["prefix_cache_queries"] - (cache["prefix_cache_hits"] - hits)
+        rate = f"{hits / missed:.0%}" if missed else "-"
+        parts.append(f"host KV tier {cache['host_cache_blocks_used']}/{cache['host_cache_blocks']} blocks, "
+                     f"hit rate {rate} ({hits} prompt tokens)")
+    resident = cache.get("lora_resident_adapters") or []
+    if resident or cache.get("lora_loads"):
+        loads, evictions = cache["lora_loads"], cache["lora_evictions"]
+        parts.append(f"LoRA resident: {', '.join(resident) or 'none'} ({loads} load{'s' * (loads != 1)}, "
+                     f"{evictions} eviction{'s' * (evictions != 1)})")
+    return "; ".join(parts)
 
 
 def _load_line(load: dict | None) -> str:
@@ -266,6 +304,11 @@ def _add_generate(sub) -> None:
     gen.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="split the model over this many ranks (processes on this host)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_lora_flag(gen, "load a LoRA adapter (its name and PEFT directory), repeatable; --adapter picks one")
+    gen.add_argument("--adapter", default=None, metavar="NAME",
+                     help="generate under this --lora adapter (default: the base model)")
+    gen.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank, metavar="N",
+                     help="the largest rank a --lora adapter may have (default %(default)s)")
     gen.set_defaults(func=_cmd_generate)
 
 
@@ -293,7 +336,8 @@ def _add_request(sub) -> None:
 
 
 def _add_status(sub) -> None:
-    st = sub.add_parser("status", help="print a running server's pools, autoscaling targets and decisions")
+    st = sub.add_parser("status", help="print a running server's pools (each worker's load, host KV tier and "
+                                       "resident LoRA adapters), autoscaling targets and decisions")
     st.add_argument("--url", default=LOCAL_URL)
     st.add_argument("--api-key", default=None, help="default: $TANDEM_API_KEY")
     st.add_argument("--json", action="store_true", help="print the server's answer as it is")

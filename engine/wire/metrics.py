@@ -75,6 +75,20 @@ REQUEST_SUCCESS = _counter("request_success", "Finished requests, by finish reas
 NUM_PREEMPTIONS = _counter("num_preemptions", "Preemptions, by mode.", ("mode",))
 PREFIX_CACHE_QUERIES = _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
 PREFIX_CACHE_HITS = _counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+# The host KV tier behind the prefix cache (EngineConfig.host_kv_cache_memory), per rank's share.
+HOST_CACHE_BLOCKS = _gauge("host_cache_blocks", "Blocks the host KV tier can hold (0: no host tier).")
+HOST_CACHE_BLOCKS_USED = _gauge("host_cache_blocks_used", "Blocks the host KV tier holds now.")
+HOST_CACHE_HITS = _counter("host_cache_hits", "Prompt tokens the host KV tier served (restored, not "
+                           "recomputed); a part of prefix_cache_hits.")
+HOST_CACHE_SPILLS = _counter("host_cache_spills", "Prefix blocks the device evicted that were copied into the "
+                             "host KV tier.")
+HOST_CACHE_RESTORES = _counter("host_cache_restores", "Blocks copied back from the host KV tier to the device.")
+# LoRA adapters (EngineConfig.max_loras).
+LORA_RESIDENT = _gauge("lora_resident", "LoRA adapters in a device slot now (at most max_loras).")
+LORA_LOADS = _counter("lora_loads", "LoRA adapters written into a device slot (first use, or back after "
+                      "an eviction).")
+LORA_EVICTIONS = _counter("lora_evictions", "LoRA adapters pushed out of their slot for another one "
+                          "(least recently used first).")
 KV_TRANSFER_BYTES = _counter("kv_transfer_bytes", "KV bytes received from prefill workers.")
 KV_TRANSFER_FAILURES = _counter("kv_transfer_failures", "Failed KV transfers, by reason.", ("reason",))
 REQUESTS_REJECTED = _counter("requests_rejected", "Requests turned away, by reason.", ("reason",))
@@ -121,9 +135,21 @@ class EngineMetrics:
             "num_preemptions_swap": NUM_PREEMPTIONS.labels(*labels, "swap"),
             "prefix_cache_queries": PREFIX_CACHE_QUERIES.labels(*labels),
             "prefix_cache_hits": PREFIX_CACHE_HITS.labels(*labels),
+            "host_cache_hits": HOST_CACHE_HITS.labels(*labels),
+            "host_cache_spills": HOST_CACHE_SPILLS.labels(*labels),
+            "host_cache_restores": HOST_CACHE_RESTORES.labels(*labels),
+            "lora_loads": LORA_LOADS.labels(*labels),
+            "lora_evictions": LORA_EVICTIONS.labels(*labels),
         }
         # The totals as last exported, so each export adds only the difference.
         self._exported = dict.fromkeys(self._totals, 0)
+        # The ``EngineStats`` levels that change only in steps, each with its gauge, and as last exported.
+        self._levels = {
+            "host_cache_blocks": HOST_CACHE_BLOCKS.labels(*labels),
+            "host_cache_blocks_used": HOST_CACHE_BLOCKS_USED.labels(*labels),
+            "lora_resident": LORA_RESIDENT.labels(*labels),
+        }
+        self._leveled: dict[str, int] = {}
         self._queue = QUEUE_TIME.labels(*labels)
         self._prefill = PREFILL_TIME.labels(*labels)
         self._decode = DECODE_TIME.labels(*labels)
@@ -139,6 +165,11 @@ class EngineMetrics:
             if delta:
                 counter.inc(delta)
                 self._exported[name] = now
+        for name, gauge in self._levels.items():
+            now = getattr(stats, name)
+            if self._leveled.get(name) != now:  # a write only when it changed
+                gauge.set(now)
+                self._leveled[name] = now
 
     def on_load(self, load) -> None:
         """Between steps (``load``: an ``EngineLoad``): the gauges catch up with what calls

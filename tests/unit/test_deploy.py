@@ -59,6 +59,9 @@ METRICS_SPEC = {
     "tandem:kv_cache_usage_perc",
     "tandem:pool_workers",
     "tandem:pool_target_workers",
+    "tandem:host_cache_blocks",
+    "tandem:host_cache_blocks_used",
+    "tandem:lora_resident",
     # counters
     "tandem:prompt_tokens_total",
     "tandem:scaling_decisions_total",
@@ -71,6 +74,11 @@ METRICS_SPEC = {
     "tandem:kv_transfer_bytes_total",
     "tandem:kv_transfer_failures_total",
     "tandem:requests_rejected_total",
+    "tandem:host_cache_hits_total",
+    "tandem:host_cache_spills_total",
+    "tandem:host_cache_restores_total",
+    "tandem:lora_loads_total",
+    "tandem:lora_evictions_total",
 }
 # Digits too: tandem:e2e_request_latency_seconds.
 METRIC_RE = re.compile(r"tandem:[A-Za-z0-9_:]+")
@@ -1615,6 +1623,18 @@ def test_dashboard_uses_only_specified_metric_names():
     unknown = used - METRICS_SPEC
     assert not unknown, f"dashboard queries metrics outside the spec: {sorted(unknown)}"
     assert used == METRICS_SPEC, f"metrics with no panel: {sorted(METRICS_SPEC - used)}"
+
+
+def test_the_metrics_spec_names_metrics_the_service_exports():
+    """The spec above is not a list of its own: each name is a metric ``engine/wire/metrics.py``
+    defines (a counter's with ``_total``)."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    import engine.wire.metrics as metrics
+
+    defined = {m._name + ("_total" if m._type == "counter" else "") for m in vars(metrics).values()
+               if isinstance(m, MetricWrapperBase)}
+    assert METRICS_SPEC <= defined, f"named in the spec, exported by no one: {sorted(METRICS_SPEC - defined)}"
 
 
 def test_dashboard_queries_are_well_formed_and_filtered():

@@ -158,18 +158,21 @@ def test_a_removed_prefill_worker_is_gone_for_every_decode_worker(monkeypatch):
 
 def test_status_says_which_process_and_host_each_worker_is(monkeypatch):
     """``tandem status`` tells an operator which process is which worker (``ps`` names a
-    pool worker by its id and role only between calls: during one it is ``ray::PoolWorker.<call>``)."""
+    pool worker by its id and role only between calls: during one it is ``ray::PoolWorker.<call>``),
+    and shows its host KV tier and LoRA adapters from its engine stats."""
     from engine.wire.messages import DecodeLoad
 
     class _Loaded(_Handle):
         def __init__(self, worker: str) -> None:
             super().__init__(worker)
-            self.load = self
+            self.load = self.stats = self
 
     c = pools.TandemCluster(ClusterConfig(prefill_workers=0, decode_workers=1))
     slot = pools._Slot("colocated", 0, "pg", 0, WorkerRef("decode-0", _Loaded("decode-0")))
     slot.answered({"worker_id": "decode-0", "role": "decode", "pid": 4242, "node": "host-a"})
     c._slots = [slot]
-    monkeypatch.setattr(pools.ray, "get", lambda ref, timeout=None: DecodeLoad("decode-0", 10, 10, 0, 0, 0))
+    stats = {"host_cache_blocks": 64, "lora_resident_adapters": ("sql",), "num_steps": 9}
+    monkeypatch.setattr(pools.ray, "get", lambda refs, timeout=None: [DecodeLoad("decode-0", 10, 10, 0, 0, 0), stats])
     (worker,) = c.status()["colocated"]
     assert (worker["pid"], worker["node"], worker["load"]["free_blocks"]) == (4242, "host-a", 10), worker
+    assert worker["cache"] == {"host_cache_blocks": 64, "lora_resident_adapters": ("sql",)}, worker

@@ -46,6 +46,11 @@ FLAG_FIELDS = {
     "--kv-transfer-backend": ("object_store", "cluster.transfer.backend", "object_store"),
     "--num-kv-blocks": ("64", "cluster.engine", {"num_kv_blocks": 64}),
     "--engine": ("max_num_seqs=8", "cluster.engine", {"max_num_seqs": 8}),
+    "--host-kv-cache-memory": ("16Gi", "cluster.engine", {"host_kv_cache_memory": 16 << 30}),
+    "--max-loras": ("2", "cluster.engine", {"max_loras": 2}),
+    "--max-lora-rank": ("32", "cluster.engine", {"max_lora_rank": 32}),
+    # (Without --max-loras, as many adapters stay resident as --lora names.)
+    "--lora": ("sql=/adapters/sql", "cluster.engine", {"lora_adapters": {"sql": "/adapters/sql"}, "max_loras": 1}),
     "--stream-interval-s": ("0.05", "cluster.stream_interval_s", 0.05),
     "--token-channel": ("ray", "cluster.token_channel", "ray"),
     "--ingress": ("proxy", "ingress", "proxy"),
@@ -177,8 +182,9 @@ def test_the_charts_values_are_the_schemas_defaults_or_say_why_not():
 
 # The worker groups' values that are service settings: each sets its role's engine setting.
 CHART_GROUP_FIELDS = {
-    "prefill.tensorParallelSize": ("prefill", "tensor_parallel_size"),
-    "decode.tensorParallelSize": ("decode", "tensor_parallel_size"),
+    f"{role}.{value}": (role, name) for role in ("prefill", "decode") for value, name in (
+        ("tensorParallelSize", "tensor_parallel_size"), ("hostKvCacheMemory", "host_kv_cache_memory"),
+        ("maxLoras", "max_loras"), ("maxLoraRank", "max_lora_rank"), ("loraAdapters", "lora_adapters"))
 }
 
 

@@ -368,6 +368,58 @@ heads in place (a colocated topology, prefill_workers 0, has no prefill group to
 {{- end }}
 
 {{/*
+Each group's host KV tier and LoRA values as its role's engine settings, into `topo`, set
+only when on (a topology without them renders as it always did): hostKvCacheMemory (a
+quantity of bytes a rank) as host_kv_cache_memory, and with loraAdapters or maxLoras,
+lora_adapters, max_loras (0: as many as loraAdapters names) and max_lora_rank. The groups'
+values are their one home: serve.topology's engine sections may not name them. A worker's
+host tier lives in its pod's memory, one a rank: hostKvCacheMemory x tensorParallelSize
+must be below the group's `memory`. A colocated topology's workers take decode's values.
+*/}}
+{{- define "tandem.groupEngine" -}}
+{{- $topo := .topo -}}
+{{- $names := dict "host_kv_cache_memory" "hostKvCacheMemory" "lora_adapters" "loraAdapters" "max_loras" "maxLoras" "max_lora_rank" "maxLoraRank" -}}
+{{- range $section := list "engine" "prefill_engine" "decode_engine" }}
+{{- range $key, $value := $names }}
+{{- if hasKey (default dict (index $topo $section)) $key }}
+{{- fail (printf "serve.topology.%s.%s: set prefill.%s or decode.%s instead (each worker group's own engine value)" $section $key $value $value) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $colocated := and (hasKey $topo "prefill_workers") (eq (int $topo.prefill_workers) 0) -}}
+{{- range $role := list "prefill" "decode" }}
+{{- $g := index $.root.Values $role -}}
+{{- $settings := dict -}}
+{{- $given := list -}}
+{{- $host := include "tandem.bytes" (default 0 $g.hostKvCacheMemory) | float64 -}}
+{{- if gt $host 0.0 }}
+{{- $given = append $given "hostKvCacheMemory" -}}
+{{- $ranks := float64 (default 1 $g.tensorParallelSize) -}}
+{{- if ge (mulf $host $ranks) (include "tandem.bytes" $g.memory | float64) }}
+{{- fail (printf "%s.hostKvCacheMemory %v: a worker's host KV tier (%.0f bytes a rank x %.0f ranks) must be below its pod's memory (%s.memory %v)" $role $g.hostKvCacheMemory $host $ranks $role $g.memory) }}
+{{- end }}
+{{- $_ := set $settings "host_kv_cache_memory" (int64 $host) -}}
+{{- end }}
+{{- $adapters := default dict $g.loraAdapters -}}
+{{- $maxLoras := int (default 0 $g.maxLoras) -}}
+{{- if $adapters }}{{ $given = append $given "loraAdapters" }}{{ end -}}
+{{- if gt $maxLoras 0 }}{{ $given = append $given "maxLoras" }}{{ end -}}
+{{- if or $adapters (gt $maxLoras 0) }}
+{{- $_ := set $settings "max_loras" (ternary $maxLoras (max 1 (len $adapters)) (gt $maxLoras 0)) -}}
+{{- with $g.maxLoraRank }}{{ $_ := set $settings "max_lora_rank" (int .) }}{{ end -}}
+{{- if $adapters }}{{ $_ := set $settings "lora_adapters" $adapters }}{{ end -}}
+{{- end }}
+{{- if and $settings (eq $role "prefill") $colocated }}
+{{- fail (printf "prefill.%s: a colocated topology (serve.topology.prefill_workers: 0) has no prefill workers; its workers take the decode group's values" (join ", prefill." $given)) }}
+{{- end }}
+{{- if $settings }}
+{{- $key := printf "%s_engine" $role -}}
+{{- $_ := set $topo $key (merge $settings (default dict (index $topo $key))) -}}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 The topology the app runs (JSON): serve.topology and, with `autoscaling.enabled`, its
 `autoscaling` section from the chart's values: each pool between its worker group's
 minReplicas and maxReplicas workers (one worker per pod; a pod that fits more still
@@ -378,6 +430,7 @@ unless both roles ask the same resources).
 {{- define "tandem.topology" -}}
 {{- $topo := deepCopy .Values.serve.topology -}}
 {{- include "tandem.tensorParallel" (dict "root" . "topo" $topo) -}}
+{{- include "tandem.groupEngine" (dict "root" . "topo" $topo) -}}
 {{- $a := .Values.autoscaling -}}
 {{- if $a.enabled }}
 {{- $section := dict "slo" (dict "ttft_ms" $a.slo.ttftMs "itl_ms" $a.slo.itlMs) "interval_s" $a.intervalSeconds "scale_down_delay_s" $a.scaleDownDelaySeconds "scale_up_share" $a.scaleUpShare "drain_timeout_s" $a.drainTimeoutSeconds -}}
