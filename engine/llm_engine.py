@@ -20,6 +20,11 @@ the grammar's token bitmask, and a request whose matcher terminates finishes wit
 a ValueError naming the limit); a spec that does not parse, or whose compile runs past
 ``compile_timeout_s``, ends its request with finish reason ``error`` and the reason in
 ``stop_reason``.
+
+The facade's helpers live beside it: ``engine.engine_build`` loads the shard and makes the
+runner, ``engine.request_checks`` and ``engine.adapters`` check what comes in (the LoRA
+adapters by name too), ``engine.step_outputs`` follows each request's output to its end,
+and ``engine.engine_stats`` holds ``EngineLoad`` and ``EngineStats`` (importable from here).
 """
 
 from __future__ import annotations
@@ -28,99 +33,32 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from engine.adapters import adapter_key, load_on_every_rank, unload_unused
 from engine.config import EngineConfig
 from engine.core.block_hash import BlockHasher
 from engine.core.block_pool import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerOutput
-from engine.grammar import precheck as precheck_structured_output
-from engine.model.attention import create_attention_backend
-from engine.model.cuda_graphs import step_graphs_for
+from engine.engine_build import load_shard, make_runner
+from engine.engine_stats import EngineLoad, EngineStats, StepTotals, engine_load, engine_stats
 from engine.model.gguf_checkpoint import is_gguf, open_gguf
-from engine.model.kv_cache import KVCache, bytes_per_block
-from engine.model.loader import load_model, resolve_dtype
-from engine.model.lora import LoRASlots
 from engine.model.model_config import ModelConfig
 from engine.model.model_registry import resolve_model
-from engine.model.model_runner import ModelRunner
 from engine.model.runner_input import RunnerInputBuilder
 from engine.model.sampler import TokenLogprobs
 from engine.output_processor import OutputProcessor, RequestOutput, RequestTimes
 from engine.ranks import TensorParallel, start_ranks
 from engine.remote_kv import Arrival, RemoteKVIntake
+from engine.request_checks import check_params, check_resumed_fits, checked_prompt_ids
+from engine.step_outputs import StepOutputs
 from engine.structured_output import GrammarPen, StructuredOutputs
 from engine.tokenizer import Tokenizer
 from engine.wire.sampling_params import SamplingParams
 
 __all__ = ["EngineLoad", "EngineStats", "LLMEngine", "RequestOutput", "RequestTimes"]
-
-
-@dataclass
-class EngineStats:
-    """The engine's load plus running totals since it was built (preemptions, prefix cache, steps,
-    tokens, model-runner time): what ``stats()`` returns for metrics and worker stats."""
-
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_blocks: int
-    num_blocks_in_use: int
-    kv_cache_usage: float
-    num_preemptions: int
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_steps: int
-    prompt_tokens: int
-    generation_tokens: int
-    # Time in the model runner (inputs, forward, sampling) over all steps: wall clock,
-    # and CPU of the step thread (below the wall clock when the step waited for a core).
-    forward_s: float = 0.0
-    forward_cpu_s: float = 0.0
-    num_window_released_blocks: int = 0  # blocks given back from behind a sliding window
-    # The host tier behind the prefix cache (EngineConfig.host_kv_cache_memory), in blocks:
-    # its size, its entries now, the evicted blocks copied into it and those restored
-    # from it (hits), and the prompt tokens those hits served.
-    host_cache_blocks: int = 0
-    host_cache_blocks_used: int = 0
-    host_cache_spills: int = 0
-    host_cache_restores: int = 0
-    host_cache_hits: int = 0
-    # LoRA (EngineConfig.max_loras): the adapters in a device slot now, by name, least
-    # recently used first, and the adapters written into a slot and pushed out of one so far.
-    lora_resident_adapters: tuple[str, ...] = ()
-    lora_loads: int = 0
-    lora_evictions: int = 0
-
-    @property
-    def host_cache_hit_rate(self) -> float:
-        """Of the admitted prompt tokens the device's cache missed, the share the host tier served."""
-        missed = self.prefix_cache_queries - (self.prefix_cache_hits - self.host_cache_hits)
-        return self.host_cache_hits / missed if missed else 0.0
-
-    @property
-    def lora_resident(self) -> int:
-        """The LoRA adapters in a device slot now."""
-        return len(self.lora_resident_adapters)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """How busy the engine is now, in counts: what a worker's load report is made of."""
-
-    num_running: int
-    num_waiting: int  # to be scheduled (their grammar may still be compiling)
-    num_swapped: int
-    num_waiting_for_kv: int  # blocks reserved, KV on its way from another worker
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class LLMEngine:
@@ -157,67 +95,32 @@ class LLMEngine:
             self.tensor_parallel.close()
             raise
 
-    def _load_shard(self, config: EngineConfig, source) -> tuple[int, int]:
-        """This rank's model, KV cache and attention backend; the cache's size, sized from one
-        rank's bytes per block, goes to the other ranks. Returns (device, swap) blocks."""
-        tp = self.tensor_parallel
-        device = torch.device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        self.model = load_model(source, dtype, device, pack=config.pack_weights, tp=tp.group)
-        per_block = bytes_per_block(self.model_config, config.block_size, dtype, tp_size=tp.size)
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_memory // per_block)
-        # One host pool: swap space, then the host tier's blocks (engine.core.host_tier).
-        self.host_cache_blocks = config.host_kv_cache_memory // per_block
-        num_cpu_blocks = config.swap_space // per_block + self.host_cache_blocks
-        tp.start(num_blocks, num_cpu_blocks)
-        self.kv_cache = KVCache(
-            self.model_config, num_blocks, config.block_size, dtype, device, num_cpu_blocks, tp=tp.shard
-        )
-        self.attention = create_attention_backend(
-            config.attention_backend, device, config.block_size, self.model_config.head_dim, dtype
-        )
-        return num_blocks, num_cpu_blocks
-
     def _build(self, config: EngineConfig, source) -> None:
-        """Everything past the tokenizer: the shard, the runner, the scheduler and its helpers."""
-        num_blocks, num_cpu_blocks = self._load_shard(config, source)
+        """Everything past the tokenizer: the shard, the runner, the scheduler and its helpers
+        (``engine.engine_build``)."""
+        shard = load_shard(config, self.model_config, source, self.tensor_parallel)
+        self.model, self.kv_cache, self.attention = shard.model, shard.kv_cache, shard.attention
+        self.host_cache_blocks = shard.host_cache_blocks
         # The logits' width, not the tokenizer's size: ids past the tokenizer are masked too.
-        self.structured = StructuredOutputs(
-            self.tokenizer,
-            self.model_config.vocab_size,
-            self.tokenizer.eos_token_ids or self.model_config.eos_token_ids,
-            config.grammar,
-        )
-        # Above one rank steps run eagerly: a captured step would have to replay its collectives
-        # in step with the other ranks' graphs, which nothing captures yet.
-        graphs = step_graphs_for(
-            self.model, self.kv_cache, self.attention, config.max_num_seqs, self.max_model_len,
-            config.max_num_batched_tokens, config.cuda_graphs and self.tensor_parallel.size == 1,
-        )  # fmt: skip
-        self.lora = LoRASlots(self.model, config.max_loras, config.max_lora_rank) if config.max_loras else None
-        for name, path in config.lora_adapters.items() if self.lora is not None else ():
-            self.lora.load(name, path)  # (the other ranks load these themselves)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.attention, self.structured, graphs, self.lora)
-        for g in graphs:  # every bucket now, so that no step waits on a capture
-            g.capture_all()
+        eos = self.tokenizer.eos_token_ids or self.model_config.eos_token_ids
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, eos, config.grammar)
+        tp_size = self.tensor_parallel.size
+        self.runner, self.lora = make_runner(config, shard, self.structured, self.max_model_len, tp_size)
         # What the runner holds of each request: every step sends it deltas (it drops a
         # request the step after it ends, so this outlives a reset).
         self.runner_inputs = RunnerInputBuilder()
         self.outputs = OutputProcessor(self.tokenizer, self.structured)
         # Constrained requests waiting out their grammar's compile, new or arrived (outside the scheduler).
         self.pen = GrammarPen(self.structured)
-        self._make_parts(config, num_blocks, num_cpu_blocks)
+        self._totals = StepTotals()
+        self._make_parts(config, shard.num_blocks, shard.num_cpu_blocks)
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._forward_s = 0.0
-        self._forward_cpu_s = 0.0
         self.last_plan: SchedulerOutput | None = None  # the latest step's (``step_shape.shape_of`` reads it)
 
     def _make_parts(self, config: EngineConfig, num_blocks: int, num_cpu_blocks: int) -> None:
         """A fresh block manager (every block free, the prefix cache empty), scheduler and
-        remote-KV intake over them."""
+        remote-KV intake over them, and the ``StepOutputs`` over those and the running totals."""
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
             BlockHasher(config.prefix_hash_algo, config.prefix_hash_seed), window=self.model_config.kv_window,
@@ -225,6 +128,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_manager)
         self.remote_kv = RemoteKVIntake(self.scheduler, self.kv_manager, self.kv_cache, self.pen)
+        self.step_outputs = StepOutputs(
+            outputs=self.outputs, structured=self.structured, runner_inputs=self.runner_inputs, pen=self.pen,
+            scheduler=self.scheduler, kv_manager=self.kv_manager, remote_kv=self.remote_kv, totals=self._totals,
+            wait_for_device=self.wait_for_device,
+        )
 
     def reset(self, config: EngineConfig) -> None:
         """Start over under ``config`` on the same model and KV cache (a worker switching
@@ -240,40 +148,17 @@ class LLMEngine:
                                f"{self.kv_manager.pool.num_used_blocks} blocks; drain it before a reset")
         self.config = config
         self.max_model_len = min(config.max_model_len or 1 << 62, self.model_config.max_model_len)
+        self._totals = StepTotals()
         self._make_parts(config, self.kv_cache.num_blocks, self.kv_cache.num_cpu_blocks)
         self.outputs.clear()
         self._rng = random.Random(config.seed)
-        self._prompt_tokens = self._generation_tokens = 0
-        self._forward_s = self._forward_cpu_s = 0.0
 
     # -- intake ----------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Tokenize and validate a prompt; ValueError names what is wrong."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids must be integers in [0, {vocab}), got {t!r}")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; it must be shorter than max_model_len "
-                f"({self.max_model_len}) to leave room for output"
-            )
-        if not self.kv_manager.fits_in_pool(len(ids) + 1):
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, more than the KV cache holds "
-                f"({self.kv_manager.pool.num_usable_blocks} blocks of {self.config.block_size}); "
-                "raise num_kv_blocks or kv_cache_memory"
-            )
-        return ids
+        """Tokenize and validate a prompt; ValueError names what is wrong (``engine.request_checks``)."""
+        return checked_prompt_ids(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                  self.kv_manager, self.config.block_size)
 
     def add_request(
         self,
@@ -296,7 +181,7 @@ class LLMEngine:
         outputs carry only what comes after them.
         """
         request = self._make_request(prompt, params, request_id, priority, arrival_time)
-        self._check_fits(request, resume_output)
+        check_resumed_fits(request.num_prompt_tokens, resume_output, self.kv_manager, self.config.block_size)
         request.hold_kv = hold_kv
         request.output_token_ids = list(resume_output)
         self._track(request, resume_output)
@@ -357,15 +242,7 @@ class LLMEngine:
             self.outputs.set_prompt_logprobs(request_id, prompt_logprobs)
         arrival = Arrival(first_token, first_logprobs, num_cached_tokens)
         request = self.remote_kv.commit(request_id, arrival)
-        return None if request is None else self._first_output(request, arrival)
-
-    def _first_output(self, request: Request, arrival: Arrival) -> RequestOutput:
-        """The output of a request that joined the batch with a token sampled elsewhere."""
-        request.first_scheduled_time = time.monotonic()
-        self._generation_tokens += 1
-        rid = request.request_id
-        logprobs = {rid: arrival.first_logprobs} if arrival.first_logprobs is not None else {}
-        return self._emit([request], {rid: arrival.first_token}, logprobs)[0]
+        return None if request is None else self.step_outputs.first(request, arrival)
 
     def release_held(self, request_id: str) -> None:
         """Free the blocks a finished ``hold_kv`` request still holds (its KV was read)."""
@@ -408,17 +285,7 @@ class LLMEngine:
         request = self.remote_kv.fail(request_id, recompute)
         if request is None or not request.is_finished:
             return None
-        return self._finish_output(request)
-
-    def _check_fits(self, request: Request, resume_output: Sequence[int]) -> None:
-        """A migrated stream's prompt and output together must fit the pool (the prompt
-        alone was checked): else it would be preempted for good and end early."""
-        total = request.num_prompt_tokens + len(resume_output)
-        if resume_output and not self.fits(total + 1):
-            raise ValueError(
-                f"prompt and resumed output have {total} tokens, more than the KV cache holds "
-                f"({self.kv_manager.pool.num_usable_blocks} blocks of {self.config.block_size})"
-            )
+        return self.step_outputs.final(request)
 
     def _make_request(self, prompt, params, request_id, priority, arrival_time) -> Request:
         params = params or SamplingParams()
@@ -426,12 +293,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if self.holds(rid):
             raise ValueError(f"request_id {rid!r} is already in use")
-        so = params.structured_output
-        if so is not None and not self.structured.cached(so):  # a cached spec passed the bounds before
-            # Only the bounds, in milliseconds: the parse is the compile thread's (a spec
-            # that does not parse ends its request with an error there).
-            precheck_structured_output(so, limits=self.config.grammar)
-        params.check_vocab(self.model_config.vocab_size)
+        check_params(params, self.structured, self.config.grammar, self.model_config.vocab_size)
         adapter = self.check_adapter(params.adapter)  # its key: prefix hashes are rooted in it
         return Request(
             request_id=rid,
@@ -446,42 +308,22 @@ class LLMEngine:
     def load_adapter(self, name: str, path: str) -> None:
         """Load the PEFT LoRA adapter at ``path`` as ``name`` (``engine.model.lora.AdapterError``
         says why one does not fit; nothing changes then). Needs ``max_loras``."""
-        if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters: start it with max_loras >= 1")
-        self.lora.load(name, path)  # checked here first: the other ranks then read theirs
-        self.tensor_parallel.adapter(name, path)
+        load_on_every_rank(self.lora, self.tensor_parallel, name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter no request here runs under (ValueError names the ones that do)."""
-        if self.lora is None or name not in self.lora.loaded:
-            raise KeyError(f"adapter {name!r} is not loaded")
-        key = self.lora.loaded[name].key
-        users = [r.request_id for r in self.scheduler.requests.values() if r.adapter == key]
-        if users:
-            raise ValueError(f"adapter {name!r} is in use by {len(users)} requests ({users[:3]}...)")
-        self.lora.unload(name)
-        self.tensor_parallel.adapter(name, None)
+        unload_unused(self.lora, self.tensor_parallel, self.scheduler.requests.values(), name)
 
     def check_adapter(self, name: str | None) -> str | None:
         """The key (``Adapter.key``) of the loaded adapter ``name`` (None for None, the base
         model); ValueError names an unknown one."""
-        if name is None:
-            return None
-        if self.lora is None or name not in self.lora.loaded:
-            loaded = sorted(self.lora.loaded) if self.lora is not None else []
-            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
-        return self.lora.loaded[name].key
+        return adapter_key(self.lora, name)
 
     def _track(self, request: Request, resume_output: Sequence[int] = ()) -> None:
-        """Start following a request's output; ``resume_output``: tokens a worker it
-        migrated from had already streamed (their text is not sent again)."""
+        """Seed the request's random stream and start following its output (``StepOutputs.track``)."""
         params = request.sampling_params
-        rid = request.request_id
         request.sampling_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        self.outputs.add(request, resume_output)
-        self._prompt_tokens += request.num_prompt_tokens
-        if params.structured_output is not None:
-            self.structured.add(rid, params.structured_output)
+        self.step_outputs.track(request, resume_output)
 
     def abort(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Finish requests now and free their blocks; unknown ids are ignored.
@@ -496,13 +338,7 @@ class LLMEngine:
             if isinstance(request, Request):
                 request.status = RequestStatus.FINISHED_ABORTED
                 finished.append(request)
-        return [self._finish_output(r) for r in finished]
-
-    def _forget(self, rid: str) -> None:
-        self.outputs.remove(rid)
-        self.remote_kv.forget(rid)
-        self.runner_inputs.forget(rid)
-        self.structured.remove(rid)
+        return [self.step_outputs.final(r) for r in finished]
 
     def fits(self, num_tokens: int) -> bool:
         """``num_tokens`` tokens' KV fits this engine's pool when it holds nothing else."""
@@ -561,29 +397,10 @@ class LLMEngine:
             return True
         return self.pen.has_ready() or self.structured.overdue(time.monotonic())
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Take the requests whose grammar is now ready out of the pen: a new one goes to the
-        scheduler, an arrived one joins the batch with its first token; a grammar that failed
-        to compile (or ran past its time limit) ends its request with an error."""
-        outputs = []
-        for rid, held, error in self.pen.take_ready():
-            if isinstance(held, Request) and error is None:
-                self.scheduler.add_request(held)
-            elif isinstance(held, Request):
-                held.status, held.stop_reason = RequestStatus.FINISHED_ERROR, f"grammar: {error}"
-                outputs.append(self._finish_output(held))
-            elif error is None:  # an Arrival: its KV landed while the grammar compiled
-                request = self.remote_kv.commit(rid, held)
-                outputs += [] if request is None else [self._first_output(request, held)]
-            else:
-                ended = self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
-                outputs += [self._finish_output(r) for r in ended]
-        return outputs
-
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of the requests that produced tokens."""
         self.structured.expire(time.monotonic())  # a compile past its limit: its requests end below
-        admitted = self._admit_compiled() if self.pen else []
+        admitted = self.step_outputs.admit_compiled() if self.pen else []
         if not self.scheduler.has_schedulable_work() and self.pen and not admitted:
             self.structured.wait_any(0.05)  # offline loops: nothing else to do meanwhile
         sched = self.last_plan = self.scheduler.schedule()
@@ -594,41 +411,17 @@ class LLMEngine:
         wall, cpu = time.perf_counter(), time.thread_time()
         # Every rank runs the same input on its own shard; rank 0 samples from the full logits.
         result = self.tensor_parallel.execute(self.runner, self.runner_inputs.build(sched))
-        self._forward_s += time.perf_counter() - wall
-        self._forward_cpu_s += time.thread_time() - cpu
+        self._totals.forward_s += time.perf_counter() - wall
+        self._totals.forward_cpu_s += time.thread_time() - cpu
         if result.prompt_logprobs:
             self.outputs.store_prompt_logprobs(result.prompt_logprobs)
         progressed = self.scheduler.update(sched, result.sampled)
         sampled = [r for r, token in progressed if token is not None]
-        self._generation_tokens += len(sampled)
+        self._totals.generation_tokens += len(sampled)
         # Requests the scheduler ended while planning get their final output too.
-        return admitted + self._emit(sampled, result.sampled, result.logprobs) + [
-            self._finish_output(r) for r in sched.finished
+        return admitted + self.step_outputs.emit(sampled, result.sampled, result.logprobs) + [
+            self.step_outputs.final(r) for r in sched.finished
         ]
-
-    def _emit(
-        self, requests: list[Request], sampled: dict[str, int], logprobs: dict[str, TokenLogprobs]
-    ) -> list[RequestOutput]:
-        """The outputs of requests that took a token this step; those a stop string or a
-        complete grammar ends are finished first."""
-        stopped = self.outputs.update(requests, sampled, logprobs, time.monotonic())
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        output = self.outputs.output
-        return [self._finish_output(r) if r.is_finished else output(r) for r in requests]
-
-    def _finish_output(self, request: Request) -> RequestOutput:
-        """Final output of a finished request: hands over held KV and forgets the request."""
-        out = self.outputs.final(request, time.monotonic())
-        rid = request.request_id
-        if rid in self.scheduler.held:
-            # The blocks of every token but the one just sampled (a migrated stream's
-            # earlier output included): what the decode side reserved.
-            held = self.kv_manager.num_blocks_needed(request.num_tokens - 1)
-            out.kv_blocks = self.kv_manager.block_ids(rid)[:held]
-            self.wait_for_device()  # another process reads them next
-        self._forget(rid)
-        return out
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine this engine started (at one rank
@@ -639,18 +432,7 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         """The engine's load now (workers report it for placement)."""
-        s = self.scheduler
-        pool = self.kv_manager.pool
-        return EngineLoad(
-            num_running=len(s.running),
-            num_waiting=s.num_waiting + len(self.pen.held(Request)),
-            num_swapped=len(s.swapped),
-            num_waiting_for_kv=self.remote_kv.num_waiting,
-            num_free_blocks=pool.num_free_blocks,
-            num_blocks=pool.num_usable_blocks,
-            prefix_cache_queries=self.kv_manager.stats.queries,
-            prefix_cache_hits=self.kv_manager.stats.hits,
-        )
+        return engine_load(self.scheduler, self.kv_manager, self.pen, self.remote_kv)
 
     def num_queued_tokens(self) -> int:
         """Tokens of the scheduler's requests not computed yet (a walk over them all)."""
@@ -662,33 +444,4 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The load plus the running totals (every step, for metrics)."""
-        load, steps, pool = self.load(), self.scheduler.stats, self.kv_manager.pool
-        lora = self.lora
-        names = {adapter.key: name for name, adapter in lora.loaded.items()} if lora is not None else {}
-        return EngineStats(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_swapped=load.num_swapped,
-            num_blocks=load.num_blocks,
-            num_blocks_in_use=pool.num_used_blocks,
-            kv_cache_usage=pool.usage,
-            num_preemptions=steps.num_preemptions,
-            num_preemptions_recompute=steps.num_preemptions_recompute,
-            num_preemptions_swap=steps.num_preemptions_swap,
-            prefix_cache_queries=load.prefix_cache_queries,
-            prefix_cache_hits=load.prefix_cache_hits,
-            num_steps=steps.num_steps,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens,
-            forward_s=self._forward_s,
-            forward_cpu_s=self._forward_cpu_s,
-            num_window_released_blocks=self.kv_manager.num_released,
-            host_cache_blocks=self.kv_manager.host_tier.capacity,
-            host_cache_blocks_used=self.kv_manager.host_tier.num_entries,
-            host_cache_spills=self.kv_manager.host_tier.stats.spills,
-            host_cache_restores=self.kv_manager.host_tier.stats.restores,
-            host_cache_hits=self.kv_manager.stats.host_hits,
-            lora_resident_adapters=tuple(names[key] for key in lora.resident) if lora is not None else (),
-            lora_loads=lora.loads if lora is not None else 0,
-            lora_evictions=lora.evictions if lora is not None else 0,
-        )
+        return engine_stats(self.load(), self.scheduler, self.kv_manager, self.lora, self._totals)

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.request import Request
+from engine.detokenizer import IncrementalDetokenizer
 from engine.model.sampler import TokenLogprobs
 from engine.structured_output import StructuredOutputs
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ read), so that the decode worker reads them while later chunks compute and only 
 last chunk's blocks wait for the first token. Each attempt has one hand-off record
 (``kv_transfer.handoff.Sender``, which owns and locks it): a second prefill of it is
 refused, one past the reservation's deadline is dropped, and its transitions say which
-computed blocks are new (``offer_parts``) and whether a read may still be asked.
+computed blocks are new (``offer_parts``) and whether a read may still be asked. The parts
+of a send that hold no worker state (the parts' queue, a stretch of the reservation, the
+waits for the receiver's answer and the push, the reasons a send ends early) are
+``prefill_worker.kv_send``'s.
 """
 
 from __future__ import annotations
@@ -41,6 +44,20 @@ from engine.wire.sampling_params import SamplingParams
 from kv_transfer import TransferMeta
 from kv_transfer.handoff import OfferState, Sender
 from kv_transfer.worker import WorkerBase
+from prefill_worker.kv_send import (
+    ABORTED,
+    RETIRED,
+    Aborted,
+    NotAsked,
+    Parts,
+    aborted,
+    answer_within,
+    failed_result,
+    kv_blocks,
+    push_until_answered,
+    stretch,
+    wake,
+)
 
 if TYPE_CHECKING:
 
@@ -59,7 +76,7 @@ class PrefillWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         self._transfer_ids = itertools.count()
         self._sending = 0
-        self.offers: Sender[_Parts] = Sender()  # one hand-off record per attempt being prefilled or sent
+        self.offers: Sender[Parts] = Sender()  # one hand-off record per attempt being prefilled or sent
         self._reads: set[asyncio.Future[int]] = set()  # receivers' answers awaited: reads that may touch blocks
         self._prefills: set[asyncio.Task[Any]] = set()  # the ``prefill`` calls running
         self.async_engine.add_periodic(self._tend_offers)
@@ -102,7 +119,7 @@ class PrefillWorker(WorkerBase):
         meta = self._transfer_meta(request_id, reservation, num_tokens)
         held = reservation.unsent_blocks  # cached on the decode side, or behind the window: never sent
         loop = asyncio.get_running_loop()
-        parts = _Parts(loop, held) if self.transfer.pipeline else None
+        parts = Parts(loop, held) if self.transfer.pipeline else None
         stop: asyncio.Future[str] = loop.create_future()  # set by ``abort``: the send stops waiting
         # The receiver's deadline on this side's clock: past it, the work is dropped.
         deadline = time.monotonic() + (reservation.deadline - time.time())
@@ -114,12 +131,12 @@ class PrefillWorker(WorkerBase):
         try:
             if (refusal := self._refusal(num_tokens, deadline, params, reservation)) is not None:
                 decode.transfer_failed(request_id)  # it recomputes (or fails) at once
-                return _failed(request_id, refusal)
+                return failed_result(request_id, refusal)
             final, landed, t_done = await self._compute(
                 meta, prompt_token_ids, params, resume_output, decode, parts, priority, held, stop
             )
             if (why := self._ended_early(request_id, final, stop, decode)) is not None:
-                return _failed(request_id, why)
+                return failed_result(request_id, why)
             self.offers.computed(request_id)
             state, error = await self._hand_over(meta, decode, final, landed, stop)
         finally:
@@ -133,7 +150,7 @@ class PrefillWorker(WorkerBase):
             queue_s=0.0,
             prefill_s=t_done - t0,
             transfer_s=time.perf_counter() - t_done,
-            kv_bytes=self.layout.nbytes(len(_kv_blocks(final)) - held),
+            kv_bytes=self.layout.nbytes(len(kv_blocks(final)) - held),
             error=error,
         )
 
@@ -143,7 +160,7 @@ class PrefillWorker(WorkerBase):
         not come, because this worker retires, is told so."""
         if self.offers.end(request_id, OfferState.COMPLETE if done else OfferState.FAILED) is not None:
             self.async_engine.submit(self.engine.release_held, request_id)
-        if not done and self.offers.retiring and not _aborted(stop):
+        if not done and self.offers.retiring and not aborted(stop):
             decode.transfer_failed(request_id)
 
     @staticmethod
@@ -183,7 +200,7 @@ class PrefillWorker(WorkerBase):
         return None
 
     def _transfer_meta(self, request_id: str, reservation: Reservation, num_tokens: int) -> TransferMeta:
-        """The whole transfer of one attempt; each send takes its stretch (``_stretch``)."""
+        """The whole transfer of one attempt; each send takes its stretch (``kv_send.stretch``)."""
         return TransferMeta(
             transfer_id=f"{self.worker_id}-{next(self._transfer_ids)}",
             request_id=request_id,
@@ -206,7 +223,7 @@ class PrefillWorker(WorkerBase):
         self._sending += 1
         try:
             return await self._send(meta, decode, final, landed, stop)
-        except _Aborted:
+        except Aborted:
             return TransferState.FAILED, stop.result()
         finally:
             self._sending -= 1
@@ -233,7 +250,7 @@ class PrefillWorker(WorkerBase):
         for aid in attempt_ids:
             offer = self.offers.end(aid, OfferState.FAILED)
             if offer is not None:
-                _wake(offer.stop, ABORTED)
+                wake(offer.stop, ABORTED)
                 ended.append(aid)
         return ended
 
@@ -245,7 +262,7 @@ class PrefillWorker(WorkerBase):
         if self._reads:
             await asyncio.wait(set(self._reads), timeout=self.transfer.lease_s)
         for stop in self.offers.stops():
-            _wake(stop, RETIRED)
+            wake(stop, RETIRED)
         await self.async_engine.call(self._abort_everything)
         if self._prefills:
             await asyncio.wait(set(self._prefills), timeout=self.transfer.op_timeout_s)
@@ -266,7 +283,7 @@ class PrefillWorker(WorkerBase):
 
     async def _compute(
         self, meta: TransferMeta, prompt: list[int], params: SamplingParams, resume_output: Sequence[int],
-        decode: DecodeClient, parts: _Parts | None, priority: int, held: int, stop: asyncio.Future[str],
+        decode: DecodeClient, parts: Parts | None, priority: int, held: int, stop: asyncio.Future[str],
     ) -> tuple[RequestOutput, int | None, float]:
         """Run the prefill; with ``parts``, offer finished blocks as they come. Returns the
         final output, how many leading blocks are on the decode side (the ``held`` ones,
@@ -310,7 +327,7 @@ class PrefillWorker(WorkerBase):
             parts.put_threadsafe((first, block_ids, self.engine.pin_blocks(aid)))
 
     async def _send_parts(
-        self, meta: TransferMeta, decode: DecodeClient, parts: _Parts, stop: asyncio.Future[str]
+        self, meta: TransferMeta, decode: DecodeClient, parts: Parts, stop: asyncio.Future[str]
     ) -> int | None:
         """Send each stretch of finished blocks as it is offered, in order; returns the
         blocks landed, or None once a part failed or the attempt was aborted (the rest
@@ -321,7 +338,7 @@ class PrefillWorker(WorkerBase):
             try:
                 if landed is not None and not parts.abandoned and not stop.done():
                     part = dataclasses.replace(
-                        _stretch(meta, first, len(block_ids)), transfer_id=f"{meta.transfer_id}.{first}",
+                        stretch(meta, first, len(block_ids)), transfer_id=f"{meta.transfer_id}.{first}",
                         num_tokens=len(block_ids) * self.layout.block_size,
                     )
                     ok = await self._send_part(part, decode, block_ids, first, stop)
@@ -341,9 +358,9 @@ class PrefillWorker(WorkerBase):
             meta = await self._summed(meta, block_ids)
             payload = self.kv_ranks.offer(self.backend, meta, block_ids)
             answer = self._ask(meta.request_id, stop, partial(decode.receive_kv_part, meta, payload, first_block=first))
-            await self._push_until_answered(meta, payload, answer, stop)
-            return await self._answer(answer, stop) == TransferState.DONE
-        except (_Aborted, _NotAsked):
+            await push_until_answered(self.backend, meta, payload, answer, stop)
+            return await answer_within(answer, stop, self.transfer.lease_s) == TransferState.DONE
+        except (Aborted, NotAsked):
             return False  # the router knows, or ``prefill`` tells the reader as the worker retires
         except Exception as e:  # the decode worker died or never answered, or the blocks could not be offered
             self._count_failure(e)
@@ -357,12 +374,12 @@ class PrefillWorker(WorkerBase):
         self, request_id: str, stop: asyncio.Future[str], read: Callable[[], Awaitable[int]],
     ) -> asyncio.Future[int]:
         """Ask the receiver to read (``read()`` makes the call); its answer is counted among
-        the reads that may touch the blocks until it comes. ``_Aborted`` once the attempt
-        was aborted, ``_NotAsked`` once no read may be asked (the worker retires)."""
+        the reads that may touch the blocks until it comes. ``Aborted`` once the attempt
+        was aborted, ``NotAsked`` once no read may be asked (the worker retires)."""
         if stop.done():
-            raise _Aborted()
+            raise Aborted()
         if not self.offers.ask_read(request_id):
-            raise _NotAsked()
+            raise NotAsked()
         answer = asyncio.ensure_future(read())
         self._reads.add(answer)
         answer.add_done_callback(self._reads.discard)
@@ -375,20 +392,20 @@ class PrefillWorker(WorkerBase):
         lp = final.logprobs[-1] if final.logprobs else None
         payload = None
         try:
-            blocks = _kv_blocks(final)[landed:]
-            meta = _stretch(meta, landed, len(blocks))
+            blocks = kv_blocks(final)[landed:]
+            meta = stretch(meta, landed, len(blocks))
             meta = await self._summed(meta, blocks)
             payload = self.kv_ranks.offer(self.backend, meta, blocks)
             ack = self._ask(meta.request_id, stop, partial(
                 decode.receive_kv, meta, payload, first_token=final.token_ids[-1], first_logprobs=lp,
                 num_cached_tokens=final.num_cached_tokens, prompt_logprobs=final.prompt_logprobs,
             ))
-            await self._push_until_answered(meta, payload, ack, stop)
-            state = await self._answer(ack, stop)
+            await push_until_answered(self.backend, meta, payload, ack, stop)
+            state = await answer_within(ack, stop, self.transfer.lease_s)
             return state, None if state == TransferState.DONE else "receiver reported failure"
-        except _Aborted:
+        except Aborted:
             raise
-        except _NotAsked:
+        except NotAsked:
             return TransferState.FAILED, RETIRED
         except Exception as e:  # any failure ends this transfer; the decode side recovers
             reason = self._count_failure(e)
@@ -406,101 +423,3 @@ class PrefillWorker(WorkerBase):
         if not self.transfer.checksums:
             return meta
         return dataclasses.replace(meta, checksums=await self.kv_ranks.checksums(block_ids))
-
-    async def _answer(self, answer: asyncio.Future[int], stop: asyncio.Future[str]) -> TransferState:
-        """The receiver's answer, waited for up to the lease; ``_Aborted`` as soon as the
-        attempt is aborted here (a dead receiver's call may never answer)."""
-        either: list[asyncio.Future[Any]] = [answer, stop]
-        await asyncio.wait(either, timeout=self.transfer.lease_s, return_when=asyncio.FIRST_COMPLETED)
-        if not answer.done():
-            answer.cancel()
-            raise _Aborted() if stop.done() else asyncio.TimeoutError()
-        return TransferState(answer.result())
-
-    async def _push_until_answered(
-        self, meta: TransferMeta, payload: Any, ack: asyncio.Future[int], stop: asyncio.Future[str],
-    ) -> None:
-        """Push the bytes; stop early if the receiver answers that it will not take them,
-        or the attempt is aborted. Nothing to do where the receiver reads them (no
-        transfer thread is taken)."""
-        if not self.backend.sends:
-            return
-        # A paged backend's push sends the payload's blocks: no packed K and V.
-        push = asyncio.ensure_future(self.backend.push_async(meta, None, None, payload))  # type: ignore[arg-type]
-        first: list[asyncio.Future[Any]] = [ack, push, stop]
-        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-        refused = ack.done() and (ack.exception() is not None or ack.result() != TransferState.DONE)
-        if not push.done() and (refused or stop.done()):
-            # Refused, gave up or aborted: without this the push waits for a receive that
-            # never comes. (An abort has freed the blocks already; the payload is released
-            # only once the push has ended.)
-            self.backend.abandon(meta, payload)
-        try:
-            await push
-        except Exception:
-            if not ack.done() and not stop.done():
-                raise
-            # The receiver's answer (or the abort) says what happened; the push's own error adds nothing.
-        if stop.done():
-            ack.cancel()  # nobody waits for a dead receiver's answer now
-            raise _Aborted()
-
-
-def _failed(request_id: str, error: str) -> PrefillResult:
-    """The result of a prefill refused or ended before its KV was offered."""
-    return PrefillResult(
-        request_id=request_id, first_token=-1, num_cached_tokens=0, state=int(TransferState.FAILED),
-        queue_s=0.0, prefill_s=0.0, transfer_s=0.0, kv_bytes=0, error=error,
-    )
-
-
-class _Aborted(Exception):
-    """The attempt was aborted here while its send waited."""
-
-
-class _NotAsked(Exception):
-    """No read may be asked: the worker is retiring (``Sender.ask_read``)."""
-
-
-# Why a hand-off's send was woken early (its ``stop`` future's result).
-ABORTED = "aborted"  # by the router: the reader is dead, or the client gone
-RETIRED = "the prefill worker left its role"
-
-
-def _wake(stop: asyncio.Future[str] | None, why: str) -> None:
-    if stop is not None and not stop.done():
-        stop.set_result(why)
-
-
-def _aborted(stop: asyncio.Future[str]) -> bool:
-    return stop.done() and stop.result() == ABORTED
-
-
-def _kv_blocks(out: RequestOutput) -> list[int]:
-    """The blocks a prefill's output holds for its hand-off (``hold_kv``: its outputs name them)."""
-    assert out.kv_blocks is not None, "a prefill's output names the blocks it holds"
-    return out.kv_blocks
-
-
-def _stretch(meta: TransferMeta, first: int, num_blocks: int) -> TransferMeta:
-    """The transfer of the reservation's blocks ``first`` to ``first + num_blocks``."""
-    return dataclasses.replace(meta, num_blocks=num_blocks, dst_blocks=meta.dst_blocks[first : first + num_blocks])
-
-
-_Part = tuple[int, list[int], list[Any]]  # (first block, block ids, their pins)
-
-
-class _Parts:
-    """A pipelined prefill's finished blocks on their way to its sender: parts in order,
-    then None. The step thread puts them (``put_threadsafe``), the sender takes them on
-    the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, first: int = 0) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[_Part | None] = asyncio.Queue()
-        self.first = first  # the blocks before it are on the decode side already (the offer counts on)
-        self.abandoned = False  # the prefill failed: unpin what comes, send nothing
-
-    def put_threadsafe(self, part: _Part) -> None:
-        """From the step thread: queue one part for the sender, on its event loop."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, part)
