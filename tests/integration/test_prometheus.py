@@ -1,7 +1,8 @@
 """A real Prometheus scrapes the service; every dashboard query and alert rule returns data.
 
 The load is shaped so that every series the dashboard plots exists: a small KV pool
-forces preemptions, injected transfer drops make failures (recomputed, so requests
+forces preemptions (and, with a host tier behind it, spills and restores as the waves
+resend their prompts), injected transfer drops make failures (recomputed, so requests
 still finish), and bursts past a small admission bound make rejections.
 """
 
@@ -133,7 +134,8 @@ def test_every_dashboard_query_and_alert_rule_returns_data(prometheus, tiny_mode
     model = tiny_model.rstrip("/").split("/")[-1]
     router = RouterConfig(admission=AdmissionConfig(max_requests=6))
     transfer = {"backend": "object_store", "faults": {"drop_rate": 0.3, "seed": 1}}
-    with running_service(tiny_model, router, num_kv_blocks=24, transfer=transfer) as svc:
+    engine = {"num_kv_blocks": 24, "host_kv_cache_memory": 1 << 20}  # the tier's panel divides by its size
+    with running_service(tiny_model, router, transfer=transfer, engine=engine) as svc:
         statuses = []
         for _ in range(3):  # waves, so every counter rises across several scrapes
             statuses += asyncio.run(_load(svc.http_url, model, n=10, max_tokens=48))
